@@ -1,0 +1,230 @@
+# cython: boundscheck=False, wraparound=False, cdivision=True, language_level=3
+"""Factor-based sharding propagation: the fixpoint loop over flat arrays.
+
+The Python driver (gspmd_tf/propagation/propagate.py) encodes the graph:
+
+  tensors   t: rank[t], dim_start[t] (row of its first dim in `axes`), fixed[t]
+  axes      [num_dims, MAX_AXES] mesh axis ids per tensor dim, major to minor; naxes[dim]
+  ops       op: slot_start[op]..slot_start[op+1] are its tensors (operands then results),
+            factor_start[op] the id of its first factor
+  slots     s: slot_tensor[s]; its dims are dim rows sd = slot_dim_start[s] + d
+  slot dims sd: factor ids (op-local) dim_factors[dim_factor_start[sd]:dim_factor_start[sd+1]]
+  factors   factor_size[f], factor_kind[f] (0 pass, 1 reduce, 2 replicate)
+  users     tensor_op_start/tensor_ops: the ops that read or write each tensor
+
+One step on an op: each factor takes the most-split candidate that the op's tensors offer
+(a candidate extending another wins; of two incompatible ones the larger split wins, the
+first seen on a tie); an axis goes to one factor only; then every tensor that is not
+fixed (annotated) has each dim extended to its factors' axes where its current axes are a
+prefix of them and the axes are free in that tensor. Axes only ever get appended, so the
+loop ends; ops are revisited while a tensor of theirs changed, alternating forward and
+backward sweeps.
+"""
+
+import numpy as np
+cimport numpy as cnp
+
+cdef enum:
+    MAX_AXES = 4
+    MAX_FACTORS = 64
+    REPLICATE = 2
+
+
+cdef long long _size(const signed char* ax, int n, const int* axis_size) noexcept nogil:
+    cdef long long p = 1
+    cdef int k
+    for k in range(n):
+        p *= axis_size[ax[k]]
+    return p
+
+
+cdef bint _is_prefix(const signed char* a, int na, const signed char* b, int nb) noexcept nogil:
+    cdef int k
+    if na > nb:
+        return False
+    for k in range(na):
+        if a[k] != b[k]:
+            return False
+    return True
+
+
+cdef class _Propagator:
+    cdef int[::1] rank, dim_start, slot_start, factor_start, slot_tensor, slot_dim_start
+    cdef int[::1] dim_factor_start, dim_factors, factor_size, tensor_op_start, tensor_ops
+    cdef int[::1] axis_size
+    cdef signed char[:, ::1] axes
+    cdef signed char[::1] naxes, factor_kind
+    cdef unsigned char[::1] fixed, dirty
+    # per-op scratch: the chosen axes of each factor
+    cdef signed char cand[MAX_FACTORS][MAX_AXES]
+    cdef int cand_n[MAX_FACTORS]
+    cdef long long cand_size[MAX_FACTORS]
+
+    cdef void _offer(self, int f, const signed char* ax, int n) noexcept nogil:
+        """Merge candidate `ax` for factor f."""
+        cdef long long size
+        if n == 0:
+            return
+        if _is_prefix(&self.cand[f][0], self.cand_n[f], ax, n):
+            pass
+        elif _is_prefix(ax, n, &self.cand[f][0], self.cand_n[f]):
+            return
+        else:
+            size = _size(ax, n, &self.axis_size[0])
+            if size <= self.cand_size[f]:
+                return
+        for k in range(n):
+            self.cand[f][k] = ax[k]
+        self.cand_n[f] = n
+        self.cand_size[f] = _size(ax, n, &self.axis_size[0])
+
+    cdef void _collect(self, int op) noexcept nogil:
+        """Candidates of every factor from the op's tensors' current axes."""
+        cdef int s, t, d, sd, j, nf, f, k, start, n, fb = self.factor_start[op]
+        cdef long long p, fsize, asz
+        cdef signed char* ax
+        for f in range(self.factor_start[op + 1] - fb):
+            self.cand_n[f] = 0
+            self.cand_size[f] = 1
+        for s in range(self.slot_start[op], self.slot_start[op + 1]):
+            t = self.slot_tensor[s]
+            for d in range(self.rank[t]):
+                sd = self.slot_dim_start[s] + d
+                nf = self.dim_factor_start[sd + 1] - self.dim_factor_start[sd]
+                if nf == 0:
+                    continue
+                ax = &self.axes[self.dim_start[t] + d, 0]
+                n = self.naxes[self.dim_start[t] + d]
+                k = 0
+                for j in range(nf):
+                    f = self.dim_factors[self.dim_factor_start[sd] + j]
+                    fsize = self.factor_size[fb + f]
+                    start = k
+                    p = 1
+                    if j == nf - 1:  # the minor factor may be split unevenly
+                        k = n
+                        p = fsize
+                    else:
+                        while k < n:
+                            asz = self.axis_size[ax[k]]
+                            if fsize % (p * asz) != 0:
+                                break
+                            p *= asz
+                            k += 1
+                    if self.factor_kind[fb + f] != REPLICATE:
+                        self._offer(f, ax + start, k - start)
+                    if p != fsize:
+                        break
+
+    cdef void _resolve(self, int op) noexcept nogil:
+        """Give each axis to one factor only: larger splits first."""
+        cdef int nfac = self.factor_start[op + 1] - self.factor_start[op]
+        cdef int done[MAX_FACTORS]
+        cdef long long used = 0
+        cdef int i, f, best, k
+        for f in range(nfac):
+            done[f] = 0
+        for i in range(nfac):
+            best = -1
+            for f in range(nfac):
+                if not done[f] and (best < 0 or self.cand_size[f] > self.cand_size[best]):
+                    best = f
+            done[best] = 1
+            for k in range(self.cand_n[best]):
+                if used & (1LL << self.cand[best][k]):
+                    self.cand_n[best] = k
+                    break
+                used |= 1LL << self.cand[best][k]
+            self.cand_size[best] = _size(&self.cand[best][0], self.cand_n[best],
+                                         &self.axis_size[0])
+
+    cdef bint _project(self, int op) noexcept nogil:
+        """Extend the op's unfixed tensors to the chosen factor axes."""
+        cdef int s, t, d, sd, j, nf, f, k, n, td, d2, fb = self.factor_start[op]
+        cdef signed char new[MAX_AXES]
+        cdef long long other
+        cdef bint changed = False
+        for s in range(self.slot_start[op], self.slot_start[op + 1]):
+            t = self.slot_tensor[s]
+            if self.fixed[t]:
+                continue
+            for d in range(self.rank[t]):
+                sd = self.slot_dim_start[s] + d
+                nf = self.dim_factor_start[sd + 1] - self.dim_factor_start[sd]
+                if nf == 0:
+                    continue
+                n = 0
+                for j in range(nf):
+                    f = self.dim_factors[self.dim_factor_start[sd] + j]
+                    for k in range(self.cand_n[f]):
+                        if n < MAX_AXES:
+                            new[n] = self.cand[f][k]
+                            n += 1
+                    if self.cand_size[f] != self.factor_size[fb + f]:
+                        break
+                td = self.dim_start[t] + d
+                if n <= self.naxes[td] or not _is_prefix(&self.axes[td, 0], self.naxes[td], new, n):
+                    continue
+                other = 0
+                for d2 in range(self.rank[t]):
+                    if d2 != d:
+                        for k in range(self.naxes[self.dim_start[t] + d2]):
+                            other |= 1LL << self.axes[self.dim_start[t] + d2, k]
+                k = self.naxes[td]
+                while k < n and not (other & (1LL << new[k])):
+                    self.axes[td, k] = new[k]
+                    k += 1
+                if k > self.naxes[td]:
+                    self.naxes[td] = k
+                    changed = True
+                    self._mark_users(t)
+        return changed
+
+    cdef void _mark_users(self, int t) noexcept nogil:
+        cdef int i
+        for i in range(self.tensor_op_start[t], self.tensor_op_start[t + 1]):
+            self.dirty[self.tensor_ops[i]] = 1
+
+    cdef bint _step(self, int op) noexcept nogil:
+        self._collect(op)
+        self._resolve(op)
+        return self._project(op)
+
+    def run(self, int max_sweeps):
+        """Sweep forward and backward until nothing changes; returns the sweep count."""
+        cdef int num_ops = self.slot_start.shape[0] - 1
+        cdef int sweep = 0, i, op
+        cdef bint changed = True
+        with nogil:
+            while changed and sweep < max_sweeps:
+                changed = False
+                for i in range(num_ops):
+                    op = i if sweep % 2 == 0 else num_ops - 1 - i
+                    if self.dirty[op]:
+                        self.dirty[op] = 0
+                        if self._step(op):
+                            changed = True
+                sweep += 1
+        return sweep
+
+
+def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
+                     factor_start, slot_tensor, slot_dim_start, dim_factor_start,
+                     dim_factors, factor_size, factor_kind, tensor_op_start, tensor_ops,
+                     int max_sweeps=1000):
+    """Run propagation in place on `axes`/`naxes`; returns the number of sweeps.
+
+    Arrays are int32 except axes, naxes, factor_kind (int8) and fixed (uint8); see the
+    module docstring for their meaning. An op may have at most 64 factors and a dim at
+    most 4 axes.
+    """
+    cdef _Propagator p = _Propagator()
+    p.rank, p.dim_start, p.fixed = rank, dim_start, fixed
+    p.axes, p.naxes, p.axis_size = axes, naxes, axis_size
+    p.slot_start, p.factor_start = slot_start, factor_start
+    p.slot_tensor, p.slot_dim_start = slot_tensor, slot_dim_start
+    p.dim_factor_start, p.dim_factors = dim_factor_start, dim_factors
+    p.factor_size, p.factor_kind = factor_size, factor_kind
+    p.tensor_op_start, p.tensor_ops = tensor_op_start, tensor_ops
+    p.dirty = np.ones(len(slot_start) - 1, dtype=np.uint8)
+    return p.run(max_sweeps)

@@ -1,0 +1,19 @@
+"""gspmd-tf: GSPMD for TensorFlow graphs.
+
+Annotate a few tensors of a single-device TF function with how they split over a mesh
+of devices; gspmd-tf infers the rest, rewrites the function into one SPMD program with
+collectives and runs it on the mesh.
+"""
+
+from gspmd_tf.annotations import mesh_split
+from gspmd_tf.devices import configure_cpu_devices
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.mesh import Mesh, P, PartitionSpec
+from gspmd_tf.runtime.function import Function, function
+from gspmd_tf.runtime.lowered import Collective, Lowered
+from gspmd_tf.runtime.sharded_tensor import ShardedTensor
+from gspmd_tf.sharding import Sharding
+
+__all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
+           "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
+           "function", "mesh_split"]

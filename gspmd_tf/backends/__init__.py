@@ -1,0 +1,6 @@
+"""Backends: lower an SPMD program onto concrete devices (see base.Backend)."""
+
+from gspmd_tf.backends.base import Backend
+from gspmd_tf.backends.local import LocalBackend
+
+__all__ = ["Backend", "LocalBackend"]

@@ -1,0 +1,329 @@
+"""gspmd-tf demo: a small Transformer language model partitioned over a mesh of CPU devices.
+
+    python -m gspmd_tf.demo --mesh=2,4 --layers=2
+
+The model is plain single-device TensorFlow code (`loss_fn`). Only the weights and the
+input batch are annotated (`in_shardings`, Megatron style): token ids split over "data",
+the embedding table over "model" on its vocab dim, Wq/Wk/Wv/W1 over "model" on their
+output dim, Wo/W2 over "model" on their input dim. Every other tensor's sharding is
+inferred. The demo prints what was annotated and inferred, the collectives of the SPMD
+program, the bytes each device holds, the loss beside the single-device loss, and the
+forward step time beside single-device TensorFlow, measured side by side.
+
+The model-building code (ModelConfig, init_params, loss_fn, param_specs, make_batch) is
+importable: benchmarks/step_time.py and benchmarks/lowering_time.py reuse it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import numpy as np
+
+AXES = ("data", "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the demo Transformer."""
+
+    layers: int = 2
+    d_model: int = 64
+    heads: int = 4
+    d_ff: int = 256
+    vocab: int = 256
+    seq: int = 32
+    batch: int = 8
+
+    @property
+    def head_dim(self):
+        return self.d_model // self.heads
+
+
+# Per-layer weights in the order loss_fn takes them, with the spec each is annotated with.
+LAYER_PARAMS = (("ln1_gamma", None), ("ln1_beta", None),
+                ("wq", ("P", None, "model")), ("wk", ("P", None, "model")),
+                ("wv", ("P", None, "model")), ("wo", ("P", "model")),
+                ("ln2_gamma", None), ("ln2_beta", None),
+                ("w1", ("P", None, "model")), ("w2", ("P", "model")))
+
+
+def param_names(cfg):
+    """Names of loss_fn's weight arguments, in order (after the tokens)."""
+    names = ["embed"]
+    for i in range(cfg.layers):
+        names += [f"layer{i}/{n}" for n, _ in LAYER_PARAMS]
+    return names + ["final_gamma", "final_beta"]
+
+
+def param_shapes(cfg):
+    """Global shape of every weight, in loss_fn's order."""
+    d, f = cfg.d_model, cfg.d_ff
+    layer = {"ln1_gamma": (d,), "ln1_beta": (d,), "wq": (d, d), "wk": (d, d),
+             "wv": (d, d), "wo": (d, d), "ln2_gamma": (d,), "ln2_beta": (d,),
+             "w1": (d, f), "w2": (f, d)}
+    shapes = [(cfg.vocab, d)]
+    for _ in range(cfg.layers):
+        shapes += [layer[n] for n, _ in LAYER_PARAMS]
+    return shapes + [(d,), (d,)]
+
+
+def in_specs(cfg):
+    """in_shardings for loss_fn(tokens, *weights): only the batch and the weights
+    that Megatron splits are annotated; layer-norm scales are left to inference."""
+    from gspmd_tf import P
+
+    def spec(entry):
+        return None if entry is None else P(*entry[1:])
+
+    specs = [P("data"), P("model")]            # tokens [B, S+1]; embed [vocab, d]
+    for _ in range(cfg.layers):
+        specs += [spec(e) for _, e in LAYER_PARAMS]
+    return specs + [None, None]                # final layer norm
+
+
+def init_params(cfg, seed=0):
+    """numpy float32 weights, in loss_fn's order."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, shape in zip(param_names(cfg), param_shapes(cfg)):
+        if name.endswith("gamma"):
+            out.append(np.ones(shape, np.float32) + 0.1 * rng.standard_normal(shape, np.float32))
+        elif name.endswith("beta"):
+            out.append(0.1 * rng.standard_normal(shape, np.float32))
+        else:
+            scale = 1.0 / math.sqrt(shape[0]) if name != "embed" else 0.5
+            out.append((scale * rng.standard_normal(shape)).astype(np.float32))
+    return out
+
+
+def make_batch(cfg, seed=1):
+    """Token ids [batch, seq + 1] (inputs are [:, :-1], next-token targets [:, 1:])."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, cfg.vocab, size=(cfg.batch, cfg.seq + 1), dtype=np.int32)
+
+
+def input_specs(cfg):
+    """tf.TensorSpecs of loss_fn's arguments."""
+    import tensorflow as tf
+    return [tf.TensorSpec((cfg.batch, cfg.seq + 1), tf.int32)] + \
+        [tf.TensorSpec(s, tf.float32) for s in param_shapes(cfg)]
+
+
+def make_loss_fn(cfg):
+    """loss_fn(tokens, *weights) -> scalar loss: plain single-device TensorFlow."""
+    import tensorflow as tf
+
+    b, s, d, h, hd = cfg.batch, cfg.seq, cfg.d_model, cfg.heads, cfg.head_dim
+    causal = np.triu(np.full((s, s), -1e9, np.float32), k=1)   # [query, key]
+
+    def layer_norm(x, gamma, beta):
+        mean = tf.reduce_mean(x, axis=-1, keepdims=True)
+        centered = x - mean
+        var = tf.reduce_mean(tf.square(centered), axis=-1, keepdims=True)
+        return centered * tf.math.rsqrt(var + 1e-5) * gamma + beta
+
+    def attention(x, wq, wk, wv, wo):
+        q = tf.reshape(tf.einsum("bsd,de->bse", x, wq), (b, s, h, hd))
+        k = tf.reshape(tf.einsum("bsd,de->bse", x, wk), (b, s, h, hd))
+        v = tf.reshape(tf.einsum("bsd,de->bse", x, wv), (b, s, h, hd))
+        logits = tf.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(hd))
+        logits = logits + tf.constant(causal)
+        probs = tf.nn.softmax(logits, axis=-1)
+        context = tf.reshape(tf.einsum("bhqk,bkhd->bqhd", probs, v), (b, s, d))
+        return tf.einsum("bse,ed->bsd", context, wo)
+
+    def mlp(x, w1, w2):
+        hidden = tf.nn.relu(tf.einsum("bsd,df->bsf", x, w1))
+        return tf.einsum("bsf,fd->bsd", hidden, w2)
+
+    def loss_fn(tokens, embed, *weights):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        x = tf.gather(embed, inputs)                          # [b, s, d]
+        per = len(LAYER_PARAMS)
+        for i in range(cfg.layers):
+            g1, b1, wq, wk, wv, wo, g2, b2, w1, w2 = weights[i * per:(i + 1) * per]
+            x = x + attention(layer_norm(x, g1, b1), wq, wk, wv, wo)
+            x = x + mlp(layer_norm(x, g2, b2), w1, w2)
+        x = layer_norm(x, weights[-2], weights[-1])
+        logits = tf.einsum("bsd,vd->bsv", x, embed)          # tied output embedding
+        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
+        return tf.reduce_mean(loss)
+
+    return loss_fn
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def median_time(fn, steps, warmup=2):
+    """Median wall time of `steps` calls of fn() after `warmup` calls (seconds)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def side_by_side(fns, steps, warmup=2):
+    """Median times of several zero-argument callables, their runs interleaved so both
+    see the same machine state."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(steps):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return [float(np.median(t)) for t in times]
+
+
+def fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def collective_table(collectives):
+    """Rows (kind, local shape, dtype, bytes, count, over axes) grouped, program order."""
+    rows = {}
+    for c in collectives:
+        key = (c.kind, c.shape, c.dtype.name, c.bytes, c.axes)
+        rows[key] = rows.get(key, 0) + 1
+    return [(k[0], k[1], k[2], k[3], n, k[4]) for k, n in rows.items()]
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv):
+    del argv
+    from absl import flags
+    f = flags.FLAGS
+    mesh_shape = tuple(int(x) for x in f.mesh.split(","))
+    if len(mesh_shape) != 2:
+        raise SystemExit("--mesh takes two sizes: data,model (e.g. 2,4)")
+
+    import gspmd_tf as gt
+    gt.configure_cpu_devices(int(np.prod(mesh_shape)))
+    import tensorflow as tf
+
+    cfg = ModelConfig(layers=f.layers, d_model=f.d_model, heads=f.heads, d_ff=f.d_ff,
+                      vocab=f.vocab, seq=f.seq, batch=f.batch)
+    mesh = gt.Mesh.create(mesh_shape, AXES)
+    print(f"gspmd-tf demo: Transformer LM {cfg} on {mesh!r}\n")
+
+    loss_fn = make_loss_fn(cfg)
+    params = init_params(cfg)
+    tokens = make_batch(cfg)
+    specs = in_specs(cfg)
+    sharded = gt.function(loss_fn, mesh=mesh, in_shardings=specs)
+
+    start = time.perf_counter()
+    lowered = sharded.lower(*input_specs(cfg))
+    lower_s = time.perf_counter() - start
+    annotated, inferred = lowered.counts()
+    total_tensors = sum(len(n.out_shapes) for n in lowered.graph.nodes)
+    print(f"lowered in {lower_s:.2f} s (trace + import + propagate + partition)")
+    print(f"traced graph: {len(lowered.graph.nodes)} ops, {total_tensors} tensors")
+    print(f"  {annotated} tensors annotated (tokens + {annotated - 1} weights)")
+    print(f"  {inferred} tensors got a (non-replicated) sharding by inference")
+    if lowered.program.replicated_ops:
+        print("  ran replicated (no rule): " + ", ".join(lowered.program.replicated_ops))
+
+    # ------------------------------------------------------------- collectives
+    collectives = lowered.collectives()
+    print(f"\ncollectives of the SPMD program ({len(collectives)}; bytes = one device's "
+          "operand):")
+    print(f"  {'kind':19s} {'local shape':18s} {'dtype':8s} {'bytes':>10s} {'count':>5s}  axes")
+    for kind, shape, dtype, nbytes, count, axes in collective_table(collectives):
+        print(f"  {kind:19s} {str(shape):18s} {dtype:8s} {nbytes:10d} {count:5d}  "
+              f"{','.join(axes)}")
+    by_kind = {}
+    for c in collectives:
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + c.bytes
+    total = sum(by_kind.values())
+    print(f"  total per device: {fmt_bytes(total)} ({total} bytes) = " +
+          " + ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(by_kind.items())))
+
+    # ------------------------------------------------------------- parameter bytes
+    layouts = lowered.program.input_layouts
+    names = ["tokens"] + param_names(cfg)
+    shapes = [tokens.shape] + param_shapes(cfg)
+    full = per_device = 0
+    for name, shape, layout in zip(names[1:], shapes[1:], layouts[1:len(names)]):
+        full += int(np.prod(shape)) * 4
+        per_device += int(np.prod(layout.local_shape(mesh, shape))) * 4
+    print(f"\nparameters: {len(names) - 1} arrays, {fmt_bytes(full)} unsharded; "
+          f"each device holds {fmt_bytes(per_device)} ({per_device / full:.1%}, "
+          f"1/{full / per_device:.2f})")
+    layer0 = [i for i, n in enumerate(names) if n == "embed" or n.startswith("layer0/")
+              or n.startswith("final")]
+    print(f"  {'weight':18s} {'shape':12s} {'sharding':22s} {'local':12s} {'bytes/device':>12s}")
+    for i in layer0:
+        local = layouts[i].local_shape(mesh, shapes[i])
+        print(f"  {names[i]:18s} {str(tuple(shapes[i])):12s} "
+              f"{str(layouts[i].to_spec()):22s} {str(local):12s} "
+              f"{int(np.prod(local)) * 4:12d}")
+    if cfg.layers > 1:
+        print("  (layers 1.. are sharded like layer0)")
+
+    # ------------------------------------------------------------- run and compare
+    with tf.device(mesh.devices[0]):
+        args = [tf.constant(tokens)] + [tf.constant(p) for p in params]
+    single = tf.function(loss_fn, autograph=False)
+    with tf.device(mesh.devices[0]):
+        ref = float(single(*args).numpy())
+    # Place the inputs on the mesh once, in the shardings the program expects.
+    placed = [gt.ShardedTensor.from_value(a, mesh, l)
+              for a, l in zip([tokens] + params, lowered.program.input_layouts)]
+    out = sharded(*placed)
+    got = float(out.numpy())
+    rel = abs(got - ref) / max(abs(ref), 1e-30)
+    status = "OK" if rel <= 1e-5 else "MISMATCH (> 1e-5): a bug"
+    print(f"\nloss: partitioned {got:.7f}   single device {ref:.7f}   "
+          f"relative difference {rel:.2e}  [{status}]")
+
+    def run_single():
+        with tf.device(mesh.devices[0]):
+            return single(*args).numpy()
+
+    def run_sharded():
+        return sharded(*placed).shards[0].numpy()
+
+    t_sharded, t_single = side_by_side([run_sharded, run_single], f.steps_timed)
+    print(f"\nforward step (median of {f.steps_timed}, interleaved, after warm-up):")
+    print(f"  {mesh.size} logical devices (gspmd-tf): {t_sharded * 1e3:8.2f} ms")
+    print(f"  single device (tf.function)     : {t_single * 1e3:8.2f} ms")
+    print(f"  ratio sharded / single          : {t_sharded / t_single:8.2f}x  "
+          f"(logical devices share {os.cpu_count()} CPU core(s))")
+    if rel > 1e-5:
+        raise SystemExit(1)
+
+
+def define_flags():
+    from absl import flags
+    d = ModelConfig()
+    flags.DEFINE_string("mesh", "2,4", "mesh shape data,model")
+    flags.DEFINE_integer("layers", d.layers, "Transformer layers")
+    flags.DEFINE_integer("d_model", d.d_model, "model width")
+    flags.DEFINE_integer("heads", d.heads, "attention heads")
+    flags.DEFINE_integer("d_ff", d.d_ff, "MLP hidden width")
+    flags.DEFINE_integer("vocab", d.vocab, "vocabulary size")
+    flags.DEFINE_integer("seq", d.seq, "sequence length")
+    flags.DEFINE_integer("batch", d.batch, "batch size")
+    flags.DEFINE_integer("steps_timed", 10, "timed forward steps (median reported)")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from absl import app
+    define_flags()
+    app.run(main)

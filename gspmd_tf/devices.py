@@ -1,0 +1,30 @@
+"""Logical CPU devices, so that one host can stand in for a mesh of devices."""
+
+from __future__ import annotations
+
+from gspmd_tf.errors import ShardingError
+
+
+def configure_cpu_devices(n=8):
+    """Split the first physical CPU into `n` logical TF devices (/device:CPU:0..n-1).
+
+    TensorFlow fixes its devices when its runtime starts (the first op or device query),
+    so call this before that. Calling it later is fine when the runtime already has at
+    least `n` logical CPU devices; otherwise it raises ShardingError.
+    """
+    import tensorflow as tf  # late, so that importing gspmd_tf does not start TF
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    configured = tf.config.get_logical_device_configuration(cpu)
+    if configured and len(configured) >= n:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
+    except RuntimeError:  # the runtime has started: devices can no longer change
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have < n:
+            raise ShardingError(
+                f"configure_cpu_devices({n}): TensorFlow already started with {have} CPU "
+                f"device(s); call gt.configure_cpu_devices({n}) before TensorFlow runs "
+                "any op or lists its devices") from None

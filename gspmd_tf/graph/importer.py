@@ -1,0 +1,280 @@
+"""Import a traced TensorFlow function into the graph IR (see ir.py).
+
+The traced graph's ops are read with their traced shapes. Nested function calls are
+inlined; a callee's body is not taken from its own trace (which may have been traced on
+relaxed shapes, e.g. an `input_signature` with None dims): its FunctionDef is imported
+into a fresh tf.Graph fed with placeholders of the call site's shapes (and variable
+handle data), so TF's shape inference gives every inlined tensor its shape at that call
+site. Annotations are read from `_XlaSharding` attrs and XlaSharding ops, in the traced
+graph and in inlined bodies alike.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import tensorflow as tf
+from tensorflow.compiler.xla import xla_data_pb2
+from tensorflow.python.framework import function_def_to_graph
+from tensorflow.python.ops import handle_data_util
+
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import Graph, Node, Ref
+
+_CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
+# Handles: their shape is () whatever they point to, and TF may leave it unknown.
+_HANDLE_DTYPES = (tf.resource, tf.variant)
+
+
+def import_graph(fn, inputs=None, outputs=None) -> Graph:
+    """The IR of `fn`: a ConcreteFunction, a FuncGraph, or a tf.Graph.
+
+    `inputs` and `outputs` (lists of tf.Tensor of the graph) default to the function's
+    own; they are required for a plain tf.Graph. Raises ShardingError naming the first
+    tensor whose shape is not fully defined.
+    """
+    if isinstance(fn, tf.Graph):
+        graph = fn
+        captures = list(getattr(graph, "external_captures", ()))
+    else:
+        graph = fn.graph
+        captures = list(fn.captured_inputs)
+    inputs = list(graph.inputs if inputs is None else inputs)
+    outputs = list(graph.outputs if outputs is None else outputs)
+    # The import allocates a few objects per op; with TF's hundreds of thousands of
+    # live objects, the collections this triggers would double its time.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        ir, ins, outs = _Importer(graph).run(graph, inputs, outputs)
+    except ShardingError:
+        # Shapes the trace left unknown only because a callee was traced on relaxed
+        # shapes become known when the whole graph is re-inferred after inlining.
+        if not (any(op.type in _CALL_OPS for op in graph.get_operations())
+                and all(t.op.type == "Placeholder" for t in inputs)):
+            raise
+        body = _Body(graph.as_graph_def(), [t.name for t in inputs],
+                     [_feed(t, t.shape) for t in inputs], [t.name for t in outputs])
+        ir, ins, outs = _Importer(graph).run(body.graph, body.args, body.outputs)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    ir.inputs, ir.outputs, ir.captures = ins, outs, captures
+    for t, ref in zip(inputs, ins):
+        if t.dtype == tf.resource:
+            _record_variable(t, ir.nodes[ref.node])
+    return ir
+
+
+class _Importer:
+    """Walks a graph and the bodies of the functions it calls, appending IR nodes."""
+
+    def __init__(self, root):
+        self.root = root  # where the function library lives
+        self.ir = Graph()
+        self.bodies = {}  # (function name, feeds) -> _Body
+
+    def run(self, graph, inputs, outputs):
+        """Imports `graph`; returns the IR and the Refs of `inputs` and `outputs`."""
+        refs, _ = self.walk(graph, "", {}, [])
+        ref = lambda t: refs[t.op][t.value_index]
+        return self.ir, [ref(t) for t in inputs], [ref(t) for t in outputs]
+
+    def walk(self, graph, prefix, bound, call_control):
+        """Adds the ops of `graph` to the IR; returns ({op: [Ref]}, {op: [node index]}).
+
+        An op's IR name is `prefix + op.name`. `bound` maps the ops standing for
+        values from outside (a callee's arguments) to their Ref; they add no node. Ops
+        that depend on no other op of `graph` also get the control inputs `call_control`.
+        """
+        refs = {op: [ref] for op, ref in bound.items()}
+        # What a control edge on an op means in the IR: the node indices to wait for.
+        control = {op: [ref.node] for op, ref in bound.items()}
+        start = len(self.ir.nodes)
+        for op in _topological(graph.get_operations()):
+            if op in bound:
+                continue
+            inputs = [refs[t.op][t.value_index] for t in op.inputs]
+            deps = [i for c in op.control_inputs for i in control[c]]
+            if all(ref.node < start for ref in inputs):
+                deps += call_control
+            deps = list(dict.fromkeys(deps))
+            if op.type == "NoOp":  # dropped; control edges on it go to its own deps
+                control[op] = deps
+                continue
+            name = prefix + op.name
+            node_def = op.node_def
+            if op.type in _CALL_OPS:
+                refs[op], control[op] = self.inline(op, node_def.attr["f"].func.name,
+                                                    name, inputs, deps)
+            else:
+                refs[op], control[op] = self.add(op, node_def, name, inputs, deps,
+                                                 nested=bool(prefix))
+            self.annotate(op, node_def, refs[op])
+        return refs, control
+
+    def add(self, op, node_def, name, inputs, deps, nested):
+        """Appends `op` as one node; returns its output Refs and its control meaning."""
+        outs = op.outputs
+        node = Node(
+            name, op.type, inputs,
+            # Underscore attrs are TF's bookkeeping (shapes, colocation, shardings...),
+            # never part of an OpDef: re-creating the op must not copy them.
+            attrs={k: v for k, v in node_def.attr.items() if not k.startswith("_")},
+            out_shapes=[_static_shape(t, name, nested) for t in outs],
+            out_dtypes=[t.dtype for t in outs],
+            control_inputs=deps)
+        index = self.ir.add(node)
+        return [Ref(index, k) for k in range(len(outs))], [index]
+
+    def inline(self, op, callee, name, inputs, deps):
+        """Inlines the call `op` under `name/`; returns its output Refs and control."""
+        feeds = tuple(_feed(t, self.ir.shape(ref)) for t, ref in zip(op.inputs, inputs))
+        key = (callee, tuple((f[0], f[1], f[2].SerializeToString() if f[2] else b"")
+                             for f in feeds))
+        if key not in self.bodies:
+            self.bodies[key] = _Body.of_function(self.root, callee, feeds)
+        body = self.bodies[key]
+        bound = {arg.op: ref for arg, ref in zip(body.args, inputs)}
+        refs, control = self.walk(body.graph, name + "/", bound, deps)
+        outs = [refs[t.op][t.value_index] for t in body.outputs]
+        for k, ref in enumerate(outs):
+            self.ir.aliases[f"{name}:{k}"] = ref
+        # A control edge on the call waits for the ops it must run (as TF's inliner does
+        # for functions with control outputs, i.e. every tf.function).
+        waits = [i for c in body.control_outputs for i in control[c]]
+        return outs, list(dict.fromkeys(waits))
+
+    def annotate(self, op, node_def, outs):
+        """Records the sharding `op` carries (if any) on its output tensors `outs`."""
+        attrs = node_def.attr
+        # `_XlaSharding` first: xla_sharding sets it last, also on the XlaSharding ops.
+        if "_XlaSharding" in attrs:
+            data = attrs["_XlaSharding"].s
+        elif op.type == "XlaSharding":
+            data = attrs["sharding"].s
+        else:
+            return
+        if not data:  # an empty proto would parse as REPLICATED
+            return
+        proto = xla_data_pb2.OpSharding.FromString(data)
+        if proto.type == xla_data_pb2.OpSharding.TUPLE:
+            if len(proto.tuple_shardings) != len(outs):
+                raise ShardingError(
+                    f"op '{op.name}' has {len(outs)} outputs but its tuple sharding has "
+                    f"{len(proto.tuple_shardings)} elements")
+            pairs = zip(outs, proto.tuple_shardings)
+        else:  # one sharding for every output, as tf2xla applies it
+            pairs = ((ref, proto) for ref in outs)
+        for ref, sharding in pairs:
+            self.ir.annotations[ref] = sharding
+
+
+class _Body:
+    """A GraphDef imported into a fresh tf.Graph, its arguments replaced by placeholders
+    of given shapes (and handle data), so that TF infers every shape from those.
+
+    `args` are the placeholders (named as the arguments they replace), `outputs` the
+    returned tensors, `control_outputs` the ops that must run.
+    """
+
+    def __init__(self, graph_def, arg_names, feeds, return_names, control_names=()):
+        arg_ops = {name.split(":")[0] for name in arg_names}
+        kept = [node for node in graph_def.node if node.name not in arg_ops]
+        del graph_def.node[:]
+        graph_def.node.extend(kept)
+        # import_graph_def rejects mappings of tensors that are neither in graph_def nor
+        # used, so only map what is used.
+        used = {name if ":" in name or name[0] == "^" else name + ":0"
+                for node in kept for name in node.input}
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            self.args, input_map = [], {}
+            for name, (dtype, shape, handle_data) in zip(arg_names, feeds):
+                op_name = name.split(":")[0]
+                arg = tf.compat.v1.placeholder(dtype, shape, name=op_name)
+                if handle_data is not None:  # the variable's shape, for ReadVariableOp
+                    handle_data_util.set_handle_data(arg, handle_data)
+                self.args.append(arg)
+                for key in (name, "^" + op_name):
+                    if key in used:
+                        input_map[key] = arg
+            returns = tf.graph_util.import_graph_def(
+                graph_def, input_map=input_map,
+                return_elements=list(return_names) + list(control_names), name="")
+        self.outputs = returns[:len(return_names)]
+        self.control_outputs = returns[len(return_names):]
+
+    @classmethod
+    def of_function(cls, root, callee, feeds):
+        """The body of the function `callee` of `root`'s library."""
+        # function_def_to_graph looks nested functions up in the default graph.
+        with root.as_default():
+            fdef = function_def_to_graph.get_function_def(callee, root)
+            graph_def, names = function_def_to_graph.function_def_to_graph_def(
+                fdef, include_library_functions=True)
+        return cls(graph_def, [names[arg.name] for arg in fdef.signature.input_arg], feeds,
+                   [names[fdef.ret[arg.name]] for arg in fdef.signature.output_arg],
+                   list(fdef.control_ret.values()))
+
+
+def _feed(tensor, shape):
+    """(dtype, shape, handle data or None) of a placeholder standing for `tensor`."""
+    handle_data = None
+    if tensor.dtype == tf.resource:
+        handle_data = handle_data_util.get_resource_handle_data(tensor)
+    return tensor.dtype, tuple(shape), handle_data
+
+
+def _topological(ops):
+    """`ops` reordered so that every op follows its inputs and control inputs.
+
+    TF creates ops after their data inputs, but control edges may be added later
+    (e.g. a function's outputs wait on a NoOp created after them).
+    """
+    order, seen = [], set()
+    for root in ops:
+        if root in seen:
+            continue
+        seen.add(root)
+        stack = [(root, iter([t.op for t in root.inputs] + root.control_inputs))]
+        while stack:
+            op, deps = stack[-1]
+            for dep in deps:
+                if dep not in seen:
+                    seen.add(dep)
+                    stack.append((dep, iter([t.op for t in dep.inputs] + dep.control_inputs)))
+                    break
+            else:
+                stack.pop()
+                order.append(op)
+    return order
+
+
+def _static_shape(tensor, name, nested):
+    """The shape of `tensor` (an output of IR node `name`, `nested` in an inlined
+    function) as a tuple of ints."""
+    shape = tensor.shape
+    if shape.is_fully_defined():
+        return tuple(shape.as_list())
+    if tensor.dtype in _HANDLE_DTYPES:
+        return ()
+    label = name if tensor.value_index == 0 else f"{name}:{tensor.value_index}"
+    hint = ("; a tf.function called inside must have them too (its input_signature, "
+            "if any)" if nested else "")
+    raise ShardingError(
+        f"tensor '{label}' has shape {shape} with unknown dimensions; gspmd-tf needs "
+        "static shapes: trace with fully defined shapes (e.g. pass tf.TensorSpec with "
+        f"a full shape){hint}")
+
+
+def _record_variable(tensor, node):
+    """Stores the shape and dtype of the variable behind resource `tensor` in node.params."""
+    data = handle_data_util.get_resource_handle_data(tensor)
+    if not (data.is_set and data.shape_and_type):
+        return
+    shape = data.shape_and_type[0].shape
+    if shape.unknown_rank or any(d.size < 0 for d in shape.dim):
+        return
+    node.params["var_shape"] = tuple(d.size for d in shape.dim)
+    node.params["var_dtype"] = tf.dtypes.as_dtype(data.shape_and_type[0].dtype)

@@ -1,0 +1,137 @@
+"""The graph IR shared by the importer, propagation, the partitioner and backends."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+
+Ref = namedtuple("Ref", "node out")
+Ref.__doc__ = "A tensor: output `out` of the node at index `node`."
+
+
+class Node:
+    """One op: TF op type and attrs (to re-create it), inputs, output shapes and dtypes.
+
+    `params` holds python values for gspmd-tf's own ops (gt.*) in SPMD programs.
+    """
+
+    __slots__ = ("name", "op", "inputs", "control_inputs", "attrs", "out_shapes",
+                 "out_dtypes", "params")
+
+    def __init__(self, name, op, inputs=(), attrs=None, out_shapes=(), out_dtypes=(),
+                 control_inputs=(), params=None):
+        self.name = name
+        self.op = op
+        self.inputs = list(inputs)
+        self.control_inputs = list(control_inputs)
+        self.attrs = dict(attrs or {})
+        self.out_shapes = [tuple(s) for s in out_shapes]
+        self.out_dtypes = list(out_dtypes)
+        self.params = dict(params or {})
+
+    def attr(self, name, default=None):
+        """The TF attr `name` decoded to a python value (default when absent)."""
+        if name not in self.attrs:
+            return default
+        return decode_attr(self.attrs[name])
+
+    def __repr__(self):
+        return f"<Node {self.name} {self.op} {self.out_shapes}>"
+
+
+def decode_attr(value):
+    """An AttrValue proto as a python value: int, float, bool, str, DType, list, ndarray."""
+    import tensorflow as tf
+
+    kind = value.WhichOneof("value")
+    if kind == "list":
+        lst = value.list
+        for field in ("i", "f", "b", "s", "type", "shape", "tensor"):
+            items = list(getattr(lst, field))
+            if items:
+                return [decode_attr_scalar(field, item) for item in items]
+        return []
+    if kind is None:
+        return None
+    return decode_attr_scalar(kind, getattr(value, kind))
+
+
+def decode_attr_scalar(kind, item):
+    """One AttrValue field as a python value."""
+    import tensorflow as tf
+
+    if kind == "s":
+        return item.decode("utf-8", "replace") if isinstance(item, bytes) else item
+    if kind == "type":
+        return tf.dtypes.as_dtype(item)
+    if kind == "shape":
+        return None if item.unknown_rank else tuple(d.size for d in item.dim)
+    if kind == "tensor":
+        return tf.make_ndarray(item)
+    return item
+
+
+class Graph:
+    """Topologically ordered nodes, with the function's inputs, outputs and annotations.
+
+    `inputs` are the traced function's arguments, then its captured tensors; `captures`
+    holds the captured values (same order as the tail of `inputs`); `annotations` maps a
+    tensor to the gt.Sharding a user asked for. `aliases` maps names ("op:k") of tensors
+    that have no node of their own (outputs of inlined function calls) to their Ref.
+    """
+
+    def __init__(self):
+        self.nodes = []
+        self.inputs = []
+        self.outputs = []
+        self.captures = []
+        self.annotations = {}
+        self.aliases = {}
+        self._by_name = {}
+
+    def add(self, node):
+        """Append a node; returns its index."""
+        self._by_name[node.name] = len(self.nodes)
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def node_index(self, name):
+        """Index of the node called `name` (KeyError when there is none)."""
+        return self._by_name[name]
+
+    def ref(self, name):
+        """The tensor called "op" or "op:k" (a node's output, or an alias)."""
+        op, _, out = name.partition(":")
+        out = int(out or 0)
+        if op in self._by_name:
+            return Ref(self._by_name[op], out)
+        return self.aliases[f"{op}:{out}"]
+
+    def shape(self, ref):
+        """Static shape of a tensor."""
+        return self.nodes[ref.node].out_shapes[ref.out]
+
+    def dtype(self, ref):
+        """DType of a tensor."""
+        return self.nodes[ref.node].out_dtypes[ref.out]
+
+    def tensor_name(self, ref):
+        """"op" for output 0, "op:k" otherwise."""
+        name = self.nodes[ref.node].name
+        return name if ref.out == 0 else f"{name}:{ref.out}"
+
+    def consumers(self):
+        """For every node, the list of (consumer node index, input position)."""
+        users = [[] for _ in self.nodes]
+        for i, node in enumerate(self.nodes):
+            for pos, ref in enumerate(node.inputs):
+                users[ref.node].append((i, pos))
+        return users
+
+    def const_value(self, ref):
+        """The numpy value of a Const tensor, or None if `ref` is not a constant."""
+        node = self.nodes[ref.node]
+        if node.op != "Const":
+            return None
+        return np.asarray(node.attr("value"))

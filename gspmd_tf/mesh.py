@@ -1,0 +1,152 @@
+"""Device meshes and partition specs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gspmd_tf.errors import ShardingError
+
+
+class PartitionSpec(tuple):
+    """How each dim of a tensor is split over mesh axes.
+
+    Each entry is None (not split), an axis name, or a tuple of axis names (split over
+    their product, first name major). A spec shorter than the rank leaves the trailing
+    dims unsplit.
+    """
+
+    def __new__(cls, *entries):
+        for entry in entries:
+            names = entry if isinstance(entry, tuple) else (entry,)
+            if not all(name is None or isinstance(name, str) for name in names):
+                raise ShardingError(
+                    f"PartitionSpec entry {entry!r}: use None, an axis name or a tuple of "
+                    "axis names")
+        return super().__new__(cls, entries)
+
+    def __repr__(self):
+        return "P(" + ", ".join(repr(e) for e in self) + ")"
+
+    def axes_of(self, dim):
+        """The axis names splitting `dim`, as a tuple (empty when unsplit)."""
+        if dim >= len(self) or self[dim] is None:
+            return ()
+        entry = self[dim]
+        return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+P = PartitionSpec
+
+
+def local_device_names(device_type=None):
+    """Names of the logical TF devices of this process, CPU unless GPUs are present."""
+    import tensorflow as tf  # late: configure_cpu_devices must run before TF starts
+
+    if device_type is None:
+        device_type = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+    return [d.name for d in tf.config.list_logical_devices(device_type)]
+
+
+class Mesh:
+    """An n-d array of devices with named axes.
+
+    `device_ids` holds the device id at each mesh position; `devices[i]` is the TF device
+    name of device id i (None for an abstract mesh, which serves lowering and reports).
+    """
+
+    def __init__(self, shape, axis_names, devices=None):
+        shape = tuple(int(s) for s in shape)
+        axis_names = tuple(axis_names)
+        if len(shape) != len(axis_names):
+            raise ShardingError(
+                f"mesh shape {shape} has {len(shape)} dims but {len(axis_names)} axis names "
+                f"{axis_names}: give one name per dim")
+        if len(set(axis_names)) != len(axis_names):
+            raise ShardingError(f"mesh axis names {axis_names} repeat a name: make them unique")
+        if any(s < 1 for s in shape):
+            raise ShardingError(f"mesh shape {shape}: every axis needs at least one device")
+        self.shape = shape
+        self.axis_names = axis_names
+        self.size = int(np.prod(shape, dtype=np.int64))
+        self.device_ids = np.arange(self.size, dtype=np.int64).reshape(shape)
+        self.devices = None if devices is None else list(devices)
+        self._groups = {}
+
+    @classmethod
+    def create(cls, shape, axis_names, device_type=None):
+        """A mesh over local devices 0..N-1 in row-major order."""
+        names = local_device_names(device_type)
+        needed = int(np.prod(shape))
+        if needed > len(names):
+            raise ShardingError(
+                f"mesh {tuple(shape)} needs {needed} devices but this process has "
+                f"{len(names)} ({', '.join(names)}); call gt.configure_cpu_devices({needed}) "
+                "before TensorFlow starts, or use a smaller mesh")
+        return cls(shape, axis_names, names[:needed])
+
+    @classmethod
+    def abstract(cls, shape, axis_names):
+        """A mesh with no devices: for lowering and reports only."""
+        return cls(shape, axis_names, None)
+
+    @property
+    def is_abstract(self):
+        """True when the mesh has no devices to run on."""
+        return self.devices is None
+
+    def axis_index(self, name):
+        """Position of axis `name` in the mesh shape."""
+        try:
+            return self.axis_names.index(name)
+        except ValueError:
+            raise ShardingError(
+                f"unknown mesh axis {name!r}: this mesh has axes {self.axis_names}") from None
+
+    def axis_size(self, name):
+        """Number of devices along axis `name`."""
+        return self.shape[self.axis_index(name)]
+
+    def axes_size(self, axes):
+        """Product of the sizes of `axes`."""
+        size = 1
+        for name in axes:
+            size *= self.axis_size(name)
+        return size
+
+    def coords(self, device_id):
+        """The device's index along every mesh axis."""
+        return tuple(int(c) for c in np.unravel_index(int(device_id), self.shape))
+
+    def shard_index(self, device_id, axes):
+        """Linear index of the device along `axes`, the first axis major."""
+        coords = self.coords(device_id)
+        index = 0
+        for name in axes:
+            i = self.axis_index(name)
+            index = index * self.shape[i] + coords[i]
+        return index
+
+    def groups(self, axes):
+        """Device ids sharing all coordinates outside `axes`: [num_groups, group_size].
+
+        Each row is ordered by shard_index(., axes).
+        """
+        axes = tuple(axes)
+        if axes not in self._groups:
+            inside = [self.axis_index(a) for a in axes]
+            outside = [i for i in range(len(self.shape)) if i not in inside]
+            ids = self.device_ids.transpose(outside + inside)
+            self._groups[axes] = ids.reshape(-1, self.axes_size(axes))
+        return self._groups[axes]
+
+    def __eq__(self, other):
+        return (isinstance(other, Mesh) and self.shape == other.shape
+                and self.axis_names == other.axis_names and self.devices == other.devices)
+
+    def __hash__(self):
+        return hash((self.shape, self.axis_names, tuple(self.devices or ())))
+
+    def __repr__(self):
+        kind = "abstract " if self.is_abstract else ""
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        return f"<{kind}Mesh {axes}>"

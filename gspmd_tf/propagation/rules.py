@@ -1,0 +1,439 @@
+"""Sharding rules: for each op type, how operand and result dims map to factors.
+
+A rule is data (an OpRule): the op's factors (sizes and kinds) and, for every operand and
+result, the factors each of its dims is made of, major to minor. Propagation and the
+generic partitioner read only OpRules; the table RULES at the bottom says which rule
+builder serves each op type, with its parameters. A new op is one table entry.
+
+Factor kinds:
+  PASS         the same index in every tensor that has it (may be split anywhere)
+  REDUCE       only in operands: summed/maxed away; split -> partial result
+  REPLICATE    must not be split (the partitioner gathers it)
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PASS, REDUCE, REPLICATE = 0, 1, 2
+
+
+@dataclass
+class OpRule:
+    """Factors of one op and how each operand/result dim is made of them.
+
+    operands[i] is None for an input that is not a data tensor (a shape, an axis list);
+    otherwise a tuple with, per dim, a tuple of factor ids (empty for a size-1 dim that
+    broadcasts). `reduce_op` says how REDUCE factors combine (sum, max, min, prod).
+    """
+
+    factor_sizes: list = field(default_factory=list)
+    factor_kinds: list = field(default_factory=list)
+    operands: list = field(default_factory=list)
+    results: list = field(default_factory=list)
+    reduce_op: str = "sum"
+
+    def add_factor(self, size, kind=PASS):
+        """A new factor; returns its id."""
+        self.factor_sizes.append(int(size))
+        self.factor_kinds.append(kind)
+        return len(self.factor_sizes) - 1
+
+
+class RuleContext:
+    """What a rule builder may look at: the node, its input/output shapes, constants."""
+
+    def __init__(self, graph, node):
+        self.graph = graph
+        self.node = node
+        self.in_shapes = [graph.shape(r) for r in node.inputs]
+        self.out_shapes = node.out_shapes
+
+    def const(self, i):
+        """Value of constant input i (None when the input is not a constant)."""
+        return self.graph.const_value(self.node.inputs[i])
+
+
+def _dims_of(letters, shape, factor_of):
+    """Per-dim factor tuples for `shape` indexed by einsum `letters`."""
+    return tuple(() if size == 1 or factor_of[letter][0] is None else (factor_of[letter][0],)
+                 for letter, size in zip(letters, shape))
+
+
+def einsum_rule(equation, in_shapes, out_shape, reduce_op="sum"):
+    """Rule from an einsum equation; letters missing from the output are REDUCE.
+
+    A size-1 operand dim whose letter is larger elsewhere broadcasts (no factor).
+    """
+    lhs, out = equation.replace(" ", "").split("->")
+    inputs = lhs.split(",")
+    sizes = {}
+    for letters, shape in zip(inputs + [out], list(in_shapes) + [out_shape]):
+        for letter, size in zip(letters, shape):
+            sizes[letter] = max(sizes.get(letter, 1), size)
+    rule = OpRule(reduce_op=reduce_op)
+    factor_of = {}
+    for letter in sorted(sizes, key=(inputs[0] + "".join(inputs[1:]) + out).index):
+        if sizes[letter] == 1:
+            factor_of[letter] = (None, 1)
+            continue
+        kind = PASS if letter in out else REDUCE
+        factor_of[letter] = (rule.add_factor(sizes[letter], kind), sizes[letter])
+    for letters, shape in zip(inputs, in_shapes):
+        rule.operands.append(_dims_of(letters, shape, factor_of))
+    rule.results.append(_dims_of(out, out_shape, factor_of))
+    return rule
+
+
+def _letters(n, offset=0):
+    return string.ascii_letters[offset:offset + n]
+
+
+# ----------------------------------------------------------------------------- builders
+# Each builder takes a RuleContext (and table parameters) and returns an OpRule or None
+# (None: no rule for this instance; the op then runs replicated).
+
+
+def elementwise(ctx, data_inputs=None):
+    """Broadcasting elementwise op: dims aligned from the right."""
+    out = ctx.out_shapes[0]
+    rank = len(out)
+    idx = range(len(ctx.in_shapes)) if data_inputs is None else data_inputs
+    letters = _letters(rank)
+    terms = []
+    for i in range(len(ctx.in_shapes)):
+        if i in idx:
+            terms.append(letters[rank - len(ctx.in_shapes[i]):])
+    rule = einsum_rule(",".join(terms) + "->" + letters,
+                       [ctx.in_shapes[i] for i in idx], out)
+    rule.operands = _spread(rule.operands, idx, len(ctx.in_shapes))
+    for extra in ctx.out_shapes[1:]:  # e.g. same-shaped second outputs
+        rule.results.append(rule.results[0] if extra == out else None)
+    return rule
+
+
+def _spread(operand_dims, positions, count):
+    """Place per-operand dims at `positions` among `count` inputs (others None)."""
+    full = [None] * count
+    for pos, dims in zip(positions, operand_dims):
+        full[pos] = dims
+    return full
+
+
+def matmul(ctx):
+    """MatMul with transpose_a / transpose_b."""
+    a = "ki" if ctx.node.attr("transpose_a") else "ik"
+    b = "jk" if ctx.node.attr("transpose_b") else "kj"
+    return einsum_rule(f"{a},{b}->ij", ctx.in_shapes, ctx.out_shapes[0])
+
+
+def batch_matmul(ctx):
+    """BatchMatMulV2/V3 with adj_x / adj_y and broadcasting batch dims."""
+    out = ctx.out_shapes[0]
+    batch = _letters(len(out) - 2, 4)
+    a = "ki" if ctx.node.attr("adj_x") else "ik"
+    b = "jk" if ctx.node.attr("adj_y") else "kj"
+    ra, rb = len(ctx.in_shapes[0]), len(ctx.in_shapes[1])
+    eq = f"{batch[len(batch) - (ra - 2):]}{a},{batch[len(batch) - (rb - 2):]}{b}->{batch}ij"
+    return einsum_rule(eq, ctx.in_shapes, out)
+
+
+def einsum(ctx):
+    """Einsum from its `equation` attr (ellipsis expanded)."""
+    equation = ctx.node.attr("equation")
+    if "..." in equation:
+        equation = _expand_ellipsis(equation, ctx.in_shapes, ctx.out_shapes[0])
+    return einsum_rule(equation, ctx.in_shapes, ctx.out_shapes[0])
+
+
+def _expand_ellipsis(equation, in_shapes, out_shape):
+    lhs, out = equation.split("->")
+    terms = lhs.split(",")
+    used = set(equation)
+    spare = [c for c in string.ascii_letters if c not in used]
+    n = max(len(s) - len(t.replace("...", "")) for t, s in zip(terms, in_shapes))
+    fill = "".join(spare[:n])
+    terms = [t.replace("...", fill[n - (len(s) - len(t.replace("...", ""))):])
+             for t, s in zip(terms, in_shapes)]
+    return ",".join(terms) + "->" + out.replace("...", fill[n - (len(out_shape) - len(out.replace("...", ""))):])
+
+
+def bias_add(ctx):
+    """BiasAdd: the bias runs along the channel dim."""
+    rank = len(ctx.in_shapes[0])
+    letters = _letters(rank)
+    channel = 1 if ctx.node.attr("data_format") == "NCHW" else rank - 1
+    return einsum_rule(f"{letters},{letters[channel]}->{letters}", ctx.in_shapes,
+                       ctx.out_shapes[0])
+
+
+def _axes(ctx, i, rank):
+    value = ctx.const(i)
+    if value is None:
+        return None
+    return sorted({int(a) % rank for a in np.atleast_1d(value)})
+
+
+def reduction(ctx, reduce_op):
+    """Sum/Mean/Max/...: reduced dims are REDUCE factors."""
+    shape = ctx.in_shapes[0]
+    axes = _axes(ctx, 1, len(shape))
+    if axes is None:
+        return None
+    letters = _letters(len(shape))
+    keep = ctx.node.attr("keep_dims")
+    out = "".join(l for d, l in enumerate(letters) if d not in axes or keep)
+    rule = einsum_rule(f"{letters}->{out}", [shape], ctx.out_shapes[0], reduce_op)
+    if keep:  # kept reduced dims have size 1 in the result: no factor there
+        rule.results[0] = tuple(() if d in axes else f for d, f in enumerate(rule.results[0]))
+        for d in axes:
+            if shape[d] > 1:
+                rule.factor_kinds[rule.operands[0][d][0]] = REDUCE
+    rule.operands.append(None)
+    return rule
+
+
+def arg_reduction(ctx):
+    """ArgMax/ArgMin: the reduced dim may be split (the handler combines (value, index))."""
+    shape = ctx.in_shapes[0]
+    axes = _axes(ctx, 1, len(shape))
+    if axes is None:
+        return None
+    letters = _letters(len(shape))
+    out = "".join(l for d, l in enumerate(letters) if d not in axes)
+    rule = einsum_rule(f"{letters}->{out}", [shape], ctx.out_shapes[0], "arg")
+    rule.operands.append(None)
+    return rule
+
+
+def last_dim_normalizer(ctx):
+    """Softmax/LogSoftmax: elementwise, the last dim reduced inside the handler."""
+    return elementwise(ctx)
+
+
+def cross_entropy(ctx, sparse):
+    """(Sparse)SoftmaxCrossEntropyWithLogits: loss [B], backprop [B, C]."""
+    b, c = ctx.in_shapes[0]
+    labels = "b" if sparse else "bc"
+    rule = einsum_rule(f"bc,{labels}->bc", ctx.in_shapes, (b, c))
+    loss_dims = rule.results[0][:1]
+    rule.results = [loss_dims, rule.results[0]]
+    return rule
+
+
+def transpose(ctx):
+    """Transpose by a constant permutation."""
+    perm = ctx.const(1)
+    if perm is None:
+        return None
+    letters = _letters(len(ctx.in_shapes[0]))
+    rule = einsum_rule(f"{letters}->{''.join(letters[p] for p in perm)}",
+                       ctx.in_shapes[:1], ctx.out_shapes[0])
+    rule.operands.append(None)
+    return rule
+
+
+def reshape(ctx, data_inputs=(0,)):
+    """Reshape (also ExpandDims, Squeeze): dims split into common sub-factors."""
+    rule = OpRule()
+    in_dims, out_dims = reshape_factors(rule, ctx.in_shapes[0], ctx.out_shapes[0])
+    rule.operands = _spread([in_dims], data_inputs, len(ctx.in_shapes))
+    rule.results = [out_dims]
+    return rule
+
+
+def reshape_factors(rule, in_shape, out_shape):
+    """Sub-factors shared by the dims of two shapes of equal size.
+
+    Walks both shapes major to minor taking the gcd of what is left of the current dims;
+    where the dims do not share a factor the rest of that aligned span is REPLICATE.
+    """
+    in_dims = [[] for _ in in_shape]
+    out_dims = [[] for _ in out_shape]
+    i = o = 0
+    ri = in_shape[0] if in_shape else 1
+    ro = out_shape[0] if out_shape else 1
+    while i < len(in_shape) and o < len(out_shape):
+        if ri == 1:
+            i += 1
+            ri = in_shape[i] if i < len(in_shape) else 1
+            continue
+        if ro == 1:
+            o += 1
+            ro = out_shape[o] if o < len(out_shape) else 1
+            continue
+        g = int(np.gcd(ri, ro))
+        if g == 1:  # misaligned span: neither side may stay split
+            in_dims[i].append(rule.add_factor(ri, REPLICATE))
+            out_dims[o].append(rule.add_factor(ro, REPLICATE))
+            ri = ro = 1
+            continue
+        f = rule.add_factor(g)
+        in_dims[i].append(f)
+        out_dims[o].append(f)
+        ri //= g
+        ro //= g
+    return tuple(map(tuple, in_dims)), tuple(map(tuple, out_dims))
+
+
+def per_dim(ctx, replicate_dims, data_inputs=(0,), result_rank_source=0):
+    """Same-rank op whose `replicate_dims` must be whole (concat axis, padded dims...)."""
+    out = ctx.out_shapes[0]
+    rule = OpRule()
+    dims_out = []
+    dims_in = [[] for _ in data_inputs]
+    for d, size in enumerate(out):
+        if d in replicate_dims:
+            for k, i in enumerate(data_inputs):
+                dims_in[k].append((rule.add_factor(ctx.in_shapes[i][d], REPLICATE),)
+                                  if ctx.in_shapes[i][d] > 1 else ())
+            dims_out.append((rule.add_factor(size, REPLICATE),) if size > 1 else ())
+            continue
+        f = rule.add_factor(size) if size > 1 else None
+        dims_out.append((f,) if f is not None else ())
+        for k, i in enumerate(data_inputs):
+            dims_in[k].append((f,) if f is not None and ctx.in_shapes[i][d] == size else ())
+    rule.operands = _spread([tuple(d) for d in dims_in], data_inputs, len(ctx.in_shapes))
+    rule.results = [tuple(dims_out)]
+    return rule
+
+
+def concat(ctx):
+    """ConcatV2: the concat axis is whole; other dims pass."""
+    n = len(ctx.in_shapes) - 1
+    axis = ctx.const(n)
+    if axis is None:
+        return None
+    axis = int(axis) % len(ctx.out_shapes[0])
+    return per_dim(ctx, {axis}, data_inputs=tuple(range(n)))
+
+
+def changed_dims(ctx):
+    """Dims where output and input sizes differ (Slice, StridedSlice, Pad, Tile)."""
+    return {d for d, (a, b) in enumerate(zip(ctx.in_shapes[0], ctx.out_shapes[0])) if a != b}
+
+
+def same_rank_slicing(ctx):
+    """Slice/StridedSlice/Pad/Tile/MirrorPad of the same rank: changed dims whole."""
+    if len(ctx.in_shapes[0]) != len(ctx.out_shapes[0]):
+        return None
+    if ctx.node.op == "StridedSlice" and _strided_slice_is_partial(ctx):
+        return None
+    return per_dim(ctx, changed_dims(ctx))
+
+
+def _strided_slice_is_partial(ctx):
+    """StridedSlice with masks that change the rank is left replicated."""
+    return any(ctx.node.attr(m) for m in ("ellipsis_mask", "new_axis_mask",
+                                          "shrink_axis_mask"))
+
+
+def gather(ctx):
+    """GatherV2: indices dims and the table's other dims pass; the gathered table dim is
+    REDUCE (masked local lookup, then all-reduce of the partial result)."""
+    table, indices = ctx.in_shapes[0], ctx.in_shapes[1]
+    axis = ctx.const(2)
+    batch_dims = ctx.node.attr("batch_dims") or 0
+    if axis is None or batch_dims:
+        return None
+    axis = int(axis) % len(table)
+    t = _letters(len(table))
+    ind = _letters(len(indices), len(table))
+    out = t[:axis] + ind + t[axis + 1:]
+    rule = einsum_rule(f"{t},{ind}->{out}", [table, indices], ctx.out_shapes[0])
+    rule.operands.append(None)
+    return rule
+
+
+def one_hot(ctx):
+    """OneHot: indices dims pass; the new depth dim is a fresh factor."""
+    out = ctx.out_shapes[0]
+    axis = ctx.node.attr("axis")
+    axis = len(out) - 1 if axis == -1 else axis
+    ind = _letters(len(ctx.in_shapes[0]))
+    out_letters = ind[:axis] + "Z" + ind[axis:]
+    rule = einsum_rule(f"{ind}->{out_letters}", ctx.in_shapes[:1], out)
+    rule.operands += [None, None, None]
+    return rule
+
+
+def source(ctx):
+    """Const/Fill and other sources: every result dim a free factor."""
+    rule = OpRule()
+    rule.operands = [None] * len(ctx.in_shapes)
+    for shape in ctx.out_shapes[:1]:
+        rule.results.append(tuple((rule.add_factor(s),) if s > 1 else () for s in shape))
+    return rule
+
+
+def squeeze_or_expand(ctx):
+    """ExpandDims/Squeeze are reshapes of size-1 dims."""
+    return reshape(ctx)
+
+
+# ----------------------------------------------------------------------------- the table
+
+UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
+Floor Identity Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike Reciprocal
+Relu Relu6 Rint Round Rsqrt Selu Sigmoid Sign Sin Sinh Softplus Softsign Sqrt Square Tan
+Tanh ZerosLike Cast StopGradient PreventGradient Snapshot CheckNumerics LeakyRelu Gelu
+XlaSharding EnsureShape Bitcast""".split()
+
+BINARY = """Add AddV2 Sub Mul Div DivNoNan RealDiv FloorDiv FloorMod TruncateDiv TruncateMod
+Maximum Minimum Pow SquaredDifference Equal NotEqual Less LessEqual Greater GreaterEqual
+LogicalAnd LogicalOr Atan2 Xdivy Xlogy Xlog1py MulNoNan BitwiseAnd BitwiseOr BitwiseXor
+ReluGrad Relu6Grad TanhGrad SigmoidGrad SoftplusGrad RsqrtGrad SqrtGrad EluGrad
+SeluGrad LeakyReluGrad GeluGrad ReciprocalGrad""".split()
+
+RULES = {
+    **{op: (elementwise,) for op in UNARY + BINARY},
+    "AddN": (elementwise,),
+    "Select": (elementwise,),
+    "SelectV2": (elementwise,),
+    "MatMul": (matmul,),
+    "BatchMatMul": (batch_matmul,),
+    "BatchMatMulV2": (batch_matmul,),
+    "BatchMatMulV3": (batch_matmul,),
+    "Einsum": (einsum,),
+    "BiasAdd": (bias_add,),
+    "BiasAddV1": (bias_add,),
+    "Sum": (reduction, "sum"),
+    "Mean": (reduction, "sum"),
+    "Max": (reduction, "max"),
+    "Min": (reduction, "min"),
+    "Prod": (reduction, "prod"),
+    "All": (reduction, "min"),
+    "Any": (reduction, "max"),
+    "ArgMax": (arg_reduction,),
+    "ArgMin": (arg_reduction,),
+    "Softmax": (last_dim_normalizer,),
+    "LogSoftmax": (last_dim_normalizer,),
+    "SparseSoftmaxCrossEntropyWithLogits": (cross_entropy, True),
+    "SoftmaxCrossEntropyWithLogits": (cross_entropy, False),
+    "Transpose": (transpose,),
+    "Reshape": (reshape,),
+    "ExpandDims": (squeeze_or_expand,),
+    "Squeeze": (squeeze_or_expand,),
+    "ConcatV2": (concat,),
+    "Slice": (same_rank_slicing,),
+    "StridedSlice": (same_rank_slicing,),
+    "Pad": (same_rank_slicing,),
+    "PadV2": (same_rank_slicing,),
+    "Tile": (same_rank_slicing,),
+    "GatherV2": (gather,),
+    "OneHot": (one_hot,),
+    "Const": (source,),
+    "Fill": (source,),
+}
+
+
+def rule_for(graph, node):
+    """The OpRule of `node`, or None when its op type has no rule (runs replicated)."""
+    entry = RULES.get(node.op)
+    if entry is None:
+        return None
+    builder, *params = entry
+    return builder(RuleContext(graph, node), *params)

@@ -1,0 +1,134 @@
+"""Lowered: a partitioned function for one input signature, before or after compiling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.spmd.program import COLLECTIVES
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of the SPMD program, as XLA names it.
+
+    `shape`/`dtype`/`bytes` describe one device's operand; `groups` lists the device ids
+    that take part together (for collective-permute: the (source, target) pairs).
+    """
+
+    kind: str
+    shape: tuple
+    dtype: object
+    bytes: int
+    groups: tuple
+    axes: tuple
+
+
+_KIND = {"gt.AllReduce": "all-reduce", "gt.AllGather": "all-gather",
+         "gt.ReduceScatter": "reduce-scatter", "gt.AllToAll": "all-to-all",
+         "gt.Permute": "collective-permute"}
+
+
+class Lowered:
+    """The result of gt.function(...).lower(...): shardings, collectives, report, compile."""
+
+    def __init__(self, mesh, graph, propagation, program, num_args, annotated, backend_factory):
+        self.mesh = mesh
+        self.graph = graph
+        self.propagation = propagation
+        self.program = program
+        self._num_args = num_args
+        self._annotated = annotated
+        self._backend_factory = backend_factory
+        self._run = None
+
+    def _sharding(self, layout):
+        from gspmd_tf.sharding import Sharding
+        return Sharding.from_layout(self.mesh, layout)
+
+    @property
+    def input_shardings(self):
+        """gt.Sharding of every flat argument, in order."""
+        return [self._sharding(l) for l in self.program.input_layouts[:self._num_args]]
+
+    @property
+    def output_shardings(self):
+        """gt.Sharding of every flat output, in order."""
+        return [self._sharding(l) for l in self.program.output_layouts]
+
+    def sharding_of(self, name):
+        """gt.Sharding chosen for tensor `name` ("op" or "op:k") of the traced graph."""
+        try:
+            ref = self.graph.ref(name)
+        except (KeyError, ValueError):
+            raise ShardingError(f"no tensor named {name!r} in the traced graph") from None
+        return self._sharding(self.propagation.layout(ref))
+
+    def layout_of(self, name):
+        """The Layout (mesh-axis form) chosen for tensor `name`."""
+        return self.propagation.layout(self.graph.ref(name))
+
+    def collectives(self):
+        """Every collective of the SPMD program, in program order."""
+        out = []
+        g = self.program.graph
+        for node in g.nodes:
+            if node.op not in COLLECTIVES:
+                continue
+            operand = node.inputs[0]
+            shape = g.shape(operand)
+            dtype = g.dtype(operand)
+            if node.op == "gt.Permute":
+                groups = tuple(node.params["pairs"])
+            else:
+                groups = tuple(tuple(int(d) for d in row)
+                               for row in self.mesh.groups(node.params["axes"]))
+            out.append(Collective(_KIND[node.op], tuple(shape), dtype,
+                                  int(np.prod(shape, dtype=np.int64)) * dtype.size, groups,
+                                  tuple(node.params.get("axes", ()))))
+        return out
+
+    def counts(self):
+        """(annotated tensors, tensors that got a sharding by inference)."""
+        annotated = len(self._annotated)
+        inferred = sum(1 for i, node in enumerate(self.graph.nodes)
+                       for k in range(len(node.out_shapes))
+                       if (i, k) not in self._annotated
+                       and not self.propagation.layouts[i][k].is_replicated)
+        return annotated, inferred
+
+    def report(self):
+        """A readable table: every tensor's sharding, then the collectives and bytes."""
+        lines = [f"mesh {self.mesh!r}", "",
+                 f"{'tensor':40s} {'op':24s} {'shape':18s} sharding"]
+        for i, node in enumerate(self.graph.nodes):
+            for k, shape in enumerate(node.out_shapes):
+                layout = self.propagation.layouts[i][k]
+                tag = " (annotated)" if (i, k) in self._annotated else ""
+                name = node.name if k == 0 else f"{node.name}:{k}"
+                lines.append(f"{name[:40]:40s} {node.op[:24]:24s} {str(shape):18s} "
+                             f"{layout.to_spec()!r}{tag}")
+        collectives = self.collectives()
+        lines += ["", f"{'collective':20s} {'shape':20s} {'dtype':8s} {'bytes':>10s} group"]
+        for c in collectives:
+            group = c.groups[0] if c.groups else ()
+            lines.append(f"{c.kind:20s} {str(c.shape):20s} {c.dtype.name:8s} {c.bytes:10d} "
+                         f"{group} x{len(c.groups)} over {c.axes}")
+        total = sum(c.bytes for c in collectives)
+        annotated, inferred = self.counts()
+        lines += ["", f"{len(collectives)} collectives, {total} bytes per device",
+                  f"{annotated} tensors annotated, {inferred} sharded by inference"]
+        if self.program.replicated_ops:
+            lines.append("ran replicated (no rule): " + ", ".join(self.program.replicated_ops))
+        return "\n".join(lines)
+
+    def compile(self):
+        """The runnable program (built once): run(inputs[i][d]) -> outputs[j][d]."""
+        if self.mesh.is_abstract:
+            raise ShardingError("this function was lowered for an abstract mesh: use "
+                                "gt.Mesh.create(...) to run it")
+        if self._run is None:
+            self._run = self._backend_factory(self.mesh).compile(self.program.graph)
+        return self._run

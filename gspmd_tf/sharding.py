@@ -1,0 +1,411 @@
+"""Sharding: XLA's HloSharding (text and OpSharding proto) and its mesh-axis Layout form.
+
+A sharding is one of
+  replicated   every device holds the whole value               {replicated}
+  maximal      one device computes the value                    {maximal device=3}
+  tiled        tile_assignment[i0, i1, ...] is the device that holds tile (i0, i1, ...)
+               {devices=[2,4]0,1,2,3,4,5,6,7}
+  partially tiled: the last tile_assignment dim lists the devices holding copies of a tile
+               {devices=[2,1,4]0,1,2,3,4,5,6,7 last_tile_dim_replicate}
+  manual       the user partitioned the value by hand           {manual}
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+from google.protobuf import message, text_format
+from tensorflow.compiler.xla import xla_data_pb2
+
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.layout import Layout
+
+_OpSharding = xla_data_pb2.OpSharding
+
+REPLICATED = "replicated"
+MAXIMAL = "maximal"
+TILED = "tiled"
+MANUAL = "manual"
+
+_INTS = r"\d+(?:\s*,\s*\d+)*"
+_DEVICES = re.compile(
+    rf"devices=\[(?P<dims>{_INTS})\]\s*"
+    rf"(?:<=\[(?P<iota>{_INTS})\](?:T\((?P<perm>{_INTS})\))?|(?P<list>{_INTS}))"
+    r"(?P<replicate>\s+last_tile_dim_replicate)?"
+    r"(?:\s+last_tile_dims=\{(?P<subgroups>[a-z_,\s]*)\})?")
+_MAXIMAL = re.compile(r"maximal\s+device=(\d+)")
+# XLA prints metadata last; it says where an annotation came from and is not kept.
+_METADATA = re.compile(r"\s+metadata=\{.*\}$", re.S)
+
+
+def _ints(text):
+    return [int(t) for t in text.split(",")]
+
+
+def _short(text, limit=300):
+    return text if len(text) <= limit else text[:limit] + "...}"
+
+
+def _proto_text(proto):
+    """A one-line, length-limited text form of an OpSharding for error messages."""
+    return _short("{" + text_format.MessageToString(proto, as_one_line=True) + "}")
+
+
+def _iota(dims, reshape_dims, perm):
+    """XLA's iota tile assignment: arange, reshape, transpose, reshape to `dims`."""
+    n = int(np.prod(reshape_dims, dtype=np.int64))
+    if sorted(perm) != list(range(len(reshape_dims))) or n != np.prod(dims, dtype=np.int64):
+        raise ShardingError(
+            f"bad iota tile assignment: the transpose must permute the {len(reshape_dims)} "
+            "reshape dims and both shapes must hold the same number of devices")
+    return np.arange(n, dtype=np.int64).reshape(reshape_dims).transpose(perm).reshape(dims)
+
+
+def _from_tiles(dims, devices, replicate, subgroups):
+    """A tiled sharding from text or proto fields; `subgroups`: last_tile_dims kinds."""
+    devices = np.asarray(devices, dtype=np.int64)
+    if not dims or devices.size != np.prod(dims, dtype=np.int64):
+        raise ShardingError(
+            f"bad tile assignment: tile dims {list(dims)} need "
+            f"{int(np.prod(dims, dtype=np.int64))} devices, got {devices.size}")
+    tiles = devices.reshape(dims)
+    if subgroups:
+        if any(kind != REPLICATED for kind in subgroups):
+            raise ShardingError(
+                f"last_tile_dims {subgroups} are not supported (only replicated subgroups "
+                "are); use a replicated or tiled sharding")
+        if replicate or len(subgroups) > tiles.ndim:
+            raise ShardingError(
+                f"last_tile_dims lists {len(subgroups)} dims, which conflicts with the tile "
+                "assignment or with last_tile_dim_replicate")
+        # Several replicated subgroup dims mean one replication dim of their product.
+        tiles = tiles.reshape(tiles.shape[:tiles.ndim - len(subgroups)] + (-1,))
+        replicate = True
+    return Sharding.tile(tiles, last_tile_dim_replicate=replicate)
+
+
+class Sharding:
+    """XLA's HloSharding: how a tensor's value is spread over device ids.
+
+    Build one with the factories (replicate, maximal, manual, tile, from_layout,
+    from_spec, parse, from_proto); the constructor takes already-canonical fields.
+    Attributes: `kind` (REPLICATED, MAXIMAL, TILED or MANUAL), `tile_assignment`
+    (read-only int64 array of device ids, TILED only), `last_tile_dim_replicate` (the last
+    tile_assignment dim holds copies, TILED only) and `device` (MAXIMAL only).
+
+    Canonical form, as XLA: a tiling that splits no dim is replicated, a replication dim
+    of size 1 is dropped, and the devices of each replication group are sorted (their
+    order carries no meaning), so equal shardings compare and hash equal.
+    """
+
+    __slots__ = ("kind", "tile_assignment", "last_tile_dim_replicate", "device")
+
+    def __init__(self, kind, tile_assignment=None, last_tile_dim_replicate=False,
+                 device=None):
+        self.kind = kind
+        self.tile_assignment = tile_assignment
+        self.last_tile_dim_replicate = last_tile_dim_replicate
+        self.device = device
+
+    # ---- factories
+
+    @classmethod
+    def replicate(cls):
+        """Every device holds the whole value."""
+        return cls(REPLICATED)
+
+    @classmethod
+    def maximal(cls, device):
+        """Device `device` alone computes the value."""
+        if int(device) < 0:
+            raise ShardingError(f"maximal sharding device {device}: use a device id >= 0")
+        return cls(MAXIMAL, device=int(device))
+
+    @classmethod
+    def manual(cls):
+        """The value was partitioned by hand; gspmd-tf must not change it."""
+        return cls(MANUAL)
+
+    @classmethod
+    def tile(cls, tile_assignment, last_tile_dim_replicate=False):
+        """Tiles of the value on the devices in `tile_assignment` (array of device ids).
+
+        With `last_tile_dim_replicate`, the last dim of `tile_assignment` lists the
+        devices holding copies of the same tile. Returns the canonical form.
+        """
+        tiles = np.array(tile_assignment, dtype=np.int64)
+        if tiles.size == 0 or tiles.min() < 0 or np.unique(tiles).size != tiles.size:
+            raise ShardingError(
+                f"tile assignment {_short(str(tiles.tolist()))}: list each device id (>= 0) "
+                "exactly once")
+        if last_tile_dim_replicate and tiles.ndim and tiles.shape[-1] == 1:
+            tiles = tiles.reshape(tiles.shape[:-1])
+            last_tile_dim_replicate = False
+        split_dims = tiles.shape[:-1] if last_tile_dim_replicate else tiles.shape
+        if np.prod(split_dims, dtype=np.int64) == 1:
+            return cls.replicate()
+        if last_tile_dim_replicate:
+            tiles = np.sort(tiles, axis=-1)
+        tiles.setflags(write=False)
+        return cls(TILED, tiles, bool(last_tile_dim_replicate))
+
+    @classmethod
+    def from_layout(cls, mesh, layout):
+        """The sharding of `layout` (a gspmd_tf.layout.Layout) on `mesh`.
+
+        The tile assignment is mesh.device_ids transposed to [axes of dim 0, axes of
+        dim 1, ..., unused axes in mesh order] and reshaped to the tile shape, plus a
+        replication dim when some unused axis has more than one device.
+        """
+        if layout.partial:
+            raise ShardingError(
+                f"layout {layout} has a reduction pending over {layout.partial}; an XLA "
+                "sharding cannot express it: reduce the value first")
+        split = [mesh.axis_index(name) for axes in layout.dims for name in axes]
+        if len(set(split)) != len(split):
+            raise ShardingError(
+                f"layout {layout} uses a mesh axis twice; a mesh axis can split at most "
+                "one dim")
+        unused = [i for i in range(len(mesh.shape)) if i not in split]
+        ids = mesh.device_ids.transpose(split + unused)
+        tile_shape = [mesh.axes_size(axes) for axes in layout.dims]
+        replicas = mesh.size // int(np.prod(tile_shape, dtype=np.int64))
+        return cls.tile(ids.reshape(tile_shape + [replicas]), last_tile_dim_replicate=True)
+
+    @classmethod
+    def from_spec(cls, mesh, spec, rank, what="tensor"):
+        """The sharding of PartitionSpec `spec` for a tensor of rank `rank` on `mesh`."""
+        return cls.from_layout(mesh, Layout.from_spec(mesh, spec, rank, what))
+
+    # ---- text
+
+    @classmethod
+    def parse(cls, text):
+        """Read XLA's text form, e.g. `{devices=[4,2]<=[2,4]T(1,0)}` (see module doc)."""
+        body = text.strip()
+        if not (body.startswith("{") and body.endswith("}")):
+            raise ShardingError(f"cannot parse sharding {text!r}: expected text in braces")
+        body = _METADATA.sub("", body[1:-1].strip())
+        if body in (REPLICATED, MANUAL):
+            return cls(body)
+        match = _MAXIMAL.fullmatch(body)
+        if match:
+            return cls.maximal(int(match.group(1)))
+        match = _DEVICES.fullmatch(body)
+        if not match:
+            raise ShardingError(
+                f"cannot parse sharding {text!r}: expected {{replicated}}, {{manual}}, "
+                "{maximal device=D} or {devices=[dims]ids...} (tuple shardings are read "
+                "element by element)")
+        dims = _ints(match["dims"])
+        subgroups = [s.strip() for s in (match["subgroups"] or "").split(",") if s.strip()]
+        try:
+            if match["list"]:
+                devices = _ints(match["list"])
+            else:
+                reshape = _ints(match["iota"])
+                perm = _ints(match["perm"]) if match["perm"] else list(range(len(reshape)))
+                devices = _iota(dims, reshape, perm).ravel()
+            return _from_tiles(dims, devices, bool(match["replicate"]), subgroups)
+        except ShardingError as e:
+            raise ShardingError(f"sharding {text!r}: {e}") from None
+
+    def __str__(self):
+        if self.kind == MAXIMAL:
+            return f"{{maximal device={self.device}}}"
+        if self.kind != TILED:
+            return f"{{{self.kind}}}"
+        dims = ",".join(str(d) for d in self.tile_assignment.shape)
+        devices = ",".join(str(d) for d in self.tile_assignment.ravel())
+        suffix = " last_tile_dim_replicate" if self.last_tile_dim_replicate else ""
+        return f"{{devices=[{dims}]{devices}{suffix}}}"
+
+    def __repr__(self):
+        return f"Sharding.parse({str(self)!r})"
+
+    # ---- proto
+
+    @classmethod
+    def from_proto(cls, proto):
+        """From an xla_data_pb2.OpSharding (or its serialized bytes, as in `_XlaSharding`)."""
+        proto = _as_proto(proto)
+        source = _proto_text(proto)
+        if proto.type == _OpSharding.REPLICATED:
+            return cls.replicate()
+        if proto.type == _OpSharding.MANUAL:
+            return cls.manual()
+        if proto.type == _OpSharding.MAXIMAL:
+            if len(proto.tile_assignment_devices) != 1:
+                raise ShardingError(f"maximal OpSharding {source} needs exactly one device")
+            return cls.maximal(proto.tile_assignment_devices[0])
+        if proto.type == _OpSharding.TUPLE:
+            raise ShardingError(
+                f"OpSharding {source} is a tuple: read its elements with "
+                "Sharding.tuple_elements_from_proto")
+        if proto.type != _OpSharding.OTHER:
+            raise ShardingError(
+                f"OpSharding {source}: type {_OpSharding.Type.Name(proto.type)} is not "
+                "supported; use a replicated, maximal or tiled sharding")
+        dims = list(proto.tile_assignment_dimensions)
+        subgroups = [_OpSharding.Type.Name(t).lower() for t in proto.last_tile_dims]
+        try:
+            if proto.iota_reshape_dims:
+                devices = _iota(dims, list(proto.iota_reshape_dims),
+                                list(proto.iota_transpose_perm)).ravel()
+            else:
+                devices = list(proto.tile_assignment_devices)
+            return _from_tiles(dims, devices, proto.replicate_on_last_tile_dim, subgroups)
+        except ShardingError as e:
+            raise ShardingError(f"OpSharding {source}: {e}") from None
+
+    @classmethod
+    def tuple_elements_from_proto(cls, proto):
+        """The element shardings of a TUPLE OpSharding (proto or bytes), in order."""
+        proto = _as_proto(proto)
+        if proto.type != _OpSharding.TUPLE:
+            raise ShardingError(
+                f"OpSharding {_proto_text(proto)} is not a tuple: read it with "
+                "Sharding.from_proto")
+        return [cls.from_proto(element) for element in proto.tuple_shardings]
+
+    def to_proto(self):
+        """This sharding as an xla_data_pb2.OpSharding, with an explicit device list."""
+        if self.kind == REPLICATED:
+            return _OpSharding(type=_OpSharding.REPLICATED)
+        if self.kind == MANUAL:
+            return _OpSharding(type=_OpSharding.MANUAL)
+        if self.kind == MAXIMAL:
+            # Same fields as TF's xla_sharding.Sharding.assign_device.
+            return _OpSharding(type=_OpSharding.MAXIMAL, tile_assignment_dimensions=[1],
+                               tile_assignment_devices=[self.device])
+        return _OpSharding(
+            type=_OpSharding.OTHER,
+            tile_assignment_dimensions=list(self.tile_assignment.shape),
+            tile_assignment_devices=self.tile_assignment.ravel().tolist(),
+            replicate_on_last_tile_dim=self.last_tile_dim_replicate)
+
+    # ---- queries
+
+    @property
+    def is_replicated(self):
+        """True when every device holds the whole value."""
+        return self.kind == REPLICATED
+
+    @property
+    def is_maximal(self):
+        """True when one device computes the value."""
+        return self.kind == MAXIMAL
+
+    @property
+    def is_manual(self):
+        """True for a by-hand partitioned value."""
+        return self.kind == MANUAL
+
+    @property
+    def is_tiled(self):
+        """True when some dim is split (possibly with replication)."""
+        return self.kind == TILED
+
+    @property
+    def tile_shape(self):
+        """Number of tiles along each tensor dim (no replication dim); None unless tiled."""
+        if self.kind != TILED:
+            return None
+        shape = self.tile_assignment.shape
+        return shape[:-1] if self.last_tile_dim_replicate else shape
+
+    @property
+    def num_devices(self):
+        """Devices in the tile assignment (1 if maximal); None (any) if replicated/manual."""
+        if self.kind == MAXIMAL:
+            return 1
+        return int(self.tile_assignment.size) if self.kind == TILED else None
+
+    def to_layout(self, mesh, rank, what="tensor"):
+        """The Layout (mesh-axis form) of this sharding for a tensor of rank `rank`.
+
+        Accepts any tile assignment that is a transpose and reshape of mesh.device_ids:
+        each tile dim is a run of consecutive axes of some order of the mesh axes, the
+        remaining axes form the replication dim. Size-1 mesh axes are never used.
+        A maximal sharding gives a replicated layout: gspmd-tf computes such a value on
+        every device. Raises ShardingError, naming `what`, when the sharding is manual, does
+        not fit `rank`, or uses a device order or device set that the mesh cannot express.
+        """
+        if self.kind in (REPLICATED, MAXIMAL):
+            return Layout.replicated(rank)
+        where = f"{what}: sharding {_short(str(self))} on {mesh!r}"
+        if self.kind == MANUAL:
+            raise ShardingError(f"{where}: manual shardings are not supported yet; annotate "
+                                "the tensor with a mesh sharding instead")
+        if len(self.tile_shape) != rank:
+            raise ShardingError(
+                f"{where}: it tiles {len(self.tile_shape)} dims but the tensor has rank "
+                f"{rank}; give one tile dim per tensor dim (plus the replication dim)")
+        if set(self.tile_assignment.ravel().tolist()) != set(mesh.device_ids.ravel().tolist()):
+            raise ShardingError(
+                f"{where}: it must use every device id of the mesh (0..{mesh.size - 1}) "
+                "exactly once; give a tile assignment over the mesh's devices")
+        sizes = dict(zip(mesh.axis_names, mesh.shape))
+        axes = [name for name in mesh.axis_names if sizes[name] > 1]
+        tried = set()
+        # Canonical replication groups are sorted, so the order of the leftover axes
+        # never matters: only the runs of axes assigned to the tile dims are tried.
+        for order in itertools.permutations(axes):
+            dims = _group(order, self.tile_shape, sizes)
+            if dims is None or dims in tried:
+                continue
+            tried.add(dims)
+            layout = Layout(dims)
+            if Sharding.from_layout(mesh, layout) == self:
+                return layout
+        raise ShardingError(
+            f"{where}: its device order is not a transpose of the mesh axes "
+            f"{mesh.axis_names} (device ids row-major); build the annotation from the mesh "
+            "(gt.mesh_split, Sharding.from_layout) or create a mesh whose axes give this "
+            "device order")
+
+    # ---- equality
+
+    def _key(self):
+        tiles = self.tile_assignment
+        return (self.kind, self.device, self.last_tile_dim_replicate,
+                None if tiles is None else (tiles.shape, tiles.tobytes()))
+
+    def __eq__(self, other):
+        return isinstance(other, Sharding) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+
+def _group(order, tile_shape, sizes):
+    """Split `order` (mesh axes) into consecutive runs whose sizes are `tile_shape`.
+
+    Returns the runs as a tuple of tuples (leftover axes dropped), or None.
+    """
+    dims, i = [], 0
+    for tiles in tile_shape:
+        run, size = [], 1
+        while size < tiles and i < len(order):
+            run.append(order[i])
+            size *= sizes[order[i]]
+            i += 1
+        if size != tiles:
+            return None
+        dims.append(tuple(run))
+    return tuple(dims)
+
+
+def _as_proto(proto):
+    """An OpSharding from a proto or its serialized bytes."""
+    if isinstance(proto, (bytes, bytearray)):
+        parsed = _OpSharding()
+        try:
+            parsed.ParseFromString(bytes(proto))
+        except message.DecodeError as e:
+            raise ShardingError(
+                f"bytes {bytes(proto)[:64]!r} are not an OpSharding: {e}") from None
+        return parsed
+    return proto

@@ -1,0 +1,119 @@
+"""Handlers for ops that need no more than adjusted shape arguments."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from gspmd_tf.layout import Layout
+from gspmd_tf.propagation.rules import REDUCE
+from gspmd_tf.spmd.local_ops import identity_of, mask_padding
+from gspmd_tf.spmd.program import Local
+
+
+def local_shapes(ctx, layouts):
+    """Local shapes of the node's results under `layouts`."""
+    return [ctx.local_shape(layout, k) for k, layout in enumerate(layouts)]
+
+
+def masked_refs(ctx, operands):
+    """Operand refs with the padding of split, uneven REDUCE dims set to the identity of
+    the reduction, so padding never reaches a result."""
+    rule = ctx.rule
+    reduce_op = {"arg": "max"}.get(rule.reduce_op, rule.reduce_op)
+    refs = []
+    for x, dims in zip(operands, rule.operands):
+        if dims is None:
+            refs.append(x.ref)
+            continue
+        masked = [d for d, fs in enumerate(dims)
+                  if any(rule.factor_kinds[f] == REDUCE and ctx.factor_axes[f] for f in fs)]
+        refs.append(mask_padding(ctx.b, x, masked, identity_of(reduce_op, x.dtype))
+                    if masked else x.ref)
+    return refs
+
+
+def replay(ctx, operands, layouts, attrs=None, refs=None):
+    """Re-create the op on the local operands."""
+    refs = masked_refs(ctx, operands) if refs is None else refs
+    return ctx.b.replay(ctx.node, refs, local_shapes(ctx, layouts), ctx.node.out_dtypes,
+                        attrs)
+
+
+def as_identity(ctx, operands, layouts):
+    """XlaSharding: only an annotation; locally an Identity."""
+    dtype = ctx.node.out_dtypes[0]
+    return [ctx.b.op("Identity", [operands[0].ref], local_shapes(ctx, layouts)[0], dtype,
+                     name=ctx.node.name, T=dtype)]
+
+
+def with_local_shape_input(position):
+    """Ops whose input `position` is the output shape (Reshape, Fill): give the local one."""
+    def emit(ctx, operands, layouts):
+        refs = masked_refs(ctx, operands)
+        shape = local_shapes(ctx, layouts)[0]
+        dtype = ctx.node.attrs.get("Tshape") or ctx.node.attrs.get("index_type")
+        np_dtype = np.int64 if dtype is not None and dtype.type == tf.int64.as_datatype_enum \
+            else np.int32
+        refs[position] = ctx.b.const(np.asarray(shape, np_dtype))
+        return replay(ctx, operands, layouts, refs=refs)
+    return emit
+
+
+def const(ctx, operands, layouts):
+    """A constant: the whole value, then this device's slice of it."""
+    b = ctx.b
+    node = ctx.node
+    ref = b.replay(node, [], [node.out_shapes[0]], node.out_dtypes)[0]
+    whole = Local(ref, Layout.replicated(len(node.out_shapes[0])), node.out_shapes[0],
+                  node.out_dtypes[0])
+    return [ctx.reshard(whole, layouts[0]).ref]
+
+
+def mean(ctx, operands, layouts):
+    """Mean over a split dim: local sums scaled by 1/global count (partial sums)."""
+    if not ctx.split_reduce_axes():
+        return replay(ctx, operands, layouts)
+    b = ctx.b
+    dtype = ctx.node.out_dtypes[0]
+    in_shape = ctx.inputs[0].shape
+    axes = np.atleast_1d(ctx.graph.const_value(ctx.node.inputs[1])) % max(len(in_shape), 1)
+    count = int(np.prod([in_shape[a] for a in set(axes.tolist())]))
+    refs = masked_refs(ctx, operands)
+    shape = local_shapes(ctx, layouts)[0]
+    total = b.op("Sum", refs[:2], shape, dtype, T=dtype, Tidx=ctx.node.attrs["Tidx"],
+                 keep_dims=bool(ctx.node.attr("keep_dims")))
+    return [b.op("Mul", [total, b.const(np.asarray(1.0 / count), dtype)], shape, dtype,
+                 name=ctx.node.name, T=dtype)]
+
+
+def slicing(ctx, operands, layouts):
+    """Slice/StridedSlice: dims that stay whole in size keep their local extent."""
+    node = ctx.node
+    layout = layouts[0]
+    split = [d for d, axes in enumerate(layout.dims) if axes]
+    if not split:
+        return replay(ctx, operands, layouts)
+    refs = masked_refs(ctx, operands)
+    local = operands[0].layout.local_shape(ctx.mesh, operands[0].shape)
+    if node.op == "Slice":
+        size = np.array(ctx.graph.const_value(node.inputs[2]))
+        size[split] = -1
+        refs[2] = ctx.b.const(size.astype(size.dtype))
+    else:
+        end = np.array(ctx.graph.const_value(node.inputs[2]))
+        for d in split:
+            end[d] = local[d]
+        refs[2] = ctx.b.const(end)
+    return replay(ctx, operands, layouts, refs=refs)
+
+
+BASIC_HANDLERS = {
+    "XlaSharding": as_identity,
+    "Reshape": with_local_shape_input(1),
+    "Fill": with_local_shape_input(0),
+    "Const": const,
+    "Mean": mean,
+    "Slice": slicing,
+    "StridedSlice": slicing,
+}

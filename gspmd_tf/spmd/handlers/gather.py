@@ -1,0 +1,65 @@
+"""Handlers for lookups whose table dim is split: GatherV2 and OneHot."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from gspmd_tf.spmd.handlers.basic import local_shapes, replay
+from gspmd_tf.spmd.local_ops import binary, cast, select, shard_offset
+
+
+def _local_indices(ctx, indices, axes, size):
+    """Indices minus the start of this device's block of a dim split over `axes`."""
+    b = ctx.b
+    dtype = indices.dtype
+    offset = shard_offset(b, axes, size)
+    if dtype != tf.int32:
+        offset = cast(b, offset, tf.int32, dtype)
+    return binary(b, "Sub", indices.ref, offset, dtype)
+
+
+def gather(ctx, operands, layouts):
+    """GatherV2 from a table split on the gathered dim: a masked local lookup whose
+    partial result the partitioner all-reduces."""
+    table, indices = operands[0], operands[1]
+    axis = int(ctx.graph.const_value(ctx.node.inputs[2])) % len(table.shape)
+    axes = table.layout.dims[axis]
+    if not axes:
+        return replay(ctx, operands, layouts)
+    b = ctx.b
+    local = table.layout.local_shape(ctx.mesh, table.shape)[axis]
+    itype = indices.dtype
+    shifted = _local_indices(ctx, indices, axes, local)
+    valid = b.op("LogicalAnd", [
+        binary(b, "GreaterEqual", shifted, b.const(np.zeros((), itype.as_numpy_dtype)), itype,
+               tf.bool),
+        binary(b, "Less", shifted, b.const(np.asarray(local, itype.as_numpy_dtype)), itype,
+               tf.bool)], b.shape_of(shifted), tf.bool)
+    safe = select(b, valid, shifted, b.const(np.zeros((), itype.as_numpy_dtype)), itype)
+    refs = [table.ref, safe, operands[2].ref]
+    out = replay(ctx, operands, layouts, refs=refs)[0]
+    out_shape = local_shapes(ctx, layouts)[0]
+    idx_rank = len(b.shape_of(safe))
+    bshape = (1,) * axis + b.shape_of(safe) + (1,) * (len(out_shape) - axis - idx_rank)
+    valid = b.op("Reshape", [valid, b.const(np.asarray(bshape, np.int32))], bshape, tf.bool,
+                 T=tf.bool, Tshape=tf.int32)
+    dtype = table.dtype
+    return [select(b, valid, out, b.const(np.zeros((), dtype.as_numpy_dtype)), dtype)]
+
+
+def one_hot(ctx, operands, layouts):
+    """OneHot with the depth dim split: each device encodes its block of classes."""
+    axis = ctx.node.attr("axis")
+    out_rank = len(ctx.node.out_shapes[0])
+    axis = out_rank - 1 if axis == -1 else axis
+    axes = layouts[0].dims[axis]
+    if not axes:
+        return replay(ctx, operands, layouts)
+    local = local_shapes(ctx, layouts)[0][axis]
+    refs = [_local_indices(ctx, operands[0], axes, local), ctx.b.const(np.int32(local)),
+            operands[2].ref, operands[3].ref]
+    return replay(ctx, operands, layouts, refs=refs)
+
+
+GATHER_HANDLERS = {"GatherV2": gather, "OneHot": one_hot}

@@ -1,0 +1,137 @@
+"""Small local computations the partitioner emits: slices, pads, offsets, masks."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from gspmd_tf.layout import ceil_div
+
+
+def replace_dim(shape, dim, size):
+    """`shape` with dim `dim` set to `size`."""
+    shape = list(shape)
+    shape[dim] = size
+    return tuple(shape)
+
+
+def shard_offset(b, axes, shard_size):
+    """int32 scalar: global start of this device's shard along `axes`."""
+    index = b.shard_index(axes)
+    return b.op("Mul", [index, b.const(shard_size, tf.int32)], (), tf.int32, T=tf.int32)
+
+
+def dynamic_slice_dim(b, ref, dim, start, size):
+    """ref[..., start:start+size, ...] along `dim`; `start` an int32 scalar Ref."""
+    shape = b.shape_of(ref)
+    rank = len(shape)
+    unit = np.zeros(rank, np.int32)
+    unit[dim] = 1
+    begin = b.op("Mul", [b.const(unit), start], (rank,), tf.int32, T=tf.int32)
+    sizes = b.const(np.asarray(replace_dim(shape, dim, size), np.int32))
+    return b.op("Slice", [ref, begin, sizes], replace_dim(shape, dim, size),
+                b.graph.dtype(ref), T=b.graph.dtype(ref), Index=tf.int32)
+
+
+def static_slice_dim(b, ref, dim, start, size):
+    """ref[..., start:start+size, ...] along `dim` with python ints."""
+    shape = b.shape_of(ref)
+    begin = np.zeros(len(shape), np.int32)
+    begin[dim] = start
+    return b.op("Slice", [ref, b.const(begin), b.const(np.asarray(replace_dim(shape, dim, size), np.int32))],
+                replace_dim(shape, dim, size), b.graph.dtype(ref), T=b.graph.dtype(ref),
+                Index=tf.int32)
+
+
+def pad_dim(b, ref, dim, extra):
+    """Zero-pad `extra` elements at the end of `dim`."""
+    shape = b.shape_of(ref)
+    paddings = np.zeros((len(shape), 2), np.int32)
+    paddings[dim, 1] = extra
+    return b.op("Pad", [ref, b.const(paddings)], replace_dim(shape, dim, shape[dim] + extra),
+                b.graph.dtype(ref), T=b.graph.dtype(ref), Tpaddings=tf.int32)
+
+
+def global_index(b, ref, dim, axes, global_size=None):
+    """int32 tensor broadcastable to `ref`: the global index of each element along `dim`.
+
+    `axes` split `dim`; the local block of this device starts at shard_index * local size.
+    """
+    shape = b.shape_of(ref)
+    local = shape[dim]
+    bshape = [1] * len(shape)
+    bshape[dim] = local
+    iota = b.const(np.arange(local, dtype=np.int32).reshape(bshape))
+    if not axes:
+        return iota
+    offset = shard_offset(b, axes, local)
+    return b.op("AddV2", [iota, offset], tuple(bshape), tf.int32, T=tf.int32)
+
+
+def mask_padding(b, local, dims, fill):
+    """Set the padding of uneven split `dims` of Local `local` to `fill`; returns a Ref."""
+    ref = local.ref
+    mesh = b.mesh
+    dtype = local.dtype
+    for dim in dims:
+        axes = local.layout.dims[dim]
+        n = local.shape[dim]
+        k = mesh.axes_size(axes)
+        if not axes or n % k == 0:
+            continue
+        index = global_index(b, ref, dim, axes)
+        valid = b.op("Less", [index, b.const(n, tf.int32)], b.shape_of(index), tf.bool,
+                     T=tf.int32)
+        fill_ref = b.const(np.asarray(fill, dtype.as_numpy_dtype))
+        ref = b.op("SelectV2", [valid, ref, fill_ref], b.shape_of(ref), dtype, T=dtype)
+    return ref
+
+
+def identity_of(reduce_op, dtype):
+    """The value that does not change a reduction: 0 for sum, -inf/min for max..."""
+    np_dtype = dtype.as_numpy_dtype
+    if dtype == tf.bool:
+        return {"sum": False, "max": False, "min": True, "prod": True}[reduce_op]
+    if reduce_op == "sum":
+        return np_dtype(0)
+    if reduce_op == "prod":
+        return np_dtype(1)
+    if dtype.is_floating:
+        return np_dtype(-np.inf if reduce_op == "max" else np.inf)
+    info = np.iinfo(np_dtype)
+    return np_dtype(info.min if reduce_op == "max" else info.max)
+
+
+def local_size(n, k):
+    """Padded shard size of a dim of `n` split `k` ways."""
+    return ceil_div(n, k)
+
+
+def unary(b, op, x, dtype):
+    """Elementwise op on one local tensor."""
+    return b.op(op, [x], b.shape_of(x), dtype, T=dtype)
+
+
+def binary(b, op, x, y, dtype, out_dtype=None):
+    """Broadcasting elementwise op on two local tensors."""
+    shape = np.broadcast_shapes(b.shape_of(x), b.shape_of(y))
+    return b.op(op, [x, y], tuple(shape), out_dtype or dtype, T=dtype)
+
+
+def reduce_last(b, op, x, dtype, keep_dims=True):
+    """Sum/Max/Min of the last dim."""
+    shape = b.shape_of(x)
+    out = shape[:-1] + ((1,) if keep_dims else ())
+    return b.op(op, [x, b.const(np.int32(len(shape) - 1))], out, dtype, T=dtype,
+                Tidx=tf.int32, keep_dims=keep_dims)
+
+
+def select(b, cond, x, y, dtype):
+    """SelectV2 with broadcasting."""
+    shape = np.broadcast_shapes(b.shape_of(cond), b.shape_of(x), b.shape_of(y))
+    return b.op("SelectV2", [cond, x, y], tuple(shape), dtype, T=dtype)
+
+
+def cast(b, x, src, dst):
+    """Cast a local tensor."""
+    return b.op("Cast", [x], b.shape_of(x), dst, SrcT=src, DstT=dst, Truncate=False)

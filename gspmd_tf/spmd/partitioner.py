@@ -1,0 +1,213 @@
+"""The partitioner: rewrite an imported graph into one SPMD program.
+
+For every op, in graph order: pick the mesh axes of each factor of its rule (the result's
+target layout decides the factors it has, the operands' layouts the reduced ones), reshard
+the operands to match, emit the local op through the op's handler, and reshard each
+result to the layout propagation chose for it. Ops without a rule run replicated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from gspmd_tf.graph.ir import Ref
+from gspmd_tf.layout import Layout
+from gspmd_tf.propagation.rules import REDUCE, REPLICATE
+from gspmd_tf.spmd.handlers import HANDLERS, replay
+from gspmd_tf.spmd.program import Local, ProgramBuilder
+from gspmd_tf.spmd.reshard import reshard
+
+log = logging.getLogger("gspmd_tf")
+
+
+@dataclass
+class SpmdProgram:
+    """The partitioned program with its input/output layouts and every tensor's Local."""
+
+    graph: object
+    input_layouts: list
+    output_layouts: list
+    locals: dict
+    replicated_ops: list
+
+
+class OpContext:
+    """What a handler sees: the node, its rule, operands and target result layouts."""
+
+    def __init__(self, partitioner, index, rule, targets):
+        self.p = partitioner
+        self.b = partitioner.b
+        self.mesh = partitioner.b.mesh
+        self.graph = partitioner.graph
+        self.node = self.graph.nodes[index]
+        self.rule = rule
+        self.targets = targets
+        self.inputs = [partitioner.values[r] for r in self.node.inputs]
+        self.factor_axes = _choose_factor_axes(self.mesh, rule, self.inputs, targets) \
+            if rule else None
+
+    def reshard(self, local, layout):
+        """`local` in `layout` (cached per tensor and layout)."""
+        return self.p.reshard(local, layout)
+
+    def dims_layout(self, dims_factors, partial=()):
+        """The layout whose dims are split over the chosen axes of their factors."""
+        return Layout(tuple(tuple(a for f in fs for a in self.factor_axes[f])
+                            for fs in dims_factors), partial, self.rule.reduce_op)
+
+    def split_reduce_axes(self):
+        """Axes of the REDUCE factors that are split (the results are partial over them)."""
+        return tuple(a for f, kind in enumerate(self.rule.factor_kinds) if kind == REDUCE
+                     for a in self.factor_axes[f])
+
+    def operands(self):
+        """Operands resharded to the chosen factor axes (non-data inputs replicated)."""
+        out = []
+        for x, dims in zip(self.inputs, self.rule.operands):
+            layout = Layout.replicated(len(x.shape)) if dims is None else self.dims_layout(dims)
+            out.append(self.reshard(x, layout))
+        return out
+
+    def result_layouts(self):
+        """Layouts of the results as computed (partial over split REDUCE factors)."""
+        partial = self.split_reduce_axes()
+        return [self.dims_layout(dims, partial) for dims in self.rule.results]
+
+    def local_shape(self, layout, k=0):
+        """Local shape of result k under `layout`."""
+        return layout.local_shape(self.mesh, self.node.out_shapes[k])
+
+
+def _split_candidates(mesh, rule, dims_factors, layout):
+    """Per factor, the axes a tensor's layout gives it (sub-factors split major first)."""
+    found = {}
+    for fs, axes in zip(dims_factors, layout.dims):
+        k = 0
+        for j, f in enumerate(fs):
+            start, p, size = k, 1, rule.factor_sizes[f]
+            if j == len(fs) - 1:
+                k, p = len(axes), size
+            else:
+                while k < len(axes) and size % (p * mesh.axis_size(axes[k])) == 0:
+                    p *= mesh.axis_size(axes[k])
+                    k += 1
+            found.setdefault(f, axes[start:k])
+            if p != size:
+                break
+    return found
+
+
+def _choose_factor_axes(mesh, rule, inputs, targets):
+    """Mesh axes for every factor: result targets first, then operands; each axis once."""
+    chosen = [()] * len(rule.factor_sizes)
+    taken = set()
+    sources = [(dims, t) for dims, t in zip(rule.results, targets) if dims is not None]
+    sources += [(dims, x.layout) for dims, x in zip(rule.operands, inputs) if dims is not None]
+    for dims, layout in sources:
+        for f, axes in _split_candidates(mesh, rule, dims, layout).items():
+            if chosen[f] or not axes or rule.factor_kinds[f] == REPLICATE:
+                continue
+            if taken.isdisjoint(axes):
+                chosen[f] = tuple(axes)
+                taken.update(axes)
+    _keep_sub_factors_exact(mesh, rule, chosen)
+    return chosen
+
+
+def _keep_sub_factors_exact(mesh, rule, chosen):
+    """In a dim made of several factors, a factor may be split only evenly, and a minor
+    factor only when every factor before it is split completely."""
+    for dims_list in list(rule.operands) + list(rule.results):
+        for fs in dims_list or ():
+            if len(fs) < 2:
+                continue
+            blocked = False
+            for f in fs:
+                size = rule.factor_sizes[f]
+                if blocked:
+                    chosen[f] = ()
+                    continue
+                axes = chosen[f]
+                while axes and size % mesh.axes_size(axes) != 0:
+                    axes = axes[:-1]
+                chosen[f] = axes
+                blocked = mesh.axes_size(axes) != size
+
+
+class Partitioner:
+    """Builds the SPMD program of an imported graph from its propagated layouts."""
+
+    def __init__(self, graph, mesh, propagation):
+        self.graph = graph
+        self.propagation = propagation
+        self.b = ProgramBuilder(mesh)
+        self.values = {}
+        self._resharded = {}
+        self.replicated_ops = []
+
+    def reshard(self, local, layout):
+        """Cached reshard of a program tensor."""
+        key = (local.ref, layout)
+        if key not in self._resharded:
+            self._resharded[key] = reshard(self.b, local, layout)
+        return self._resharded[key]
+
+    def run(self, output_layouts):
+        """Partition every node; outputs resharded to `output_layouts`."""
+        graph, b = self.graph, self.b
+        input_index = {ref.node: i for i, ref in enumerate(graph.inputs)}
+        for index, node in enumerate(graph.nodes):
+            targets = self.propagation.layouts[index]
+            if index in input_index:
+                layout = targets[0]
+                ref = b.input(input_index[index], layout.local_shape(b.mesh, node.out_shapes[0]),
+                              node.out_dtypes[0])
+                self.values[graph.inputs[input_index[index]]] = Local(
+                    ref, layout, node.out_shapes[0], node.out_dtypes[0])
+                continue
+            rule = self.propagation.rules[index]
+            ctx = OpContext(self, index, rule, targets)
+            if rule is None:
+                results = self._replicated(ctx)
+            else:
+                results = self._by_rule(ctx, HANDLERS.get(node.op, replay))
+            for k, (local, target) in enumerate(zip(results, targets)):
+                self.values[Ref(index, k)] = self.reshard(local, target)
+        outputs = []
+        for ref, layout in zip(graph.outputs, output_layouts):
+            local = self.reshard(self.values[ref], layout)
+            outputs.append(local)
+            b.graph.outputs.append(local.ref)
+        return SpmdProgram(b.graph, [self.values[r].layout for r in graph.inputs],
+                           [o.layout for o in outputs], self.values, self.replicated_ops)
+
+    def _by_rule(self, ctx, emit):
+        layouts = ctx.result_layouts()
+        refs = emit(ctx, ctx.operands(), layouts)
+        node = ctx.node
+        # a handler that combines partial results itself returns Locals
+        return [ref if isinstance(ref, Local) else Local(ref, layout, shape, dtype)
+                for ref, layout, shape, dtype
+                in zip(refs, layouts, node.out_shapes, node.out_dtypes)]
+
+    def _replicated(self, ctx):
+        """No rule: gather the inputs, run the op whole on every device."""
+        node = ctx.node
+        if node.op not in _SILENT_REPLICATED:
+            log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
+                        "(inputs gathered)", node.name, node.op)
+            self.replicated_ops.append(node.name)
+        inputs = [self.reshard(x, Layout.replicated(len(x.shape))) for x in ctx.inputs]
+        refs = self.b.replay(node, [x.ref for x in inputs], node.out_shapes, node.out_dtypes)
+        return [Local(ref, Layout.replicated(len(shape)), shape, dtype)
+                for ref, shape, dtype in zip(refs, node.out_shapes, node.out_dtypes)]
+
+
+# ops that are naturally whole (scalars, shapes): no warning when they run replicated
+_SILENT_REPLICATED = frozenset({"Shape", "Size", "Rank", "NoOp", "Range"})
+
+
+def partition(graph, mesh, propagation, output_layouts):
+    """The SPMD program of `graph` (see Partitioner)."""
+    return Partitioner(graph, mesh, propagation).run(output_layouts)

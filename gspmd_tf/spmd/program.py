@@ -1,0 +1,105 @@
+"""The SPMD program and the builder handlers use to emit it.
+
+The program is one Graph for every device, with local (per-device, padded) shapes. Its
+nodes are TF ops, re-created by a backend from op type and attrs, or gt.* ops whose
+behaviour depends on the device (see docs/INTERNALS.md).
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+
+from gspmd_tf.graph.ir import Graph, Node, Ref
+
+Local = namedtuple("Local", "ref layout shape dtype")
+Local.__doc__ = """A tensor of the SPMD program: `ref` holds this device's shard of a global
+tensor of `shape` and `dtype` laid out by `layout`."""
+
+COLLECTIVES = ("gt.AllReduce", "gt.AllGather", "gt.ReduceScatter", "gt.AllToAll",
+               "gt.Permute")
+
+
+def attr_value(value):
+    """A python value as an AttrValue proto."""
+    if isinstance(value, attr_value_pb2.AttrValue):
+        return value
+    if isinstance(value, tf.DType):
+        return attr_value_pb2.AttrValue(type=value.as_datatype_enum)
+    if isinstance(value, bool):
+        return attr_value_pb2.AttrValue(b=value)
+    if isinstance(value, (int, np.integer)):
+        return attr_value_pb2.AttrValue(i=int(value))
+    if isinstance(value, float):
+        return attr_value_pb2.AttrValue(f=value)
+    if isinstance(value, str):
+        return attr_value_pb2.AttrValue(s=value.encode())
+    if isinstance(value, np.ndarray):
+        return attr_value_pb2.AttrValue(tensor=tf.make_tensor_proto(value))
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, tf.DType) for v in value) and value:
+            return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                type=[v.as_datatype_enum for v in value]))
+        return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+            i=[int(v) for v in value]))
+    raise TypeError(f"no AttrValue for {value!r}")
+
+
+class ProgramBuilder:
+    """Appends nodes to the SPMD program; every method returns Refs of local tensors."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.graph = Graph()
+        self._consts = {}
+
+    def _add(self, op, inputs, attrs, shapes, dtypes, params=None, name=None):
+        name = name or f"{op.replace('gt.', 'gt_')}_{len(self.graph.nodes)}"
+        if name in self.graph._by_name:
+            name = f"{name}_{len(self.graph.nodes)}"
+        index = self.graph.add(Node(name, op, inputs, attrs, shapes, dtypes, params=params))
+        return [Ref(index, k) for k in range(len(shapes))]
+
+    def op(self, op_type, inputs, shape, out_dtype, name=None, **attrs):
+        """A single-output TF op; attrs given as python values or AttrValue protos."""
+        return self._add(op_type, inputs, {k: attr_value(v) for k, v in attrs.items()},
+                         [shape], [out_dtype], name=name)[0]
+
+    def replay(self, node, inputs, shapes, dtypes, attrs=None):
+        """The TF op of an imported node re-created on local inputs; all its outputs."""
+        merged = dict(node.attrs)
+        merged.update({k: attr_value(v) for k, v in (attrs or {}).items()})
+        return self._add(node.op, inputs, merged, shapes, dtypes, name=node.name)
+
+    def const(self, value, dtype=None):
+        """A constant (deduplicated by value)."""
+        value = np.asarray(value, dtype=None if dtype is None else dtype.as_numpy_dtype)
+        dtype = dtype or tf.as_dtype(value.dtype)
+        key = (value.tobytes(), value.shape, dtype.name)
+        if key not in self._consts:
+            self._consts[key] = self.op("Const", [], value.shape, dtype, value=value,
+                                        dtype=dtype)
+        return self._consts[key]
+
+    def input(self, index, shape, dtype):
+        """This device's shard of program input `index`."""
+        ref = self._add("gt.Input", [], {}, [shape], [dtype], params={"index": index})[0]
+        self.graph.inputs.append(ref)
+        return ref
+
+    def shard_index(self, axes):
+        """int32 scalar: this device's index along mesh `axes`."""
+        return self._add("gt.ShardIndex", [], {}, [()], [tf.int32],
+                         params={"axes": tuple(axes)})[0]
+
+    def collective(self, kind, x, shape, dtype, **params):
+        """A collective on local tensor `x` producing a local tensor of `shape`."""
+        assert kind in COLLECTIVES, kind
+        return self._add(kind, [x], {}, [shape], [dtype], params=params)[0]
+
+    def shape_of(self, ref):
+        """Local shape of a program tensor."""
+        return self.graph.shape(ref)

@@ -1,0 +1,275 @@
+"""LocalBackend: hand-built SPMD programs against numpy references over the shards."""
+
+import os
+
+os.environ.setdefault("GSPMD_TF_COLLECTIVE_TIMEOUT", "10")  # a hung collective fails fast
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+try:  # conftest normally does this; a lone run of this file must do it itself
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 8)
+except RuntimeError:  # TF already started
+    pass
+
+from gspmd_tf.backends import LocalBackend
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import Graph, Node, Ref
+from gspmd_tf.mesh import Mesh
+
+
+class Program:
+    """Builds an SPMD program Graph node by node."""
+
+    def __init__(self):
+        self.graph = Graph()
+
+    def _add(self, op, inputs, shapes, dtypes, attrs=None, params=None):
+        index = self.graph.add(Node(f"n{len(self.graph.nodes)}", op, inputs, attrs=attrs,
+                                    out_shapes=shapes, out_dtypes=dtypes, params=params))
+        return Ref(index, 0)
+
+    def input(self, index, shape, dtype=tf.float32):
+        """gt.Input: this device's shard of program input `index`."""
+        ref = self._add("gt.Input", [], [shape], [dtype], params={"index": index})
+        self.graph.inputs.append(ref)
+        return ref
+
+    def gt(self, op, x, shape=None, dtype=None, **params):
+        """A gt.* op on x; shape and dtype default to x's."""
+        shape = self.graph.shape(x) if shape is None else shape
+        dtype = dtype or self.graph.dtype(x)
+        return self._add("gt." + op, [x], [shape], [dtype], params=params)
+
+    def tf(self, fn, *inputs):
+        """The last op of fn(*placeholders), traced in a scratch graph, on `inputs`.
+
+        Its other inputs must be constants (an axis, say); they become Const nodes.
+        """
+        with tf.Graph().as_default():
+            args = [tf.compat.v1.placeholder(self.graph.dtype(r), self.graph.shape(r))
+                    for r in inputs]
+            op = fn(*args).op
+            position = {id(a): i for i, a in enumerate(args)}
+            refs = [inputs[position[id(t)]] if id(t) in position else self._node(t.op)
+                    for t in op.inputs]
+        return self._node(op, refs)
+
+    def const(self, value):
+        """A Const node."""
+        with tf.Graph().as_default():
+            return self._node(tf.constant(value).op)
+
+    def _node(self, op, inputs=()):
+        return self._add(op.type, inputs, [tuple(t.shape) for t in op.outputs],
+                         [t.dtype for t in op.outputs], attrs=dict(op.node_def.attr))
+
+    def outputs(self, *refs):
+        """Sets the program outputs; returns the graph."""
+        self.graph.outputs = list(refs)
+        return self.graph
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return Mesh.create((2, 4), ("data", "model"))
+
+
+@pytest.fixture(scope="module")
+def mesh3():
+    return Mesh.create((2, 2, 2), ("x", "y", "z"))
+
+
+def shards(mesh, shape, seed=0):
+    """One random float32 array per device."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(np.float32) for _ in range(mesh.size)]
+
+
+def per_group(mesh, axes, fn):
+    """fn(device, group_row) for every device, as a list indexed by device id."""
+    out = [None] * mesh.size
+    for row in mesh.groups(axes):
+        for d in row:
+            out[d] = fn(d, list(row))
+    return out
+
+
+def check(got, want):
+    for d, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g.numpy(), w, rtol=1e-5, atol=1e-5, err_msg=f"device {d}")
+
+
+REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
+
+
+def test_all_reduce_over_each_axis_and_both(mesh):
+    cases = [(("data",), "sum"), (("model",), "max"), (("data", "model"), "sum"),
+             (("model", "data"), "min"), (("model",), "prod")]
+    p = Program()
+    x = p.input(0, (3, 5))
+    graph = p.outputs(*[p.gt("AllReduce", x, axes=axes, reduce_op=op) for axes, op in cases])
+    xs = shards(mesh, (3, 5))
+    outs = LocalBackend(mesh).compile(graph)([xs])
+    for out, (axes, op) in zip(outs, cases):
+        check(out, per_group(mesh, axes, lambda d, row: REDUCE[op]([xs[i] for i in row], 0)))
+
+
+def test_all_reduce_over_axis_subset_of_3d_mesh(mesh3):
+    p = Program()
+    x = p.input(0, (4,))
+    graph = p.outputs(p.gt("AllReduce", x, axes=("x", "z"), reduce_op="sum"),
+                      p.gt("AllReduce", x, axes=("y",), reduce_op="max"))
+    xs = shards(mesh3, (4,))
+    outs = LocalBackend(mesh3).compile(graph)([xs])
+    check(outs[0], per_group(mesh3, ("x", "z"), lambda d, row: np.sum([xs[i] for i in row], 0)))
+    check(outs[1], per_group(mesh3, ("y",), lambda d, row: np.max([xs[i] for i in row], 0)))
+
+
+def test_all_gather_dims_and_axis_orders(mesh, mesh3):
+    cases = [(("model",), 0), (("model",), 1), (("data", "model"), 1), (("model", "data"), 0),
+             (("model", "data"), 1)]
+    p = Program()
+    x = p.input(0, (2, 3))
+    gathered = []
+    for axes, dim in cases:
+        shape = [2, 3]
+        shape[dim] *= mesh.axes_size(axes)
+        gathered.append(p.gt("AllGather", x, tuple(shape), axes=axes, dim=dim))
+    xs = shards(mesh, (2, 3))
+    outs = LocalBackend(mesh).compile(p.outputs(*gathered))([xs])
+    for out, (axes, dim) in zip(outs, cases):
+        # mesh.groups rows are in shard-index order: chunk i comes from row[i].
+        check(out, per_group(mesh, axes,
+                             lambda d, row: np.concatenate([xs[i] for i in row], dim)))
+
+    # Groups of 4 devices whose shard order is not device id order: [0, 4, 1, 5], ...
+    p = Program()
+    x = p.input(0, (2,))
+    graph = p.outputs(p.gt("AllGather", x, (8,), axes=("z", "x"), dim=0))
+    xs = shards(mesh3, (2,))
+    outs = LocalBackend(mesh3).compile(graph)([xs])
+    assert list(mesh3.groups(("z", "x"))[0]) == [0, 4, 1, 5]
+    check(outs[0], per_group(mesh3, ("z", "x"),
+                             lambda d, row: np.concatenate([xs[i] for i in row])))
+
+
+def all_to_all_reference(xs, row, d, split_dim, concat_dim):
+    k = len(row)
+    mine = row.index(d)
+    return np.concatenate([np.split(xs[i], k, split_dim)[mine] for i in row], concat_dim)
+
+
+def test_all_to_all_moves_split_between_dims(mesh):
+    cases = [(("model",), 0, 1), (("model", "data"), 0, 1), (("data", "model"), 1, 0),
+             (("model",), 2, 0), (("model", "data"), 1, 1)]
+    p = Program()
+    x = p.input(0, (8, 8, 4))
+    results = []
+    for axes, split_dim, concat_dim in cases:
+        shape = [8, 8, 4]
+        shape[split_dim] //= mesh.axes_size(axes)
+        shape[concat_dim] *= mesh.axes_size(axes)
+        results.append(p.gt("AllToAll", x, tuple(shape), axes=axes, split_dim=split_dim,
+                            concat_dim=concat_dim))
+    xs = shards(mesh, (8, 8, 4))
+    outs = LocalBackend(mesh).compile(p.outputs(*results))([xs])
+    for out, (axes, split_dim, concat_dim) in zip(outs, cases):
+        check(out, per_group(mesh, axes, lambda d, row: all_to_all_reference(
+            xs, row, d, split_dim, concat_dim)))
+
+
+def test_reduce_scatter(mesh):
+    cases = [(("model",), 1, "sum"), (("model", "data"), 0, "max"), (("data",), 0, "sum")]
+    p = Program()
+    x = p.input(0, (8, 4))
+    results = []
+    for axes, dim, op in cases:
+        shape = [8, 4]
+        shape[dim] //= mesh.axes_size(axes)
+        results.append(p.gt("ReduceScatter", x, tuple(shape), axes=axes, dim=dim,
+                            reduce_op=op))
+    xs = shards(mesh, (8, 4))
+    outs = LocalBackend(mesh).compile(p.outputs(*results))([xs])
+    for out, (axes, dim, op) in zip(outs, cases):
+        check(out, per_group(mesh, axes, lambda d, row: np.split(
+            REDUCE[op]([xs[i] for i in row], 0), len(row), dim)[row.index(d)]))
+
+
+def test_permute_cyclic_shift_and_non_targets(mesh):
+    # Each device sends to the next one along "model"; the second permute only feeds
+    # data row 0 from row 1, so row 1 receives zeros.
+    shift = [(int(row[i]), int(row[(i + 1) % 4])) for row in mesh.groups(("model",))
+             for i in range(4)]
+    partial = [(int(mesh.device_ids[1, m]), int(mesh.device_ids[0, m])) for m in range(4)]
+    p = Program()
+    x = p.input(0, (3,))
+    graph = p.outputs(p.gt("Permute", x, pairs=shift), p.gt("Permute", x, pairs=partial))
+    xs = shards(mesh, (3,))
+    outs = LocalBackend(mesh).compile(graph)([xs])
+    source = {t: s for s, t in shift}
+    check(outs[0], [xs[source[d]] for d in range(8)])
+    check(outs[1], [xs[d + 4] if d < 4 else np.zeros(3) for d in range(8)])
+
+
+def test_shard_index(mesh):
+    p = Program()
+    x = p.input(0, ())
+    graph = p.outputs(*[p.gt("ShardIndex", x, (), tf.int32, axes=axes)
+                        for axes in [("data",), ("model", "data"), ()]])
+    outs = LocalBackend(mesh).compile(graph)([[np.float32(0)] * 8])
+    for out, axes in zip(outs, [("data",), ("model", "data"), ()]):
+        assert [int(t) for t in out] == [mesh.shard_index(d, axes) for d in range(8)]
+
+
+def test_tf_ops_between_collectives_and_repeated_runs(mesh):
+    p = Program()
+    x = p.input(0, (2, 4))
+    w = p.input(1, (4, 3))
+    h = p.tf(lambda a, b: tf.matmul(a, b, transpose_b=False), x, w)
+    h = p.gt("AllReduce", h, axes=("model",), reduce_op="sum")
+    h = p.tf(tf.multiply, h, p.const(np.float32(2.0)))
+    h = p.tf(lambda a, b: tf.concat([a, b], axis=1), h, h)
+    y = p.gt("AllGather", h, (4, 6), axes=("data",), dim=0)
+    index = p.gt("ShardIndex", x, (), tf.int32, axes=("model",))
+    run = LocalBackend(mesh).compile(p.outputs(y, index))
+    for seed in range(5):
+        xs, ws = shards(mesh, (2, 4), seed), shards(mesh, (4, 3), seed + 100)
+
+        def local(d):
+            row = mesh.groups(("model",))[d // 4]
+            return np.tile(2 * np.sum([xs[i] @ ws[i] for i in row], 0), (1, 2))
+
+        ys, indices = run([xs, [tf.constant(v) for v in ws]])
+        check(ys, per_group(mesh, ("data",),
+                            lambda d, row: np.concatenate([local(i) for i in row])))
+        assert [int(t) for t in indices] == [d % 4 for d in range(8)]
+
+
+def test_outputs_live_on_their_devices(mesh):
+    p = Program()
+    x = p.input(0, (2,))
+    graph = p.outputs(x, p.gt("AllReduce", x, axes=("model",), reduce_op="sum"))
+    outs = LocalBackend(mesh).compile(graph)([shards(mesh, (2,))])
+    for out in outs:
+        # `.device` names the device of the producing op, here the function call's;
+        # `backing_device` is where the shard's memory is.
+        assert [t.backing_device for t in out] == [
+            tf.DeviceSpec.from_string(name).to_string() for name in mesh.devices] or [
+            t.backing_device.endswith(name.split("device:")[-1]) for t, name in
+            zip(out, mesh.devices)] == [True] * 8
+
+
+def test_errors(mesh):
+    p = Program()
+    x = p.input(0, (2,))
+    with pytest.raises(ShardingError, match="send twice"):
+        LocalBackend(mesh).compile(p.outputs(p.gt("Permute", x, pairs=[(0, 1), (2, 1)])))
+    p = Program()
+    p.input(1, (2,))
+    with pytest.raises(ShardingError, match="indices"):
+        LocalBackend(mesh).compile(p.outputs())
+    with pytest.raises(ShardingError, match="mesh with devices"):
+        LocalBackend(Mesh.abstract((2,), ("a",)))

@@ -1,0 +1,77 @@
+"""Mesh, PartitionSpec and logical CPU devices."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gspmd_tf.devices import configure_cpu_devices
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.mesh import Mesh, P
+
+
+def test_create_uses_local_devices_row_major():
+    mesh = Mesh.create((2, 4), ("data", "model"))
+    assert mesh.shape == (2, 4) and mesh.size == 8 and not mesh.is_abstract
+    np.testing.assert_array_equal(mesh.device_ids, np.arange(8).reshape(2, 4))
+    assert [tf.DeviceSpec.from_string(d).device_index for d in mesh.devices] == list(range(8))
+    assert mesh.axis_size("model") == 4 and mesh.axis_index("model") == 1
+    assert mesh.axes_size(("data", "model")) == 8
+
+
+def test_abstract_mesh_may_exceed_local_devices():
+    mesh = Mesh.abstract((32, 64), ("data", "model"))
+    assert mesh.is_abstract and mesh.devices is None and mesh.size == 2048
+    assert mesh == Mesh.abstract((32, 64), ("data", "model"))
+    assert hash(mesh) == hash(Mesh.abstract((32, 64), ("data", "model")))
+    assert mesh != Mesh.abstract((64, 32), ("data", "model"))
+
+
+def test_coords_and_shard_index():
+    mesh = Mesh.abstract((2, 4), ("data", "model"))
+    assert mesh.coords(6) == (1, 2)
+    assert mesh.shard_index(6, ("data",)) == 1
+    assert mesh.shard_index(6, ("model",)) == 2
+    assert mesh.shard_index(6, ("data", "model")) == 6
+    assert mesh.shard_index(6, ("model", "data")) == 2 * 2 + 1
+    assert mesh.shard_index(6, ()) == 0
+
+
+def test_groups():
+    mesh = Mesh.abstract((2, 4), ("data", "model"))
+    np.testing.assert_array_equal(mesh.groups(("model",)), [[0, 1, 2, 3], [4, 5, 6, 7]])
+    np.testing.assert_array_equal(mesh.groups(("data",)), [[0, 4], [1, 5], [2, 6], [3, 7]])
+    np.testing.assert_array_equal(mesh.groups(("model", "data")), [[0, 4, 1, 5, 2, 6, 3, 7]])
+    np.testing.assert_array_equal(mesh.groups(()), np.arange(8).reshape(8, 1))
+    for axes in [("data",), ("model",), ("data", "model"), ("model", "data")]:
+        for row in mesh.groups(axes):
+            assert [mesh.shard_index(d, axes) for d in row] == list(range(len(row)))
+
+
+def test_partition_spec():
+    spec = P("data", None, ("x", "y"))
+    assert spec.axes_of(0) == ("data",) and spec.axes_of(1) == ()
+    assert spec.axes_of(2) == ("x", "y") and spec.axes_of(7) == ()
+    assert repr(spec) == "P('data', None, ('x', 'y'))"
+    with pytest.raises(ShardingError, match="PartitionSpec entry"):
+        P(3)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Mesh.abstract((2, 4), ("a", "a")), "repeat a name"),
+    (lambda: Mesh.abstract((2, 4), ("a",)), "one name per dim"),
+    (lambda: Mesh.abstract((2, 0), ("a", "b")), "at least one device"),
+    (lambda: Mesh.abstract((2, 4), ("a", "b")).axis_size("c"), "unknown mesh axis 'c'"),
+    (lambda: Mesh.abstract((2, 4), ("a", "b")).groups(("c",)), "unknown mesh axis 'c'"),
+    (lambda: Mesh.create((4, 4), ("a", "b")), r"needs 16 devices but this process has 8"),
+])
+def test_mesh_errors(make, message):
+    with pytest.raises(ShardingError, match=message):
+        make()
+
+
+def test_configure_cpu_devices_after_start():
+    assert len(tf.config.list_logical_devices("CPU")) == 8  # the runtime has started
+    configure_cpu_devices(8)
+    configure_cpu_devices(4)
+    with pytest.raises(ShardingError, match="before TensorFlow runs"):
+        configure_cpu_devices(16)

@@ -1,0 +1,44 @@
+"""Shared test helpers: compare a partitioned function with the single-device one."""
+
+import numpy as np
+import tensorflow as tf
+
+import gspmd_tf as gt
+
+RTOL = 1e-5  # float32 relative error, measured on the whole tensor
+
+
+def single_device(fn, args):
+    """`fn` run by plain TF on one device, as numpy leaves."""
+    with tf.device("/device:CPU:0"):
+        out = tf.function(fn, autograph=False)(*args)
+    return [np.asarray(t) for t in tf.nest.flatten(out)]
+
+
+def assert_close(got, want, what=""):
+    """Floats: relative error (norm) within RTOL; everything else exact."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    if np.issubdtype(want.dtype, np.floating):
+        scale = max(np.linalg.norm(want.astype(np.float64)), 1e-30)
+        err = np.linalg.norm((got.astype(np.float64) - want)) / scale
+        assert err <= RTOL, f"{what}: relative error {err:.2e} > {RTOL}"
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+def check_partitioned(fn, args, mesh, in_shardings, out_shardings=None):
+    """Run `fn` partitioned and on one device; assert equal values. Returns Lowered."""
+    f = gt.function(fn, mesh=mesh, in_shardings=in_shardings, out_shardings=out_shardings)
+    got = tf.nest.flatten(f(*args))
+    want = single_device(fn, args)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert isinstance(g, gt.ShardedTensor)
+        assert_close(g.numpy(), w, f"output {i}")
+    return f.lower(*args)
+
+
+def randn(rng, *shape):
+    """float32 normal values."""
+    return rng.standard_normal(shape).astype(np.float32)
