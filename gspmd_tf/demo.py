@@ -17,6 +17,7 @@ importable: benchmarks/step_time.py and benchmarks/lowering_time.py reuse it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -44,11 +45,12 @@ class ModelConfig:
 
 
 # Per-layer weights in the order loss_fn takes them, with the spec each is annotated with.
+# None: not annotated (inferred); a tuple: the PartitionSpec entries.
 LAYER_PARAMS = (("ln1_gamma", None), ("ln1_beta", None),
-                ("wq", ("P", None, "model")), ("wk", ("P", None, "model")),
-                ("wv", ("P", None, "model")), ("wo", ("P", "model")),
+                ("wq", (None, "model")), ("wk", (None, "model")), ("wv", (None, "model")),
+                ("wo", ("model",)),
                 ("ln2_gamma", None), ("ln2_beta", None),
-                ("w1", ("P", None, "model")), ("w2", ("P", "model")))
+                ("w1", (None, "model")), ("w2", ("model",)))
 
 
 def param_names(cfg):
@@ -76,12 +78,9 @@ def in_specs(cfg):
     that Megatron splits are annotated; layer-norm scales are left to inference."""
     from gspmd_tf import P
 
-    def spec(entry):
-        return None if entry is None else P(*entry[1:])
-
     specs = [P("data"), P("model")]            # tokens [B, S+1]; embed [vocab, d]
     for _ in range(cfg.layers):
-        specs += [spec(e) for _, e in LAYER_PARAMS]
+        specs += [None if e is None else P(*e) for _, e in LAYER_PARAMS]
     return specs + [None, None]                # final layer norm
 
 
@@ -95,7 +94,7 @@ def init_params(cfg, seed=0):
         elif name.endswith("beta"):
             out.append(0.1 * rng.standard_normal(shape, np.float32))
         else:
-            scale = 1.0 / math.sqrt(shape[0]) if name != "embed" else 0.5
+            scale = 1.0 / math.sqrt(shape[0]) if name != "embed" else 0.05
             out.append((scale * rng.standard_normal(shape)).astype(np.float32))
     return out
 
@@ -214,6 +213,9 @@ def main(argv):
     import gspmd_tf as gt
     gt.configure_cpu_devices(int(np.prod(mesh_shape)))
     import tensorflow as tf
+    # The partitioner warns once per op without a rule (per lowering); the summary below
+    # lists them once.
+    logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
 
     cfg = ModelConfig(layers=f.layers, d_model=f.d_model, heads=f.heads, d_ff=f.d_ff,
                       vocab=f.vocab, seq=f.seq, batch=f.batch)
@@ -232,11 +234,13 @@ def main(argv):
     annotated, inferred = lowered.counts()
     total_tensors = sum(len(n.out_shapes) for n in lowered.graph.nodes)
     print(f"lowered in {lower_s:.2f} s (trace + import + propagate + partition)")
-    print(f"traced graph: {len(lowered.graph.nodes)} ops, {total_tensors} tensors")
+    print(f"traced graph: {len(lowered.graph.nodes)} ops, {total_tensors} tensors; "
+          f"SPMD program: {len(lowered.program.graph.nodes)} ops")
     print(f"  {annotated} tensors annotated (tokens + {annotated - 1} weights)")
     print(f"  {inferred} tensors got a (non-replicated) sharding by inference")
     if lowered.program.replicated_ops:
-        print("  ran replicated (no rule): " + ", ".join(lowered.program.replicated_ops))
+        print(f"  {len(lowered.program.replicated_ops)} ops have no rule and run replicated: "
+              + ", ".join(lowered.program.replicated_ops))
 
     # ------------------------------------------------------------- collectives
     collectives = lowered.collectives()
@@ -254,26 +258,29 @@ def main(argv):
           " + ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(by_kind.items())))
 
     # ------------------------------------------------------------- parameter bytes
-    layouts = lowered.program.input_layouts
+    # What each device holds: the local (per-device, padded) shape of every argument
+    # under the input sharding the program chose for it.
+    shardings = lowered.input_shardings
     names = ["tokens"] + param_names(cfg)
     shapes = [tokens.shape] + param_shapes(cfg)
-    full = per_device = 0
-    for name, shape, layout in zip(names[1:], shapes[1:], layouts[1:len(names)]):
-        full += int(np.prod(shape)) * 4
-        per_device += int(np.prod(layout.local_shape(mesh, shape))) * 4
-    print(f"\nparameters: {len(names) - 1} arrays, {fmt_bytes(full)} unsharded; "
-          f"each device holds {fmt_bytes(per_device)} ({per_device / full:.1%}, "
-          f"1/{full / per_device:.2f})")
-    layer0 = [i for i, n in enumerate(names) if n == "embed" or n.startswith("layer0/")
-              or n.startswith("final")]
-    print(f"  {'weight':18s} {'shape':12s} {'sharding':22s} {'local':12s} {'bytes/device':>12s}")
-    for i in layer0:
-        local = layouts[i].local_shape(mesh, shapes[i])
-        print(f"  {names[i]:18s} {str(tuple(shapes[i])):12s} "
-              f"{str(layouts[i].to_spec()):22s} {str(local):12s} "
-              f"{int(np.prod(local)) * 4:12d}")
+    local_shapes = [s.to_layout(mesh, len(shape)).local_shape(mesh, shape)
+                    for s, shape in zip(shardings, shapes)]
+    full = sum(int(np.prod(shape)) * 4 for shape in shapes[1:])
+    per_device = sum(int(np.prod(shape)) * 4 for shape in local_shapes[1:])
+    print(f"\nparameters: {len(names) - 1} arrays, {fmt_bytes(full)} ({full} bytes) unsharded;"
+          f" each device holds {fmt_bytes(per_device)} ({per_device} bytes, "
+          f"{per_device / full:.1%} = 1/{full / per_device:.2f})")
+    shown = [i for i, n in enumerate(names)
+             if n in ("tokens", "embed") or n.startswith(("layer0/", "final"))]
+    print(f"  {'argument':18s} {'shape':11s} {'spec':18s} {'local shape':12s} "
+          f"{'bytes/device':>12s} {'unsharded':>10s}  XLA sharding")
+    for i in shown:
+        spec = shardings[i].to_layout(mesh, len(shapes[i])).to_spec()
+        print(f"  {names[i]:18s} {str(tuple(shapes[i])):11s} {str(spec):18s} "
+              f"{str(local_shapes[i]):12s} {int(np.prod(local_shapes[i])) * 4:12d} "
+              f"{int(np.prod(shapes[i])) * 4:10d}  {shardings[i]}")
     if cfg.layers > 1:
-        print("  (layers 1.. are sharded like layer0)")
+        print(f"  (layers 1..{cfg.layers - 1} are sharded like layer0)")
 
     # ------------------------------------------------------------- run and compare
     with tf.device(mesh.devices[0]):
@@ -282,8 +289,10 @@ def main(argv):
     with tf.device(mesh.devices[0]):
         ref = float(single(*args).numpy())
     # Place the inputs on the mesh once, in the shardings the program expects.
-    placed = [gt.ShardedTensor.from_value(a, mesh, l)
-              for a, l in zip([tokens] + params, lowered.program.input_layouts)]
+    placed = [gt.ShardedTensor.from_value(a, mesh, s.to_layout(mesh, np.ndim(a)))
+              for a, s in zip([tokens] + params, shardings)]
+    held = sum(max(t.shard_bytes()) for t in placed[1:])
+    assert held == per_device, (held, per_device)  # ShardedTensors hold what we printed
     out = sharded(*placed)
     got = float(out.numpy())
     rel = abs(got - ref) / max(abs(ref), 1e-30)

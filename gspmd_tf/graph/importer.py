@@ -51,7 +51,8 @@ def import_graph(fn, inputs=None, outputs=None) -> Graph:
         # Shapes the trace left unknown only because a callee was traced on relaxed
         # shapes become known when the whole graph is re-inferred after inlining.
         if not (any(op.type in _CALL_OPS for op in graph.get_operations())
-                and all(t.op.type == "Placeholder" for t in inputs)):
+                and all(t.op.type == "Placeholder" and t.shape.is_fully_defined()
+                        for t in inputs)):
             raise
         body = _Body(graph.as_graph_def(), [t.name for t in inputs],
                      [_feed(t, t.shape) for t in inputs], [t.name for t in outputs])
@@ -91,47 +92,45 @@ class _Importer:
         # What a control edge on an op means in the IR: the node indices to wait for.
         control = {op: [ref.node] for op, ref in bound.items()}
         start = len(self.ir.nodes)
-        for op in _topological(graph.get_operations()):
+        for op, in_tensors, in_ops in _topological(graph):
             if op in bound:
                 continue
-            inputs = [refs[t.op][t.value_index] for t in op.inputs]
-            deps = [i for c in op.control_inputs for i in control[c]]
-            if all(ref.node < start for ref in inputs):
+            inputs = [refs[t.op][t.value_index] for t in in_tensors]
+            deps = [i for c in in_ops for i in control[c]]
+            if call_control and all(ref.node < start for ref in inputs):
                 deps += call_control
-            deps = list(dict.fromkeys(deps))
-            if op.type == "NoOp":  # dropped; control edges on it go to its own deps
+            if len(deps) > 1:
+                deps = list(dict.fromkeys(deps))
+            op_type = op.type
+            if op_type == "NoOp":  # dropped; control edges on it go to its own deps
                 control[op] = deps
                 continue
             name = prefix + op.name
             node_def = op.node_def
-            if op.type in _CALL_OPS:
-                refs[op], control[op] = self.inline(op, node_def.attr["f"].func.name,
-                                                    name, inputs, deps)
+            if op_type in _CALL_OPS:
+                outs, control[op] = self.inline(op, node_def.attr["f"].func.name, name,
+                                                inputs, deps)
             else:
-                refs[op], control[op] = self.add(op, node_def, name, inputs, deps,
-                                                 nested=bool(prefix))
-            self.annotate(op, node_def, refs[op])
+                outs = op.outputs
+                index = self.ir.add(Node(
+                    name, op_type, inputs,
+                    # Underscore attrs are TF's bookkeeping (shapes, colocation,
+                    # shardings...), never part of an OpDef: re-creating the op must
+                    # not copy them.
+                    attrs={k: v for k, v in node_def.attr.items() if k[0] != "_"},
+                    out_shapes=[_static_shape(t, name, bool(prefix)) for t in outs],
+                    out_dtypes=[t.dtype for t in outs],
+                    control_inputs=deps))
+                outs, control[op] = [Ref(index, k) for k in range(len(outs))], [index]
+            refs[op] = outs
+            self.annotate(op, node_def, outs)
         return refs, control
-
-    def add(self, op, node_def, name, inputs, deps, nested):
-        """Appends `op` as one node; returns its output Refs and its control meaning."""
-        outs = op.outputs
-        node = Node(
-            name, op.type, inputs,
-            # Underscore attrs are TF's bookkeeping (shapes, colocation, shardings...),
-            # never part of an OpDef: re-creating the op must not copy them.
-            attrs={k: v for k, v in node_def.attr.items() if not k.startswith("_")},
-            out_shapes=[_static_shape(t, name, nested) for t in outs],
-            out_dtypes=[t.dtype for t in outs],
-            control_inputs=deps)
-        index = self.ir.add(node)
-        return [Ref(index, k) for k in range(len(outs))], [index]
 
     def inline(self, op, callee, name, inputs, deps):
         """Inlines the call `op` under `name/`; returns its output Refs and control."""
         feeds = tuple(_feed(t, self.ir.shape(ref)) for t, ref in zip(op.inputs, inputs))
-        key = (callee, tuple((f[0], f[1], f[2].SerializeToString() if f[2] else b"")
-                             for f in feeds))
+        key = (callee, tuple((dtype, shape, data and data.SerializeToString())
+                             for dtype, shape, data in feeds))
         if key not in self.bodies:
             self.bodies[key] = _Body.of_function(self.root, callee, feeds)
         body = self.bodies[key]
@@ -223,31 +222,36 @@ def _feed(tensor, shape):
     handle_data = None
     if tensor.dtype == tf.resource:
         handle_data = handle_data_util.get_resource_handle_data(tensor)
+        if not handle_data.is_set:
+            handle_data = None
     return tensor.dtype, tuple(shape), handle_data
 
 
-def _topological(ops):
-    """`ops` reordered so that every op follows its inputs and control inputs.
+def _topological(graph):
+    """(op, input tensors, control input ops) for every op of `graph`, each op after
+    the ops it reads or waits for.
 
     TF creates ops after their data inputs, but control edges may be added later
     (e.g. a function's outputs wait on a NoOp created after them).
     """
+    edges = {op: (op.inputs, op.control_inputs) for op in graph.get_operations()}
+    deps = lambda op: iter([t.op for t in edges[op][0]] + edges[op][1])
     order, seen = [], set()
-    for root in ops:
+    for root in edges:
         if root in seen:
             continue
         seen.add(root)
-        stack = [(root, iter([t.op for t in root.inputs] + root.control_inputs))]
+        stack = [(root, deps(root))]
         while stack:
-            op, deps = stack[-1]
-            for dep in deps:
+            op, pending = stack[-1]
+            for dep in pending:
                 if dep not in seen:
                     seen.add(dep)
-                    stack.append((dep, iter([t.op for t in dep.inputs] + dep.control_inputs)))
+                    stack.append((dep, deps(dep)))
                     break
             else:
                 stack.pop()
-                order.append(op)
+                order.append((op,) + edges[op])
     return order
 
 

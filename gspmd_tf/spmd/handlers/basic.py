@@ -103,7 +103,8 @@ def slicing(ctx, operands, layouts):
     else:
         end = np.array(ctx.graph.const_value(node.inputs[2]))
         for d in split:
-            end[d] = local[d]
+            if d < len(end):  # dims past the spec's length are taken whole anyway
+                end[d] = local[d]
         refs[2] = ctx.b.const(end)
     return replay(ctx, operands, layouts, refs=refs)
 

@@ -1,0 +1,158 @@
+"""Lowering time of a Transformer stack, excluding tracing.
+
+    .venv/bin/python benchmarks/lowering_time.py --layers=1,4,16,64,256 \
+        --devices=8,64,512,2048 --stack_layers=16
+
+The program is the demo's Transformer LM (gspmd_tf.demo.make_loss_fn), annotated as the
+demo annotates it. It is traced ONCE per layer count with tf.function; the timed part is
+what gt.function does after tracing (see gspmd_tf/runtime/function.py `Function._build`):
+
+    import     gspmd_tf.graph.importer.import_graph(concrete function)
+    propagate  gspmd_tf.propagation.propagate.propagate(graph, mesh, seeds)
+    partition  gspmd_tf.spmd.partitioner.partition(graph, mesh, propagation, out_layouts)
+
+on an abstract mesh (gt.Mesh.abstract: no devices, nothing runs). Two sweeps:
+  1. --layers on a 2x4 mesh (data, model);
+  2. a fixed stack of --stack_layers layers as the mesh grows: --devices picks the mesh
+     shapes (8: 2x4, 64: 8x8, 512: 16x32, 2048: 32x64).
+Each cell is the median of --repeats runs after one untimed warm-up run. Model sizes default to ones every mesh axis
+divides (d_model 1024 = 64 heads x 16, d_ff 4096, vocab 32768, batch 64), so the same
+program splits evenly on every mesh.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+LAYERS = flags.DEFINE_list("layers", ["1", "4", "16", "64", "256"],
+                           "layer counts for the layer sweep (2x4 mesh)")
+DEVICES = flags.DEFINE_list("devices", ["8", "64", "512", "2048"],
+                            "device counts for the mesh sweep (shapes from MESHES)")
+STACK = flags.DEFINE_integer("stack_layers", 16, "layers of the program of the mesh sweep")
+REPEATS = flags.DEFINE_integer("repeats", 5, "timed repeats per cell (median reported)")
+D_MODEL = flags.DEFINE_integer("d_model", 1024, "model width")
+HEADS = flags.DEFINE_integer("heads", 64, "attention heads")
+D_FF = flags.DEFINE_integer("d_ff", 4096, "MLP hidden width")
+VOCAB = flags.DEFINE_integer("vocab", 32768, "vocabulary size")
+SEQ = flags.DEFINE_integer("seq", 128, "sequence length")
+BATCH = flags.DEFINE_integer("batch", 64, "batch size")
+
+MESHES = {8: (2, 4), 64: (8, 8), 512: (16, 32), 2048: (32, 64)}
+
+
+def trace(cfg):
+    """The concrete function of the demo model for `cfg` (tracing is not timed)."""
+    import tensorflow as tf
+    from gspmd_tf import demo
+    fn = tf.function(demo.make_loss_fn(cfg), autograph=False)
+    return fn.get_concrete_function(*demo.input_specs(cfg))
+
+
+def lower_once(concrete, cfg, mesh):
+    """One lowering after tracing; returns per-stage seconds and sizes."""
+    from gspmd_tf import demo
+    from gspmd_tf.graph.importer import import_graph
+    from gspmd_tf.layout import Layout
+    from gspmd_tf.propagation.propagate import propagate
+    from gspmd_tf.spmd.partitioner import partition
+    from gspmd_tf.spmd.program import COLLECTIVES
+
+    specs = demo.input_specs(cfg)
+    t0 = time.perf_counter()
+    graph = import_graph(concrete)
+    t1 = time.perf_counter()
+    seeds = {}
+    for ref, spec, entry in zip(graph.inputs, specs, demo.in_specs(cfg)):
+        if entry is not None:
+            seeds[ref] = Layout.from_spec(mesh, entry, len(spec.shape))
+    propagation = propagate(graph, mesh, seeds)
+    t2 = time.perf_counter()
+    out_layouts = [propagation.layout(r) for r in graph.outputs]
+    program = partition(graph, mesh, propagation, out_layouts)
+    t3 = time.perf_counter()
+    return {"import": t1 - t0, "propagate": t2 - t1, "partition": t3 - t2,
+            "total": t3 - t0, "ops": len(graph.nodes), "program_ops": len(program.graph.nodes),
+            "collectives": sum(1 for n in program.graph.nodes if n.op in COLLECTIVES),
+            "sweeps": propagation.sweeps}
+
+
+def measure(concrete, cfg, mesh, repeats):
+    """Median per-stage times of `repeats` lowerings, after one untimed warm-up."""
+    lower_once(concrete, cfg, mesh)
+    runs = []
+    for _ in range(repeats):
+        gc.collect()
+        runs.append(lower_once(concrete, cfg, mesh))
+    out = {k: statistics.median(r[k] for r in runs)
+           for k in ("import", "propagate", "partition", "total")}
+    out.update({k: runs[0][k] for k in ("ops", "program_ops", "collectives", "sweeps")})
+    return out
+
+
+HEADER = ("| {first} | traced ops | SPMD ops | collectives | import ms | propagate ms "
+          "| partition ms | total ms | total µs/op | (trace s, not in total) |")
+RULE = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+
+
+def row(first, r, trace_s):
+    return (f"| {first} | {r['ops']} | {r['program_ops']} | {r['collectives']} "
+            f"| {r['import'] * 1e3:.1f} | {r['propagate'] * 1e3:.1f} "
+            f"| {r['partition'] * 1e3:.1f} | {r['total'] * 1e3:.1f} "
+            f"| {r['total'] / r['ops'] * 1e6:.0f} | {trace_s} |")
+
+
+def main(argv):
+    del argv
+    import gspmd_tf as gt
+    from gspmd_tf import demo
+    # The partitioner warns about the scalar shape ops of the cross-entropy (no rule) on
+    # every lowering; keep the table readable.
+    logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
+
+    base = dict(d_model=D_MODEL.value, heads=HEADS.value, d_ff=D_FF.value,
+                vocab=VOCAB.value, seq=SEQ.value, batch=BATCH.value)
+    print(f"# lowering time (import + propagate + partition, tracing excluded)\n")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, "
+          f"python {platform.python_version()}; median of {REPEATS.value} repeats; "
+          f"model {base}\n")
+
+    print(f"## layer sweep, abstract mesh 2x4 (data, model)\n")
+    print(HEADER.format(first="layers"))
+    print(RULE)
+    mesh = gt.Mesh.abstract((2, 4), demo.AXES)
+    traced = {}
+    for n in map(int, LAYERS.value):
+        cfg = demo.ModelConfig(layers=n, **base)
+        start = time.perf_counter()
+        traced[n] = trace(cfg)
+        trace_s = time.perf_counter() - start
+        r = measure(traced[n], cfg, mesh, REPEATS.value)
+        print(row(n, r, f"{trace_s:.1f}"), flush=True)
+
+    print(f"\n## mesh sweep, {STACK.value} layers\n")
+    print(HEADER.format(first="devices (mesh)"))
+    print(RULE)
+    cfg = demo.ModelConfig(layers=STACK.value, **base)
+    concrete = traced.get(STACK.value) or trace(cfg)
+    for n in map(int, DEVICES.value):
+        shape = MESHES.get(n)
+        if shape is None:
+            raise SystemExit(f"--devices: no mesh shape for {n}; known: {sorted(MESHES)}")
+        mesh = gt.Mesh.abstract(shape, demo.AXES)
+        r = measure(concrete, cfg, mesh, REPEATS.value)
+        print(row(f"{n} ({shape[0]}x{shape[1]})", r, "-"), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

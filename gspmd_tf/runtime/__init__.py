@@ -1,0 +1,1 @@
+"""Run stage: gt.function, Lowered and ShardedTensor."""
