@@ -124,15 +124,20 @@ def test_nested_calls_are_inlined():
     assert ret.op == "Identity" and ret.name == f"{first}/Identity"
 
 
-def test_inlined_body_gets_call_site_shapes():
+@pytest.mark.parametrize("pinned", [True, False])
+def test_inlined_body_gets_call_site_shapes(pinned):
+    v = tf.Variable(tf.ones([3]))
+
     # Traced on a relaxed signature, the callee alone only knows (None, 3).
     @tf.function(input_signature=[spec(None, 3)])
     def rowsum(x):
-        return tf.reduce_sum(x, axis=1)
+        return tf.reduce_sum(x * v, axis=1)
 
     @tf.function
     def f(x):
-        return rowsum(x) * 2.0
+        y = rowsum(x)
+        # Unless pinned, the traced graph itself has y * 2.0 of shape (None,) too.
+        return (tf.ensure_shape(y, [8]) if pinned else y) * 2.0
 
     g = import_graph(f.get_concrete_function(spec(8, 3)))
     check_well_formed(g)
@@ -197,6 +202,29 @@ def test_control_edge_on_call_waits_for_its_side_effects():
     assert assign in producer(g, g.outputs[0]).control_inputs
 
 
+def test_control_inputs_of_a_call_reach_its_body():
+    v = tf.Variable(0.0)
+
+    @tf.function
+    def inner(x):
+        return tf.identity(x) + tf.ones([3])
+
+    @tf.function
+    def f(x):
+        assign = v.assign(1.0)
+        with tf.control_dependencies([assign]):
+            return inner(x)
+
+    g = import_graph(f.get_concrete_function(spec(3)))
+    check_well_formed(g)
+    assign = g.node_index("AssignVariableOp")
+    body = [n for n in g.nodes if n.name.startswith("PartitionedCall/")]
+    roots = [n for n in body if all(not g.nodes[r.node].name.startswith("PartitionedCall/")
+                                    for r in n.inputs)]
+    assert sorted(n.op for n in roots) == ["Const", "Identity"]
+    assert all(assign in n.control_inputs for n in roots)
+
+
 def test_functional_control_flow_is_kept_whole():
     @tf.function
     def f(x):
@@ -206,7 +234,9 @@ def test_functional_control_flow_is_kept_whole():
     g = import_graph(f.get_concrete_function(spec(2, 2)))
     check_well_formed(g)
     loop = next(n for n in g.nodes if "While" in n.op)
-    assert loop.out_shapes == [(), (), (2, 2)]  # loop counters, then i and y
+    # loop counter, maximum iterations, i, y
+    assert loop.out_shapes == [(), (), (), (2, 2)]
+    assert loop.attr("body") is not None
 
 
 def test_unknown_dim_raises_naming_the_tensor():

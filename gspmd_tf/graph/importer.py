@@ -148,13 +148,13 @@ class _Importer:
         """Records the sharding `op` carries (if any) on its output tensors `outs`."""
         attrs = node_def.attr
         # `_XlaSharding` first: xla_sharding sets it last, also on the XlaSharding ops.
+        # Its value may be empty: that is a REPLICATED proto. An XlaSharding op's own
+        # `sharding` attr is empty by default, which annotates nothing.
         if "_XlaSharding" in attrs:
             data = attrs["_XlaSharding"].s
-        elif op.type == "XlaSharding":
+        elif op.type == "XlaSharding" and attrs["sharding"].s:
             data = attrs["sharding"].s
         else:
-            return
-        if not data:  # an empty proto would parse as REPLICATED
             return
         proto = xla_data_pb2.OpSharding.FromString(data)
         if proto.type == xla_data_pb2.OpSharding.TUPLE:

@@ -1,0 +1,101 @@
+"""Bad input gives a gt.ShardingError naming the tensor, op or axis, and what to change."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gspmd_tf as gt
+
+P = gt.P
+MESH = gt.Mesh.abstract((2, 4), ("data", "model"))
+X = tf.TensorSpec((8, 4), tf.float32)
+
+
+def lower(fn, in_shardings, *specs, out_shardings=None, mesh=MESH):
+    return gt.function(fn, mesh=mesh, in_shardings=in_shardings,
+                       out_shardings=out_shardings).lower(*specs)
+
+
+def test_sharding_error_is_a_value_error():
+    assert issubclass(gt.ShardingError, ValueError)
+
+
+def test_unknown_axis_name():
+    with pytest.raises(gt.ShardingError, match=r"unknown mesh axis 'modle'.*\('data', 'model'\)"):
+        lower(lambda x: x * 2.0, (P("modle"),), X)
+
+
+def test_spec_longer_than_rank():
+    with pytest.raises(gt.ShardingError, match=r"argument 0 \(x\).*3 entries.*rank 2"):
+        lower(lambda x: x * 2.0, (P("data", None, "model"),), X)
+
+
+def test_axis_used_twice():
+    with pytest.raises(gt.ShardingError, match=r"uses mesh axis 'data' twice"):
+        lower(lambda x: x * 2.0, (P("data", "data"),), X)
+
+
+def test_annotation_inside_names_the_tensor():
+    def f(x):
+        return gt.mesh_split(x * 2.0, MESH, P("model", "model"))
+    with pytest.raises(gt.ShardingError, match="twice"):
+        lower(f, (None,), X)
+
+
+def test_mesh_larger_than_devices():
+    with pytest.raises(gt.ShardingError, match=r"needs 16 devices but this process has 8"):
+        gt.Mesh.create((4, 4), ("data", "model"))
+
+
+def test_args_not_matching_signature():
+    f = gt.function(lambda x, y: x + y, mesh=MESH, in_shardings=(P("data"), None))
+    with pytest.raises(gt.ShardingError, match="got 1 arguments but in_shardings has 2"):
+        f.lower(X)
+    g = gt.function(lambda x: x, mesh=MESH, out_shardings=(P("data"), P("data")))
+    with pytest.raises(gt.ShardingError, match="1 outputs but out_shardings has 2"):
+        g.lower(X)
+
+
+def test_conflicting_annotations_on_one_tensor():
+    from tensorflow.python.compiler.xla.experimental import xla_sharding
+
+    def f(x):
+        # TF's own API annotating the argument itself: split dim 1 over "data"
+        xla_sharding.mesh_split(x, MESH.device_ids, [-1, 0], use_sharding_op=False)
+        return x * 2.0
+
+    with pytest.raises(gt.ShardingError, match=r"'x'.*two shardings that cannot both hold"):
+        lower(f, (P("model"),), X)
+
+
+def test_sharding_the_mesh_cannot_express():
+    odd = gt.Sharding.parse("{devices=[8]0,2,4,6,1,3,5,7}")
+    with pytest.raises(gt.ShardingError, match="argument 0"):
+        lower(lambda x: x * 2.0, (odd,), X)
+
+
+def test_sharded_tensor_from_another_mesh():
+    mesh_a = gt.Mesh.create((2, 4), ("data", "model"))
+    mesh_b = gt.Mesh.create((8,), ("x",))
+    y = gt.function(lambda x: x * 1.0, mesh=mesh_a, in_shardings=(P("data"),))(
+        np.ones((8, 4), np.float32))
+    with pytest.raises(gt.ShardingError, match="another mesh"):
+        gt.function(lambda x: x + 1.0, mesh=mesh_b)(y)
+
+
+def test_abstract_mesh_cannot_run():
+    f = gt.function(lambda x: x * 2.0, mesh=MESH, in_shardings=(P("data"),))
+    with pytest.raises(gt.ShardingError, match="abstract mesh"):
+        f(np.ones((8, 4), np.float32))
+
+
+def test_unknown_shape_names_the_tensor():
+    f = gt.function(lambda x: x * 2.0, mesh=MESH)
+    with pytest.raises(gt.ShardingError, match="x"):
+        f.lower(tf.TensorSpec((None, 4), tf.float32))
+
+
+def test_sharding_of_unknown_name():
+    low = lower(lambda x: x * 2.0, (P("data"),), X)
+    with pytest.raises(gt.ShardingError, match="no tensor named 'nope'"):
+        low.sharding_of("nope")
