@@ -218,9 +218,9 @@ def test_control_inputs_of_a_call_reach_its_body():
     g = import_graph(f.get_concrete_function(spec(3)))
     check_well_formed(g)
     assign = g.node_index("AssignVariableOp")
-    body = [n for n in g.nodes if n.name.startswith("PartitionedCall/")]
-    roots = [n for n in body if all(not g.nodes[r.node].name.startswith("PartitionedCall/")
-                                    for r in n.inputs)]
+    in_body = [n.name.startswith("PartitionedCall/") for n in g.nodes]
+    roots = [n for n, inside in zip(g.nodes, in_body)
+             if inside and not any(in_body[r.node] for r in n.inputs)]
     assert sorted(n.op for n in roots) == ["Const", "Identity"]
     assert all(assign in n.control_inputs for n in roots)
 
@@ -306,10 +306,6 @@ def test_plain_graph_with_explicit_inputs_and_outputs():
     assert g.captures == []
 
 
-def proto(sharding):
-    return sharding.proto
-
-
 @pytest.mark.parametrize("use_op", [True, False])
 def test_annotations_from_xla_sharding(use_op):
     mesh = np.arange(8).reshape(2, 4)
@@ -341,12 +337,18 @@ def test_annotations_from_xla_sharding(use_op):
         ref = g.ref(name)
         if use_op:  # the annotated tensor is the XlaSharding op reading `name`
             ref = next(Ref(i, 0) for i in sharding_ops if g.nodes[i].inputs == [ref])
-        assert g.annotations[ref] == proto(sharding), name
-    by_type = {p.type for p in g.annotations.values()}
-    assert by_type == {xla_data_pb2.OpSharding.OTHER, xla_data_pb2.OpSharding.REPLICATED,
-                       xla_data_pb2.OpSharding.MAXIMAL}
-    assert g.annotations[g.ref("x") if not use_op else Ref(sharding_ops[0], 0)] \
-        .tile_assignment_dimensions == [2, 1]
+        assert g.annotations[ref] == sharding.proto, name
+    # The contents, spelled out for a few of them.
+    split = g.annotations[g.ref("x") if not use_op else Ref(sharding_ops[0], 0)]
+    assert split.type == xla_data_pb2.OpSharding.OTHER
+    assert list(split.tile_assignment_dimensions) == [2, 1]
+    assert list(split.tile_assignment_devices) == [0, 1]
+    mesh_split = g.annotations[Ref(sharding_ops[2], 0) if use_op else g.ref("MatMul")]
+    assert list(mesh_split.tile_assignment_dimensions) == [2, 1, 4]
+    assert mesh_split.replicate_on_last_tile_dim
+    maximal = g.annotations[Ref(sharding_ops[4], 0) if use_op else g.ref("add")]
+    assert maximal.type == xla_data_pb2.OpSharding.MAXIMAL
+    assert list(maximal.tile_assignment_devices) == [3]
 
 
 def test_partial_tile_proto_contents():
@@ -395,8 +397,7 @@ def test_annotation_inside_nested_function_and_on_call_output():
     assert g.nodes[inner_op].inputs[0] == g.ref(g.nodes[inner_op].name.split("/")[0]
                                                  + "/Relu")
     assert list(g.annotations[Ref(inner_op, 0)].tile_assignment_dimensions) == [1, 4]
-    call = producer(g, g.ref("add")).name  # noqa: F841 (add reads the call's output)
-    ret = node(g, "add").inputs[0]
+    ret = node(g, "add").inputs[0]  # the call's output: the callee's return
     assert producer(g, ret).op == "Identity"
     assert list(g.annotations[ret].tile_assignment_dimensions) == [2, 1]
 

@@ -109,7 +109,9 @@ class LocalBackend(base.Backend):
         """
         inputs = base.program_inputs(program)
         n = self.mesh.size
-        specs = [tf.TensorSpec(node.out_shapes[0], node.out_dtypes[0])
+        # a variable's handle is a scalar, whatever the shape of the value it holds
+        specs = [tf.TensorSpec(() if node.out_dtypes[0] == tf.resource else node.out_shapes[0],
+                               node.out_dtypes[0])
                  for node in inputs for _ in range(n)]
         lowering = _Lowering(self.mesh, self.collective_timeout)
         fn = tf.function(lambda *flat: lowering.lower(program, flat), autograph=False)

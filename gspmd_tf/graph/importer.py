@@ -6,7 +6,8 @@ relaxed shapes, e.g. an `input_signature` with None dims): its FunctionDef is im
 into a fresh tf.Graph fed with placeholders of the call site's shapes (and variable
 handle data), so TF's shape inference gives every inlined tensor its shape at that call
 site. Annotations are read from `_XlaSharding` attrs and XlaSharding ops, in the traced
-graph and in inlined bodies alike.
+graph and in inlined bodies alike. Call ops and NoOps add no node (control edges on them
+are re-routed); every other op, Identity included, becomes one node.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def import_graph(fn, inputs=None, outputs=None) -> Graph:
         ir, ins, outs = _Importer(graph).run(graph, inputs, outputs)
     except ShardingError:
         # Shapes the trace left unknown only because a callee was traced on relaxed
-        # shapes become known when the whole graph is re-inferred after inlining.
+        # shapes become known when TF re-infers the graph from its inputs' shapes (TF
+        # infers through calls then); only the failure case pays for that re-import.
         if not (any(op.type in _CALL_OPS for op in graph.get_operations())
                 and all(t.op.type == "Placeholder" and t.shape.is_fully_defined()
                         for t in inputs)):
@@ -183,7 +185,7 @@ class _Body:
         del graph_def.node[:]
         graph_def.node.extend(kept)
         # import_graph_def rejects mappings of tensors that are neither in graph_def nor
-        # used, so only map what is used.
+        # read there, so only map what is read.
         used = {name if ":" in name or name[0] == "^" else name + ":0"
                 for node in kept for name in node.input}
         self.graph = tf.Graph()
@@ -198,11 +200,13 @@ class _Body:
                 for key in (name, "^" + op_name):
                     if key in used:
                         input_map[key] = arg
-            returns = tf.graph_util.import_graph_def(
-                graph_def, input_map=input_map,
-                return_elements=list(return_names) + list(control_names), name="")
-        self.outputs = returns[:len(return_names)]
-        self.control_outputs = returns[len(return_names):]
+            args = dict(zip(arg_names, self.args))  # a body may return an argument
+            returns = iter(tf.graph_util.import_graph_def(
+                graph_def, input_map=input_map, name="",
+                return_elements=[n for n in return_names if n not in args]
+                + list(control_names)))
+        self.outputs = [args[n] if n in args else next(returns) for n in return_names]
+        self.control_outputs = list(returns)
 
     @classmethod
     def of_function(cls, root, callee, feeds):
@@ -212,8 +216,9 @@ class _Body:
             fdef = function_def_to_graph.get_function_def(callee, root)
             graph_def, names = function_def_to_graph.function_def_to_graph_def(
                 fdef, include_library_functions=True)
-        return cls(graph_def, [names[arg.name] for arg in fdef.signature.input_arg], feeds,
-                   [names[fdef.ret[arg.name]] for arg in fdef.signature.output_arg],
+        signature = fdef.signature
+        return cls(graph_def, [names[arg.name] for arg in signature.input_arg], feeds,
+                   [names[fdef.ret[arg.name]] for arg in signature.output_arg],
                    list(fdef.control_ret.values()))
 
 
@@ -273,7 +278,8 @@ def _static_shape(tensor, name, nested):
 
 
 def _record_variable(tensor, node):
-    """Stores the shape and dtype of the variable behind resource `tensor` in node.params."""
+    """Records the shape and dtype of the variable behind resource `tensor` in
+    node.params ("var_shape", "var_dtype"), when TF knows them."""
     data = handle_data_util.get_resource_handle_data(tensor)
     if not (data.is_set and data.shape_and_type):
         return
@@ -282,3 +288,6 @@ def _record_variable(tensor, node):
         return
     node.params["var_shape"] = tuple(d.size for d in shape.dim)
     node.params["var_dtype"] = tf.dtypes.as_dtype(data.shape_and_type[0].dtype)
+    # In the IR a variable handle has the shape of the variable: propagation and the
+    # partitioner treat it as standing for the value it holds.
+    node.out_shapes[0] = node.params["var_shape"]

@@ -369,6 +369,22 @@ def source(ctx):
     return rule
 
 
+def variable_update(ctx):
+    """Reads, assigns and fused optimizer updates of a variable (its handle has the
+    variable's shape in the IR): every input of that shape shares its factors;
+    scalars (learning rate, betas...) are not data."""
+    shape = ctx.in_shapes[0]
+    letters = _letters(len(shape))
+    data = [i for i, s in enumerate(ctx.in_shapes) if s == shape]
+    out = ctx.out_shapes[0] if ctx.out_shapes else shape
+    rule = einsum_rule(",".join([letters] * len(data)) + "->" + letters,
+                       [shape] * len(data), out)
+    rule.operands = _spread(rule.operands, data, len(ctx.in_shapes))
+    if not ctx.out_shapes:
+        rule.results = []
+    return rule
+
+
 def squeeze_or_expand(ctx):
     """ExpandDims/Squeeze are reshapes of size-1 dims."""
     return reshape(ctx)
@@ -387,6 +403,13 @@ Maximum Minimum Pow SquaredDifference Equal NotEqual Less LessEqual Greater Grea
 LogicalAnd LogicalOr Atan2 Xdivy Xlogy Xlog1py MulNoNan BitwiseAnd BitwiseOr BitwiseXor
 ReluGrad Relu6Grad TanhGrad SigmoidGrad SoftplusGrad RsqrtGrad SqrtGrad EluGrad
 SeluGrad LeakyReluGrad GeluGrad ReciprocalGrad""".split()
+
+VARIABLE_OPS = """ReadVariableOp AssignVariableOp AssignAddVariableOp AssignSubVariableOp
+ResourceApplyGradientDescent ResourceApplyMomentum ResourceApplyKerasMomentum
+ResourceApplyAdam ResourceApplyAdamWithAmsgrad ResourceApplyAdagrad ResourceApplyAdagradV2
+ResourceApplyRMSProp ResourceApplyCenteredRMSProp ResourceApplyAdadelta ResourceApplyAdaMax
+ResourceApplyFtrl ResourceApplyFtrlV2 ResourceApplyProximalGradientDescent
+ResourceApplyProximalAdagrad ResourceApplyAddSign ResourceApplyPowerSign""".split()
 
 RULES = {
     **{op: (elementwise,) for op in UNARY + BINARY},
@@ -426,6 +449,7 @@ RULES = {
     "GatherV2": (gather,),
     "OneHot": (one_hot,),
     "Const": (source,),
+    **{op: (variable_update,) for op in VARIABLE_OPS},
     "Fill": (source,),
 }
 

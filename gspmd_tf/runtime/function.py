@@ -14,6 +14,7 @@ from gspmd_tf.mesh import PartitionSpec
 from gspmd_tf.propagation.propagate import propagate
 from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
+from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.partitioner import partition
 
 
@@ -111,6 +112,9 @@ class Function:
             layout = _spec_layout(mesh, entries[i], len(spec.shape), what) or committed[i]
             if layout is not None:
                 seeds[ref] = layout
+        for ref, value in zip(graph.inputs[len(flat):], graph.captures):
+            if graph.dtype(ref) == tf.resource:
+                seeds[ref] = _captured_variable(graph, ref, value).layout
         self._seed_annotations(graph, seeds)
         out_layouts = self._seed_outputs(graph, seeds)
         propagation = propagate(graph, mesh, seeds)
@@ -149,10 +153,9 @@ class Function:
         lowered, flat = self._lower(args)
         run = lowered.compile()
         program = lowered.program
-        inputs = []
-        values = list(flat) + list(lowered.graph.captures)
-        for value, layout in zip(values, program.input_layouts):
-            inputs.append(self._shards(value, layout))
+        graph = lowered.graph
+        inputs = [self._shards(value, layout) for value, layout in
+                  zip(list(flat) + list(graph.captures), program.input_layouts)]
         outs = run(inputs)
         results = [ShardedTensor(self.mesh, layout, lowered.graph.shape(ref),
                                  lowered.graph.dtype(ref), shards)
@@ -162,7 +165,11 @@ class Function:
                                         expand_composites=True)
 
     def _shards(self, value, layout):
-        """Per-device shards of one program input in `layout`."""
+        """Per-device shards of one program input in `layout` (variables: the handles
+        of their shard variables)."""
+        variable = variable_of_handle(value)
+        if variable is not None:
+            return [v.handle for v in variable.shard_variables]
         if isinstance(value, ShardedTensor):
             if value.layout == layout:
                 return value.shards
@@ -170,6 +177,17 @@ class Function:
         elif hasattr(value, "numpy"):
             value = value.numpy()
         return split_value(np.asarray(value), self.mesh, layout)
+
+
+def _captured_variable(graph, ref, handle):
+    """The gt.Variable behind a captured resource; plain tf.Variables are refused."""
+    variable = variable_of_handle(handle)
+    if variable is None:
+        raise ShardingError(
+            f"the function captures a tf.Variable ({graph.tensor_name(ref)!r}) that is not a "
+            "gt.Variable; create it with gt.Variable(value, mesh=..., spec=...) so that "
+            "each device holds its shard")
+    return variable
 
 
 def _add_seed(graph, seeds, ref, layout, what):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import tensorflow as tf
+
 from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
@@ -99,11 +101,14 @@ def _split_candidates(mesh, rule, dims_factors, layout):
 
 
 def _choose_factor_axes(mesh, rule, inputs, targets):
-    """Mesh axes for every factor: result targets first, then operands; each axis once."""
+    """Mesh axes for every factor: variables first (their shards cannot move), then
+    result targets, then the other operands; each axis once."""
     chosen = [()] * len(rule.factor_sizes)
     taken = set()
-    sources = [(dims, t) for dims, t in zip(rule.results, targets) if dims is not None]
-    sources += [(dims, x.layout) for dims, x in zip(rule.operands, inputs) if dims is not None]
+    operands = [(dims, x) for dims, x in zip(rule.operands, inputs) if dims is not None]
+    sources = [(dims, x.layout) for dims, x in operands if x.dtype == tf.resource]
+    sources += [(dims, t) for dims, t in zip(rule.results, targets) if dims is not None]
+    sources += [(dims, x.layout) for dims, x in operands if x.dtype != tf.resource]
     for dims, layout in sources:
         for f, axes in _split_candidates(mesh, rule, dims, layout).items():
             if chosen[f] or not axes or rule.factor_kinds[f] == REPLICATE:
