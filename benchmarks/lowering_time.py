@@ -47,6 +47,8 @@ D_FF = flags.DEFINE_integer("d_ff", 4096, "MLP hidden width")
 VOCAB = flags.DEFINE_integer("vocab", 32768, "vocabulary size")
 SEQ = flags.DEFINE_integer("seq", 128, "sequence length")
 BATCH = flags.DEFINE_integer("batch", 64, "batch size")
+NO_GC = flags.DEFINE_bool("disable_gc", False,
+                          "turn Python's cyclic GC off while timing (to see its share)")
 
 MESHES = {8: (2, 4), 64: (8, 8), 512: (16, 32), 2048: (32, 64)}
 
@@ -93,7 +95,12 @@ def measure(concrete, cfg, mesh, repeats):
     runs = []
     for _ in range(repeats):
         gc.collect()
-        runs.append(lower_once(concrete, cfg, mesh))
+        if NO_GC.value:
+            gc.disable()
+        try:
+            runs.append(lower_once(concrete, cfg, mesh))
+        finally:
+            gc.enable()
     out = {k: statistics.median(r[k] for r in runs)
            for k in ("import", "propagate", "partition", "total")}
     out.update({k: runs[0][k] for k in ("ops", "program_ops", "collectives", "sweeps")})
@@ -124,8 +131,9 @@ def main(argv):
                 vocab=VOCAB.value, seq=SEQ.value, batch=BATCH.value)
     print(f"# lowering time (import + propagate + partition, tracing excluded)\n")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, "
-          f"python {platform.python_version()}; median of {REPEATS.value} repeats; "
-          f"model {base}\n")
+          f"python {platform.python_version()}; load average at start "
+          f"{os.getloadavg()[0]:.2f}; median of {REPEATS.value} repeats; "
+          f"Python GC {'off' if NO_GC.value else 'on'} while timing; model {base}\n")
 
     print(f"## layer sweep, abstract mesh 2x4 (data, model)\n")
     print(HEADER.format(first="layers"))
@@ -152,6 +160,7 @@ def main(argv):
         mesh = gt.Mesh.abstract(shape, demo.AXES)
         r = measure(concrete, cfg, mesh, REPEATS.value)
         print(row(f"{n} ({shape[0]}x{shape[1]})", r, "-"), flush=True)
+    print(f"\nload average at end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ SEED_EVERY = flags.DEFINE_integer("seed_every", 0,
                                   "also annotate every K-th weight (0: only the first)")
 CORE_REPEATS = flags.DEFINE_integer("core_repeats", 5, "extra timed runs of the core alone")
 RULES_ALONE = flags.DEFINE_bool("rules_alone", True, "also time rule_for() over all nodes")
+NO_GC = flags.DEFINE_bool("disable_gc", False,
+                          "turn Python's cyclic GC off while timing (to see its share)")
 
 NODES_PER_BLOCK = 8
 
@@ -131,7 +133,11 @@ def main(argv):
 
     print("# propagation on a synthetic graph\n")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, python "
-          f"{platform.python_version()}; abstract mesh {shape}; B={b} D={d} H={h}\n")
+          f"{platform.python_version()}; load average at start {os.getloadavg()[0]:.2f}; "
+          f"abstract mesh {shape}; B={b} D={d} H={h}; Python GC "
+          f"{'off' if NO_GC.value else 'on'} while timing\n")
+    if NO_GC.value:
+        gc.disable()
 
     t0 = time.perf_counter()
     graph, weights = build_graph(OPS.value, b, d, h)
@@ -195,7 +201,8 @@ def main(argv):
     for label, secs in rows:
         print(f"| {label} | {secs:.3f} | {secs / n * 1e6:.2f} |")
     target = "met" if core_median < 2.0 else "NOT met"
-    print(f"\ncore target (< 2 s for {n} nodes): {target} ({core_median:.3f} s)")
+    print(f"\ncore target (< 2 s for {n} nodes): {target} ({core_median:.3f} s); "
+          f"load average at end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -32,11 +32,11 @@ class ModelConfig:
     """Sizes of the demo Transformer."""
 
     layers: int = 2
-    d_model: int = 64
-    heads: int = 4
-    d_ff: int = 256
-    vocab: int = 256
-    seq: int = 32
+    d_model: int = 128
+    heads: int = 8
+    d_ff: int = 512
+    vocab: int = 512
+    seq: int = 64
     batch: int = 8
 
     @property
@@ -328,7 +328,7 @@ def define_flags():
     flags.DEFINE_integer("vocab", d.vocab, "vocabulary size")
     flags.DEFINE_integer("seq", d.seq, "sequence length")
     flags.DEFINE_integer("batch", d.batch, "batch size")
-    flags.DEFINE_integer("steps_timed", 10, "timed forward steps (median reported)")
+    flags.DEFINE_integer("steps_timed", 20, "timed forward steps (median reported)")
 
 
 if __name__ == "__main__":

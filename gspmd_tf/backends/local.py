@@ -196,9 +196,15 @@ class _Lowering:
         name = _safe_name(node.name)
 
         def emit(d, ins):
-            return ops.get_default_graph()._create_op_internal(
+            op = ops.get_default_graph()._create_op_internal(
                 node.op, [x[d] for x in ins], dtypes=node.out_dtypes, attrs=attrs,
                 name=f"{name}_d{d}")
+            # the program knows every local shape; TF may not (e.g. reads of variable
+            # handles fed without handle data)
+            for tensor, shape in zip(op.outputs, node.out_shapes):
+                if tensor.dtype != tf.resource:
+                    tensor.set_shape(shape)
+            return op
         return emit
 
     def _permute(self, pairs):

@@ -226,6 +226,9 @@ def _feed(tensor, shape):
     """(dtype, shape, handle data or None) of a placeholder standing for `tensor`."""
     handle_data = None
     if tensor.dtype == tf.resource:
+        # A handle is a scalar to TF (the IR gives it its variable's shape instead);
+        # the variable's shape travels in the handle data.
+        shape = ()
         handle_data = handle_data_util.get_resource_handle_data(tensor)
         if not handle_data.is_set:
             handle_data = None

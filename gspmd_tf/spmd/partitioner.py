@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.graph.ir import Ref
@@ -46,8 +47,8 @@ class OpContext:
         self.rule = rule
         self.targets = targets
         self.inputs = [partitioner.values[r] for r in self.node.inputs]
-        self.factor_axes = _choose_factor_axes(self.mesh, rule, self.inputs, targets) \
-            if rule else None
+        self.factor_axes = _choose_factor_axes(self.mesh, rule, self.inputs, targets,
+                                               self.node) if rule else None
 
     def reshard(self, local, layout):
         """`local` in `layout` (cached per tensor and layout)."""
@@ -100,24 +101,71 @@ def _split_candidates(mesh, rule, dims_factors, layout):
     return found
 
 
-def _choose_factor_axes(mesh, rule, inputs, targets):
-    """Mesh axes for every factor: variables first (their shards cannot move), then
-    result targets, then the other operands; each axis once."""
-    chosen = [()] * len(rule.factor_sizes)
-    taken = set()
+def _choose_factor_axes(mesh, rule, inputs, targets, node):
+    """Mesh axes for every factor, each axis used once.
+
+    Variables come first (their shards cannot move). Then two orders are tried: the
+    result targets before the operands, or the operands' split reduced factors first
+    (compute a partial result and reduce-scatter it, rather than gather an operand);
+    the one that moves fewer bytes wins, the first on a tie.
+    """
     operands = [(dims, x) for dims, x in zip(rule.operands, inputs) if dims is not None]
-    sources = [(dims, x.layout) for dims, x in operands if x.dtype == tf.resource]
-    sources += [(dims, t) for dims, t in zip(rule.results, targets) if dims is not None]
-    sources += [(dims, x.layout) for dims, x in operands if x.dtype != tf.resource]
+    fixed = [(dims, x.layout) for dims, x in operands if x.dtype == tf.resource]
+    results = [(dims, t) for dims, t in zip(rule.results, targets) if dims is not None]
+    others = [(dims, x.layout) for dims, x in operands if x.dtype != tf.resource]
+    pinned = _assign(mesh, rule, fixed)
+    # a variable's unsplit dims are as binding as its split ones
+    pinned_factors = {f for dims, _ in fixed for fs in dims for f in fs}
+    best = _assign(mesh, rule, results + others, start=pinned, pinned=pinned_factors)
+    if REDUCE in rule.factor_kinds and others:
+        reduced = _assign(mesh, rule, others, kinds=(REDUCE,), start=pinned,
+                          pinned=pinned_factors)
+        alternative = _assign(mesh, rule, results + others, start=reduced,
+                              pinned=pinned_factors)
+        if (alternative != best and _moved_bytes(mesh, rule, alternative, inputs, targets, node)
+                < _moved_bytes(mesh, rule, best, inputs, targets, node)):
+            best = alternative
+    return best
+
+
+def _assign(mesh, rule, sources, kinds=None, start=None, pinned=()):
+    """Factor axes taken greedily from `sources` (dims, layout) in order; factors in
+    `pinned` keep what `start` gives them."""
+    chosen = list(start) if start else [()] * len(rule.factor_sizes)
+    taken = {a for axes in chosen for a in axes}
     for dims, layout in sources:
         for f, axes in _split_candidates(mesh, rule, dims, layout).items():
-            if chosen[f] or not axes or rule.factor_kinds[f] == REPLICATE:
+            kind = rule.factor_kinds[f]
+            if (chosen[f] or not axes or kind == REPLICATE or f in pinned
+                    or (kinds and kind not in kinds)):
                 continue
             if taken.isdisjoint(axes):
                 chosen[f] = tuple(axes)
                 taken.update(axes)
     _keep_sub_factors_exact(mesh, rule, chosen)
     return chosen
+
+
+def _moved_bytes(mesh, rule, chosen, inputs, targets, node):
+    """Rough bytes a choice moves: each operand that must change layout, each result
+    that is partial or not in its target layout, counted at its local size."""
+    def layout_of(dims, partial=()):
+        return Layout(tuple(tuple(a for f in fs for a in chosen[f]) for fs in dims), partial)
+
+    def local_bytes(shape, layout, dtype):
+        return int(np.prod(layout.local_shape(mesh, shape), dtype=np.int64)) * dtype.size
+
+    total = 0
+    for dims, x in zip(rule.operands, inputs):
+        if dims is not None and layout_of(dims) != x.layout:
+            total += local_bytes(x.shape, x.layout, x.dtype)
+    partial = tuple(a for f, kind in enumerate(rule.factor_kinds) if kind == REDUCE
+                    for a in chosen[f])
+    for dims, target, shape, dtype in zip(rule.results, targets, node.out_shapes,
+                                          node.out_dtypes):
+        if dims is not None and layout_of(dims, partial) != target:
+            total += local_bytes(shape, layout_of(dims), dtype)
+    return total
 
 
 def _keep_sub_factors_exact(mesh, rule, chosen):

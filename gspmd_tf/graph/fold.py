@@ -1,0 +1,255 @@
+"""Fold shape computations of an imported graph to constants.
+
+Gradient code (and user code) computes shapes, axes and multiples with small ops: Shape,
+Size, BroadcastGradientArgs, StridedSlice of a shape, ConcatV2, FloorDiv... With static
+shapes all of them are constants. Folding them lets the rules of the ops that read them
+(Reshape, Sum, Tile, UnsortedSegmentSum...) see constant arguments, and keeps shape
+arithmetic out of the partitioner (where it would run replicated, without a rule).
+
+`fold(graph)` rewrites the IR in place:
+  - Shape/ShapeN/Size/Rank of any tensor become constants (every shape is static);
+  - pure ops (FOLDABLE) whose inputs are all constants, and whose result is small, are
+    evaluated with TF (eagerly, on the CPU) and become constants;
+  - tensors the importer left with an unknown shape (outputs of VALUE_SHAPED ops, whose
+    shape depends on input values, and their consumers) get the shape of their folded
+    value, or else the shape TF's shape inference gives once the inputs are constants;
+    a tensor still unknown is a ShardingError.
+A folded node becomes a "Const" node (attrs dtype and value) with the same name and
+index, no data inputs, and its control inputs kept, so every Ref to it stays valid. A
+folded node with several outputs (ShapeN, BroadcastGradientArgs, Unpack) becomes one
+Const per output: the extra ones (named "<name>/output_<k>") are inserted before it and
+every Ref of the graph is renumbered.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import Node, Ref
+
+MAX_ELEMENTS = 100_000  # no folded constant is larger
+SMALL_FLOAT = 64  # floating results larger than their inputs fold only up to this size
+
+# Ops whose output shapes depend on their input VALUES: TF's shape inference may leave
+# them unknown; the importer defers them (and their unknown-shaped consumers) to fold().
+VALUE_SHAPED = frozenset({"BroadcastGradientArgs", "DynamicStitch", "ListDiff"})
+
+SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+# Pure ops (no state, no randomness, value-determined results) folded on constants.
+FOLDABLE = frozenset("""
+Pack Unpack ConcatV2 Concat ConcatOffset StridedSlice Slice Cast Bitcast
+Add AddV2 Sub Mul Div RealDiv FloorDiv FloorMod TruncateDiv TruncateMod Maximum Minimum
+Neg Abs Sign Square Range Reshape Prod Sum Max Min Mean All Any
+Fill GatherV2 Gather GatherNd DynamicStitch Identity IdentityN Snapshot StopGradient
+ExpandDims Squeeze Transpose ReverseV2 Equal NotEqual Less LessEqual Greater GreaterEqual
+LogicalAnd LogicalOr LogicalNot Select SelectV2 ZerosLike OnesLike Tile BroadcastTo
+InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff
+""".split())
+
+
+def fold(graph):
+    """Fold constant shape computations of `graph` in place (see the module docstring)."""
+    unknown = getattr(graph, "unknown_shapes", None) or {}
+    values = {}  # node index -> [np.ndarray per output] of constants read so far
+    multi = []  # folded nodes with several outputs: (index, [(value, dtype)])
+    for index, node in enumerate(graph.nodes):
+        outs = _fold_node(graph, index, node, values, unknown)
+        if outs is None:
+            if any((index, k) in unknown for k in range(len(node.out_shapes))):
+                _infer_shapes(graph, index, node, values, unknown)
+            continue
+        values[index] = outs
+        for k, value in enumerate(outs):
+            node.out_shapes[k] = tuple(value.shape)
+            unknown.pop(Ref(index, k), None)
+        if len(outs) > 1:
+            multi.append((index, list(zip(outs, node.out_dtypes))))
+        _make_const(node, outs[0])
+    if unknown:
+        ref = min(unknown)
+        name = graph.tensor_name(ref)
+        raise ShardingError(
+            f"tensor '{name}' has shape {unknown[ref]} with unknown dimensions; gspmd-tf "
+            "needs static shapes: trace with fully defined shapes (e.g. pass "
+            "tf.TensorSpec with a full shape)")
+    if hasattr(graph, "unknown_shapes"):
+        del graph.unknown_shapes
+    if multi:
+        _split_outputs(graph, multi)
+    return graph
+
+
+def _const_of(graph, ref, values):
+    """numpy value of a constant tensor (small ones only), or None."""
+    cached = values.get(ref.node)
+    if cached is not None:
+        return cached[ref.out]
+    node = graph.nodes[ref.node]
+    if node.op != "Const" or np.prod(node.out_shapes[0], dtype=np.int64) > MAX_ELEMENTS:
+        return None
+    value = np.asarray(node.attr("value"))
+    values[ref.node] = [value]
+    return value
+
+
+def _fold_node(graph, index, node, values, unknown):
+    """The constant outputs of `node` (list of np.ndarray), or None when it stays."""
+    op = node.op
+    if op in SHAPE_OPS:
+        return _shape_op(graph, node, unknown)
+    if op not in FOLDABLE or not node.inputs:
+        return None
+    shapes_known = all((index, k) not in unknown for k in range(len(node.out_shapes)))
+    if shapes_known:
+        n_out = sum(int(np.prod(s, dtype=np.int64)) for s in node.out_shapes)
+        if n_out > MAX_ELEMENTS:
+            return None
+    inputs = []
+    for ref in node.inputs:
+        if ref in unknown:
+            return None
+        value = _const_of(graph, ref, values)
+        if value is None:
+            return None
+        inputs.append(value)
+    if shapes_known and any(not (d.is_integer or d == tf.bool) for d in node.out_dtypes):
+        n_in = sum(v.size for v in inputs)
+        if n_out > max(n_in, SMALL_FLOAT):  # do not turn small data into big constants
+            return None
+    outs = _evaluate(graph, node, inputs)
+    if outs is None or sum(v.size for v in outs) > MAX_ELEMENTS:
+        return None
+    return outs
+
+
+def _shape_op(graph, node, unknown):
+    """Shape/ShapeN/Size/Rank of statically shaped tensors."""
+    if any(ref in unknown for ref in node.inputs):
+        return None
+    dtype = node.attr("out_type", tf.int32)
+    shapes = [graph.shape(ref) for ref in node.inputs]
+    np_dtype = dtype.as_numpy_dtype
+    if node.op == "Shape":
+        return [np.asarray(shapes[0], np_dtype).reshape(len(shapes[0]))]
+    if node.op == "ShapeN":
+        return [np.asarray(s, np_dtype).reshape(len(s)) for s in shapes]
+    if node.op == "Size":
+        return [np.asarray(np.prod(shapes[0], dtype=np.int64), np_dtype)]
+    return [np.asarray(len(shapes[0]), np.int32)]  # Rank
+
+
+def _evaluate(graph, node, inputs):
+    """Run `node` eagerly on constant inputs; None when TF cannot (or the op fails)."""
+    from tensorflow.python.eager import context, execute
+
+    attrs = []
+    for name, value in node.attrs.items():
+        decoded = _eager_attr(value)
+        if decoded is _UNSUPPORTED:
+            return None
+        attrs += [name, decoded]
+    try:
+        with tf.init_scope(), tf.device("/device:CPU:0"):
+            tensors = [tf.constant(v, dtype=graph.dtype(ref))
+                       for v, ref in zip(inputs, node.inputs)]
+            outs = execute.execute(node.op, len(node.out_dtypes), tensors, tuple(attrs),
+                                   context.context())
+    except (tf.errors.OpError, TypeError, ValueError):
+        return None
+    return [np.asarray(t.numpy()) for t in outs]
+
+
+_UNSUPPORTED = object()
+
+
+def _eager_attr(value):
+    """An AttrValue as the python value eager execution takes."""
+    kind = value.WhichOneof("value")
+    if kind == "list":
+        lst = value.list
+        if lst.func or lst.tensor:
+            return _UNSUPPORTED
+        for field in ("i", "f", "b", "s", "type", "shape"):
+            items = list(getattr(lst, field))
+            if items:
+                return [_eager_scalar(field, item) for item in items]
+        return []
+    if kind in (None, "func", "placeholder", "tensor"):
+        return _UNSUPPORTED
+    return _eager_scalar(kind, getattr(value, kind))
+
+
+def _eager_scalar(kind, item):
+    if kind == "shape":
+        return None if item.unknown_rank else [d.size for d in item.dim]
+    return item  # ints, floats, bools, bytes, DataType enums
+
+
+def _make_const(node, value):
+    """Turn `node` into a Const node holding `value` (its first output)."""
+    dtype = node.out_dtypes[0]
+    node.op = "Const"
+    node.inputs = []
+    node.attrs = {
+        "dtype": attr_value_pb2.AttrValue(type=dtype.as_datatype_enum),
+        "value": attr_value_pb2.AttrValue(
+            tensor=tf.make_tensor_proto(np.asarray(value, dtype.as_numpy_dtype))),
+    }
+    del node.out_shapes[1:]
+    del node.out_dtypes[1:]
+
+
+def _infer_shapes(graph, index, node, values, unknown):
+    """Shapes of a deferred node's outputs from TF's shape inference, with its constant
+    inputs given as constants (the others as placeholders of their static shapes)."""
+    if any(ref in unknown for ref in node.inputs):
+        return
+    g = tf.Graph()
+    try:
+        with g.as_default():
+            inputs = []
+            for ref in node.inputs:
+                value = _const_of(graph, ref, values)
+                dtype = graph.dtype(ref)
+                inputs.append(tf.constant(value, dtype) if value is not None
+                              else tf.compat.v1.placeholder(dtype, graph.shape(ref)))
+            op = g.create_op(node.op, inputs, list(node.out_dtypes), attrs=node.attrs,
+                             compute_device=False)
+    except (tf.errors.OpError, TypeError, ValueError):
+        return
+    for k, t in enumerate(op.outputs):
+        if t.shape.is_fully_defined():
+            node.out_shapes[k] = tuple(t.shape.as_list())
+            unknown.pop(Ref(index, k), None)
+
+
+def _split_outputs(graph, multi):
+    """Insert a Const for every extra output of the folded multi-output nodes, and
+    renumber every Ref and node index of the graph."""
+    extra = dict(multi)
+    old_nodes = graph.nodes
+    new_index = {}  # old node index -> new node index
+    new_ref = {}  # (old node, out) -> new Ref, for the split outputs
+    graph.nodes, graph._by_name = [], {}
+    for i, node in enumerate(old_nodes):
+        for k, (value, dtype) in enumerate(extra.get(i, ())[1:], start=1):
+            const = Node(f"{node.name}/output_{k}", "Const", out_shapes=[value.shape],
+                         out_dtypes=[dtype], control_inputs=node.control_inputs)
+            _make_const(const, value)
+            new_ref[(i, k)] = Ref(graph.add(const), 0)
+        new_index[i] = graph.add(node)
+
+    def remap(ref):
+        return new_ref.get((ref.node, ref.out)) or Ref(new_index[ref.node], ref.out)
+
+    for node in graph.nodes:
+        node.inputs = [remap(r) for r in node.inputs]
+        node.control_inputs = [new_index.get(c, c) for c in node.control_inputs]
+    graph.inputs = [remap(r) for r in graph.inputs]
+    graph.outputs = [remap(r) for r in graph.outputs]
+    graph.annotations = {remap(r): s for r, s in graph.annotations.items()}
+    graph.aliases = {name: remap(r) for name, r in graph.aliases.items()}
