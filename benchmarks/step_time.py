@@ -23,7 +23,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,16 +89,7 @@ def main(argv):
         def run_sharded():
             return float(sharded(*placed).numpy())
 
-        fns = [run_sharded, run_single]
-        for fn in fns:
-            for _ in range(WARMUP.value):
-                fn()
-        times = [[], []]
-        for _ in range(REPEATS.value):
-            for i, fn in enumerate(fns):
-                start = time.perf_counter()
-                fn()
-                times[i].append(time.perf_counter() - start)
+        times = demo.side_by_side([run_sharded, run_single], REPEATS.value, WARMUP.value)
         got, ref = run_sharded(), run_single()
         rel = abs(got - ref) / abs(ref)
         ts, t1 = statistics.median(times[0]), statistics.median(times[1])

@@ -5,6 +5,7 @@ of devices; gspmd-tf infers the rest, rewrites the function into one SPMD progra
 collectives and runs it on the mesh.
 """
 
+from gspmd_tf import keras
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.devices import configure_cpu_devices
 from gspmd_tf.errors import ShardingError
@@ -17,4 +18,4 @@ from gspmd_tf.sharding import Sharding
 
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
-           "Variable", "function", "mesh_split"]
+           "Variable", "function", "keras", "mesh_split"]

@@ -157,21 +157,10 @@ def make_loss_fn(cfg):
 
 # ----------------------------------------------------------------------------- helpers
 
-def median_time(fn, steps, warmup=2):
-    """Median wall time of `steps` calls of fn() after `warmup` calls (seconds)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def side_by_side(fns, steps, warmup=2):
-    """Median times of several zero-argument callables, their runs interleaved so both
-    see the same machine state."""
+    """Wall times (seconds) of `steps` calls of each zero-argument callable, after
+    `warmup` untimed calls each; the calls alternate (f0, f1, f0, f1, ...) so that all
+    see the same machine load. Returns one list of times per callable."""
     for fn in fns:
         for _ in range(warmup):
             fn()
@@ -181,7 +170,7 @@ def side_by_side(fns, steps, warmup=2):
             start = time.perf_counter()
             fn()
             times[i].append(time.perf_counter() - start)
-    return [float(np.median(t)) for t in times]
+    return times
 
 
 def fmt_bytes(n):
@@ -305,9 +294,10 @@ def main(argv):
             return single(*args).numpy()
 
     def run_sharded():
-        return sharded(*placed).shards[0].numpy()
+        return sharded(*placed).numpy()
 
-    t_sharded, t_single = side_by_side([run_sharded, run_single], f.steps_timed)
+    t_sharded, t_single = (float(np.median(t)) for t in
+                           side_by_side([run_sharded, run_single], f.steps_timed))
     print(f"\nforward step (median of {f.steps_timed}, interleaved, after warm-up):")
     print(f"  {mesh.size} logical devices (gspmd-tf): {t_sharded * 1e3:8.2f} ms")
     print(f"  single device (tf.function)     : {t_single * 1e3:8.2f} ms")

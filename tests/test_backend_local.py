@@ -4,20 +4,21 @@ import os
 
 os.environ.setdefault("GSPMD_TF_COLLECTIVE_TIMEOUT", "10")  # a hung collective fails fast
 
+import time
+import types
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
-try:  # conftest normally does this; a lone run of this file must do it itself
-    tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 8)
-except RuntimeError:  # TF already started
-    pass
+from gspmd_tf.devices import configure_cpu_devices
 
-from gspmd_tf.backends import LocalBackend
-from gspmd_tf.errors import ShardingError
-from gspmd_tf.graph.ir import Graph, Node, Ref
-from gspmd_tf.mesh import Mesh
+configure_cpu_devices(8)  # conftest normally has; a no-op then
+
+from gspmd_tf.backends import LocalBackend, collectives  # noqa: E402
+from gspmd_tf.errors import ShardingError  # noqa: E402
+from gspmd_tf.graph.ir import Graph, Node, Ref  # noqa: E402
+from gspmd_tf.mesh import Mesh  # noqa: E402
 
 
 class Program:
@@ -37,11 +38,14 @@ class Program:
         self.graph.inputs.append(ref)
         return ref
 
-    def gt(self, op, x, shape=None, dtype=None, **params):
-        """A gt.* op on x; shape and dtype default to x's."""
+    def gt(self, op, x, shape=None, **params):
+        """A gt.* collective on x; shape defaults to x's."""
         shape = self.graph.shape(x) if shape is None else shape
-        dtype = dtype or self.graph.dtype(x)
-        return self._add("gt." + op, [x], [shape], [dtype], params=params)
+        return self._add("gt." + op, [x], [shape], [self.graph.dtype(x)], params=params)
+
+    def shard_index(self, axes):
+        """gt.ShardIndex along axes."""
+        return self._add("gt.ShardIndex", [], [()], [tf.int32], params={"axes": axes})
 
     def tf(self, fn, *inputs):
         """The last op of fn(*placeholders), traced in a scratch graph, on `inputs`.
@@ -128,7 +132,7 @@ def test_all_reduce_over_axis_subset_of_3d_mesh(mesh3):
     check(outs[1], per_group(mesh3, ("y",), lambda d, row: np.max([xs[i] for i in row], 0)))
 
 
-def test_all_gather_dims_and_axis_orders(mesh, mesh3):
+def test_all_gather_dims_and_axis_orders(mesh):
     cases = [(("model",), 0), (("model",), 1), (("data", "model"), 1), (("model", "data"), 0),
              (("model", "data"), 1)]
     p = Program()
@@ -144,16 +148,6 @@ def test_all_gather_dims_and_axis_orders(mesh, mesh3):
         # mesh.groups rows are in shard-index order: chunk i comes from row[i].
         check(out, per_group(mesh, axes,
                              lambda d, row: np.concatenate([xs[i] for i in row], dim)))
-
-    # Groups of 4 devices whose shard order is not device id order: [0, 4, 1, 5], ...
-    p = Program()
-    x = p.input(0, (2,))
-    graph = p.outputs(p.gt("AllGather", x, (8,), axes=("z", "x"), dim=0))
-    xs = shards(mesh3, (2,))
-    outs = LocalBackend(mesh3).compile(graph)([xs])
-    assert list(mesh3.groups(("z", "x"))[0]) == [0, 4, 1, 5]
-    check(outs[0], per_group(mesh3, ("z", "x"),
-                             lambda d, row: np.concatenate([xs[i] for i in row])))
 
 
 def all_to_all_reference(xs, row, d, split_dim, concat_dim):
@@ -179,6 +173,26 @@ def test_all_to_all_moves_split_between_dims(mesh):
     for out, (axes, split_dim, concat_dim) in zip(outs, cases):
         check(out, per_group(mesh, axes, lambda d, row: all_to_all_reference(
             xs, row, d, split_dim, concat_dim)))
+
+
+def test_groups_not_in_device_id_order(mesh3):
+    # Rows of groups(("z", "x")) are [0, 4, 1, 5], [2, 6, 3, 7]: TF ranks members by
+    # device name, so chunks must be reordered into shard order around TF's collectives.
+    axes = ("z", "x")
+    assert [list(r) for r in mesh3.groups(axes)] == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    p = Program()
+    x = p.input(0, (4, 2))
+    graph = p.outputs(p.gt("AllGather", x, (4, 8), axes=axes, dim=1),
+                      p.gt("AllToAll", x, (1, 8), axes=axes, split_dim=0, concat_dim=1),
+                      p.gt("ReduceScatter", x, (1, 2), axes=axes, dim=0, reduce_op="sum"))
+    xs = shards(mesh3, (4, 2))
+    outs = LocalBackend(mesh3).compile(graph)([xs])
+    check(outs[0], per_group(mesh3, axes,
+                             lambda d, row: np.concatenate([xs[i] for i in row], 1)))
+    check(outs[1], per_group(mesh3, axes, lambda d, row: all_to_all_reference(
+        xs, row, d, 0, 1)))
+    check(outs[2], per_group(mesh3, axes, lambda d, row: np.split(
+        np.sum([xs[i] for i in row], 0), 4)[row.index(d)]))
 
 
 def test_reduce_scatter(mesh):
@@ -216,10 +230,8 @@ def test_permute_cyclic_shift_and_non_targets(mesh):
 
 def test_shard_index(mesh):
     p = Program()
-    x = p.input(0, ())
-    graph = p.outputs(*[p.gt("ShardIndex", x, (), tf.int32, axes=axes)
-                        for axes in [("data",), ("model", "data"), ()]])
-    outs = LocalBackend(mesh).compile(graph)([[np.float32(0)] * 8])
+    graph = p.outputs(*[p.shard_index(axes) for axes in [("data",), ("model", "data"), ()]])
+    outs = LocalBackend(mesh).compile(graph)([])
     for out, axes in zip(outs, [("data",), ("model", "data"), ()]):
         assert [int(t) for t in out] == [mesh.shard_index(d, axes) for d in range(8)]
 
@@ -227,25 +239,50 @@ def test_shard_index(mesh):
 def test_tf_ops_between_collectives_and_repeated_runs(mesh):
     p = Program()
     x = p.input(0, (2, 4))
-    w = p.input(1, (4, 3))
-    h = p.tf(lambda a, b: tf.matmul(a, b, transpose_b=False), x, w)
+    w = p.input(1, (3, 4))
+    h = p.tf(lambda a, b: tf.matmul(a, b, transpose_b=True), x, w)  # attrs carry over
     h = p.gt("AllReduce", h, axes=("model",), reduce_op="sum")
-    h = p.tf(tf.multiply, h, p.const(np.float32(2.0)))
+    two = p.const(np.float32(2.0))
+    p.graph.nodes[two.node].control_inputs = [h.node]
+    h = p.tf(tf.multiply, h, two)
     h = p.tf(lambda a, b: tf.concat([a, b], axis=1), h, h)
     y = p.gt("AllGather", h, (4, 6), axes=("data",), dim=0)
-    index = p.gt("ShardIndex", x, (), tf.int32, axes=("model",))
+    index = p.shard_index(("model",))
     run = LocalBackend(mesh).compile(p.outputs(y, index))
     for seed in range(5):
-        xs, ws = shards(mesh, (2, 4), seed), shards(mesh, (4, 3), seed + 100)
+        xs, ws = shards(mesh, (2, 4), seed), shards(mesh, (3, 4), seed + 100)
 
         def local(d):
             row = mesh.groups(("model",))[d // 4]
-            return np.tile(2 * np.sum([xs[i] @ ws[i] for i in row], 0), (1, 2))
+            return np.tile(2 * np.sum([xs[i] @ ws[i].T for i in row], 0), (1, 2))
 
         ys, indices = run([xs, [tf.constant(v) for v in ws]])
         check(ys, per_group(mesh, ("data",),
                             lambda d, row: np.concatenate([local(i) for i in row])))
         assert [int(t) for t in indices] == [d % 4 for d in range(8)]
+
+
+def test_dtypes_tf_collectives_lack(mesh):
+    p = Program()
+    flags = p.input(0, (2,), tf.bool)
+    half = p.input(1, (2,), tf.bfloat16)
+    graph = p.outputs(p.gt("AllGather", flags, (8,), axes=("model",), dim=0),
+                      p.gt("AllReduce", flags, axes=("data",), reduce_op="max"),
+                      p.gt("AllToAll", flags, axes=("data",), split_dim=0, concat_dim=0),
+                      p.gt("AllReduce", half, axes=("model",), reduce_op="sum"))
+    rng = np.random.default_rng(1)
+    bits = [rng.random(2) < 0.5 for _ in range(8)]
+    halves = [np.float32(rng.integers(-8, 8, 2)) for _ in range(8)]
+    outs = LocalBackend(mesh).compile(graph)([bits, [tf.constant(h, tf.bfloat16)
+                                                     for h in halves]])
+    assert outs[0][0].dtype == tf.bool and outs[3][0].dtype == tf.bfloat16
+    check(outs[0], per_group(mesh, ("model",), lambda d, row: np.concatenate(
+        [bits[i] for i in row])))
+    check(outs[1], per_group(mesh, ("data",), lambda d, row: np.any([bits[i] for i in row], 0)))
+    check(outs[2], per_group(mesh, ("data",), lambda d, row: all_to_all_reference(
+        bits, row, d, 0, 0)))
+    check([tf.cast(t, tf.float32) for t in outs[3]], per_group(
+        mesh, ("model",), lambda d, row: np.sum([halves[i] for i in row], 0)))
 
 
 def test_outputs_live_on_their_devices(mesh):
@@ -254,12 +291,45 @@ def test_outputs_live_on_their_devices(mesh):
     graph = p.outputs(x, p.gt("AllReduce", x, axes=("model",), reduce_op="sum"))
     outs = LocalBackend(mesh).compile(graph)([shards(mesh, (2,))])
     for out in outs:
-        # `.device` names the device of the producing op, here the function call's;
-        # `backing_device` is where the shard's memory is.
-        assert [t.backing_device for t in out] == [
-            tf.DeviceSpec.from_string(name).to_string() for name in mesh.devices] or [
-            t.backing_device.endswith(name.split("device:")[-1]) for t, name in
-            zip(out, mesh.devices)] == [True] * 8
+        # `.device` names the function call's device; the memory is on the shard's own.
+        assert [tf.DeviceSpec.from_string(t.backing_device).device_index for t in out] == [
+            tf.DeviceSpec.from_string(name).device_index for name in mesh.devices]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_many_calls_do_not_pile_up_threads(mesh):
+    # TF's per-op collective timeouts would start 2 threads per device per collective per
+    # call, each living for the whole timeout; the watchdog must not.
+    p = Program()
+    x = p.input(0, (4,))
+    y = p.gt("AllReduce", x, axes=("model",), reduce_op="sum")
+    run = LocalBackend(mesh, collective_timeout=30).compile(
+        p.outputs(p.gt("AllGather", y, (8,), axes=("data",), dim=0)))
+    xs = shards(mesh, (4,))
+    run([xs])
+    before = len(os.listdir(f"/proc/{os.getpid()}/task"))
+    for _ in range(30):
+        out = run([xs])
+    after = len(os.listdir(f"/proc/{os.getpid()}/task"))
+    assert after - before < 16, (before, after)
+    check(out[0], per_group(mesh, ("data",), lambda d, row: np.concatenate(
+        [np.sum([xs[j] for j in mesh.groups(("model",))[i // 4]], 0) for i in row])))
+
+
+def test_watchdog_aborts_collectives_past_the_deadline(monkeypatch):
+    aborted = []
+    fake = types.SimpleNamespace(abort_collective_ops=lambda code, message: aborted.append(
+        (code, message)))
+    monkeypatch.setattr(collectives, "context", types.SimpleNamespace(context=lambda: fake))
+    watchdog = collectives.Watchdog()
+    with watchdog.guard(0.05, "a quick call"):
+        pass
+    with watchdog.guard(0.2, "a slow call"):
+        time.sleep(0.6)
+    assert len(aborted) == 1 and "a slow call" in aborted[0][1], aborted
+    with watchdog.guard(0, "an unguarded call"):
+        time.sleep(0.1)
+    assert len(aborted) == 1
 
 
 def test_errors(mesh):
@@ -271,5 +341,10 @@ def test_errors(mesh):
     p.input(1, (2,))
     with pytest.raises(ShardingError, match="indices"):
         LocalBackend(mesh).compile(p.outputs())
+    p = Program()
+    x = p.input(0, (6,))
+    with pytest.raises(ShardingError, match="equal chunks"):
+        LocalBackend(mesh).compile(p.outputs(p.gt("AllToAll", x, axes=("model",), split_dim=0,
+                                                  concat_dim=0)))
     with pytest.raises(ShardingError, match="mesh with devices"):
         LocalBackend(Mesh.abstract((2,), ("a",)))

@@ -110,3 +110,13 @@ def test_checkpoint_shape_mismatch_names_the_variable(mesh, tmp_path):
 def test_spec_longer_than_variable_rank(mesh):
     with pytest.raises(gt.ShardingError, match="variable 'bad.*rank 1"):
         gt.Variable(np.ones(4, np.float32), mesh, P("data", "model"), name="bad")
+
+
+def test_eager_reads_and_updates_act_on_the_global_value(mesh):
+    v = gt.Variable(np.arange(8, dtype=np.float32), mesh, P("model"), trainable=False,
+                    name="eager")
+    np.testing.assert_array_equal(tf.convert_to_tensor(v).numpy(), np.arange(8))
+    v.assign_add(np.ones(8, np.float32))
+    v.assign_sub(np.full(8, 2.0, np.float32))
+    np.testing.assert_array_equal(v.numpy(), np.arange(8) - 1.0)
+    assert [tuple(s.shape) for s in v.shards] == [(2,)] * 8

@@ -128,7 +128,8 @@ def _fold_node(graph, index, node, values, unknown):
 
 def _shape_op(graph, node, unknown):
     """Shape/ShapeN/Size/Rank of statically shaped tensors."""
-    if any(ref in unknown for ref in node.inputs):
+    if any(ref in unknown or graph.dtype(ref) in (tf.resource, tf.variant)
+           for ref in node.inputs):  # a handle's IR shape is not its TF shape
         return None
     dtype = node.attr("out_type", tf.int32)
     shapes = [graph.shape(ref) for ref in node.inputs]
@@ -158,7 +159,7 @@ def _evaluate(graph, node, inputs):
                        for v, ref in zip(inputs, node.inputs)]
             outs = execute.execute(node.op, len(node.out_dtypes), tensors, tuple(attrs),
                                    context.context())
-    except (tf.errors.OpError, TypeError, ValueError):
+    except Exception:  # pylint: disable=broad-except  (folding is optional: keep the op)
         return None
     return [np.asarray(t.numpy()) for t in outs]
 
@@ -219,7 +220,7 @@ def _infer_shapes(graph, index, node, values, unknown):
                               else tf.compat.v1.placeholder(dtype, graph.shape(ref)))
             op = g.create_op(node.op, inputs, list(node.out_dtypes), attrs=node.attrs,
                              compute_device=False)
-    except (tf.errors.OpError, TypeError, ValueError):
+    except Exception:  # pylint: disable=broad-except  (then the shape stays unknown)
         return
     for k, t in enumerate(op.outputs):
         if t.shape.is_fully_defined():

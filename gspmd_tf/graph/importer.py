@@ -20,6 +20,7 @@ from tensorflow.python.framework import function_def_to_graph
 from tensorflow.python.ops import handle_data_util
 
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.fold import VALUE_SHAPED, fold
 from gspmd_tf.graph.ir import Graph, Node, Ref
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
@@ -66,7 +67,7 @@ def import_graph(fn, inputs=None, outputs=None) -> Graph:
     for t, ref in zip(inputs, ins):
         if t.dtype == tf.resource:
             _record_variable(t, ir.nodes[ref.node])
-    return ir
+    return fold(ir)  # shape computations become constants (see fold.py)
 
 
 class _Importer:
@@ -75,6 +76,7 @@ class _Importer:
     def __init__(self, root):
         self.root = root  # where the function library lives
         self.ir = Graph()
+        self.ir.unknown_shapes = {}  # Ref -> tf.TensorShape, left to fold() to resolve
         self.bodies = {}  # (function name, feeds) -> _Body
 
     def run(self, graph, inputs, outputs):
@@ -114,15 +116,23 @@ class _Importer:
                                                 inputs, deps)
             else:
                 outs = op.outputs
+                # shapes that depend on values (of constants, once folded): see fold.py
+                unknown = self.ir.unknown_shapes
+                defer = op_type in VALUE_SHAPED or (
+                    unknown and any(ref in unknown for ref in inputs))
+                shapes = [_static_shape(t, name, bool(prefix), defer) for t in outs]
                 index = self.ir.add(Node(
                     name, op_type, inputs,
                     # Underscore attrs are TF's bookkeeping (shapes, colocation,
                     # shardings...), never part of an OpDef: re-creating the op must
                     # not copy them.
                     attrs={k: v for k, v in node_def.attr.items() if k[0] != "_"},
-                    out_shapes=[_static_shape(t, name, bool(prefix)) for t in outs],
+                    out_shapes=[s or () for s in shapes],
                     out_dtypes=[t.dtype for t in outs],
                     control_inputs=deps))
+                for k, shape in enumerate(shapes):
+                    if shape is None:
+                        unknown[Ref(index, k)] = outs[k].shape
                 outs, control[op] = [Ref(index, k) for k in range(len(outs))], [index]
             refs[op] = outs
             self.annotate(op, node_def, outs)
@@ -263,14 +273,16 @@ def _topological(graph):
     return order
 
 
-def _static_shape(tensor, name, nested):
+def _static_shape(tensor, name, nested, defer=False):
     """The shape of `tensor` (an output of IR node `name`, `nested` in an inlined
-    function) as a tuple of ints."""
+    function) as a tuple of ints; None when unknown and `defer` (fold() resolves it)."""
     shape = tensor.shape
     if shape.is_fully_defined():
         return tuple(shape.as_list())
     if tensor.dtype in _HANDLE_DTYPES:
         return ()
+    if defer:
+        return None
     label = name if tensor.value_index == 0 else f"{name}:{tensor.value_index}"
     hint = ("; a tf.function called inside must have them too (its input_signature, "
             "if any)" if nested else "")

@@ -320,9 +320,13 @@ def same_rank_slicing(ctx):
     """Slice/StridedSlice/Pad/Tile/MirrorPad of the same rank: changed dims whole."""
     if len(ctx.in_shapes[0]) != len(ctx.out_shapes[0]):
         return None
-    if ctx.node.op == "StridedSlice" and _strided_slice_is_partial(ctx):
-        return None
-    return per_dim(ctx, changed_dims(ctx))
+    changed = changed_dims(ctx)
+    if ctx.node.op == "StridedSlice":
+        strided = _strided_dims(ctx, 3)
+        if _strided_slice_is_partial(ctx) or strided is None:
+            return None
+        changed |= strided  # a reversed dim keeps its size but not its blocks
+    return per_dim(ctx, changed)
 
 
 def _strided_slice_is_partial(ctx):
@@ -331,20 +335,28 @@ def _strided_slice_is_partial(ctx):
                                           "shrink_axis_mask"))
 
 
-def gather(ctx):
-    """GatherV2: indices dims and the table's other dims pass; the gathered table dim is
-    REDUCE (masked local lookup, then all-reduce of the partial result)."""
-    table, indices = ctx.in_shapes[0], ctx.in_shapes[1]
+def gather_axis(ctx):
+    """The gathered table dim of GatherV2 (its axis input) or ResourceGather (dim 0);
+    None when not a constant."""
+    if ctx.node.op == "ResourceGather":
+        return 0
     axis = ctx.const(2)
+    return None if axis is None else int(axis) % len(ctx.in_shapes[0])
+
+
+def gather(ctx):
+    """GatherV2/ResourceGather: indices dims and the table's other dims pass; the gathered
+    table dim is REDUCE (masked local lookup, then all-reduce of the partial result)."""
+    table, indices = ctx.in_shapes[0], ctx.in_shapes[1]
+    axis = gather_axis(ctx)
     batch_dims = ctx.node.attr("batch_dims") or 0
     if axis is None or batch_dims:
         return None
-    axis = int(axis) % len(table)
     t = _letters(len(table))
     ind = _letters(len(indices), len(table))
     out = t[:axis] + ind + t[axis + 1:]
     rule = einsum_rule(f"{t},{ind}->{out}", [table, indices], ctx.out_shapes[0])
-    rule.operands.append(None)
+    rule.operands += [None] * (len(ctx.in_shapes) - 2)
     return rule
 
 
@@ -390,6 +402,91 @@ def squeeze_or_expand(ctx):
     return reshape(ctx)
 
 
+# ------------------------------------------------------------------ gradient-side ops
+# Ops TF's gradient code emits (besides elementwise *Grad ops, which are in BINARY).
+
+
+def bias_add_grad(ctx):
+    """BiasAddGrad: sums every dim but the channel (a REDUCE factor each)."""
+    rank = len(ctx.in_shapes[0])
+    letters = _letters(rank)
+    channel = 1 if ctx.node.attr("data_format") == "NCHW" else rank - 1
+    return einsum_rule(f"{letters}->{letters[channel]}", ctx.in_shapes, ctx.out_shapes[0])
+
+
+def broadcast_to(ctx):
+    """BroadcastTo: a broadcasting elementwise op of its one data input."""
+    return elementwise(ctx, data_inputs=(0,))
+
+
+def tile(ctx):
+    """Tile by constant multiples: a dim tiled from size 1 broadcasts (a result-only
+    factor, split freely: each device tiles its block); an untiled dim passes; a dim
+    tiled from a larger size stays whole."""
+    multiples = ctx.const(1)
+    if multiples is None:
+        return same_rank_slicing(ctx)
+    rule = OpRule()
+    dims_in, dims_out = [], []
+    for n, m in zip(ctx.in_shapes[0], ctx.out_shapes[0]):
+        if n == m or n == 1:
+            f = rule.add_factor(m) if m > 1 else None
+            dims_out.append((f,) if f is not None else ())
+            dims_in.append((f,) if f is not None and n == m else ())
+        else:
+            dims_in.append((rule.add_factor(n, REPLICATE),))
+            dims_out.append((rule.add_factor(m, REPLICATE),))
+    rule.operands = [tuple(dims_in), None]
+    rule.results = [tuple(dims_out)]
+    return rule
+
+
+def strided_slice_grad(ctx):
+    """StridedSliceGrad (dy scattered into zeros of `shape`), same rank and plain
+    masks only: dims the slice changed (or reversed) are whole, the others pass."""
+    dy = ctx.in_shapes[4]
+    out = ctx.out_shapes[0]
+    if any(ctx.const(i) is None for i in (1, 2, 3)) or len(dy) != len(out) or any(
+            ctx.node.attr(m) for m in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")):
+        return None
+    changed = {d for d, (a, b) in enumerate(zip(dy, out)) if a != b}
+    return per_dim(ctx, changed | _strided_dims(ctx, 3), data_inputs=(4,))
+
+
+def _strided_dims(ctx, i):
+    """Dims whose stride (constant input i of a StridedSlice(Grad)) is not 1, or None."""
+    strides = ctx.const(i)
+    if strides is None:
+        return None
+    return {d for d, s in enumerate(np.atleast_1d(strides)) if s != 1}
+
+
+def unsorted_segment(ctx, reduce_op):
+    """UnsortedSegmentSum/Max/Min/Prod: data [N..., D...], segment_ids [N...] ->
+    [num_segments, D...]. The segment dims N are REDUCE (partial result); D pass; the
+    segment dim of the result is a factor of its own (each device keeps the segments of
+    its block)."""
+    data, ids = ctx.in_shapes[0], ctx.in_shapes[1]
+    letters = _letters(len(data) + 1)
+    seg = letters[-1]
+    out = seg + letters[len(ids):len(data)]
+    rule = einsum_rule(f"{letters[:len(data)]},{letters[:len(ids)]}->{out}",
+                       [data, ids], ctx.out_shapes[0], reduce_op)
+    rule.operands.append(None)
+    return rule
+
+
+def select_v1(ctx):
+    """Select: a vector condition picks rows (the first dim) of higher-rank operands;
+    otherwise elementwise like SelectV2."""
+    cond, x = ctx.in_shapes[0], ctx.in_shapes[1]
+    if len(cond) != 1 or len(x) <= 1:
+        return elementwise(ctx)
+    letters = _letters(len(x))
+    return einsum_rule(f"{letters[0]},{letters},{letters}->{letters}", ctx.in_shapes,
+                       ctx.out_shapes[0])
+
+
 # ----------------------------------------------------------------------------- the table
 
 UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
@@ -414,7 +511,7 @@ ResourceApplyProximalAdagrad ResourceApplyAddSign ResourceApplyPowerSign""".spli
 RULES = {
     **{op: (elementwise,) for op in UNARY + BINARY},
     "AddN": (elementwise,),
-    "Select": (elementwise,),
+    "Select": (select_v1,),
     "SelectV2": (elementwise,),
     "MatMul": (matmul,),
     "BatchMatMul": (batch_matmul,),
@@ -445,12 +542,21 @@ RULES = {
     "StridedSlice": (same_rank_slicing,),
     "Pad": (same_rank_slicing,),
     "PadV2": (same_rank_slicing,),
-    "Tile": (same_rank_slicing,),
+    "Tile": (tile,),
     "GatherV2": (gather,),
+    "ResourceGather": (gather,),
     "OneHot": (one_hot,),
     "Const": (source,),
     **{op: (variable_update,) for op in VARIABLE_OPS},
     "Fill": (source,),
+    # gradient-side ops (see the builders above)
+    "BiasAddGrad": (bias_add_grad,),
+    "BroadcastTo": (broadcast_to,),
+    "StridedSliceGrad": (strided_slice_grad,),
+    "UnsortedSegmentSum": (unsorted_segment, "sum"),
+    "UnsortedSegmentMax": (unsorted_segment, "max"),
+    "UnsortedSegmentMin": (unsorted_segment, "min"),
+    "UnsortedSegmentProd": (unsorted_segment, "prod"),
 }
 
 

@@ -126,13 +126,40 @@ class Variable(resource_variable_ops.UninitializedVariable):
                                           self.layout)):
             var.assign(piece)
 
+    # Eagerly (between steps: metrics, get/set weights, checkpoints) a read is the global
+    # value assembled from the shards and an update is split over them; in traced code
+    # they are ordinary variable ops, partitioned onto the shards.
+    def _read_variable_op(self, no_copy=False):
+        if tf.executing_eagerly():
+            return tf.constant(self.numpy())
+        return super()._read_variable_op(no_copy)
+
     def assign(self, value, use_locking=None, name=None, read_value=True):
-        """In traced code an assign op (partitioned onto the shards); eagerly, the host
-        value split over the shards."""
+        """Set the value (see the class docstring for eager vs traced)."""
         if tf.executing_eagerly():
             self.assign_global(value)
             return self if read_value else None
         return super().assign(value, use_locking, name, read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        """Add to the value."""
+        if tf.executing_eagerly():
+            return self.assign(self.numpy() + np.asarray(delta, self.dtype.as_numpy_dtype),
+                               read_value=read_value)
+        return super().assign_add(delta, use_locking, name, read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        """Subtract from the value."""
+        if tf.executing_eagerly():
+            return self.assign(self.numpy() - np.asarray(delta, self.dtype.as_numpy_dtype),
+                               read_value=read_value)
+        return super().assign_sub(delta, use_locking, name, read_value)
+
+    @classmethod
+    def _variable_call(cls, *args, **kwargs):
+        # tf.Variable's metaclass would route construction through variable creator
+        # scopes that bind our positional `mesh` to `trainable`; construct directly.
+        return None
 
     # ------------------------------------------------------------------ checkpoints
     def _serialize_to_tensors(self):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
+from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
@@ -251,6 +252,12 @@ class Partitioner:
             log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
                         "(inputs gathered)", node.name, node.op)
             self.replicated_ops.append(node.name)
+        for ref, x in zip(node.inputs, ctx.inputs):
+            if x.dtype == tf.resource and not x.layout.is_replicated:
+                raise ShardingError(
+                    f"op {node.name!r} ({node.op}) uses the sharded variable "
+                    f"{self.graph.tensor_name(ref)!r} but has no partitioning rule; make that "
+                    "variable replicated (spec P()) or add a rule for the op")
         inputs = [self.reshard(x, Layout.replicated(len(x.shape))) for x in ctx.inputs]
         refs = self.b.replay(node, [x.ref for x in inputs], node.out_shapes, node.out_dtypes)
         return [Local(ref, Layout.replicated(len(shape)), shape, dtype)

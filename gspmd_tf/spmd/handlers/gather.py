@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from gspmd_tf.propagation.rules import RuleContext, gather_axis
 from gspmd_tf.spmd.handlers.basic import local_shapes, replay
 from gspmd_tf.spmd.local_ops import binary, cast, select, shard_offset
 
@@ -23,7 +24,7 @@ def gather(ctx, operands, layouts):
     """GatherV2 from a table split on the gathered dim: a masked local lookup whose
     partial result the partitioner all-reduces."""
     table, indices = operands[0], operands[1]
-    axis = int(ctx.graph.const_value(ctx.node.inputs[2])) % len(table.shape)
+    axis = gather_axis(RuleContext(ctx.graph, ctx.node))
     axes = table.layout.dims[axis]
     if not axes:
         return replay(ctx, operands, layouts)
@@ -37,14 +38,14 @@ def gather(ctx, operands, layouts):
         binary(b, "Less", shifted, b.const(np.asarray(local, itype.as_numpy_dtype)), itype,
                tf.bool)], b.shape_of(shifted), tf.bool)
     safe = select(b, valid, shifted, b.const(np.zeros((), itype.as_numpy_dtype)), itype)
-    refs = [table.ref, safe, operands[2].ref]
+    refs = [table.ref, safe] + [x.ref for x in operands[2:]]
     out = replay(ctx, operands, layouts, refs=refs)[0]
     out_shape = local_shapes(ctx, layouts)[0]
     idx_rank = len(b.shape_of(safe))
     bshape = (1,) * axis + b.shape_of(safe) + (1,) * (len(out_shape) - axis - idx_rank)
     valid = b.op("Reshape", [valid, b.const(np.asarray(bshape, np.int32))], bshape, tf.bool,
                  T=tf.bool, Tshape=tf.int32)
-    dtype = table.dtype
+    dtype = ctx.node.out_dtypes[0]  # the table may be a variable handle
     return [select(b, valid, out, b.const(np.zeros((), dtype.as_numpy_dtype)), dtype)]
 
 
@@ -62,4 +63,4 @@ def one_hot(ctx, operands, layouts):
     return replay(ctx, operands, layouts, refs=refs)
 
 
-GATHER_HANDLERS = {"GatherV2": gather, "OneHot": one_hot}
+GATHER_HANDLERS = {"GatherV2": gather, "ResourceGather": gather, "OneHot": one_hot}

@@ -1,0 +1,253 @@
+"""TF collective ops for one device of a group, in mesh shard order, and their keys.
+
+TF numbers the members of a collective group by device name (its "rank"); a mesh group
+is ordered by shard index. The helpers here put chunks in rank order before TF's
+collectives and back in shard order after, so results follow mesh.groups(axes) rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+
+import tensorflow as tf
+from tensorflow.python.eager import context
+from tensorflow.python.framework import errors, ops
+from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
+
+from gspmd_tf.errors import ShardingError
+
+MERGE_OPS = {"sum": "Add", "max": "Max", "min": "Min", "prod": "Mul"}
+
+# TF's collective kernels take float16/32/64 and int32/64 only; other dtypes travel as
+# one of those that holds every value exactly (a bool "sum" comes back as OR).
+_CARRIERS = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32,
+             tf.uint16: tf.int32, tf.uint32: tf.int64, tf.bfloat16: tf.float32}
+
+# Keys start far from tf.distribute's (which count up from small numbers), so both can
+# run collectives in one process without sharing a key.
+_KEY_BASE = 0x4753_0000
+_lock = threading.Lock()
+_group_keys = {}
+_instance_keys = itertools.count(_KEY_BASE)
+_tokens = {}
+
+
+def group_key(device_names):
+    """The process-wide collective group key of a set of devices.
+
+    TF binds a group key to one device set for the life of the process, so the same set
+    always gets the same key and different sets get different keys.
+    """
+    members = tuple(sorted(device_names))
+    with _lock:
+        if members not in _group_keys:
+            _group_keys[members] = _KEY_BASE + len(_group_keys)
+        return _group_keys[members]
+
+
+def next_instance_key():
+    """A process-wide unique collective instance key."""
+    with _lock:
+        return next(_instance_keys)
+
+
+def ordering_token(device_name):
+    """The resource handle ordering the collectives of one device.
+
+    Every collective of a device takes the same resource as its ordering_token, so
+    tf.function's automatic control dependencies chain them in program order, as
+    tf.distribute's CollectiveReplicaLauncher does. Without it, tf.function chains all
+    stateful ops of all devices in one order, and the first collective waits forever for
+    peers that are queued behind it. Created once per device, as a plain ResourceVariable
+    so that no distribution strategy or Keras scope turns it into something else.
+    """
+    with _lock:
+        if device_name not in _tokens:
+            with ops.init_scope(), tf.device(device_name):
+                _tokens[device_name] = resource_variable_ops.ResourceVariable(
+                    0.0, trainable=False)
+        return _tokens[device_name].handle
+
+
+def rank_order(device_names):
+    """The devices of a group in TF's collective rank order.
+
+    Measured with TF 2.21: gather and all-to-all ranks follow the parsed device name
+    (job, replica, task, type, index: CPU:2 before CPU:10), whatever order the members
+    join in or the program lists them in.
+    """
+    def key(name):
+        spec = tf.DeviceSpec.from_string(name)
+        return (spec.job or "", spec.replica or 0, spec.task or 0, spec.device_type or "",
+                spec.device_index or 0)
+    return sorted(device_names, key=key)
+
+
+class Group:
+    """One device's view of a collective group: keys, token and chunk orders.
+
+    `names` are the members' device names in shard order. `rank_of_shard[s]` is the TF
+    rank of shard s; `shard_of_rank[r]` the shard of TF rank r.
+    """
+
+    def __init__(self, names, instance_key, token):
+        ranked = rank_order(names)
+        self.size = len(names)
+        self.rank_of_shard = [ranked.index(name) for name in names]
+        self.shard_of_rank = [names.index(name) for name in ranked]
+        self.kwargs = dict(group_size=self.size, group_key=group_key(names),
+                           instance_key=instance_key, ordering_token=[token])
+
+    def all_reduce(self, x, reduce_op):
+        """CollectiveReduceV2 of x with `reduce_op` (sum|max|min|prod)."""
+        if reduce_op not in MERGE_OPS:
+            raise ShardingError(f"unknown reduce_op {reduce_op!r}: use one of {list(MERGE_OPS)}")
+        carried = _carry(x)
+        return _restore(gen_collective_ops.collective_reduce_v2(
+            carried, merge_op=MERGE_OPS[reduce_op], final_op="Id", **self.kwargs), x.dtype)
+
+    def reduce_scatter(self, x, dim, reduce_op, shard):
+        """Chunk `shard` along `dim` of the reduction of x.
+
+        TF's CollectiveReduceScatterV2 has no CPU implementation in TF 2.21 (its param
+        resolver finds no collective for it), so this is an all-reduce and a local slice:
+        twice the traffic of a true reduce-scatter.
+        """
+        reduced = self.all_reduce(x, reduce_op)
+        begin = [0] * x.shape.rank
+        size = [-1] * x.shape.rank
+        size[dim] = _chunk_size(x.shape.as_list(), dim, self.size)
+        begin[dim] = shard * size[dim]
+        return tf.slice(reduced, begin, size)
+
+    def all_gather(self, x, dim):
+        """Every member's x concatenated along `dim` in shard order.
+
+        TF gathers along dim 0 in rank order: each member contributes x as one [1, ...]
+        block; the blocks are put in shard order, then merged into `dim`.
+        """
+        shape = x.shape.as_list()
+        blocks = gen_collective_ops.collective_gather_v2(
+            tf.expand_dims(_carry(x), 0), **self.kwargs)
+        blocks.set_shape([self.size] + shape)
+        return _restore(_merge_leading(_pick(blocks, self.rank_of_shard), dim, shape), x.dtype)
+
+    def all_to_all(self, x, split_dim, concat_dim):
+        """Chunk s of x along split_dim goes to shard s; received chunks concat on concat_dim.
+
+        TF's all-to-all needs dim 0 of size group_size (block r goes to rank r), so
+        split_dim is split into [k, chunk] in place and the k axis moved to the front; the
+        blocks go out in rank order and come back in shard order, merged into concat_dim.
+        """
+        k = self.size
+        shape = x.shape.as_list()
+        chunk = list(shape)
+        chunk[split_dim] = _chunk_size(shape, split_dim, k)
+        blocks = tf.reshape(_carry(x), shape[:split_dim] + [k] + chunk[split_dim:])
+        if split_dim:
+            rank = len(shape) + 1
+            blocks = tf.transpose(blocks,
+                                  [split_dim] + [i for i in range(rank) if i != split_dim])
+        received = gen_collective_ops.collective_all_to_all_v2(
+            _pick(blocks, self.shard_of_rank), **self.kwargs)
+        received.set_shape([k] + chunk)
+        merged = _merge_leading(_pick(received, self.rank_of_shard), concat_dim, chunk)
+        return _restore(merged, x.dtype)
+
+
+def _carry(x):
+    """x in a dtype TF's collectives accept."""
+    return tf.cast(x, _CARRIERS[x.dtype]) if x.dtype in _CARRIERS else x
+
+
+def _restore(x, dtype):
+    """x back in `dtype` after _carry."""
+    return x if x.dtype == dtype else tf.cast(x, dtype)
+
+
+def _chunk_size(shape, dim, k):
+    """Size of one of k equal chunks of dim `dim`."""
+    if shape[dim] is None or shape[dim] % k:
+        raise ShardingError(
+            f"cannot split dim {dim} of local shape {shape} into {k} equal chunks: the "
+            "partitioner must pad it to a multiple of the group size")
+    return shape[dim] // k
+
+
+def _pick(x, order):
+    """x[order[0]], x[order[1]], ... along dim 0 (no op for the identity order)."""
+    if list(order) == list(range(len(order))):
+        return x
+    return tf.gather(x, list(order), axis=0)
+
+
+def _merge_leading(x, dim, shape):
+    """x of shape [k] + shape, with the k axis merged into dim `dim` (k major)."""
+    merged = list(shape)
+    merged[dim] *= x.shape[0]
+    if dim:
+        perm = [i + 1 for i in range(dim)] + [0] + [i + 1 for i in range(dim, len(shape))]
+        x = tf.transpose(x, perm)
+    return tf.reshape(x, merged)
+
+
+class Watchdog:
+    """Aborts TF's collectives when a guarded call runs past its deadline.
+
+    TF's own per-op timeout_seconds starts a detached thread per collective per device
+    per call, each sleeping for the whole timeout (measured: 2 per device per collective
+    with TF 2.21), so a test suite with a 60 s timeout can run out of threads. One
+    watchdog thread per process does the same job: on a deadline it calls
+    abort_collective_ops, as tf.distribute's peer health check does; the pending call then
+    raises DeadlineExceededError. Like TF's timeout, an abort leaves the collectives of
+    this process unusable.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._calls = {}
+        self._keys = itertools.count()
+        self._thread = None
+
+    @contextlib.contextmanager
+    def guard(self, seconds, what):
+        """Runs the body with a deadline of `seconds` (none when seconds <= 0)."""
+        if seconds <= 0:
+            yield
+            return
+        with self._cond:
+            key = next(self._keys)
+            self._calls[key] = (time.monotonic() + seconds, f"{what} (limit {seconds:g} s)")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="gspmd-tf-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._calls.pop(key, None)
+
+    def _watch(self):
+        with self._cond:
+            while True:
+                if not self._calls:
+                    self._cond.wait()
+                    continue
+                deadline, what = min(self._calls.values())
+                delay = deadline - time.monotonic()
+                if delay > 0:
+                    self._cond.wait(delay)
+                    continue
+                self._calls.clear()
+                context.context().abort_collective_ops(
+                    errors.DEADLINE_EXCEEDED,
+                    f"gspmd-tf: {what} did not finish in time; collectives are aborted for "
+                    "the rest of this process")
+
+
+watchdog = Watchdog()

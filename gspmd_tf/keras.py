@@ -1,0 +1,422 @@
+"""gt.keras: train, evaluate and predict with a Keras 3 model (TensorFlow backend) on a mesh.
+
+    model.compile(optimizer="adam", loss=..., metrics=[...])
+    gt.keras.shard_model(model, mesh, {".*dense.*kernel": P(None, "model")})
+    model.fit(x, y)        # every step is a gt.function over the mesh
+
+`shard_model` backs every variable of the model, of its optimizer and of its metrics by a
+gt.Variable (each device holds only its shard) and replaces the model's train/test/predict
+functions by ones that pull a batch from Keras' iterator on the host and run
+`model.train_step` / `test_step` / `predict_step` as a gt.function with the batch split
+by `batch_spec`. Keras itself (fit/evaluate/predict loops, callbacks, save_weights,
+load_weights, get_weights, set_weights) is unchanged.
+
+How it hooks into Keras 3 with the TensorFlow backend:
+- a keras.Variable keeps its backend tf.Variable in `_value`; reads, gradients and
+  assigns of the keras.Variable go through it. `_value` is replaced by a gt.Variable
+  created from the current value, so traced code reads/assigns the global variable and
+  gt.function feeds each device its shard variable.
+- the model instance gets its own `make_train_function`, `make_test_function` and
+  `make_predict_function` (Keras calls them from fit/evaluate/predict and
+  *_on_batch; compile() resets the functions, so they are rebuilt after a re-compile).
+
+This module imports Keras only inside shard_model, never at import time.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.layout import Layout
+from gspmd_tf.mesh import Mesh, PartitionSpec
+from gspmd_tf.runtime.function import function as _gt_function
+from gspmd_tf.runtime.sharded_tensor import ShardedTensor
+from gspmd_tf.runtime.variables import Variable
+
+__all__ = ["shard_model", "layout_of"]
+
+
+# --------------------------------------------------------------------------- layout map
+
+class _Rules:
+    """layout_map as Keras' LayoutMap reads it: an exact key wins; otherwise every key is
+    a regex tried with re.fullmatch on the variable path, and two matching keys are an
+    error. Values: PartitionSpec, tuple/list of axis names, keras TensorLayout or None
+    (replicated)."""
+
+    def __init__(self, layout_map):
+        self.items = []
+        if layout_map is None:
+            return
+        if not hasattr(layout_map, "items"):
+            raise ShardingError(
+                f"layout_map must be a dict or keras.distribution.LayoutMap mapping variable "
+                f"path regexes to PartitionSpecs, got {type(layout_map).__name__}")
+        for key, value in layout_map.items():
+            if not isinstance(key, str):
+                raise ShardingError(f"layout_map key {key!r} is not a string (a regex on "
+                                    "variable paths such as 'dense_1/kernel')")
+            try:
+                re.compile(key)
+            except re.error as e:
+                raise ShardingError(f"layout_map key {key!r} is not a valid regex: {e}") \
+                    from None
+            self.items.append((key, _as_spec(key, value)))
+
+    def lookup(self, path):
+        """(key, spec) for a variable path, or (None, None) when no key matches."""
+        for key, spec in self.items:
+            if key == path:
+                return key, spec
+        hits = [(key, spec) for key, spec in self.items if re.fullmatch(key, path)]
+        if len(hits) > 1:
+            raise ShardingError(
+                f"variable {path!r} matches several layout_map keys {[k for k, _ in hits]}; "
+                "make each variable path match at most one key")
+        return hits[0] if hits else (None, None)
+
+
+def _as_spec(key, value):
+    if value is None:
+        return PartitionSpec()
+    if isinstance(value, PartitionSpec):
+        return value
+    if hasattr(value, "axes") and not isinstance(value, (tuple, list)):  # TensorLayout
+        return PartitionSpec(*value.axes)
+    if isinstance(value, (tuple, list)):
+        return PartitionSpec(*value)
+    raise ShardingError(f"layout_map[{key!r}] = {value!r}: expected a PartitionSpec, a tuple "
+                        "of mesh axis names, a keras TensorLayout or None")
+
+
+def _as_mesh(mesh, layout_map):
+    """A gt.Mesh from a gt.Mesh, a keras DeviceMesh, or the LayoutMap's device_mesh."""
+    if mesh is None:
+        mesh = getattr(layout_map, "device_mesh", None)
+        if mesh is None:
+            raise ShardingError("shard_model needs a mesh: pass mesh=gt.Mesh.create(...)")
+    if isinstance(mesh, Mesh):
+        return mesh
+    if hasattr(mesh, "axis_names") and hasattr(mesh, "devices"):  # keras DeviceMesh
+        from gspmd_tf.mesh import local_device_names
+        local = {n.lower().split("device:")[-1]: n for n in local_device_names()}
+        names = []
+        for d in np.asarray(mesh.devices).reshape(-1):
+            key = str(d).lower().split("device:")[-1]
+            if key not in local:
+                raise ShardingError(f"keras DeviceMesh device {d!r} is not a local device "
+                                    f"of this process ({sorted(local.values())})")
+            names.append(local[key])
+        return Mesh(mesh.shape, mesh.axis_names, names)
+    raise ShardingError(f"mesh must be a gt.Mesh or keras.distribution.DeviceMesh, got "
+                        f"{type(mesh).__name__}")
+
+
+# --------------------------------------------------------------------------- variables
+
+def _is_sharded(kvar, mesh, layout):
+    value = kvar._value
+    return (isinstance(value, Variable) and value.mesh == mesh and value.layout == layout)
+
+
+def _shard_variable(kvar, mesh, spec, what):
+    """Back keras.Variable `kvar` by a gt.Variable of `spec` holding its current value."""
+    old = getattr(kvar, "_value", None)
+    if old is None:  # not created yet (deferred); sharded when it exists
+        return False
+    rank = len(kvar.shape)
+    layout = Layout.from_spec(mesh, spec, rank, what)
+    if _is_sharded(kvar, mesh, layout):
+        return False
+    value = old.numpy()
+    kvar._value = Variable(initial_value=value, mesh=mesh, spec=spec,
+                                       dtype=old.dtype, name=kvar.path,
+                                       trainable=bool(old.trainable))
+    return True
+
+
+def layout_of(variable):
+    """The PartitionSpec a (keras or gt) variable is sharded with, or None if not sharded."""
+    value = getattr(variable, "_value", variable)
+    return value.spec if isinstance(value, Variable) else None
+
+
+def _slot_references(optimizer, trainable):
+    """id(optimizer variable) -> the model variable it was created from."""
+    refs = dict(getattr(optimizer, "_gt_slot_refs", {}))
+    prefixes = [(v.path.replace("/", "_") + "_", v) for v in trainable]
+    prefixes.sort(key=lambda p: -len(p[0]))
+    for var in optimizer.variables:
+        if id(var) in refs:
+            continue
+        for prefix, ref in prefixes:  # Keras names slots "{ref path with _}_{slot name}"
+            if var.name.startswith(prefix) and tuple(var.shape) == tuple(ref.shape):
+                refs[id(var)] = ref
+                break
+    return refs
+
+
+def _build_optimizer(optimizer, trainable):
+    """Build the optimizer for `trainable`, recording which model variable each
+    optimizer variable was made from."""
+    refs = {}
+    original = optimizer.add_variable_from_reference
+
+    def recording(reference_variable, *args, **kwargs):
+        made = original(reference_variable, *args, **kwargs)
+        refs[id(made)] = reference_variable
+        return made
+
+    object.__setattr__(optimizer, "add_variable_from_reference", recording)
+    try:
+        optimizer.build(trainable)
+    finally:
+        object.__delattr__(optimizer, "add_variable_from_reference")
+    object.__setattr__(optimizer, "_gt_slot_refs", refs)
+
+
+# --------------------------------------------------------------------------- the state
+
+class _MeshModel:
+    """What shard_model attaches to a model (as `model._gt_keras`)."""
+
+    def __init__(self, model, mesh, rules, batch_spec):
+        self.model = model
+        self.mesh = mesh
+        self.rules = rules
+        self.batch_spec = batch_spec
+        self.functions = {}  # (kind, structure) -> gt.Function
+        self.warned = False
+
+    # ---------------------------------------------------------------- variables
+    def shard_variables(self):
+        """Back every existing model, optimizer and metric variable by a gt.Variable.
+
+        Every spec is checked before any variable moves, so a bad layout_map leaves the
+        model as it was."""
+        model, mesh = self.model, self.mesh
+        optimizer = getattr(model, "optimizer", None)
+        trainable = list(model.trainable_variables)
+        if optimizer is not None and not optimizer.built and model.built and trainable:
+            _build_optimizer(optimizer, trainable)
+
+        plan = []  # (keras variable, spec, description)
+        model_vars = list(model.variables)
+        replicated, matched, specs = [], set(), {}
+        for v in model_vars:
+            key, spec = self.rules.lookup(v.path)
+            if key is None:
+                spec = PartitionSpec()
+                replicated.append(v.path)
+            else:
+                matched.add(key)
+            specs[id(v)] = spec
+            plan.append((v, spec, f"variable {v.path!r} of shape {tuple(v.shape)}"
+                         + (f" (layout_map key {key!r})" if key is not None else "")))
+
+        if optimizer is not None and optimizer.built:
+            refs = _slot_references(optimizer, trainable)
+            for v in optimizer.variables:
+                ref = refs.get(id(v))
+                spec = PartitionSpec()
+                if ref is not None and tuple(ref.shape) == tuple(v.shape):
+                    spec = specs.get(id(ref), PartitionSpec())
+                plan.append((v, spec, f"optimizer variable {v.path!r} of shape "
+                             f"{tuple(v.shape)}"))
+
+        seen = {id(v) for v, _, _ in plan}
+        for v in getattr(model, "metrics_variables", []):
+            if id(v) not in seen:
+                seen.add(id(v))
+                plan.append((v, PartitionSpec(), f"metric variable {v.path!r}"))
+
+        for v, spec, what in plan:  # check everything first
+            Layout.from_spec(mesh, spec, len(v.shape), what)
+        for v, spec, what in plan:
+            _shard_variable(v, mesh, spec, what)
+        if optimizer is not None and optimizer.built:
+            # Keras (TF backend) keys the optimizer's variable indices by the backing
+            # tf.Variable, which was just replaced.
+            optimizer._trainable_variables_indices = {
+                optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)}
+
+        unmatched = [key for key, _ in self.rules.items if key not in matched]
+        if model_vars and unmatched and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"gt.keras.shard_model: layout_map key(s) {unmatched} match no variable of "
+                f"model {model.name!r}; these variables stay replicated: {replicated} "
+                f"(all variable paths: {[v.path for v in model_vars]})", UserWarning,
+                stacklevel=3)
+
+    def _prepare(self, kind, data):
+        """Before the first step on a new batch structure: let Keras build whatever is
+        still unbuilt (model, compiled metrics and loss, optimizer), then shard it.
+        Variables must exist before tracing: a traced step may not create any."""
+        model = self.model
+        if kind == "predict":
+            if not model.built:  # Keras builds it on the first call; do that eagerly
+                import keras
+                x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+                model(x, training=False)
+        elif getattr(model, "compiled", False):
+            unbuilt = (not model.built
+                       or (model._compile_metrics is not None
+                           and not model._compile_metrics.built)
+                       or (model._compile_loss is not None and not model._compile_loss.built)
+                       or (model.optimizer is not None and not model.optimizer.built))
+            if unbuilt:
+                if model.optimizer is not None and not model.optimizer.built and model.built:
+                    _build_optimizer(model.optimizer, list(model.trainable_variables))
+                model._symbolic_build(data_batch=data)
+        self.shard_variables()
+
+    # ---------------------------------------------------------------- steps
+    def _spec_for(self, leaf):
+        rank = len(getattr(leaf, "shape", np.shape(leaf)))
+        return self.batch_spec if rank >= len(self.batch_spec) else PartitionSpec()
+
+    def run(self, kind, data):
+        """One train/test/predict step on a host batch; returns host values."""
+        flat = tf.nest.flatten(data)
+        present = [i for i, leaf in enumerate(flat) if leaf is not None]
+        leaves = [flat[i] for i in present]
+        structure = tf.nest.map_structure(lambda leaf: leaf is None, data)
+        key = (kind, repr(structure))
+        fn = self.functions.get(key)
+        if fn is None:
+            self._prepare(kind, data)
+            fn = self._make(kind, data, len(flat), present,
+                            tuple(self._spec_for(leaf) for leaf in leaves))
+            self.functions[key] = fn
+        return _to_host(fn(*leaves))
+
+    def _make(self, kind, template, size, present, in_shardings):
+        model = self.model
+        step = {"train": "train_step", "test": "test_step", "predict": "predict_step"}[kind]
+
+        def one_step(*leaves):
+            flat = [None] * size
+            for i, leaf in zip(present, leaves):
+                flat[i] = leaf
+            data = tf.nest.pack_sequence_as(template, flat)
+            return getattr(model, step)(data)
+
+        one_step.__name__ = f"{model.name}_{step}"
+        return _gt_function(one_step, mesh=self.mesh, in_shardings=in_shardings)
+
+    def forget(self, kind):
+        """Drop the partitioned steps of `kind`: Keras asks for new step functions after
+        compile(), which may bring a new optimizer, loss or metrics."""
+        self.functions = {k: f for k, f in self.functions.items() if k[0] != kind}
+
+    def train_or_test_function(self, kind):
+        self.forget(kind)
+
+        def run_steps(iterator):
+            logs = None
+            for _ in range(max(1, int(self.model.steps_per_execution))):
+                try:
+                    data = next(iterator)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    if logs is None:
+                        raise StopIteration from None
+                    break
+                logs = self.run(kind, data)
+            return logs
+        return run_steps
+
+    def make_predict_function(self):
+        self.forget("predict")
+        return self.predict_function
+
+    def predict_function(self, data):
+        outputs = [self.run("predict", step_data) for step_data in data]
+        if len(outputs) == 1:
+            return outputs[0]
+        return tf.nest.map_structure(lambda *xs: tf.concat(xs, axis=0), *outputs)
+
+
+def _to_host(tree):
+    """ShardedTensors -> eager tensors (global values), through dicts/lists/tuples."""
+    if isinstance(tree, ShardedTensor):
+        return tf.constant(tree.numpy())
+    if isinstance(tree, dict):
+        return type(tree)((k, _to_host(v)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_to_host(v) for v in tree)
+    if isinstance(tree, tuple):  # namedtuple
+        return type(tree)(*(_to_host(v) for v in tree))
+    return tree
+
+
+# --------------------------------------------------------------------------- entry point
+
+def _make_train_function(self, force=False):
+    if self.train_function is not None and not force:
+        return self.train_function
+    self.train_function = self._gt_keras.train_or_test_function("train")
+    return self.train_function
+
+
+def _make_test_function(self, force=False):
+    if self.test_function is not None and not force:
+        return self.test_function
+    self.test_function = self._gt_keras.train_or_test_function("test")
+    return self.test_function
+
+
+def _make_predict_function(self, force=False):
+    if self.predict_function is not None and not force:
+        return self.predict_function
+    self.predict_function = self._gt_keras.make_predict_function()
+    return self.predict_function
+
+
+def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("data")):
+    """Run `model` (Keras 3, TensorFlow backend) partitioned over `mesh`; returns `model`.
+
+    mesh: a gt.Mesh (or a keras.distribution.DeviceMesh of local devices; defaults to
+      the device_mesh of a keras LayoutMap).
+    layout_map: dict or keras.distribution.LayoutMap from variable-path regexes
+      (keras `variable.path`, e.g. "dense_1/kernel", ".*dense.*kernel") to
+      PartitionSpecs (or tuples of axis names / keras TensorLayouts). Lookup follows
+      keras.distribution.LayoutMap: an exact key first, else re.fullmatch of every key;
+      a path matching two keys is a ShardingError. Unmatched variables are replicated;
+      a key matching no variable gives a warning listing the replicated variables.
+    batch_spec: how every batch leaf (x, y, sample_weight) is split; leaves of lower
+      rank than the spec are replicated.
+
+    Afterwards every model variable, optimizer variable (the optimizer is built for the
+    trainable variables if it is not yet; a slot variable takes the spec of its model
+    variable, others are replicated) and metric variable is backed by a gt.Variable on
+    `mesh`, and fit / evaluate / predict / *_on_batch run each step as a gt.function.
+    Variables Keras creates later (compiled metrics built on the first batch, a new
+    optimizer after re-compiling) are sharded before the first step that uses them.
+    Calling shard_model again moves the model to another mesh or layout.
+    """
+    import keras  # the installed Keras 3
+    if keras.backend.backend() != "tensorflow":
+        raise ShardingError(f"gt.keras needs Keras' TensorFlow backend, but Keras runs on "
+                            f"{keras.backend.backend()!r}; set KERAS_BACKEND=tensorflow")
+    batch_spec = batch_spec if isinstance(batch_spec, PartitionSpec) \
+        else PartitionSpec(*(batch_spec or ()))
+    mesh = _as_mesh(mesh, layout_map)
+    Layout.from_spec(mesh, batch_spec, len(batch_spec), "batch_spec")  # checks axis names
+    state = _MeshModel(model, mesh, _Rules(layout_map), batch_spec)
+    state.shard_variables()
+    object.__setattr__(model, "_gt_keras", state)
+    for name, fn in (("make_train_function", _make_train_function),
+                     ("make_test_function", _make_test_function),
+                     ("make_predict_function", _make_predict_function)):
+        object.__setattr__(model, name, types.MethodType(fn, model))
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None
+    return model
