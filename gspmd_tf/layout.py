@@ -52,7 +52,9 @@ class Layout:
                         f"{what}: spec {spec!r} uses mesh axis {name!r} twice; a mesh axis "
                         "can split at most one dim")
                 seen.add(name)
-        return cls(dims)
+        # an axis of one device splits nothing; dropping it keeps handlers on their
+        # unsplit paths
+        return cls(tuple(tuple(a for a in axes if mesh.axis_size(a) > 1) for axes in dims))
 
     @property
     def rank(self):
