@@ -36,19 +36,16 @@ def test_callable_initial_value_builds_shards_only(mesh):
     np.testing.assert_array_equal(v.numpy(), np.ones((6, 8), np.float32))
 
 
-def _sgd_reference(w1, w2, x, y, steps):
-    r1, r2 = tf.Variable(w1), tf.Variable(w2)
-
-    @tf.function
-    def step():
+def _sgd_step(v1, v2):
+    """One SGD step of a two-layer MLP on variables v1, v2 (tf or gt Variables)."""
+    def step(x, y):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(tf.nn.relu(x @ r1) @ r2 - y))
-        g1, g2 = tape.gradient(loss, [r1, r2])
-        r1.assign_sub(0.1 * g1)
-        r2.assign_add(-0.1 * g2)
+            loss = tf.reduce_mean(tf.square(tf.nn.relu(x @ v1) @ v2 - y))
+        g1, g2 = tape.gradient(loss, [v1, v2])
+        v1.assign_sub(0.1 * g1)
+        v2.assign_add(-0.1 * g2)
         return loss
-
-    return [step().numpy() for _ in range(steps)], r1.numpy(), r2.numpy()
+    return step
 
 
 def test_sgd_steps_match_single_device(mesh):
@@ -60,17 +57,12 @@ def test_sgd_steps_match_single_device(mesh):
     v1 = gt.Variable(w1, mesh, P(None, "model"), name="w1")
     v2 = gt.Variable(w2, mesh, P("model"), name="w2")
 
-    @gt.function(mesh=mesh, in_shardings=(P("data"), P("data")))
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(tf.nn.relu(x @ v1) @ v2 - y))
-        g1, g2 = tape.gradient(loss, [v1, v2])
-        v1.assign_sub(0.1 * g1)
-        v2.assign_add(-0.1 * g2)
-        return loss
-
+    step = gt.function(_sgd_step(v1, v2), mesh=mesh, in_shardings=(P("data"), P("data")))
     losses = [step(x, y).numpy() for _ in range(4)]
-    want_losses, want1, want2 = _sgd_reference(w1, w2, x, y, 4)
+    r1, r2 = tf.Variable(w1), tf.Variable(w2)
+    ref_step = tf.function(_sgd_step(r1, r2))
+    want_losses = [ref_step(x, y).numpy() for _ in range(4)]
+    want1, want2 = r1.numpy(), r2.numpy()
     assert_close(np.array(losses), np.array(want_losses), "losses")
     assert_close(v1.numpy(), want1, "w1")
     assert_close(v2.numpy(), want2, "w2")
