@@ -243,8 +243,9 @@ def main(argv):
     for c in collectives:
         by_kind[c.kind] = by_kind.get(c.kind, 0) + c.bytes
     total = sum(by_kind.values())
-    print(f"  total per device: {fmt_bytes(total)} ({total} bytes) = " +
-          " + ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(by_kind.items())))
+    print(f"  total per device: {fmt_bytes(total)} ({total} bytes)" +
+          "".join(f"{' =' if i == 0 else ' +'} {k} {fmt_bytes(v)}"
+                  for i, (k, v) in enumerate(sorted(by_kind.items()))))
 
     # ------------------------------------------------------------- parameter bytes
     # What each device holds: the local (per-device, padded) shape of every argument

@@ -559,6 +559,12 @@ RULES = {
     "UnsortedSegmentProd": (unsorted_segment, "prod"),
 }
 
+# windowed ops (convolutions, pooling and their gradients) live in windowed.py, which
+# builds on this module's OpRule
+from gspmd_tf.propagation.windowed import WINDOWED_RULES  # noqa: E402
+
+RULES.update(WINDOWED_RULES)
+
 
 def rule_for(graph, node):
     """The OpRule of `node`, or None when its op type has no rule (runs replicated)."""

@@ -1,0 +1,308 @@
+"""Rules of windowed ops: 2-D convolutions, pooling and their gradients.
+
+Every op here is seen through its forward geometry: an input x [batch, spatial...,
+channels] (or channels first), windows over the spatial dims, an output y. Factors:
+
+  batch        PASS (REDUCE in Conv2DBackpropFilter, which sums over it)
+  spatial      one factor per spatial dim shared by x's and y's dim ("PASS-like": a
+               split input dim gives a split output dim, as XLA propagates it); its
+               sizes differ between x and y, the handler exchanges halos
+               (gspmd_tf/spmd/handlers/conv.py). REDUCE in Conv2DBackpropFilter. When
+               either side has size 1 the dims are REPLICATE instead.
+  kernel dims  REPLICATE (the filter's spatial dims stay whole)
+  in channels  REDUCE in Conv2D (shared with the filter's in dim: partial result)
+  out channels PASS (the filter's out dim)
+  depthwise    channels PASS, the output channel dim made of (channel, multiplier)
+  pooling      channels PASS (ksize/strides 1 there, else no rule)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gspmd_tf.propagation.rules import PASS, REDUCE, REPLICATE, OpRule
+
+
+@dataclass(frozen=True)
+class SpatialDim:
+    """One windowed dim: x size, y size (number of windows) and the window."""
+
+    x_dim: int
+    y_dim: int
+    n: int
+    out: int
+    window: int
+    stride: int
+    dilation: int
+    pad_lo: int
+    pad_hi: int
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The forward geometry of a windowed op: dims of x / y and one SpatialDim each."""
+
+    data_format: str
+    batch_dim: int
+    channel_dim: int
+    spatial: tuple
+
+    @property
+    def spatial_dims(self):
+        return tuple(s.x_dim for s in self.spatial)
+
+
+def _padding(node, n, window, stride, dilation, dim, data_format):
+    padding = node.attr("padding")
+    if padding == "VALID":
+        return 0, 0
+    if padding == "SAME":
+        from gspmd_tf._halo import same_padding
+        return same_padding(n, window, stride, dilation)
+    if padding == "EXPLICIT":
+        pads = node.attr("explicit_paddings") or []
+        return int(pads[2 * dim]), int(pads[2 * dim + 1])
+    return None
+
+
+def geometry(node, x_shape, y_shape, window_sizes=None):
+    """Geometry of a Conv2D-family or pooling node (x, y shapes of the forward op).
+
+    `window_sizes`: kernel sizes of the spatial dims (a filter's); pooling ops read
+    ksize. None when the node's attrs are not understood (the op then has no rule).
+    """
+    data_format = node.attr("data_format") or "NHWC"
+    if isinstance(data_format, bytes):
+        data_format = data_format.decode()
+    rank = len(x_shape)
+    if rank != 4 or len(y_shape) != 4 or data_format not in ("NHWC", "NCHW"):
+        return None
+    channel = 1 if data_format == "NCHW" else 3
+    spatial_dims = (2, 3) if data_format == "NCHW" else (1, 2)
+    strides = node.attr("strides") or [1] * 4
+    dilations = node.attr("dilations") or [1] * 4
+    if window_sizes is None:
+        ksize = node.attr("ksize")
+        if ksize is None or any(ksize[d] != 1 for d in (0, channel)):
+            return None
+        window_sizes = [ksize[d] for d in spatial_dims]
+    if any(strides[d] != 1 or dilations[d] != 1 for d in (0, channel)):
+        return None
+    dims = []
+    for d, k in zip(spatial_dims, window_sizes):
+        pads = _padding(node, x_shape[d], k, strides[d], dilations[d], d, data_format)
+        if pads is None:
+            return None
+        dims.append(SpatialDim(d, d, int(x_shape[d]), int(y_shape[d]), int(k),
+                               int(strides[d]), int(dilations[d]), *pads))
+        dilated = (k - 1) * dilations[d] + 1
+        if (x_shape[d] + sum(pads) - dilated) // strides[d] + 1 != y_shape[d]:
+            return None  # not the geometry TF computed: leave the op alone
+    return Geometry(data_format, 0, channel, tuple(dims))
+
+
+class _Builder:
+    """Collects factors per tensor dim: rule.operands / results as lists of lists."""
+
+    def __init__(self, num_inputs):
+        self.rule = OpRule()
+        self.inputs = [None] * num_inputs
+
+    def factor(self, size, kind=PASS):
+        return self.rule.add_factor(size, kind) if size > 1 else None
+
+    def tensor(self, shape):
+        return [()] * len(shape)
+
+    @staticmethod
+    def put(dims, d, f):
+        if f is not None:
+            dims[d] = (f,) if not isinstance(f, tuple) else f
+
+    def done(self, operands, results):
+        """operands: {input index: dims list}; results: list of dims lists."""
+        for i, dims in operands.items():
+            self.inputs[i] = tuple(dims)
+        self.rule.operands = self.inputs
+        self.rule.results = [tuple(r) for r in results]
+        return self.rule
+
+
+def _spatial_factors(b, geo, x_dims, y_dims, kind=PASS):
+    """One shared factor per spatial dim of x and y (REPLICATE when either is size 1)."""
+    for s in geo.spatial:
+        if s.n > 1 and s.out > 1:
+            f = b.factor(max(s.n, s.out), kind)
+            b.put(x_dims, s.x_dim, f)
+            b.put(y_dims, s.y_dim, f)
+        else:
+            b.put(x_dims, s.x_dim, b.factor(s.n, REPLICATE))
+            b.put(y_dims, s.y_dim, b.factor(s.out, REPLICATE))
+
+
+def _filter_spatial(b, w_dims, w_shape):
+    for d in (0, 1):
+        b.put(w_dims, d, b.factor(w_shape[d], REPLICATE))
+
+
+def conv2d(ctx):
+    """Conv2D: x [N,H,W,C] (or NCHW), filter [KH,KW,C,O] -> y [N,H',W',O]."""
+    x, w = ctx.in_shapes
+    y = ctx.out_shapes[0]
+    geo = geometry(ctx.node, x, y, w[:2])
+    if geo is None or w[2] != x[geo.channel_dim]:
+        return None
+    b = _Builder(2)
+    xd, wd, yd = b.tensor(x), b.tensor(w), b.tensor(y)
+    n = b.factor(x[0])
+    b.put(xd, 0, n)
+    b.put(yd, 0, n)
+    _spatial_factors(b, geo, xd, yd)
+    c = b.factor(x[geo.channel_dim], REDUCE)
+    b.put(xd, geo.channel_dim, c)
+    b.put(wd, 2, c)
+    o = b.factor(w[3])
+    b.put(wd, 3, o)
+    b.put(yd, geo.channel_dim, o)
+    _filter_spatial(b, wd, w)
+    return b.done({0: xd, 1: wd}, [yd])
+
+
+def depthwise_conv2d(ctx):
+    """DepthwiseConv2dNative: x [N,H,W,C], filter [KH,KW,C,M] -> y [N,H',W',C*M]."""
+    x, w = ctx.in_shapes
+    y = ctx.out_shapes[0]
+    geo = geometry(ctx.node, x, y, w[:2])
+    if geo is None or w[2] != x[geo.channel_dim]:
+        return None
+    b = _Builder(2)
+    xd, wd, yd = b.tensor(x), b.tensor(w), b.tensor(y)
+    n = b.factor(x[0])
+    b.put(xd, 0, n)
+    b.put(yd, 0, n)
+    _spatial_factors(b, geo, xd, yd)
+    c = b.factor(w[2])
+    m = b.factor(w[3])
+    b.put(xd, geo.channel_dim, c)
+    b.put(wd, 2, c)
+    b.put(wd, 3, m)
+    b.put(yd, geo.channel_dim, tuple(f for f in (c, m) if f is not None))
+    _filter_spatial(b, wd, w)
+    return b.done({0: xd, 1: wd}, [yd])
+
+
+def pool(ctx):
+    """MaxPool/AvgPool: batch and channels pass, spatial dims shared by x and y."""
+    x = ctx.in_shapes[0]
+    y = ctx.out_shapes[0]
+    geo = geometry(ctx.node, x, y)
+    if geo is None:
+        return None
+    b = _Builder(len(ctx.in_shapes))
+    xd, yd = b.tensor(x), b.tensor(y)
+    for d in (0, geo.channel_dim):
+        f = b.factor(x[d])
+        b.put(xd, d, f)
+        b.put(yd, d, f)
+    _spatial_factors(b, geo, xd, yd)
+    return b.done({0: xd}, [yd])
+
+
+def conv2d_backprop_input(ctx):
+    """Conv2DBackpropInput(input_sizes, filter, dy) -> dx: the transposed Conv2D.
+
+    dy's out channels are REDUCE (shared with the filter's out dim), the filter's in
+    channels pass to dx, spatial dims of dy and dx share a factor (halo exchange on dy).
+    """
+    _, w, dy = ctx.in_shapes
+    dx = ctx.out_shapes[0]
+    geo = geometry(ctx.node, dx, dy, w[:2])
+    if geo is None:
+        return None
+    b = _Builder(3)
+    wd, dyd, dxd = b.tensor(w), b.tensor(dy), b.tensor(dx)
+    n = b.factor(dx[0])
+    b.put(dyd, 0, n)
+    b.put(dxd, 0, n)
+    _spatial_factors(b, geo, dxd, dyd)
+    o = b.factor(w[3], REDUCE)
+    b.put(wd, 3, o)
+    b.put(dyd, geo.channel_dim, o)
+    c = b.factor(w[2])
+    b.put(wd, 2, c)
+    b.put(dxd, geo.channel_dim, c)
+    _filter_spatial(b, wd, w)
+    return b.done({1: wd, 2: dyd}, [dxd])
+
+
+def conv2d_backprop_filter(ctx):
+    """Conv2DBackpropFilter(x, filter_sizes, dy) -> dw: sums over batch and spatial
+    positions (REDUCE factors shared by x and dy; halo exchange on x)."""
+    x, _, dy = ctx.in_shapes
+    dw = ctx.out_shapes[0]
+    geo = geometry(ctx.node, x, dy, dw[:2])
+    if geo is None:
+        return None
+    b = _Builder(3)
+    xd, dyd, dwd = b.tensor(x), b.tensor(dy), b.tensor(dw)
+    n = b.factor(x[0], REDUCE)
+    b.put(xd, 0, n)
+    b.put(dyd, 0, n)
+    _spatial_factors(b, geo, xd, dyd, kind=REDUCE)
+    c = b.factor(dw[2])
+    b.put(xd, geo.channel_dim, c)
+    b.put(dwd, 2, c)
+    o = b.factor(dw[3])
+    b.put(dyd, geo.channel_dim, o)
+    b.put(dwd, 3, o)
+    _filter_spatial(b, dwd, dw)
+    return b.done({0: xd, 2: dyd}, [dwd])
+
+
+def max_pool_grad(ctx):
+    """MaxPoolGrad(x, y, dy) -> dx: batch and channels pass; spatial dims stay whole."""
+    x, y, dy = ctx.in_shapes
+    geo = geometry(ctx.node, x, y)
+    if geo is None:
+        return None
+    b = _Builder(3)
+    xd, yd, dyd, dxd = b.tensor(x), b.tensor(y), b.tensor(dy), b.tensor(x)
+    for d in (0, geo.channel_dim):
+        f = b.factor(x[d])
+        for dims in (xd, yd, dyd, dxd):
+            b.put(dims, d, f)
+    for s in geo.spatial:
+        for dims, size in ((xd, s.n), (yd, s.out), (dyd, s.out), (dxd, s.n)):
+            b.put(dims, s.x_dim, b.factor(size, REPLICATE))
+    return b.done({0: xd, 1: yd, 2: dyd}, [dxd])
+
+
+def avg_pool_grad(ctx):
+    """AvgPoolGrad(x_shape, dy) -> dx: batch and channels pass; spatial dims whole."""
+    dy = ctx.in_shapes[1]
+    dx = ctx.out_shapes[0]
+    geo = geometry(ctx.node, dx, dy)
+    if geo is None:
+        return None
+    b = _Builder(2)
+    dyd, dxd = b.tensor(dy), b.tensor(dx)
+    for d in (0, geo.channel_dim):
+        f = b.factor(dx[d])
+        b.put(dyd, d, f)
+        b.put(dxd, d, f)
+    for s in geo.spatial:
+        b.put(dyd, s.x_dim, b.factor(s.out, REPLICATE))
+        b.put(dxd, s.x_dim, b.factor(s.n, REPLICATE))
+    return b.done({1: dyd}, [dxd])
+
+
+WINDOWED_RULES = {
+    "Conv2D": (conv2d,),
+    "DepthwiseConv2dNative": (depthwise_conv2d,),
+    "MaxPool": (pool,),
+    "AvgPool": (pool,),
+    "Conv2DBackpropInput": (conv2d_backprop_input,),
+    "Conv2DBackpropFilter": (conv2d_backprop_filter,),
+    "MaxPoolGrad": (max_pool_grad,),
+    "AvgPoolGrad": (avg_pool_grad,),
+}

@@ -1,0 +1,381 @@
+"""Handlers of windowed ops split along spatial dims: halo exchange.
+
+The method of GSPMD's spatially partitioned convolutions (and XLA's
+ReshardAsWindowedInput): a spatial dim of the input x split over mesh axes A gives a
+result dim split over A, shard i computing the W = ceil(windows / k) windows
+[i*W, (i+1)*W). Those windows read a contiguous range of x that sticks out of the
+device's own block by a few elements on each side (the halos). Per split dim:
+
+  1. every device sends the last `halo_lo` elements of its block to the next shard and
+     the first `halo_hi` elements to the previous one (two collective-permutes with
+     (source, target) pairs from mesh.groups(A); the first/last shards receive zeros,
+     which are the zero padding of the global edges);
+  2. concat [left halo, own block, right halo], zero-padded to the largest extension
+     any shard needs (gspmd_tf._halo computes the sizes and offsets);
+  3. slice the `span` elements this shard's windows read: a static slice when every
+     shard starts at the same offset, else a dynamic slice whose start comes from a
+     constant per-shard table indexed by the device's shard index;
+  4. where the window reaches past the global edges, elements outside [0, n) are set to
+     the op's padding value (0 for convolutions, -inf for max pooling); this also
+     covers the padded tail of uneven shards.
+The local op then runs with VALID padding on the window and yields exactly its W
+results. Dims that are not split go through the same steps with one shard (a plain
+pad). When a halo is larger than a neighbour's block (tiny shards, large windows, or
+strided windows over uneven shards whose halos grow with the shard index) the dim is
+gathered whole instead and each device slices its windows from the padded whole dim:
+correct, but an all-gather instead of two permutes.
+
+Gradients: Conv2DBackpropFilter reads x through the same windows (its spatial factor is
+REDUCE: each device's sum is partial); Conv2DBackpropInput exchanges halos of dy (the
+transposed index map, gspmd_tf._halo.transposed_plan) and slices its block out of the
+locally computed input gradient. MaxPoolGrad/AvgPoolGrad keep spatial dims whole (their
+rules replicate them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from gspmd_tf import _halo
+from gspmd_tf.layout import Layout
+from gspmd_tf.propagation.windowed import geometry
+from gspmd_tf.spmd.handlers.basic import (local_shapes, masked_refs, replay,
+                                          with_local_shape_input)
+from gspmd_tf.spmd.local_ops import identity_of, mask_padding, replace_dim, static_slice_dim
+from gspmd_tf.spmd.program import Local
+
+
+# ------------------------------------------------------------------------ local pieces
+
+def _pad(b, ref, dim, lo, hi):
+    """Zero elements before/after `dim`."""
+    if lo == 0 and hi == 0:
+        return ref
+    shape = b.shape_of(ref)
+    paddings = np.zeros((len(shape), 2), np.int32)
+    paddings[dim] = (lo, hi)
+    dtype = b.graph.dtype(ref)
+    return b.op("Pad", [ref, b.const(paddings)], replace_dim(shape, dim, shape[dim] + lo + hi),
+                dtype, T=dtype, Tpaddings=tf.int32)
+
+
+def _concat(b, refs, dim):
+    refs = [r for r in refs if r is not None]
+    if len(refs) == 1:
+        return refs[0]
+    shapes = [b.shape_of(r) for r in refs]
+    dtype = b.graph.dtype(refs[0])
+    shape = replace_dim(shapes[0], dim, sum(s[dim] for s in shapes))
+    return b.op("ConcatV2", refs + [b.const(np.int32(dim))], shape, dtype, N=len(refs),
+                T=dtype, Tidx=tf.int32)
+
+
+def _shift_pairs(mesh, axes, step):
+    """(source, target) pairs: every device of a group sends to the device `step` shard
+    indices further along `axes` (devices with no source receive zeros)."""
+    groups = mesh.groups(axes)
+    k = groups.shape[1]
+    if step > 0:
+        src, dst = groups[:, :k - step], groups[:, step:]
+    else:
+        src, dst = groups[:, -step:], groups[:, :k + step]
+    return tuple((int(s), int(t)) for s, t in zip(src.ravel(), dst.ravel()))
+
+
+def _exchange(b, ref, dim, axes, halo_lo, halo_hi):
+    """[previous shard's last halo_lo | own block | next shard's first halo_hi]."""
+    shape = b.shape_of(ref)
+    own = shape[dim]
+    dtype = b.graph.dtype(ref)
+    left = right = None
+    if halo_lo > 0:
+        send = static_slice_dim(b, ref, dim, own - halo_lo, halo_lo)
+        left = b.collective("gt.Permute", send, b.shape_of(send), dtype,
+                            pairs=_shift_pairs(b.mesh, axes, +1))
+    if halo_hi > 0:
+        send = static_slice_dim(b, ref, dim, 0, halo_hi)
+        right = b.collective("gt.Permute", send, b.shape_of(send), dtype,
+                             pairs=_shift_pairs(b.mesh, axes, -1))
+    return _concat(b, [left, ref, right], dim)
+
+
+def _per_shard(b, axes, table, useful=None):
+    """int32 scalar: table[shard index along axes] (a constant when nothing is split or
+    the first `useful` entries agree: the other shards compute only padding)."""
+    table = np.asarray(table, np.int64)
+    if not axes or np.all(table[:useful] == table[0]):
+        return int(table[0])
+    index = b.shard_index(axes)
+    return b.op("GatherV2", [b.const(table.astype(np.int32)), index, b.const(np.int32(0))],
+                (), tf.int32, Tparams=tf.int32, Tindices=tf.int32, Taxis=tf.int32,
+                batch_dims=0)
+
+
+def _slice(b, ref, starts, sizes):
+    """ref[start:start+size] on the dims in `starts` (python ints or int32 scalars)."""
+    shape = b.shape_of(ref)
+    out = tuple(sizes.get(d, s) for d, s in enumerate(shape))
+    if all(isinstance(starts.get(d, 0), int) for d in range(len(shape))):
+        if out == shape:
+            return ref
+        begin = b.const(np.asarray([starts.get(d, 0) for d in range(len(shape))], np.int32))
+    else:
+        parts = [starts.get(d, 0) for d in range(len(shape))]
+        parts = [b.const(np.int32(p)) if isinstance(p, int) else p for p in parts]
+        begin = b.op("Pack", parts, (len(shape),), tf.int32, N=len(shape), T=tf.int32,
+                     axis=0)
+    dtype = b.graph.dtype(ref)
+    return b.op("Slice", [ref, begin, b.const(np.asarray(out, np.int32))], out, dtype,
+                T=dtype, Index=tf.int32)
+
+
+def _affine_start(b, axes, step, constant):
+    """int32 scalar shard_index(axes) * step + constant (python int when unsplit)."""
+    if not axes or step == 0:
+        return int(constant)
+    index = b.shard_index(axes)
+    scaled = b.op("Mul", [index, b.const(np.int32(step))], (), tf.int32, T=tf.int32)
+    return b.op("AddV2", [scaled, b.const(np.int32(constant))], (), tf.int32, T=tf.int32)
+
+
+def _mask_outside(b, ref, dim, start, n, fill):
+    """Elements of `ref` along `dim` whose global index (start + position) is outside
+    [0, n) set to `fill`."""
+    shape = b.shape_of(ref)
+    bshape = [1] * len(shape)
+    bshape[dim] = shape[dim]
+    iota = b.const(np.arange(shape[dim], dtype=np.int32).reshape(bshape))
+    if not isinstance(start, int):
+        index = b.op("AddV2", [iota, start], tuple(bshape), tf.int32, T=tf.int32)
+    else:
+        index = b.const((np.arange(shape[dim]) + start).astype(np.int32).reshape(bshape))
+    low = b.op("GreaterEqual", [index, b.const(np.int32(0))], tuple(bshape), tf.bool,
+               T=tf.int32)
+    high = b.op("Less", [index, b.const(np.int32(n))], tuple(bshape), tf.bool, T=tf.int32)
+    valid = b.op("LogicalAnd", [low, high], tuple(bshape), tf.bool)
+    dtype = b.graph.dtype(ref)
+    return b.op("SelectV2", [valid, ref, b.const(np.asarray(fill, dtype.as_numpy_dtype))],
+                shape, dtype, T=dtype)
+
+
+# ------------------------------------------------------------------------ plans
+
+class _DimPlan:
+    """How one spatial dim is windowed: its split axes, the halo plan, the mode."""
+
+    def __init__(self, mesh, spatial, axes, input_axes, transposed=False):
+        self.s = spatial
+        self.axes = tuple(axes)
+        k = mesh.axes_size(self.axes)
+        self.k = k
+        # a dim the input does not split is taken whole (no exchange, just padding)
+        self.whole = k > 1 and not input_axes
+        self.plan = self._make(k, self.whole, transposed)
+        if k > 1 and not self.plan["feasible"]:
+            # a halo larger than a neighbour's block: gather the dim whole instead
+            self.whole = True
+            self.plan = self._make(k, True, transposed)
+
+    def _make(self, k, whole, transposed):
+        s = self.s
+        if transposed:
+            return _halo.transposed_plan(s.n, s.out, s.window, s.stride, s.dilation,
+                                         s.pad_lo, k, whole)
+        return _halo.window_plan(s.n, s.window, s.stride, s.dilation, s.pad_lo, s.pad_hi,
+                                 k, whole)
+
+    @property
+    def split(self):
+        """True when halos come from neighbours (the dim stays split)."""
+        return self.k > 1 and not self.whole
+
+
+def _extend_and_slice(b, ref, dims_plans, dim_of):
+    """Extend each planned dim of local `ref` (halo exchange or padding) and slice the
+    span each shard reads. `dim_of(plan)` gives the tensor dim of a plan."""
+    starts, sizes = {}, {}
+    for dp in dims_plans:
+        p = dp.plan
+        d = dim_of(dp)
+        if dp.split:
+            ref = _exchange(b, ref, d, dp.axes, p["halo_lo"], p["halo_hi"])
+            ref = _pad(b, ref, d, p["ext_lo"] - p["halo_lo"], p["ext_hi"] - p["halo_hi"])
+        else:
+            ref = _pad(b, ref, d, p["ext_lo"], p["ext_hi"])
+        starts[d] = _offset(b, dp)
+        sizes[d] = p["span"]
+    return _slice(b, ref, starts, sizes)
+
+
+def _offset(b, dp):
+    """Start of shard's span in the extended tensor (python int or int32 scalar)."""
+    return _per_shard(b, dp.axes, dp.plan["offset"], dp.plan["useful"])
+
+
+# ------------------------------------------------------------------------ forward ops
+
+_POOL_FILL = {"MaxPool": "max"}
+
+
+def _prepare_input(ctx, operands, index, geo, axes_of, transposed=False):
+    """The operand `index` (x) with every spatial dim either split like its windows or
+    whole, and the per-dim plans."""
+    x = operands[index]
+    original = ctx.inputs[index]
+    plans = []
+    dims = list(x.layout.dims)
+    for s in geo.spatial:
+        axes = axes_of(s)
+        dp = _DimPlan(ctx.mesh, s, axes, original.layout.dims[s.x_dim] if axes else (),
+                      transposed)
+        if dp.whole:
+            dims[s.x_dim] = ()
+        plans.append(dp)
+    wanted = Layout(tuple(dims), x.layout.partial, x.layout.reduce_op)
+    if wanted != x.layout:
+        x = ctx.reshard(original, wanted)
+    return x, plans
+
+
+def _needs_mask(dp, fill_zero, input_masked):
+    s, p = dp.s, dp.plan
+    if s.pad_lo <= 0 and s.pad_hi <= 0:
+        return False  # windows of real results never leave [0, n)
+    if not fill_zero:
+        return True   # edge zeros and padding must become the op's padding value
+    # zeros at the edges are right; only the padded tail of uneven blocks may be garbage
+    return dp.split and s.n % dp.k != 0 and not input_masked
+
+
+def windowed_forward(ctx, operands, layouts):
+    """Conv2D, DepthwiseConv2dNative, MaxPool, AvgPool with split spatial dims."""
+    node = ctx.node
+    y_layout = layouts[0]
+    x0 = operands[0]
+    geo = geometry(node, x0.shape, node.out_shapes[0],
+                   ctx.inputs[1].shape[:2] if node.op in _FILTERED else None)
+    if geo is None or not any(y_layout.dims[s.y_dim] for s in geo.spatial):
+        return replay(ctx, operands, layouts)
+    b = ctx.b
+    x, plans = _prepare_input(ctx, operands, 0, geo, lambda s: y_layout.dims[s.y_dim])
+    refs = masked_refs(ctx, [x] + list(operands[1:]))  # split in-channels -> zeros
+    reduce = _POOL_FILL.get(node.op, "sum")
+    fill = identity_of(reduce, x.dtype)
+    window = _extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim)
+    for dp in plans:
+        if _needs_mask(dp, reduce == "sum", False):
+            start = _affine_start(b, dp.axes, dp.plan["out_shard"] * dp.s.stride,
+                                  -dp.s.pad_lo)
+            window = _mask_outside(b, window, dp.s.x_dim, start, dp.s.n, fill)
+    attrs = {"padding": "VALID"}
+    if "explicit_paddings" in node.attrs:
+        attrs["explicit_paddings"] = []
+    out = replay(ctx, operands, layouts, attrs=attrs, refs=[window] + refs[1:])
+    if node.op == "AvgPool":
+        out = [_avg_counts(ctx, out[0], plans)]
+    return out
+
+
+def _avg_counts(ctx, ref, plans):
+    """AvgPool with padding divides by the in-bounds elements of each window: the VALID
+    average of the zero-padded window times window / count, per dim."""
+    b = ctx.b
+    dtype = b.graph.dtype(ref)
+    for dp in plans:
+        s = dp.s
+        if s.pad_lo == 0 and s.pad_hi == 0:
+            continue
+        w = dp.plan["out_shard"]
+        j = np.arange(w * dp.k)
+        lo = j * s.stride - s.pad_lo
+        count = np.clip(np.minimum(lo + s.window, s.n) - np.maximum(lo, 0), 1, None)
+        scale = np.where(j < s.out, s.window / count, 1.0)
+        if np.all(scale == 1.0):
+            continue
+        shape = [1] * len(b.shape_of(ref))
+        shape[s.y_dim] = w * dp.k
+        table = b.const(scale.reshape(shape).astype(dtype.as_numpy_dtype))
+        start = _affine_start(b, dp.axes, w, 0)
+        local = _slice(b, table, {s.y_dim: start}, {s.y_dim: w})
+        ref = b.op("Mul", [ref, local], b.shape_of(ref), dtype, T=dtype)
+    return ref
+
+
+# ------------------------------------------------------------------------ gradients
+
+def backprop_filter(ctx, operands, layouts):
+    """Conv2DBackpropFilter(x, filter_sizes, dy) with split spatial dims: x windowed
+    like the forward conv, dy local; the result is partial over the spatial axes."""
+    node = ctx.node
+    x0, dy = operands[0], operands[2]
+    geo = geometry(node, x0.shape, dy.shape, node.out_shapes[0][:2])
+    sizes = local_shapes(ctx, layouts)[0]
+    size_ref = ctx.b.const(np.asarray(sizes, np.int32))
+    if geo is None or not any(dy.layout.dims[s.y_dim] for s in geo.spatial):
+        refs = masked_refs(ctx, operands)
+        refs[1] = size_ref
+        return replay(ctx, operands, layouts, refs=refs)
+    b = ctx.b
+    x, plans = _prepare_input(ctx, operands, 0, geo, lambda s: dy.layout.dims[s.y_dim])
+    refs = masked_refs(ctx, [x, operands[1], dy])  # padding of x and dy -> zeros
+    window = _extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim)
+    attrs = {"padding": "VALID"}
+    if "explicit_paddings" in node.attrs:
+        attrs["explicit_paddings"] = []
+    return replay(ctx, operands, layouts, attrs=attrs, refs=[window, size_ref, refs[2]])
+
+
+def backprop_input(ctx, operands, layouts):
+    """Conv2DBackpropInput(input_sizes, filter, dy) with split spatial dims: halos of dy
+    (every window touching this device's block of dx), the local transposed conv with
+    VALID padding, then this device's block sliced out of it."""
+    node = ctx.node
+    dy0 = operands[2]
+    dx_shape = node.out_shapes[0]
+    out_layout = layouts[0]
+    geo = geometry(node, dx_shape, dy0.shape, ctx.inputs[1].shape[:2])
+    sizes = list(local_shapes(ctx, layouts)[0])
+    b = ctx.b
+    if geo is None or not any(out_layout.dims[s.x_dim] for s in geo.spatial):
+        refs = masked_refs(ctx, operands)
+        refs[0] = b.const(np.asarray(sizes, np.int32))
+        return replay(ctx, operands, layouts, refs=refs)
+    dy, plans = _prepare_input(ctx, operands, 2, geo, lambda s: out_layout.dims[s.x_dim],
+                               transposed=True)
+    refs = masked_refs(ctx, [operands[0], operands[1], dy])  # split out-channels -> zeros
+    dy_local = Local(refs[2], dy.layout, dy.shape, dy.dtype)
+    split = [dp.s.y_dim for dp in plans if dp.split and dp.s.out % dp.k]
+    dy_ref = mask_padding(b, dy_local, split, identity_of("sum", dy.dtype)) if split \
+        else refs[2]
+    window = _extend_and_slice(b, dy_ref, plans, lambda dp: dp.s.y_dim)
+    local_sizes = list(sizes)
+    for dp in plans:
+        local_sizes[dp.s.x_dim] = dp.plan["local_size"]
+    attrs = {"padding": "VALID"}
+    if "explicit_paddings" in node.attrs:
+        attrs["explicit_paddings"] = []
+    dtype = node.out_dtypes[0]
+    full = b.replay(node, [b.const(np.asarray(local_sizes, np.int32)), refs[1], window],
+                    [tuple(local_sizes)], [dtype], attrs)[0]
+    starts, block = {}, {}
+    for dp in plans:
+        d = dp.s.x_dim
+        p = dp.plan
+        full = _pad(b, full, d, 0, p["local_padded"] - p["local_size"])
+        starts[d] = _per_shard(b, dp.axes, p["post"], p["useful"])
+        block[d] = sizes[d]
+    return [_slice(b, full, starts, block)]
+
+
+_FILTERED = {"Conv2D", "DepthwiseConv2dNative"}
+
+CONV_HANDLERS = {
+    "Conv2D": windowed_forward,
+    "DepthwiseConv2dNative": windowed_forward,
+    "MaxPool": windowed_forward,
+    "AvgPool": windowed_forward,
+    "Conv2DBackpropFilter": backprop_filter,
+    "Conv2DBackpropInput": backprop_input,
+    "AvgPoolGrad": with_local_shape_input(0),
+}
