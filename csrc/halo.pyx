@@ -175,3 +175,17 @@ def same_padding(i64 n, i64 window, i64 stride=1, i64 dilation=1):
     cdef i64 out = _ceildiv(n, stride)
     cdef i64 total = max((out - 1) * stride + dilated - n, 0)
     return int(total // 2), int(total - total // 2)
+
+
+def range_plan(starts, i64 span, i64 n, i64 shards, bint whole=False, i64 useful=-1):
+    """Plan for arbitrary per-shard reads [starts[i], starts[i] + span) of a dim of `n`
+    elements split `shards` ways (or whole): e.g. the forward input that a gradient
+    shard's windows read (MaxPoolGrad). `useful`: shards whose reads matter (all when
+    negative)."""
+    cdef i64[::1] start = np.ascontiguousarray(starts, dtype=np.int64)
+    if start.shape[0] != shards or span < 1 or n < 1:
+        raise ValueError("range_plan: one start per shard and a positive span")
+    if useful < 0:
+        useful = shards
+    cdef i64 own = n if whole else _ceildiv(n, shards)
+    return _finish(start, span, shards, own, whole, useful, dict(start=np.asarray(start)))

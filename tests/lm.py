@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import gspmd_tf as gt
+from gspmd_tf.demo import adam_update
 
 P = gt.P
 
@@ -67,13 +68,7 @@ def make_step(variables, slots, heads, optimizer, lr=0.1):
             for n, g in zip(NAMES, grads):
                 variables[n].assign_sub(lr * g)
         else:
-            t = slots["t"].assign_add(1.0)
-            for n, g in zip(NAMES, grads):
-                m, v = slots[n]
-                m.assign(0.9 * m + 0.1 * g)
-                v.assign(0.999 * v + 0.001 * tf.square(g))
-                m_hat = m / (1.0 - tf.pow(0.9, t))
-                v_hat = v / (1.0 - tf.pow(0.999, t))
-                variables[n].assign_sub(0.01 * m_hat / (tf.sqrt(v_hat) + 1e-7))
+            adam_update([variables[n] for n in NAMES], [slots[n] for n in NAMES], grads,
+                        slots["t"].assign_add(1.0))
         return loss
     return step

@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
+from gspmd_tf.demo import slot_spec
 from lm import NAMES, SPECS, init_params, make_step
 
 P = gt.P
@@ -29,26 +30,12 @@ def single_device_run(params, tokens, optimizer):
     return losses, {n: variables[n].numpy() for n in NAMES}
 
 
-def slot_spec(spec, shape, mesh, weight_update_sharding):
-    """Optimizer state spec: the weight's, plus the "data" axis on its first free dim
-    when the weight update is sharded (paper section 3.3)."""
-    if not weight_update_sharding or "data" not in mesh.axis_names:
-        return spec
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    axes = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries]
-    # an unsplit dim first, else a split one that still divides
-    for d in sorted(range(len(shape)), key=lambda d: bool(axes[d])):
-        if shape[d] % (mesh.axes_size(axes[d]) * mesh.axis_size("data")) == 0:
-            axes[d] = axes[d] + ("data",)
-            return P(*[a if len(a) != 1 else a[0] for a in (x or None for x in axes)])
-    return spec
-
-
 def sharded_run(params, tokens, optimizer, mesh, weight_update_sharding=False):
     variables = {n: gt.Variable(params[n], mesh, SPECS[n], name=n) for n in NAMES}
     slots = {}
     for n in NAMES:
-        spec = slot_spec(SPECS[n], params[n].shape, mesh, weight_update_sharding)
+        spec = slot_spec(SPECS[n], params[n].shape, mesh) if weight_update_sharding \
+            else SPECS[n]
         slots[n] = tuple(gt.Variable(np.zeros_like(params[n]), mesh, spec, name=f"{n}_{k}")
                          for k in "mv")
     slots["t"] = gt.Variable(np.float32(0.0), mesh, P(), name="t")

@@ -14,6 +14,7 @@ channels] (or channels first), windows over the spatial dims, an output y. Facto
   out channels PASS (the filter's out dim)
   depthwise    channels PASS, the output channel dim made of (channel, multiplier)
   pooling      channels PASS (ksize/strides 1 there, else no rule)
+  pool grads   the spatial factor spans x, y, dy and dx
 """
 
 from __future__ import annotations
@@ -129,15 +130,16 @@ class _Builder:
 
 
 def _spatial_factors(b, geo, x_dims, y_dims, kind=PASS):
-    """One shared factor per spatial dim of x and y (REPLICATE when either is size 1)."""
+    """One factor per spatial dim shared by the x-sized and y-sized tensors (a dims
+    list or a tuple of them); REPLICATE when either size is 1."""
+    xs = x_dims if isinstance(x_dims, tuple) else (x_dims,)
+    ys = y_dims if isinstance(y_dims, tuple) else (y_dims,)
     for s in geo.spatial:
-        if s.n > 1 and s.out > 1:
-            f = b.factor(max(s.n, s.out), kind)
-            b.put(x_dims, s.x_dim, f)
-            b.put(y_dims, s.y_dim, f)
-        else:
-            b.put(x_dims, s.x_dim, b.factor(s.n, REPLICATE))
-            b.put(y_dims, s.y_dim, b.factor(s.out, REPLICATE))
+        shared = b.factor(max(s.n, s.out), kind) if s.n > 1 and s.out > 1 else None
+        for group, dim, size in ((xs, s.x_dim, s.n), (ys, s.y_dim, s.out)):
+            for dims in group:
+                b.put(dims, dim, shared if shared is not None
+                      else b.factor(size, REPLICATE))
 
 
 def _filter_spatial(b, w_dims, w_shape):
@@ -260,10 +262,11 @@ def conv2d_backprop_filter(ctx):
 
 
 def max_pool_grad(ctx):
-    """MaxPoolGrad(x, y, dy) -> dx: batch and channels pass; spatial dims stay whole."""
+    """MaxPoolGrad(x, y, dy) -> dx: batch and channels pass; each spatial dim one factor
+    shared by x, dx and the window dims of y, dy (halo exchange on all three)."""
     x, y, dy = ctx.in_shapes
     geo = geometry(ctx.node, x, y)
-    if geo is None:
+    if geo is None or dy != y:
         return None
     b = _Builder(3)
     xd, yd, dyd, dxd = b.tensor(x), b.tensor(y), b.tensor(dy), b.tensor(x)
@@ -271,14 +274,13 @@ def max_pool_grad(ctx):
         f = b.factor(x[d])
         for dims in (xd, yd, dyd, dxd):
             b.put(dims, d, f)
-    for s in geo.spatial:
-        for dims, size in ((xd, s.n), (yd, s.out), (dyd, s.out), (dxd, s.n)):
-            b.put(dims, s.x_dim, b.factor(size, REPLICATE))
+    _spatial_factors(b, geo, (xd, dxd), (yd, dyd))
     return b.done({0: xd, 1: yd, 2: dyd}, [dxd])
 
 
 def avg_pool_grad(ctx):
-    """AvgPoolGrad(x_shape, dy) -> dx: batch and channels pass; spatial dims whole."""
+    """AvgPoolGrad(x_shape, dy) -> dx: batch and channels pass; spatial dims of dy and dx
+    share a factor (halo exchange on dy)."""
     dy = ctx.in_shapes[1]
     dx = ctx.out_shapes[0]
     geo = geometry(ctx.node, dx, dy)
@@ -290,9 +292,7 @@ def avg_pool_grad(ctx):
         f = b.factor(dx[d])
         b.put(dyd, d, f)
         b.put(dxd, d, f)
-    for s in geo.spatial:
-        b.put(dyd, s.x_dim, b.factor(s.out, REPLICATE))
-        b.put(dxd, s.x_dim, b.factor(s.n, REPLICATE))
+    _spatial_factors(b, geo, dxd, dyd)
     return b.done({1: dyd}, [dxd])
 
 

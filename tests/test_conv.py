@@ -1,0 +1,306 @@
+"""Spatially partitioned convolutions and pooling: halo exchange (GSPMD's spatial
+partitioning) gives single-device values, with collective-permutes, not all-gathers."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given
+from hypothesis import strategies as st
+
+import gspmd_tf as gt
+from gspmd_tf import _halo
+from util import check_partitioned, randn
+
+P = gt.P
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return gt.Mesh.create((2, 4), ("data", "model"))
+
+
+@pytest.fixture(scope="module")
+def mesh3():
+    return gt.Mesh.create((2, 2, 2), ("a", "b", "c"))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def kinds(low):
+    return sorted(c.kind for c in low.collectives())
+
+
+# ----------------------------------------------------------------- halo module vs numpy
+
+def reference_window_plan(n, window, stride, dilation, pad_lo, pad_hi, shards):
+    """Brute force: the operand elements each shard's windows read, and the halos."""
+    dilated = (window - 1) * dilation + 1
+    out = (n + pad_lo + pad_hi - dilated) // stride + 1
+    own = -(-n // shards)
+    w = -(-out // shards)
+    left, right, useful = [], [], 0
+    for i in range(shards):
+        windows = [j for j in range(i * w, (i + 1) * w)]
+        reads = [j * stride - pad_lo + t * dilation for j in windows for t in range(window)]
+        left.append(i * own - min(reads))
+        right.append(max(reads) + 1 - (i + 1) * own)
+        useful += i * w < out
+    return out, w, np.array(left), np.array(right), useful
+
+
+window_configs = st.tuples(
+    st.integers(1, 60),   # n
+    st.integers(1, 6),    # window
+    st.integers(1, 3),    # stride
+    st.integers(1, 3),    # dilation
+    st.integers(0, 4),    # pad_lo
+    st.integers(0, 4),    # pad_hi
+    st.integers(1, 16),   # shards
+)
+
+
+@given(window_configs)
+def test_window_plan_matches_numpy(config):
+    n, window, stride, dilation, pad_lo, pad_hi, shards = config
+    if n + pad_lo + pad_hi < (window - 1) * dilation + 1:
+        with pytest.raises(ValueError):
+            _halo.window_plan(n, window, stride, dilation, pad_lo, pad_hi, shards)
+        return
+    out, w, left, right, useful = reference_window_plan(*config)
+    plan = _halo.window_plan(n, window, stride, dilation, pad_lo, pad_hi, shards)
+    assert (plan["out_size"], plan["out_shard"], plan["useful"]) == (out, w, useful)
+    np.testing.assert_array_equal(plan["left"], left)
+    np.testing.assert_array_equal(plan["right"], right)
+    assert plan["ext_lo"] == max(0, left[:useful].max())
+    assert plan["ext_hi"] == max(0, right[:useful].max())
+    own = -(-n // shards)
+    inner = [left[i] for i in range(1, useful)] + [right[i] for i in range(useful)
+                                                     if i < shards - 1]
+    assert plan["feasible"] == all(h <= own for h in inner)
+    # every shard reads inside the extended tensor; useful ones exactly their range
+    offset = plan["offset"]
+    assert np.all(offset >= 0) and np.all(offset + plan["span"] <= plan["extended"])
+    np.testing.assert_array_equal(offset[:useful], plan["ext_lo"] - left[:useful])
+    assert plan["uniform"] == bool(np.all(offset[:useful] == offset[0]))
+
+
+@given(st.tuples(st.integers(1, 40), st.integers(1, 5), st.integers(1, 3),
+                 st.integers(1, 2), st.integers(0, 3), st.integers(1, 8)))
+def test_transposed_plan_covers_gradient_reads(config):
+    """Each shard's operand span holds every forward window touching its result block,
+    and its block lies inside the (padded) local result."""
+    n, window, stride, dilation, pad_lo, shards = config
+    dilated = (window - 1) * dilation + 1
+    pad_lo = min(pad_lo, dilated - 1)
+    out = (n + pad_lo - dilated) // stride + 1
+    if out < 1:
+        return
+    plan = _halo.transposed_plan(n, out, window, stride, dilation, pad_lo, shards)
+    res = -(-n // shards)
+    for i in range(plan["useful"]):
+        block = range(i * res, min((i + 1) * res, n))
+        touching = [j for j in range(out)
+                    if any(j * stride - pad_lo + t * dilation in block for t in range(window))]
+        lo, span = plan["start"][i], plan["span"]
+        assert all(lo <= j < lo + span for j in touching)
+        assert plan["first"][i] == lo * stride - pad_lo
+        assert plan["first"][i] + plan["post"][i] == i * res
+        assert plan["post"][i] + res <= plan["local_padded"]
+        assert plan["offset"][i] + span <= plan["extended"]
+
+
+def test_plan_fast_for_2048_shards():
+    import time
+    start = time.perf_counter()
+    for _ in range(100):
+        plan = _halo.window_plan(1 << 20, 7, 1, 1, 3, 3, 2048)
+    assert plan["feasible"] and plan["ext_lo"] == 3 and plan["ext_hi"] == 3
+    assert time.perf_counter() - start < 1.0
+
+
+# ----------------------------------------------------------------- Conv2D values
+
+
+def conv(stride, padding, dilation=1, data_format="NHWC"):
+    return lambda x, w: tf.nn.conv2d(x, w, stride, padding, data_format=data_format,
+                                     dilations=dilation)
+
+
+@pytest.mark.parametrize("kernel", [3, 5])
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+def test_conv_h_split(mesh, rng, kernel, stride, padding):
+    x, w = randn(rng, 2, 16, 8, 3), randn(rng, kernel, kernel, 3, 4)
+    low = check_partitioned(conv(stride, padding), (x, w), mesh, (P(None, "model"), None))
+    assert set(kinds(low)) <= {"collective-permute"}
+    assert str(low.output_shardings[0]).startswith("{devices=[1,4,1,1,2]")
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+def test_conv_h_and_w_split(mesh3, rng, padding):
+    x, w = randn(rng, 2, 12, 12, 3), randn(rng, 3, 3, 3, 5)
+    low = check_partitioned(conv(1, padding), (x, w), mesh3, (P("a", "b", "c"), None))
+    # halos both ways along H and W (corners ride along the second exchange)
+    assert kinds(low) == ["collective-permute"] * 4
+
+
+@pytest.mark.parametrize("stride, padding", [(1, "SAME"), (2, "SAME"), (1, "VALID"),
+                                             (3, "VALID")])
+def test_conv_uneven_h(mesh, rng, stride, padding):
+    x, w = randn(rng, 2, 10, 6, 3), randn(rng, 3, 3, 3, 4)
+    check_partitioned(conv(stride, padding), (x, w), mesh, (P(None, "model"), None))
+
+
+def test_conv_channels_split_all_reduce(mesh, rng):
+    x, w = randn(rng, 2, 8, 8, 6), randn(rng, 3, 3, 6, 4)
+    low = check_partitioned(conv(1, "SAME"), (x, w), mesh,
+                            (P(None, None, None, "model"), P(None, None, "model")),
+                            (P(),))
+    assert kinds(low) == ["all-reduce"]
+
+
+def test_conv_uneven_channels(mesh, rng):
+    x, w = randn(rng, 2, 8, 8, 6), randn(rng, 3, 3, 6, 4)
+    check_partitioned(conv(1, "SAME"), (x, w), mesh,
+                      (P(None, None, None, "model"), None))
+
+
+def test_conv_batch_and_spatial(mesh, rng):
+    x, w = randn(rng, 4, 16, 8, 3), randn(rng, 3, 3, 3, 4)
+    low = check_partitioned(conv(1, "SAME"), (x, w), mesh, (P("data", "model"), None))
+    assert kinds(low) == ["collective-permute"] * 2
+    assert str(low.output_shardings[0]) == "{devices=[2,4,1,1]0,1,2,3,4,5,6,7}"
+
+
+def test_conv_out_channels_and_spatial(mesh, rng):
+    x, w = randn(rng, 2, 16, 8, 3), randn(rng, 3, 3, 3, 4)
+    low = check_partitioned(conv(1, "SAME"), (x, w), mesh,
+                            (P(None, "model"), P(None, None, None, "data")))
+    assert set(kinds(low)) == {"collective-permute"}
+
+
+def test_conv_nchw_explicit_dilated(mesh, rng):
+    x, w = randn(rng, 2, 3, 16, 9), randn(rng, 3, 3, 3, 4)
+    f = lambda x, w: tf.nn.conv2d(x, w, 1, [[0, 0], [0, 0], [2, 1], [1, 0]],
+                                  data_format="NCHW", dilations=2)
+    low = check_partitioned(f, (x, w), mesh, (P(None, None, "model"), None))
+    assert set(kinds(low)) == {"collective-permute"}
+
+
+def test_halo_larger_than_shard_falls_back(mesh, rng):
+    """A 7x7 kernel over 2-row shards: the dim is gathered whole, values still right."""
+    x, w = randn(rng, 1, 8, 4, 2), randn(rng, 7, 7, 2, 3)
+    low = check_partitioned(conv(1, "SAME"), (x, w), mesh, (P(None, "model"), None))
+    assert kinds(low) == ["all-gather"]
+
+
+def test_output_split_input_whole(mesh, rng):
+    """Input replicated, output annotated split: each device slices its windows from the
+    padded input; nothing moves."""
+    x, w = randn(rng, 2, 16, 8, 3), randn(rng, 3, 3, 3, 4)
+
+    def f(x, w):
+        return gt.mesh_split(tf.nn.conv2d(x, w, 2, "SAME"), mesh, P(None, "model"))
+    low = check_partitioned(f, (x, w), mesh, (P(), None))
+    assert kinds(low) == []
+
+
+def test_depthwise(mesh, rng):
+    x, w = randn(rng, 2, 12, 8, 4), randn(rng, 3, 3, 4, 2)
+    f = lambda x, w: tf.nn.depthwise_conv2d(x, w, [1, 1, 1, 1], "SAME")
+    low = check_partitioned(f, (x, w), mesh, (P(None, "model", None, "data"), None))
+    assert set(kinds(low)) == {"collective-permute"}
+
+
+# ----------------------------------------------------------------- pooling
+
+
+@pytest.mark.parametrize("pool", ["max", "avg"])
+@pytest.mark.parametrize("ksize, stride, padding, h", [
+    (2, 2, "VALID", 16), (3, 1, "SAME", 16), (3, 2, "SAME", 16), (3, 1, "SAME", 10)])
+def test_pool_h_split(mesh, rng, pool, ksize, stride, padding, h):
+    op = tf.nn.max_pool2d if pool == "max" else tf.nn.avg_pool2d
+    x = randn(rng, 2, h, 6, 3) - 3.0  # negative: zero padding would win a max
+    low = check_partitioned(lambda x: op(x, ksize, stride, padding), (x,), mesh,
+                            (P(None, "model"),))
+    assert set(kinds(low)) <= {"collective-permute"}
+
+
+def test_pool_h_and_w_split(mesh3, rng):
+    x = randn(rng, 2, 12, 12, 3) - 3.0
+    f = lambda x: (tf.nn.max_pool2d(x, 3, 1, "SAME"), tf.nn.avg_pool2d(x, 3, 2, "SAME"))
+    check_partitioned(f, (x,), mesh3, (P("a", "b", "c"),))
+
+
+# ----------------------------------------------------------------- a small CNN
+
+
+def cnn(x, w1, w2, w3):
+    h = tf.nn.relu(tf.nn.conv2d(x, w1, 1, "SAME"))
+    h = tf.nn.relu(tf.nn.conv2d(h, w2, 1, "SAME"))
+    h = tf.nn.max_pool2d(h, 2, 2, "VALID")
+    h = tf.reshape(h, [h.shape[0], -1])
+    return h @ w3
+
+
+def cnn_args(rng):
+    return (randn(rng, 4, 16, 16, 3), randn(rng, 3, 3, 3, 8), randn(rng, 3, 3, 8, 8),
+            randn(rng, 8 * 8 * 8, 10))
+
+
+def test_cnn_spatial(mesh, rng):
+    low = check_partitioned(cnn, cnn_args(rng), mesh, (P(None, "model"), None, None, None))
+    # a halo each way per conv, no halo for the 2x2/2 pool, one all-reduce for the dense
+    # layer (its contracting dim carries the spatial split)
+    assert kinds(low) == ["all-reduce"] + ["collective-permute"] * 4
+    assert low.program.replicated_ops == []
+    permutes = [c for c in low.collectives() if c.kind == "collective-permute"]
+    assert all(c.shape[1] == 1 for c in permutes)  # one row of halo per neighbour
+
+
+def test_cnn_training_step(mesh, rng):
+    def step(x, w1, w2, w3):
+        with tf.GradientTape() as tape:
+            tape.watch([w1, w2, w3])
+            loss = tf.reduce_sum(tf.square(cnn(x, w1, w2, w3)))
+        return (loss,) + tuple(tape.gradient(loss, [w1, w2, w3]))
+    low = check_partitioned(step, cnn_args(rng), mesh, (P("data", "model"), None, None, None))
+    assert "all-gather" not in kinds(low), low.report()
+
+
+# ----------------------------------------------------------------- gradients directly
+
+
+@pytest.mark.parametrize("stride, padding, h", [(1, "SAME", 16), (2, "SAME", 16),
+                                                (2, "VALID", 17), (1, "SAME", 10)])
+def test_conv_gradients_spatial(mesh, rng, stride, padding, h):
+    x, w = randn(rng, 2, h, 6, 3), randn(rng, 3, 3, 3, 4)
+
+    def grads(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = tf.nn.conv2d(x, w, stride, padding)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, [x, w])
+    low = check_partitioned(grads, (x, w), mesh, (P(None, "model"), None))
+    assert low.program.replicated_ops == []
+
+
+# ----------------------------------------------------------------- random configs
+
+
+@given(st.tuples(st.integers(1, 5), st.integers(1, 3), st.sampled_from(["SAME", "VALID"]),
+                 st.integers(5, 20), st.sampled_from([2, 4, 8]), st.integers(1, 2)))
+def test_random_conv_configs(config):
+    kernel, stride, padding, h, shards, dilation = config
+    if padding == "VALID" and h < (kernel - 1) * dilation + 1:
+        return
+    if stride > 1 and dilation > 1:  # TF's conv2d takes one or the other
+        dilation = 1
+    mesh = gt.Mesh.create((shards, 8 // shards), ("x", "y"))
+    rng = np.random.default_rng(h * 100 + kernel)
+    x, w = randn(rng, 1, h, 5, 2), randn(rng, kernel, kernel, 2, 3)
+    check_partitioned(conv(stride, padding, dilation), (x, w), mesh, (P(None, "x"), None))
