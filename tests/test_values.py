@@ -188,3 +188,18 @@ def test_op_without_rule_runs_replicated_with_warning(rng, caplog):
     with caplog.at_level("WARNING", logger="gspmd_tf"):
         check_partitioned(lambda t: tf.cumsum(t, axis=0) * 2.0, (x,), mesh, (P("data", "model"),))
     assert any("Cumsum" in r.getMessage() for r in caplog.records)
+
+
+def test_sharded_arguments_reuse_the_lowering_of_their_specs(rng):
+    mesh, _ = mesh_of("2d")
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x * 2.0
+
+    pf = gt.function(f, mesh=mesh, in_shardings=(P("data", "model"),))
+    x = randn(rng, 4, 8)
+    placed = gt.ShardedTensor.from_value(x, mesh, pf.lower(x).program.input_layouts[0])
+    np.testing.assert_allclose(pf(placed).numpy(), x * 2.0)
+    assert len(calls) == 1

@@ -95,7 +95,8 @@ class Function:
         flat, entries = self._flat_args(args)
         specs = [self._spec_of(leaf) for leaf in flat]
         committed = [leaf.layout if isinstance(leaf, ShardedTensor) else None for leaf in flat]
-        key = tuple((tuple(s.shape), s.dtype, e if e is None else tuple(map(str, [e])), c)
+        # an argument's own layout matters only where in_shardings leaves it open
+        key = tuple((tuple(s.shape), s.dtype, str(e) if e is not None else c)
                     for s, e, c in zip(specs, entries, committed))
         if key not in self._cache:
             self._cache[key] = self._build(args, flat, specs, entries, committed)
