@@ -16,7 +16,8 @@ shards that compute at least one real result element (the others compute padding
 may read anything), then slices the `span` elements it needs at offset[i] = ext_lo -
 left(i). The halos are filled by shifting blocks one shard along (a collective-permute
 each way), so a plan is `feasible` when no shard needs more than one neighbour's block
-(the outermost shards' outer halos lie beyond the global edge: zeros, no neighbour).
+(the outermost shards' outer halos lie beyond the global edge: zeros, no neighbour);
+otherwise hops_lo / hops_hi say how many shards each way the halos span.
 
 `whole=True` plans for an operand dim that is not split (every shard owns [0, n)),
 e.g. after a fallback gather: the extension is plain padding.
@@ -27,6 +28,8 @@ Two index maps exist:
   transposed_plan: its transpose (Conv2DBackpropInput): result element p (an input
                    position of the forward op) gathers every operand element j (a
                    forward output) whose window covers p.
+range_plan takes arbitrary per-shard reads (the forward input a MaxPoolGrad shard's
+windows cover). same_padding is TF's SAME padding of one dim.
 """
 
 import numpy as np
@@ -79,9 +82,12 @@ cdef dict _finish(i64[::1] start, i64 span, i64 shards, i64 own, bint whole,
         span=int(span), own=int(own), shards=int(shards), whole=bool(whole),
         useful=int(useful), left=np.asarray(left), right=np.asarray(right),
         ext_lo=int(ext_lo), ext_hi=int(ext_hi), extended=int(extended),
-        # elements received from the neighbours (the rest of ext_* is zero padding)
-        halo_lo=0 if whole else int(min(max(inner_lo, 0), own)),
-        halo_hi=0 if whole else int(min(max(inner_hi, 0), own)),
+        # elements received from the shards before/after (the rest of ext_* is zero
+        # padding), and from how many shards each way
+        halo_lo=0 if whole else int(max(inner_lo, 0)),
+        halo_hi=0 if whole else int(max(inner_hi, 0)),
+        hops_lo=0 if whole else int(_ceildiv(max(inner_lo, 0), own)),
+        hops_hi=0 if whole else int(_ceildiv(max(inner_hi, 0), own)),
         feasible=bool(whole or (inner_lo <= own and inner_hi <= own)),
         offset=np.asarray(offset), uniform=bool(uniform))
     return plan
@@ -128,11 +134,12 @@ def transposed_plan(i64 n_result, i64 n_operand, i64 window, i64 stride=1,
     The forward op maps an input of `n_result` elements to `n_operand` windows; here the
     operand (the forward output's gradient) is split in blocks of ceil(n_operand /
     shards) and the result in blocks of R = ceil(n_result / shards). Shard i takes the
-    operand elements [start[i], start[i] + span) (every window touching its result
+    operand elements [start[i], start[i] + span) (every window reaching its result
     block), computes the transposed op with VALID padding over them, which yields
-    `local_size` result elements beginning at global index first[i]; its block then
-    begins at post[i] (>= 0) of that, after zero-padding the local result to
-    `local_padded` elements. Also returns the window_plan fields for the operand.
+    `local_size` result elements beginning at global index first[i]. Padded with `lead`
+    zeros before and zeros after to `local_padded` elements (positions no window of the
+    span reaches get no gradient), the shard's block begins at post[i]. Also returns
+    the window_plan fields for the operand.
     """
     if (n_result < 1 or n_operand < 1 or window < 1 or stride < 1 or dilation < 1
             or shards < 1):
@@ -145,26 +152,29 @@ def transposed_plan(i64 n_result, i64 n_operand, i64 window, i64 stride=1,
     cdef i64[::1] last = np.empty(shards, dtype=np.int64)
     cdef i64[::1] first = np.empty(shards, dtype=np.int64)
     cdef i64[::1] post = np.empty(shards, dtype=np.int64)
-    cdef i64 i, span = 1, local_size, local_padded
+    cdef i64 i, span = 1, local_size, local_padded, lead = 0
     with nogil:
         for i in range(shards):
-            # first window reaching position i*R; last window starting at or before
-            # the block's last position
-            start[i] = _floordiv(i * res + pad_lo - (dilated - 1), stride)
+            # first window whose last element reaches position i*R; last window
+            # starting at or before the block's last position
+            start[i] = _ceildiv(i * res + pad_lo - (dilated - 1), stride)
             last[i] = _floordiv((i + 1) * res - 1 + pad_lo, stride)
             if i < useful:
                 span = max(span, last[i] - start[i] + 1)
         local_size = (span - 1) * stride + dilated
-        local_padded = local_size
         for i in range(shards):
             first[i] = start[i] * stride - pad_lo
-            post[i] = i * res - first[i]
+            if i < useful:
+                lead = max(lead, first[i] - i * res)
+        local_padded = lead + local_size
+        for i in range(shards):
+            post[i] = i * res - first[i] + lead
             if i < useful:
                 local_padded = max(local_padded, post[i] + res)
         for i in range(shards):
             post[i] = min(max(post[i], 0), local_padded - res)
     plan = dict(out_size=int(n_result), out_shard=int(res), start=np.asarray(start),
-                first=np.asarray(first), post=np.asarray(post),
+                first=np.asarray(first), post=np.asarray(post), lead=int(lead),
                 local_size=int(local_size), local_padded=int(local_padded))
     return _finish(start, span, shards, own, whole, useful, plan)
 

@@ -107,7 +107,7 @@ def test_transposed_plan_covers_gradient_reads(config):
         lo, span = plan["start"][i], plan["span"]
         assert all(lo <= j < lo + span for j in touching)
         assert plan["first"][i] == lo * stride - pad_lo
-        assert plan["first"][i] + plan["post"][i] == i * res
+        assert plan["first"][i] - plan["lead"] + plan["post"][i] == i * res
         assert plan["post"][i] + res <= plan["local_padded"]
         assert plan["offset"][i] + span <= plan["extended"]
 
@@ -151,7 +151,10 @@ def test_conv_h_and_w_split(mesh3, rng, padding):
                                              (3, "VALID")])
 def test_conv_uneven_h(mesh, rng, stride, padding):
     x, w = randn(rng, 2, 10, 6, 3), randn(rng, 3, 3, 3, 4)
-    check_partitioned(conv(stride, padding), (x, w), mesh, (P(None, "model"), None))
+    low = check_partitioned(conv(stride, padding), (x, w), mesh, (P(None, "model"), None))
+    # strided windows over 3-row shards: the halo from the right grows with the shard
+    # index and spans two shards (two permutes that way), still no gather
+    assert set(kinds(low)) <= {"collective-permute"}
 
 
 def test_conv_channels_split_all_reduce(mesh, rng):
@@ -215,6 +218,35 @@ def test_depthwise(mesh, rng):
     assert set(kinds(low)) == {"collective-permute"}
 
 
+def test_nchw_gradients_h_and_w(mesh, rng):
+    x, w = randn(rng, 2, 3, 16, 10), randn(rng, 3, 3, 3, 4)
+
+    def grads(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = tf.nn.conv2d(x, w, 2, "SAME", data_format="NCHW")
+            y = tf.nn.avg_pool2d(y, 3, 1, "SAME", data_format="NCHW")
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, [x, w])
+    low = check_partitioned(grads, (x, w), mesh, (P(None, None, "model", "data"), None))
+    assert set(kinds(low)) == {"collective-permute", "all-reduce"}
+
+
+@pytest.mark.parametrize("spec", [P(None, "model", None, "data"), P("data", "model"),
+                                  P(None, None, None, "model")])
+def test_depthwise_gradients(mesh, rng, spec):
+    x, w = randn(rng, 2, 12, 8, 4), randn(rng, 3, 3, 4, 2)
+
+    def grads(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = tf.nn.depthwise_conv2d(x, w, [1, 2, 2, 1], "SAME")
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, [x, w])
+    low = check_partitioned(grads, (x, w), mesh, (spec, None))
+    assert low.program.replicated_ops == []
+
+
 # ----------------------------------------------------------------- pooling
 
 
@@ -269,6 +301,11 @@ def test_cnn_training_step(mesh, rng):
         return (loss,) + tuple(tape.gradient(loss, [w1, w2, w3]))
     low = check_partitioned(step, cnn_args(rng), mesh, (P("data", "model"), None, None, None))
     assert "all-gather" not in kinds(low), low.report()
+    # forward: a halo each way per conv (4); the weight gradients reuse them; the second
+    # conv's input gradient exchanges dy halos (2); the 2x2/2 pool and its gradient
+    # need none; the first conv's input gradient is not asked for. Total 4 + 2 (+2 for
+    # the first conv's forward on the batch-and-spatial split: the same 4 as above).
+    assert kinds(low).count("collective-permute") == 4 + 2 + 2, low.report()
 
 
 # ----------------------------------------------------------------- gradients directly
@@ -287,6 +324,27 @@ def test_conv_gradients_spatial(mesh, rng, stride, padding, h):
         return tape.gradient(loss, [x, w])
     low = check_partitioned(grads, (x, w), mesh, (P(None, "model"), None))
     assert low.program.replicated_ops == []
+    if h % 4 == 0:
+        assert "all-gather" not in kinds(low), low.report()
+
+
+@pytest.mark.parametrize("pool", ["max", "avg"])
+@pytest.mark.parametrize("ksize, stride, padding, h", [
+    (2, 2, "VALID", 16), (3, 1, "SAME", 16), (3, 2, "SAME", 16), (3, 2, "SAME", 10)])
+def test_pool_gradients_spatial(mesh, rng, pool, ksize, stride, padding, h):
+    op = tf.nn.max_pool2d if pool == "max" else tf.nn.avg_pool2d
+    x = randn(rng, 2, h, 6, 3) - 3.0
+
+    def grad(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = op(x, ksize, stride, padding)
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, x)
+    low = check_partitioned(grad, (x,), mesh, (P(None, "model"),))
+    assert low.program.replicated_ops == []
+    if h % 4 == 0:
+        assert "all-gather" not in kinds(low), low.report()
 
 
 # ----------------------------------------------------------------- random configs
@@ -296,11 +354,40 @@ def test_conv_gradients_spatial(mesh, rng, stride, padding, h):
                  st.integers(5, 20), st.sampled_from([2, 4, 8]), st.integers(1, 2)))
 def test_random_conv_configs(config):
     kernel, stride, padding, h, shards, dilation = config
-    if padding == "VALID" and h < (kernel - 1) * dilation + 1:
-        return
     if stride > 1 and dilation > 1:  # TF's conv2d takes one or the other
         dilation = 1
+    if padding == "VALID" and min(h, 9) < (kernel - 1) * dilation + 1:
+        return
     mesh = gt.Mesh.create((shards, 8 // shards), ("x", "y"))
     rng = np.random.default_rng(h * 100 + kernel)
-    x, w = randn(rng, 1, h, 5, 2), randn(rng, kernel, kernel, 2, 3)
+    x, w = randn(rng, 1, h, 9, 2), randn(rng, kernel, kernel, 2, 3)
     check_partitioned(conv(stride, padding, dilation), (x, w), mesh, (P(None, "x"), None))
+
+
+@given(st.sampled_from(["conv", "max", "avg"]), st.integers(1, 4), st.integers(1, 2),
+       st.sampled_from(["SAME", "VALID"]), st.integers(4, 11), st.integers(4, 11),
+       st.sampled_from([P("a", "b"), P(None, ("a", "b"), "c"), P(None, "a", ("b", "c"))]),
+       st.booleans())
+def test_random_windowed_with_gradients(op, kernel, stride, padding, h, w, spec, grad):
+    """Forward value (and input gradient) of conv/max/avg pooling, H and/or W split."""
+    if padding == "VALID" and min(h, w) < kernel:
+        return
+    mesh = gt.Mesh.create((2, 2, 2), ("a", "b", "c"))
+    rng = np.random.default_rng(h * 100 + w * 10 + kernel)
+    x, f = randn(rng, 2, h, w, 3) - 1.0, randn(rng, kernel, kernel, 3, 2)
+
+    def forward(x, f):
+        if op == "conv":
+            return tf.nn.conv2d(x, f, stride, padding)
+        pool = tf.nn.max_pool2d if op == "max" else tf.nn.avg_pool2d
+        return pool(x, kernel, stride, padding) * tf.reduce_sum(f)
+
+    def fn(x, f):
+        if not grad:
+            return forward(x, f)
+        with tf.GradientTape() as tape:
+            tape.watch([x, f])
+            loss = tf.reduce_sum(tf.square(forward(x, f)))
+        return tape.gradient(loss, [x, f])
+    low = check_partitioned(fn, (x, f), mesh, (spec, None))
+    assert low.program.replicated_ops == []

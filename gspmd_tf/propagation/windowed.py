@@ -261,6 +261,54 @@ def conv2d_backprop_filter(ctx):
     return b.done({0: xd, 2: dyd}, [dwd])
 
 
+def depthwise_backprop_input(ctx):
+    """DepthwiseConv2dNativeBackpropInput(input_sizes, filter [KH,KW,C,M], dy
+    [N,H',W',C*M]) -> dx [N,H,W,C]: the multiplier M is summed (REDUCE)."""
+    _, w, dy = ctx.in_shapes
+    dx = ctx.out_shapes[0]
+    geo = geometry(ctx.node, dx, dy, w[:2])
+    if geo is None:
+        return None
+    b = _Builder(3)
+    wd, dyd, dxd = b.tensor(w), b.tensor(dy), b.tensor(dx)
+    n = b.factor(dx[0])
+    b.put(dyd, 0, n)
+    b.put(dxd, 0, n)
+    _spatial_factors(b, geo, dxd, dyd)
+    c = b.factor(w[2])
+    m = b.factor(w[3], REDUCE)
+    b.put(wd, 2, c)
+    b.put(wd, 3, m)
+    b.put(dxd, geo.channel_dim, c)
+    b.put(dyd, geo.channel_dim, tuple(f for f in (c, m) if f is not None))
+    _filter_spatial(b, wd, w)
+    return b.done({1: wd, 2: dyd}, [dxd])
+
+
+def depthwise_backprop_filter(ctx):
+    """DepthwiseConv2dNativeBackpropFilter(x, filter_sizes, dy [N,H',W',C*M]) -> dw
+    [KH,KW,C,M]: batch and spatial positions summed (REDUCE)."""
+    x, _, dy = ctx.in_shapes
+    dw = ctx.out_shapes[0]
+    geo = geometry(ctx.node, x, dy, dw[:2])
+    if geo is None:
+        return None
+    b = _Builder(3)
+    xd, dyd, dwd = b.tensor(x), b.tensor(dy), b.tensor(dw)
+    n = b.factor(x[0], REDUCE)
+    b.put(xd, 0, n)
+    b.put(dyd, 0, n)
+    _spatial_factors(b, geo, xd, dyd, kind=REDUCE)
+    c = b.factor(dw[2])
+    m = b.factor(dw[3])
+    b.put(xd, geo.channel_dim, c)
+    b.put(dwd, 2, c)
+    b.put(dwd, 3, m)
+    b.put(dyd, geo.channel_dim, tuple(f for f in (c, m) if f is not None))
+    _filter_spatial(b, dwd, dw)
+    return b.done({0: xd, 2: dyd}, [dwd])
+
+
 def max_pool_grad(ctx):
     """MaxPoolGrad(x, y, dy) -> dx: batch and channels pass; each spatial dim one factor
     shared by x, dx and the window dims of y, dy (halo exchange on all three)."""
@@ -303,6 +351,8 @@ WINDOWED_RULES = {
     "AvgPool": (pool,),
     "Conv2DBackpropInput": (conv2d_backprop_input,),
     "Conv2DBackpropFilter": (conv2d_backprop_filter,),
+    "DepthwiseConv2dNativeBackpropInput": (depthwise_backprop_input,),
+    "DepthwiseConv2dNativeBackpropFilter": (depthwise_backprop_filter,),
     "MaxPoolGrad": (max_pool_grad,),
     "AvgPoolGrad": (avg_pool_grad,),
 }

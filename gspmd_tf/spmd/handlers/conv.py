@@ -19,20 +19,29 @@ device's own block by a few elements on each side (the halos). Per split dim:
      the op's padding value (0 for convolutions, -inf for max pooling); this also
      covers the padded tail of uneven shards.
 The local op then runs with VALID padding on the window and yields exactly its W
-results. Dims that are not split go through the same steps with one shard (a plain
-pad). When a halo is larger than a neighbour's block (tiny shards, large windows, or
-strided windows over uneven shards whose halos grow with the shard index) the dim is
-gathered whole instead and each device slices its windows from the padded whole dim:
-correct, but an all-gather instead of two permutes.
+results. Dims that are not split keep the op's own padding (EXPLICIT padding with those
+dims' amounts) where the op takes explicit padding, else go through the same steps with
+one shard (a plain pad). A halo longer than a neighbour's block (tiny shards, large
+windows, strided windows over uneven shards, whose halos grow with the shard index)
+takes one permute per block it spans, as XLA's ExchangeHalo does; when that would take
+as many steps or move as much as gathering the dim, the dim is gathered whole instead
+and each device slices its windows from the padded whole dim (correct, slower). A dim
+whose input is not split (only the output is) is sliced the same way, with no
+collective. A conv's weight gradient reuses the windows its forward pass built.
 
-Gradients: Conv2DBackpropFilter reads x through the same windows (its spatial factor is
-REDUCE: each device's sum is partial); Conv2DBackpropInput exchanges halos of dy (the
-transposed index map, gspmd_tf._halo.transposed_plan) and slices its block out of the
-locally computed input gradient. MaxPoolGrad/AvgPoolGrad keep spatial dims whole (their
-rules replicate them).
+Gradients: Conv2DBackpropFilter (and the depthwise one) reads x through the same
+windows (its spatial factor is REDUCE: each device's sum is partial). The input
+gradients, Conv2DBackpropInput, DepthwiseConv2dNativeBackpropInput, AvgPoolGrad and
+MaxPoolGrad, exchange halos of dy (every forward window reaching this device's block of
+the result: gspmd_tf._halo.transposed_plan), run the local op with VALID padding and
+slice their block out of its result; MaxPoolGrad also exchanges halos of the forward
+input those windows read (set to -inf outside [0, n)), AvgPoolGrad pre-scales dy by
+window / in-bounds count for padded windows.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -40,8 +49,7 @@ import tensorflow as tf
 from gspmd_tf import _halo
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.windowed import geometry
-from gspmd_tf.spmd.handlers.basic import (local_shapes, masked_refs, replay,
-                                          with_local_shape_input)
+from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding, replace_dim, static_slice_dim
 from gspmd_tf.spmd.program import Local
 
@@ -84,20 +92,33 @@ def _shift_pairs(mesh, axes, step):
 
 
 def _exchange(b, ref, dim, axes, halo_lo, halo_hi):
-    """[previous shard's last halo_lo | own block | next shard's first halo_hi]."""
-    shape = b.shape_of(ref)
-    own = shape[dim]
+    """[last halo_lo elements of the shards before | own block | first halo_hi elements
+    of the shards after]: one collective-permute per neighbour block each way (one
+    each way unless a halo is longer than a block)."""
+    own = b.shape_of(ref)[dim]
     dtype = b.graph.dtype(ref)
-    left = right = None
-    if halo_lo > 0:
-        send = static_slice_dim(b, ref, dim, own - halo_lo, halo_lo)
-        left = b.collective("gt.Permute", send, b.shape_of(send), dtype,
-                            pairs=_shift_pairs(b.mesh, axes, +1))
-    if halo_hi > 0:
-        send = static_slice_dim(b, ref, dim, 0, halo_hi)
-        right = b.collective("gt.Permute", send, b.shape_of(send), dtype,
-                             pairs=_shift_pairs(b.mesh, axes, -1))
-    return _concat(b, [left, ref, right], dim)
+    left, right = [], []
+    for hop in range(1, -(-halo_lo // own) + 1):
+        size = min(own, halo_lo - (hop - 1) * own)
+        send = static_slice_dim(b, ref, dim, own - size, size)
+        left.insert(0, b.collective("gt.Permute", send, b.shape_of(send), dtype,
+                                    pairs=_shift_pairs(b.mesh, axes, hop)))
+    for hop in range(1, -(-halo_hi // own) + 1):
+        size = min(own, halo_hi - (hop - 1) * own)
+        send = static_slice_dim(b, ref, dim, 0, size)
+        right.append(b.collective("gt.Permute", send, b.shape_of(send), dtype,
+                                  pairs=_shift_pairs(b.mesh, axes, -hop)))
+    return _concat(b, left + [ref] + right, dim)
+
+
+def _halos_worth_it(plan, k):
+    """Exchange halos (several hops when a halo is longer than a neighbour's block)
+    while that takes fewer steps and moves less than gathering the dim whole (k - 1
+    blocks in k - 1 ring steps); else gather."""
+    if plan["feasible"]:
+        return True
+    hops = plan["hops_lo"] + plan["hops_hi"]
+    return hops < k - 1 and plan["halo_lo"] + plan["halo_hi"] < (k - 1) * plan["own"]
 
 
 def _per_shard(b, axes, table, useful=None):
@@ -164,24 +185,21 @@ def _mask_outside(b, ref, dim, start, n, fill):
 class _DimPlan:
     """How one spatial dim is windowed: its split axes, the halo plan, the mode."""
 
-    def __init__(self, mesh, spatial, axes, input_axes, transposed=False):
+    def __init__(self, mesh, spatial, axes, input_axes):
         self.s = spatial
         self.axes = tuple(axes)
         k = mesh.axes_size(self.axes)
         self.k = k
         # a dim the input does not split is taken whole (no exchange, just padding)
         self.whole = k > 1 and not input_axes
-        self.plan = self._make(k, self.whole, transposed)
-        if k > 1 and not self.plan["feasible"]:
-            # a halo larger than a neighbour's block: gather the dim whole instead
+        self.plan = self._make(k, self.whole)
+        if k > 1 and not _halos_worth_it(self.plan, k):
+            # halos spanning many blocks: gather the dim whole instead
             self.whole = True
-            self.plan = self._make(k, True, transposed)
+            self.plan = self._make(k, True)
 
-    def _make(self, k, whole, transposed):
+    def _make(self, k, whole):
         s = self.s
-        if transposed:
-            return _halo.transposed_plan(s.n, s.out, s.window, s.stride, s.dilation,
-                                         s.pad_lo, k, whole)
         return _halo.window_plan(s.n, s.window, s.stride, s.dilation, s.pad_lo, s.pad_hi,
                                  k, whole)
 
@@ -191,9 +209,28 @@ class _DimPlan:
         return self.k > 1 and not self.whole
 
 
+# per program: (tensor, plans) -> window, so that a conv's weight gradient reuses the
+# halos its forward pass exchanged
+_WINDOWS = weakref.WeakKeyDictionary()
+
+
+def _plan_key(dp, d):
+    p = dp.plan
+    return (d, dp.axes, dp.split, p["ext_lo"], p["ext_hi"], p["halo_lo"], p["halo_hi"],
+            p["span"], tuple(p["offset"].tolist()), p["useful"])
+
+
 def _extend_and_slice(b, ref, dims_plans, dim_of):
     """Extend each planned dim of local `ref` (halo exchange or padding) and slice the
     span each shard reads. `dim_of(plan)` gives the tensor dim of a plan."""
+    cache = _WINDOWS.setdefault(b, {})
+    key = (ref, tuple(_plan_key(dp, dim_of(dp)) for dp in dims_plans))
+    if key not in cache:
+        cache[key] = _extend_and_slice_uncached(b, ref, dims_plans, dim_of)
+    return cache[key]
+
+
+def _extend_and_slice_uncached(b, ref, dims_plans, dim_of):
     starts, sizes = {}, {}
     for dp in dims_plans:
         p = dp.plan
@@ -218,7 +255,7 @@ def _offset(b, dp):
 _POOL_FILL = {"MaxPool": "max"}
 
 
-def _prepare_input(ctx, operands, index, geo, axes_of, transposed=False):
+def _prepare_input(ctx, operands, index, geo, axes_of):
     """The operand `index` (x) with every spatial dim either split like its windows or
     whole, and the per-dim plans."""
     x = operands[index]
@@ -227,8 +264,7 @@ def _prepare_input(ctx, operands, index, geo, axes_of, transposed=False):
     dims = list(x.layout.dims)
     for s in geo.spatial:
         axes = axes_of(s)
-        dp = _DimPlan(ctx.mesh, s, axes, original.layout.dims[s.x_dim] if axes else (),
-                      transposed)
+        dp = _DimPlan(ctx.mesh, s, axes, original.layout.dims[s.x_dim] if axes else ())
         if dp.whole:
             dims[s.x_dim] = ()
         plans.append(dp)
@@ -238,14 +274,37 @@ def _prepare_input(ctx, operands, index, geo, axes_of, transposed=False):
     return x, plans
 
 
-def _needs_mask(dp, fill_zero, input_masked):
-    s, p = dp.s, dp.plan
+# ops that take per-dim explicit padding: their unsplit spatial dims keep the op's own
+# padding (no copy, no extra work); the others pad unsplit dims like split ones
+_EXPLICIT = {"Conv2D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
+             "Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropInput",
+             "DepthwiseConv2dNativeBackpropFilter", "MaxPool", "MaxPoolGrad"}
+
+
+def _local_padding(node, plans):
+    """Split off the dims the local op pads itself: (plans to window, padding attrs)."""
+    if node.op not in _EXPLICIT:
+        return plans, {"padding": "VALID"}
+    kept, pads = [], [0] * 8
+    for dp in plans:
+        if dp.k == 1:
+            pads[2 * dp.s.x_dim], pads[2 * dp.s.x_dim + 1] = dp.s.pad_lo, dp.s.pad_hi
+        else:
+            kept.append(dp)
+    if any(pads):
+        return kept, {"padding": "EXPLICIT", "explicit_paddings": pads}
+    return kept, {"padding": "VALID", "explicit_paddings": []}
+
+
+def _needs_mask(dp, fill_zero):
+    """Whether the window of a dim must be masked outside [0, n)."""
+    s = dp.s
     if s.pad_lo <= 0 and s.pad_hi <= 0:
         return False  # windows of real results never leave [0, n)
     if not fill_zero:
         return True   # edge zeros and padding must become the op's padding value
     # zeros at the edges are right; only the padded tail of uneven blocks may be garbage
-    return dp.split and s.n % dp.k != 0 and not input_masked
+    return dp.split and s.n % dp.k != 0
 
 
 def windowed_forward(ctx, operands, layouts):
@@ -259,18 +318,16 @@ def windowed_forward(ctx, operands, layouts):
         return replay(ctx, operands, layouts)
     b = ctx.b
     x, plans = _prepare_input(ctx, operands, 0, geo, lambda s: y_layout.dims[s.y_dim])
+    plans, attrs = _local_padding(node, plans)
     refs = masked_refs(ctx, [x] + list(operands[1:]))  # split in-channels -> zeros
     reduce = _POOL_FILL.get(node.op, "sum")
     fill = identity_of(reduce, x.dtype)
     window = _extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim)
     for dp in plans:
-        if _needs_mask(dp, reduce == "sum", False):
+        if _needs_mask(dp, reduce == "sum"):
             start = _affine_start(b, dp.axes, dp.plan["out_shard"] * dp.s.stride,
                                   -dp.s.pad_lo)
             window = _mask_outside(b, window, dp.s.x_dim, start, dp.s.n, fill)
-    attrs = {"padding": "VALID"}
-    if "explicit_paddings" in node.attrs:
-        attrs["explicit_paddings"] = []
     out = replay(ctx, operands, layouts, attrs=attrs, refs=[window] + refs[1:])
     if node.op == "AvgPool":
         out = [_avg_counts(ctx, out[0], plans)]
@@ -318,54 +375,150 @@ def backprop_filter(ctx, operands, layouts):
         return replay(ctx, operands, layouts, refs=refs)
     b = ctx.b
     x, plans = _prepare_input(ctx, operands, 0, geo, lambda s: dy.layout.dims[s.y_dim])
+    plans, attrs = _local_padding(node, plans)
     refs = masked_refs(ctx, [x, operands[1], dy])  # padding of x and dy -> zeros
     window = _extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim)
-    attrs = {"padding": "VALID"}
-    if "explicit_paddings" in node.attrs:
-        attrs["explicit_paddings"] = []
     return replay(ctx, operands, layouts, attrs=attrs, refs=[window, size_ref, refs[2]])
 
 
-def backprop_input(ctx, operands, layouts):
-    """Conv2DBackpropInput(input_sizes, filter, dy) with split spatial dims: halos of dy
-    (every window touching this device's block of dx), the local transposed conv with
-    VALID padding, then this device's block sliced out of it."""
+class _TransposedDim:
+    """Plans of one spatial dim of a transposed op (its result is the forward input):
+    `plan` for the window operands (dy, and y for MaxPoolGrad), `x_plan` for the
+    forward input a MaxPoolGrad also reads. Whole when any operand does not split the
+    dim or a halo is larger than a neighbour's block."""
+
+    def __init__(self, mesh, spatial, axes, whole, with_x):
+        self.s = spatial
+        self.axes = tuple(axes)
+        self.k = mesh.axes_size(self.axes)
+        self.whole = self.k > 1 and whole
+        self._make(with_x)
+        if self.k > 1 and not self.whole and not (
+                _halos_worth_it(self.plan, self.k)
+                and (self.x_plan is None or _halos_worth_it(self.x_plan, self.k))):
+            self.whole = True  # halos spanning many blocks: gather the dim whole
+            self._make(with_x)
+
+    def _make(self, with_x):
+        s = self.s
+        self.plan = _halo.transposed_plan(s.n, s.out, s.window, s.stride, s.dilation,
+                                          s.pad_lo, self.k, self.whole)
+        self.x_plan = None
+        if with_x:
+            self.x_plan = _halo.range_plan(self.plan["first"], self.plan["local_size"],
+                                           s.n, self.k, self.whole, self.plan["useful"])
+
+    @property
+    def split(self):
+        return self.k > 1 and not self.whole
+
+
+class _View:
+    """A _TransposedDim seen through one of its plans (what _extend_and_slice reads)."""
+
+    def __init__(self, dim, plan):
+        self.s, self.axes, self.k, self.split, self.plan = (dim.s, dim.axes, dim.k,
+                                                            dim.split, plan)
+
+
+# op -> (index of the shape input or None, window operand indices, forward input index)
+_TRANSPOSED = {
+    "Conv2DBackpropInput": (0, (2,), None),
+    "AvgPoolGrad": (0, (1,), None),
+    "MaxPoolGrad": (None, (1, 2), 0),
+    "DepthwiseConv2dNativeBackpropInput": (0, (2,), None),
+}
+
+
+def transposed(ctx, operands, layouts):
+    """Conv2DBackpropInput, AvgPoolGrad, MaxPoolGrad with split spatial dims: halos of
+    the window operands (every forward window touching this device's block of the
+    result), the local op with VALID padding, then this device's block sliced out."""
     node = ctx.node
-    dy0 = operands[2]
+    b = ctx.b
+    shape_input, window_inputs, x_input = _TRANSPOSED[node.op]
     dx_shape = node.out_shapes[0]
     out_layout = layouts[0]
-    geo = geometry(node, dx_shape, dy0.shape, ctx.inputs[1].shape[:2])
+    y_shape = operands[window_inputs[0]].shape
+    geo = geometry(node, dx_shape, y_shape,
+                   ctx.inputs[1].shape[:2] if node.op.endswith("BackpropInput") else None)
     sizes = list(local_shapes(ctx, layouts)[0])
-    b = ctx.b
     if geo is None or not any(out_layout.dims[s.x_dim] for s in geo.spatial):
         refs = masked_refs(ctx, operands)
-        refs[0] = b.const(np.asarray(sizes, np.int32))
+        if shape_input is not None:
+            refs[shape_input] = b.const(np.asarray(sizes, np.int32))
         return replay(ctx, operands, layouts, refs=refs)
-    dy, plans = _prepare_input(ctx, operands, 2, geo, lambda s: out_layout.dims[s.x_dim],
-                               transposed=True)
-    refs = masked_refs(ctx, [operands[0], operands[1], dy])  # split out-channels -> zeros
-    dy_local = Local(refs[2], dy.layout, dy.shape, dy.dtype)
-    split = [dp.s.y_dim for dp in plans if dp.split and dp.s.out % dp.k]
-    dy_ref = mask_padding(b, dy_local, split, identity_of("sum", dy.dtype)) if split \
-        else refs[2]
-    window = _extend_and_slice(b, dy_ref, plans, lambda dp: dp.s.y_dim)
+    dims = []
+    for s in geo.spatial:
+        axes = out_layout.dims[s.x_dim]
+        whole = any(not ctx.inputs[i].layout.dims[s.y_dim] for i in window_inputs)
+        dims.append(_TransposedDim(ctx.mesh, s, axes, whole, x_input is not None))
+    dims, attrs = _local_padding(node, dims)
+    ops = list(operands)
+    for i in window_inputs + ((x_input,) if x_input is not None else ()):
+        layout = ops[i].layout
+        wanted = Layout(tuple(() if any(dp.whole and dp.s.x_dim == d for dp in dims) else a
+                              for d, a in enumerate(layout.dims)),
+                        layout.partial, layout.reduce_op)
+        if wanted != layout:
+            ops[i] = ctx.reshard(ctx.inputs[i], wanted)
+    refs = masked_refs(ctx, ops)  # split out-channels (Conv2DBackpropInput) -> zeros
+    views = [_View(dp, dp.plan) for dp in dims]
+    for i in window_inputs:
+        op = ops[i]
+        uneven = [dp.s.y_dim for dp in dims if dp.split and dp.s.out % dp.k]
+        ref = (mask_padding(b, Local(refs[i], op.layout, op.shape, op.dtype), uneven,
+                            identity_of("sum", op.dtype)) if uneven else refs[i])
+        refs[i] = _extend_and_slice(b, ref, views, lambda v: v.s.y_dim)
+    if node.op == "AvgPoolGrad":
+        refs[1] = _avg_grad_scale(b, refs[1], dims)
+    if x_input is not None:
+        x = ops[x_input]
+        ref = _extend_and_slice(b, refs[x_input], [_View(dp, dp.x_plan) for dp in dims],
+                                lambda v: v.s.x_dim)
+        fill = identity_of("max", x.dtype)
+        for dp in dims:
+            if dp.s.pad_lo > 0 or dp.s.pad_hi > 0 or (dp.split and dp.s.n % dp.k):
+                start = _per_shard(b, dp.axes, dp.plan["first"], None)
+                ref = _mask_outside(b, ref, dp.s.x_dim, start, dp.s.n, fill)
+        refs[x_input] = ref
     local_sizes = list(sizes)
-    for dp in plans:
+    for dp in dims:
         local_sizes[dp.s.x_dim] = dp.plan["local_size"]
-    attrs = {"padding": "VALID"}
-    if "explicit_paddings" in node.attrs:
-        attrs["explicit_paddings"] = []
+    if shape_input is not None:
+        refs[shape_input] = b.const(np.asarray(local_sizes, np.int32))
     dtype = node.out_dtypes[0]
-    full = b.replay(node, [b.const(np.asarray(local_sizes, np.int32)), refs[1], window],
-                    [tuple(local_sizes)], [dtype], attrs)[0]
+    full = b.replay(node, refs, [tuple(local_sizes)], [dtype], attrs)[0]
     starts, block = {}, {}
-    for dp in plans:
-        d = dp.s.x_dim
-        p = dp.plan
-        full = _pad(b, full, d, 0, p["local_padded"] - p["local_size"])
+    for dp in dims:
+        d, p = dp.s.x_dim, dp.plan
+        full = _pad(b, full, d, p["lead"], p["local_padded"] - p["local_size"] - p["lead"])
         starts[d] = _per_shard(b, dp.axes, p["post"], p["useful"])
         block[d] = sizes[d]
     return [_slice(b, full, starts, block)]
+
+
+def _avg_grad_scale(b, ref, dims):
+    """AvgPool with padding divided each window by its in-bounds count: scale the
+    window operand (dy) by window / count before the local VALID AvgPoolGrad."""
+    dtype = b.graph.dtype(ref)
+    for dp in dims:
+        s, p = dp.s, dp.plan
+        if s.pad_lo == 0 and s.pad_hi == 0:
+            continue
+        starts = p["start"]
+        lo = int(starts.min())
+        j = np.arange(lo, int(starts.max()) + p["span"])
+        first = j * s.stride - s.pad_lo
+        count = np.clip(np.minimum(first + s.window, s.n) - np.maximum(first, 0), 1, None)
+        scale = np.where((j >= 0) & (j < s.out), s.window / count, 0.0)
+        shape = [1] * len(b.shape_of(ref))
+        shape[s.y_dim] = len(j)
+        table = b.const(scale.reshape(shape).astype(dtype.as_numpy_dtype))
+        start = _per_shard(b, dp.axes, starts - lo, p["useful"])
+        local = _slice(b, table, {s.y_dim: start}, {s.y_dim: p["span"]})
+        ref = b.op("Mul", [ref, local], b.shape_of(ref), dtype, T=dtype)
+    return ref
 
 
 _FILTERED = {"Conv2D", "DepthwiseConv2dNative"}
@@ -376,6 +529,9 @@ CONV_HANDLERS = {
     "MaxPool": windowed_forward,
     "AvgPool": windowed_forward,
     "Conv2DBackpropFilter": backprop_filter,
-    "Conv2DBackpropInput": backprop_input,
-    "AvgPoolGrad": with_local_shape_input(0),
+    "DepthwiseConv2dNativeBackpropFilter": backprop_filter,
+    "DepthwiseConv2dNativeBackpropInput": transposed,
+    "Conv2DBackpropInput": transposed,
+    "AvgPoolGrad": transposed,
+    "MaxPoolGrad": transposed,
 }
