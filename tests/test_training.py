@@ -86,3 +86,8 @@ def test_weight_update_sharding_divides_optimizer_state_by_data_axis():
     plain_bytes = sum(max(s.shard_bytes()) for n in NAMES for s in plain_slots[n])
     # every optimizer-state tensor here has a dim that still divides by the data axis (2)
     assert sharded_bytes * 2 == plain_bytes
+    # gradients are reduce-scattered over "data" and updated weights all-gathered; the
+    # "data" all-reduces left are scalars (the loss), none of a weight's size
+    data = [c for c in lowered.collectives() if c.axes == ("data",)]
+    assert {c.kind for c in data} == {"reduce-scatter", "all-gather", "all-reduce"}
+    assert all(np.prod(c.shape) == 1 for c in data if c.kind == "all-reduce")
