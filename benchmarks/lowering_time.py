@@ -94,21 +94,27 @@ def lower_once(concrete, cfg, mesh):
             "sweeps": propagation.sweeps}
 
 
-def measure(concrete, cfg, mesh, repeats):
-    """Median per-stage times of `repeats` lowerings, after one untimed warm-up."""
-    lower_once(concrete, cfg, mesh)
-    runs = []
+def measure(concrete, cfg, meshes, repeats):
+    """Median per-stage times of `repeats` lowerings on each mesh, after one untimed
+    warm-up each; the meshes take turns, so all see the same machine load."""
+    for mesh in meshes:
+        lower_once(concrete, cfg, mesh)
+    runs = [[] for _ in meshes]
     for _ in range(repeats):
-        gc.collect()
-        if NO_GC.value:
-            gc.disable()
-        try:
-            runs.append(lower_once(concrete, cfg, mesh))
-        finally:
-            gc.enable()
-    out = {k: statistics.median(r[k] for r in runs)
-           for k in ("import", "propagate", "partition", "total", "cpu")}
-    out.update({k: runs[0][k] for k in ("ops", "program_ops", "collectives", "sweeps")})
+        for i, mesh in enumerate(meshes):
+            gc.collect()
+            if NO_GC.value:
+                gc.disable()
+            try:
+                runs[i].append(lower_once(concrete, cfg, mesh))
+            finally:
+                gc.enable()
+    out = []
+    for mesh_runs in runs:
+        r = {k: statistics.median(run[k] for run in mesh_runs)
+             for k in ("import", "propagate", "partition", "total", "cpu")}
+        r.update({k: mesh_runs[0][k] for k in ("ops", "program_ops", "collectives", "sweeps")})
+        out.append(r)
     return out
 
 
@@ -150,21 +156,26 @@ def main(argv):
         start = time.perf_counter()
         traced[n] = trace(cfg)
         trace_s = time.perf_counter() - start
-        r = measure(traced[n], cfg, mesh, REPEATS.value)
+        r, = measure(traced[n], cfg, [mesh], REPEATS.value)
         print(row(n, r, f"{trace_s:.1f}"), flush=True)
 
     print(f"\n## mesh sweep, {STACK.value} layers\n")
-    print(HEADER.format(first="devices (mesh)"))
+    print(HEADER.format(first="devices (mesh)").replace("(trace s, not in total)",
+                                                          "total vs first mesh"))
     print(RULE)
     cfg = demo.ModelConfig(layers=STACK.value, **base)
     concrete = traced.get(STACK.value) or trace(cfg)
-    for n in map(int, DEVICES.value):
-        shape = MESHES.get(n)
-        if shape is None:
-            raise SystemExit(f"--devices: no mesh shape for {n}; known: {sorted(MESHES)}")
-        mesh = gt.Mesh.abstract(shape, demo.AXES)
-        r = measure(concrete, cfg, mesh, REPEATS.value)
-        print(row(f"{n} ({shape[0]}x{shape[1]})", r, "-"), flush=True)
+    devices = list(map(int, DEVICES.value))
+    unknown = [n for n in devices if n not in MESHES]
+    if unknown:
+        raise SystemExit(f"--devices: no mesh shape for {unknown}; known: {sorted(MESHES)}")
+    meshes = [gt.Mesh.abstract(MESHES[n], demo.AXES) for n in devices]
+    results = measure(concrete, cfg, meshes, REPEATS.value)
+    for n, r in zip(devices, results):
+        shape = MESHES[n]
+        ratio = r["total"] / results[0]["total"]
+        print(row(f"{n} ({shape[0]}x{shape[1]})", r, f"{ratio:.2f}x of {devices[0]}"),
+              flush=True)
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")
 
 

@@ -20,18 +20,19 @@ Seeds: the first input x0 is P("data") and the first weight P(None, "model"); wi
 inferred, so the shardings must travel the length of the graph.
 
 gspmd_tf.propagation.propagate.propagate() encodes the graph and its rules into flat
-arrays, calls the Cython core gspmd_tf._propagation.propagate_arrays() once, then decodes
-the arrays into Layouts. It has no seam between the three, so this script wraps the
-module attribute `_propagation` that propagate.py calls (timestamps at entry and exit of
-the core, and a copy of its arguments), which splits one propagate() call into:
+arrays, calls the Cython core gspmd_tf._propagation.propagate_arrays() once, and wraps
+the arrays for lazy decoding into Layouts. It has no seam between the three, so this
+script wraps the module attribute `_propagation` that propagate.py calls (timestamps at
+entry and exit of the core, and a copy of its arguments), which splits one propagate()
+call into:
 
-    encode   rule_for() on every node + array building (propagate() entry -> core entry)
+    encode   rule look-up (built once per distinct rule) + array building
     core     the Cython fixpoint (propagate_arrays)
-    decode   arrays -> a Layout per tensor (core exit -> propagate() return)
+    decode   what follows the core (layouts themselves are decoded on first use)
 
 The core is then re-run --core_repeats times on fresh copies of the captured arrays
-(median reported). --rules_alone also times rule_for() over all nodes by itself, to show
-how much of `encode` is rule building.
+(median reported). --rules_alone also times rule_for() over all nodes by itself (no
+cache), for comparison.
 """
 
 from __future__ import annotations
