@@ -147,50 +147,36 @@ def _filter_spatial(b, w_dims, w_shape):
         b.put(w_dims, d, b.factor(w_shape[d], REPLICATE))
 
 
-def conv2d(ctx):
-    """Conv2D: x [N,H,W,C] (or NCHW), filter [KH,KW,C,O] -> y [N,H',W',O]."""
-    x, w = ctx.in_shapes
-    y = ctx.out_shapes[0]
+def conv_family(ctx, x_at, w_at, y_at, reduced, depthwise):
+    """The convolutions and their gradients, one rule: image x [N,H,W,C], filter w
+    [KH,KW,C,O] (O is the multiplier M when `depthwise`) and image y [N,H',W',O] (C*M
+    when depthwise), each an input index or "out". Batch and the spatial factors (shared
+    by x and y: halo exchange) and the C and O factors are PASS unless named in `reduced`
+    ("batch" covers the spatial factors too, as a filter gradient sums over both)."""
+    def shape(at):
+        return ctx.out_shapes[0] if at == "out" else ctx.in_shapes[at]
+    x, w, y = shape(x_at), shape(w_at), shape(y_at)
     geo = geometry(ctx.node, x, y, w[:2])
     if geo is None or w[2] != x[geo.channel_dim]:
         return None
-    b = _Builder(2)
+    kind = lambda part: REDUCE if part in reduced else PASS
+    b = _Builder(len(ctx.in_shapes))
     xd, wd, yd = b.tensor(x), b.tensor(w), b.tensor(y)
-    n = b.factor(x[0])
+    n = b.factor(x[0], kind("batch"))
     b.put(xd, 0, n)
     b.put(yd, 0, n)
-    _spatial_factors(b, geo, xd, yd)
-    c = b.factor(x[geo.channel_dim], REDUCE)
+    _spatial_factors(b, geo, xd, yd, kind=kind("batch"))
+    c = b.factor(w[2], kind("C"))
     b.put(xd, geo.channel_dim, c)
     b.put(wd, 2, c)
-    o = b.factor(w[3])
+    o = b.factor(w[3], kind("O"))
     b.put(wd, 3, o)
-    b.put(yd, geo.channel_dim, o)
+    b.put(yd, geo.channel_dim,
+          tuple(f for f in (c, o) if f is not None) if depthwise else o)
     _filter_spatial(b, wd, w)
-    return b.done({0: xd, 1: wd}, [yd])
-
-
-def depthwise_conv2d(ctx):
-    """DepthwiseConv2dNative: x [N,H,W,C], filter [KH,KW,C,M] -> y [N,H',W',C*M]."""
-    x, w = ctx.in_shapes
-    y = ctx.out_shapes[0]
-    geo = geometry(ctx.node, x, y, w[:2])
-    if geo is None or w[2] != x[geo.channel_dim]:
-        return None
-    b = _Builder(2)
-    xd, wd, yd = b.tensor(x), b.tensor(w), b.tensor(y)
-    n = b.factor(x[0])
-    b.put(xd, 0, n)
-    b.put(yd, 0, n)
-    _spatial_factors(b, geo, xd, yd)
-    c = b.factor(w[2])
-    m = b.factor(w[3])
-    b.put(xd, geo.channel_dim, c)
-    b.put(wd, 2, c)
-    b.put(wd, 3, m)
-    b.put(yd, geo.channel_dim, tuple(f for f in (c, m) if f is not None))
-    _filter_spatial(b, wd, w)
-    return b.done({0: xd, 1: wd}, [yd])
+    tensors = {x_at: xd, w_at: wd, y_at: yd}
+    return b.done({at: dims for at, dims in tensors.items() if at != "out"},
+                  [tensors["out"]])
 
 
 def pool(ctx):
@@ -208,105 +194,6 @@ def pool(ctx):
         b.put(yd, d, f)
     _spatial_factors(b, geo, xd, yd)
     return b.done({0: xd}, [yd])
-
-
-def conv2d_backprop_input(ctx):
-    """Conv2DBackpropInput(input_sizes, filter, dy) -> dx: the transposed Conv2D.
-
-    dy's out channels are REDUCE (shared with the filter's out dim), the filter's in
-    channels pass to dx, spatial dims of dy and dx share a factor (halo exchange on dy).
-    """
-    _, w, dy = ctx.in_shapes
-    dx = ctx.out_shapes[0]
-    geo = geometry(ctx.node, dx, dy, w[:2])
-    if geo is None:
-        return None
-    b = _Builder(3)
-    wd, dyd, dxd = b.tensor(w), b.tensor(dy), b.tensor(dx)
-    n = b.factor(dx[0])
-    b.put(dyd, 0, n)
-    b.put(dxd, 0, n)
-    _spatial_factors(b, geo, dxd, dyd)
-    o = b.factor(w[3], REDUCE)
-    b.put(wd, 3, o)
-    b.put(dyd, geo.channel_dim, o)
-    c = b.factor(w[2])
-    b.put(wd, 2, c)
-    b.put(dxd, geo.channel_dim, c)
-    _filter_spatial(b, wd, w)
-    return b.done({1: wd, 2: dyd}, [dxd])
-
-
-def conv2d_backprop_filter(ctx):
-    """Conv2DBackpropFilter(x, filter_sizes, dy) -> dw: sums over batch and spatial
-    positions (REDUCE factors shared by x and dy; halo exchange on x)."""
-    x, _, dy = ctx.in_shapes
-    dw = ctx.out_shapes[0]
-    geo = geometry(ctx.node, x, dy, dw[:2])
-    if geo is None:
-        return None
-    b = _Builder(3)
-    xd, dyd, dwd = b.tensor(x), b.tensor(dy), b.tensor(dw)
-    n = b.factor(x[0], REDUCE)
-    b.put(xd, 0, n)
-    b.put(dyd, 0, n)
-    _spatial_factors(b, geo, xd, dyd, kind=REDUCE)
-    c = b.factor(dw[2])
-    b.put(xd, geo.channel_dim, c)
-    b.put(dwd, 2, c)
-    o = b.factor(dw[3])
-    b.put(dyd, geo.channel_dim, o)
-    b.put(dwd, 3, o)
-    _filter_spatial(b, dwd, dw)
-    return b.done({0: xd, 2: dyd}, [dwd])
-
-
-def depthwise_backprop_input(ctx):
-    """DepthwiseConv2dNativeBackpropInput(input_sizes, filter [KH,KW,C,M], dy
-    [N,H',W',C*M]) -> dx [N,H,W,C]: the multiplier M is summed (REDUCE)."""
-    _, w, dy = ctx.in_shapes
-    dx = ctx.out_shapes[0]
-    geo = geometry(ctx.node, dx, dy, w[:2])
-    if geo is None:
-        return None
-    b = _Builder(3)
-    wd, dyd, dxd = b.tensor(w), b.tensor(dy), b.tensor(dx)
-    n = b.factor(dx[0])
-    b.put(dyd, 0, n)
-    b.put(dxd, 0, n)
-    _spatial_factors(b, geo, dxd, dyd)
-    c = b.factor(w[2])
-    m = b.factor(w[3], REDUCE)
-    b.put(wd, 2, c)
-    b.put(wd, 3, m)
-    b.put(dxd, geo.channel_dim, c)
-    b.put(dyd, geo.channel_dim, tuple(f for f in (c, m) if f is not None))
-    _filter_spatial(b, wd, w)
-    return b.done({1: wd, 2: dyd}, [dxd])
-
-
-def depthwise_backprop_filter(ctx):
-    """DepthwiseConv2dNativeBackpropFilter(x, filter_sizes, dy [N,H',W',C*M]) -> dw
-    [KH,KW,C,M]: batch and spatial positions summed (REDUCE)."""
-    x, _, dy = ctx.in_shapes
-    dw = ctx.out_shapes[0]
-    geo = geometry(ctx.node, x, dy, dw[:2])
-    if geo is None:
-        return None
-    b = _Builder(3)
-    xd, dyd, dwd = b.tensor(x), b.tensor(dy), b.tensor(dw)
-    n = b.factor(x[0], REDUCE)
-    b.put(xd, 0, n)
-    b.put(dyd, 0, n)
-    _spatial_factors(b, geo, xd, dyd, kind=REDUCE)
-    c = b.factor(dw[2])
-    m = b.factor(dw[3])
-    b.put(xd, geo.channel_dim, c)
-    b.put(dwd, 2, c)
-    b.put(dwd, 3, m)
-    b.put(dyd, geo.channel_dim, tuple(f for f in (c, m) if f is not None))
-    _filter_spatial(b, dwd, dw)
-    return b.done({0: xd, 2: dyd}, [dwd])
 
 
 def max_pool_grad(ctx):
@@ -345,14 +232,15 @@ def avg_pool_grad(ctx):
 
 
 WINDOWED_RULES = {
-    "Conv2D": (conv2d,),
-    "DepthwiseConv2dNative": (depthwise_conv2d,),
+    # conv_family parameters: x, w, y positions, reduced parts, depthwise
+    "Conv2D": (conv_family, 0, 1, "out", ("C",), False),
+    "DepthwiseConv2dNative": (conv_family, 0, 1, "out", (), True),
+    "Conv2DBackpropInput": (conv_family, "out", 1, 2, ("O",), False),
+    "Conv2DBackpropFilter": (conv_family, 0, "out", 2, ("batch",), False),
+    "DepthwiseConv2dNativeBackpropInput": (conv_family, "out", 1, 2, ("O",), True),
+    "DepthwiseConv2dNativeBackpropFilter": (conv_family, 0, "out", 2, ("batch",), True),
     "MaxPool": (pool,),
     "AvgPool": (pool,),
-    "Conv2DBackpropInput": (conv2d_backprop_input,),
-    "Conv2DBackpropFilter": (conv2d_backprop_filter,),
-    "DepthwiseConv2dNativeBackpropInput": (depthwise_backprop_input,),
-    "DepthwiseConv2dNativeBackpropFilter": (depthwise_backprop_filter,),
     "MaxPoolGrad": (max_pool_grad,),
     "AvgPoolGrad": (avg_pool_grad,),
 }
