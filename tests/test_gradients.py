@@ -253,3 +253,16 @@ def test_megatron_step_collectives_match_xla():
         "{devices=[4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}",  # db1 like b1
         "{devices=[4,1,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}",  # dW2 like W2
     ]
+
+
+def test_shrinking_slices_and_their_gradients(mesh, rng):
+    """x[:, 0]-style slices (shrink_axis_mask) keep the other dims split, forward and
+    backward (StridedSliceGrad)."""
+    def f(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(tf.square(x[:, 0]) * tf.reduce_sum(x[1, :, ::2]))
+        return y, tape.gradient(y, x)
+
+    low = check_partitioned(f, (randn(rng, 4, 3, 8),), mesh, (P("data", None, "model"),))
+    assert low.program.replicated_ops == []

@@ -80,9 +80,11 @@ def test_shape_ops(spec, rng):
         sl2 = tf.slice(x, [0, 0, 2], [4, 3, 4])
         p = tf.pad(x, [[0, 0], [1, 2], [0, 0]])
         tl = tf.tile(x, [1, 2, 1])
-        return t, r, s, c, sl, sl2, p, tl
+        picked = (x[:, 0], x[1], x[:, :, 2], x[::-1, 1:, ::2])   # shrink and stride masks
+        return (t, r, s, c, sl, sl2, p, tl) + picked
 
-    check_partitioned(f, (randn(rng, 4, 3, 8),), mesh, (spec,))
+    low = check_partitioned(f, (randn(rng, 4, 3, 8),), mesh, (spec,))
+    assert low.program.replicated_ops == []
 
 
 @pytest.mark.parametrize("table_spec", [P("model"), P(None, "model"), P(("data", "model"))])

@@ -317,22 +317,47 @@ def changed_dims(ctx):
 
 
 def same_rank_slicing(ctx):
-    """Slice/StridedSlice/Pad/Tile/MirrorPad of the same rank: changed dims whole."""
+    """Slice/Pad/Tile/MirrorPad of the same rank: changed dims whole."""
     if len(ctx.in_shapes[0]) != len(ctx.out_shapes[0]):
         return None
-    changed = changed_dims(ctx)
-    if ctx.node.op == "StridedSlice":
-        strided = _strided_dims(ctx, 3)
-        if _strided_slice_is_partial(ctx) or strided is None:
-            return None
-        changed |= strided  # a reversed dim keeps its size but not its blocks
-    return per_dim(ctx, changed)
+    return per_dim(ctx, changed_dims(ctx))
 
 
-def _strided_slice_is_partial(ctx):
-    """StridedSlice with masks that change the rank is left replicated."""
-    return any(ctx.node.attr(m) for m in ("ellipsis_mask", "new_axis_mask",
-                                          "shrink_axis_mask"))
+def strided_slice_kept_dims(node, rank):
+    """For a StridedSlice(Grad) of a rank-`rank` tensor without ellipsis or new axes:
+    the dims its slice keeps (does not shrink away); None for other masks."""
+    if node.attr("ellipsis_mask") or node.attr("new_axis_mask"):
+        return None
+    shrink = node.attr("shrink_axis_mask") or 0
+    return [d for d in range(rank) if not shrink >> d & 1]
+
+
+def _sliced_factors(rule, x, y, kept, strided):
+    """Dims of a tensor x and of its slice y (y dim j is x dim kept[j]): a kept dim of
+    unchanged size and stride 1 passes; dims sliced, strided or shrunk away stay whole."""
+    dims_x = [(rule.add_factor(n, REPLICATE),) if n > 1 else () for n in x]
+    dims_y = [()] * len(y)
+    for j, d in enumerate(kept):
+        if x[d] == y[j] and d not in strided and x[d] > 1:
+            f = rule.add_factor(x[d])
+            dims_x[d], dims_y[j] = (f,), (f,)
+        elif y[j] > 1:
+            dims_y[j] = (rule.add_factor(y[j], REPLICATE),)
+    return tuple(dims_x), tuple(dims_y)
+
+
+def strided_slice(ctx):
+    """StridedSlice x -> y (see _sliced_factors)."""
+    x = ctx.in_shapes[0]
+    kept = strided_slice_kept_dims(ctx.node, len(x))
+    strided = _strided_dims(ctx, 3)
+    if kept is None or strided is None:
+        return None
+    rule = OpRule()
+    dims_x, dims_y = _sliced_factors(rule, x, ctx.out_shapes[0], kept, strided)
+    rule.operands = [dims_x, None, None, None]
+    rule.results = [dims_y]
+    return rule
 
 
 def gather_axis(ctx):
@@ -442,15 +467,18 @@ def tile(ctx):
 
 
 def strided_slice_grad(ctx):
-    """StridedSliceGrad (dy scattered into zeros of `shape`), same rank and plain
-    masks only: dims the slice changed (or reversed) are whole, the others pass."""
-    dy = ctx.in_shapes[4]
-    out = ctx.out_shapes[0]
-    if any(ctx.const(i) is None for i in (1, 2, 3)) or len(dy) != len(out) or any(
-            ctx.node.attr(m) for m in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")):
+    """StridedSliceGrad: dy (the slice's shape) scattered into zeros of x's shape; the
+    factors of the forward slice (see _sliced_factors)."""
+    x = ctx.out_shapes[0]
+    kept = strided_slice_kept_dims(ctx.node, len(x))
+    strided = _strided_dims(ctx, 3)
+    if kept is None or strided is None or any(ctx.const(i) is None for i in (1, 2)):
         return None
-    changed = {d for d, (a, b) in enumerate(zip(dy, out)) if a != b}
-    return per_dim(ctx, changed | _strided_dims(ctx, 3), data_inputs=(4,))
+    rule = OpRule()
+    dims_x, dims_dy = _sliced_factors(rule, x, ctx.in_shapes[4], kept, strided)
+    rule.operands = [None, None, None, None, dims_dy]
+    rule.results = [dims_x]
+    return rule
 
 
 def _strided_dims(ctx, i):
@@ -539,7 +567,7 @@ RULES = {
     "Squeeze": (squeeze_or_expand,),
     "ConcatV2": (concat,),
     "Slice": (same_rank_slicing,),
-    "StridedSlice": (same_rank_slicing,),
+    "StridedSlice": (strided_slice,),
     "Pad": (same_rank_slicing,),
     "PadV2": (same_rank_slicing,),
     "Tile": (tile,),

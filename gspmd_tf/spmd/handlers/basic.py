@@ -6,7 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.layout import Layout
-from gspmd_tf.propagation.rules import REDUCE
+from gspmd_tf.propagation.rules import REDUCE, strided_slice_kept_dims
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding
 from gspmd_tf.spmd.program import Local
 
@@ -102,7 +102,8 @@ def slicing(ctx, operands, layouts):
         refs[2] = ctx.b.const(size.astype(size.dtype))
     else:
         end = np.array(ctx.graph.const_value(node.inputs[2]))
-        for d in split:
+        kept = strided_slice_kept_dims(node, len(operands[0].shape))
+        for d in (kept[j] for j in split):
             if d < len(end):  # dims past the spec's length are taken whole anyway
                 end[d] = local[d]
         refs[2] = ctx.b.const(end)
