@@ -41,6 +41,7 @@ class ModelConfig:
 
     @property
     def head_dim(self):
+        """Width of one attention head."""
         return self.d_model // self.heads
 
 
@@ -215,6 +216,7 @@ def side_by_side(fns, steps, warmup=2):
 
 
 def fmt_bytes(n):
+    """A byte count for people: B, KiB, MiB or GiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -233,6 +235,7 @@ def collective_table(collectives):
 # ----------------------------------------------------------------------------- main
 
 def main(argv):
+    """The demo: lower and report, compare the forward loss and time, then train."""
     del argv
     from absl import flags
     f = flags.FLAGS
@@ -410,6 +413,7 @@ def train(f, gt, tf, cfg, mesh, loss_fn, params, tokens):
 
 
 def define_flags():
+    """The demo's absl flags (mesh shape, model sizes, steps)."""
     from absl import flags
     d = ModelConfig()
     flags.DEFINE_string("mesh", "2,4", "mesh shape data,model")

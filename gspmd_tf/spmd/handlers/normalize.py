@@ -41,9 +41,11 @@ class _Rows:
         self.log_sum = unary(b, "Log", self.sum, dtype)
 
     def softmax(self):
+        """exp(x - max) / sum over the whole (split) row."""
         return binary(self.b, "RealDiv", self.exp, self.sum, self.dtype)
 
     def log_softmax(self):
+        """x - max - log(sum of exponentials) over the whole (split) row."""
         return binary(self.b, "Sub", self.shifted, self.log_sum, self.dtype)
 
 
