@@ -40,14 +40,20 @@ class _Encoded:
         self.kinds = rule.factor_kinds
 
 
-def _rule_key(graph, node):
-    """What a rule may depend on: op type, shapes, attrs and constant inputs."""
-    consts = tuple(None if graph.nodes[r.node].op != "Const"
-                   else graph.nodes[r.node].attrs["value"].SerializeToString()
-                   for r in node.inputs)
-    attrs = tuple(sorted((k, v.SerializeToString()) for k, v in node.attrs.items()))
-    return (node.op, tuple(graph.nodes[r.node].out_shapes[r.out] for r in node.inputs),
-            tuple(node.out_shapes), attrs, consts)
+def _rule_key(nodes, node, const_bytes):
+    """What a rule may depend on: op type, shapes, attrs and constant inputs (whose
+    serialized values `const_bytes` caches by node index)."""
+    parts = []
+    for ref in node.inputs:
+        src = nodes[ref.node]
+        parts.append(src.out_shapes[ref.out])
+        if src.op == "Const":
+            value = const_bytes.get(ref.node)
+            if value is None:
+                value = const_bytes[ref.node] = src.attrs["value"].SerializeToString()
+            parts.append(value)
+    attrs = tuple((k, v.SerializeToString()) for k, v in node.attrs.items())
+    return node.op, tuple(parts), tuple(node.out_shapes), attrs
 
 
 class _LazyLayouts:
@@ -123,14 +129,14 @@ def _propagate(graph, mesh, seeds):
             naxes[dim_start[t] + d] = len(names)
         fixed[t] = 1
 
-    cache, rules = {}, []
+    cache, rules, const_bytes = {}, [], {}
     slot_tensor, slot_op, dim_factors, dim_counts = [], [], [], []
     factor_size, factor_kind, op_slots, op_factors = [], [], [], []
     for index, node in enumerate(nodes):
         if node.op not in RULES:
             rules.append(None)
             continue
-        key = _rule_key(graph, node)
+        key = _rule_key(nodes, node, const_bytes)
         enc = cache.get(key)
         if enc is None:
             rule = rule_for(graph, node)
