@@ -179,6 +179,14 @@ def conv_family(ctx, x_at, w_at, y_at, reduced, depthwise):
                   [tensors["out"]])
 
 
+def _batch_and_channels(b, shape, geo, *tensors_dims):
+    """One PASS factor each for the batch and channel dims, shared by `tensors_dims`."""
+    for d in (0, geo.channel_dim):
+        f = b.factor(shape[d])
+        for dims in tensors_dims:
+            b.put(dims, d, f)
+
+
 def pool(ctx):
     """MaxPool/AvgPool: batch and channels pass, spatial dims shared by x and y."""
     x = ctx.in_shapes[0]
@@ -188,10 +196,7 @@ def pool(ctx):
         return None
     b = _Builder(len(ctx.in_shapes))
     xd, yd = b.tensor(x), b.tensor(y)
-    for d in (0, geo.channel_dim):
-        f = b.factor(x[d])
-        b.put(xd, d, f)
-        b.put(yd, d, f)
+    _batch_and_channels(b, x, geo, xd, yd)
     _spatial_factors(b, geo, xd, yd)
     return b.done({0: xd}, [yd])
 
@@ -205,10 +210,7 @@ def max_pool_grad(ctx):
         return None
     b = _Builder(3)
     xd, yd, dyd, dxd = b.tensor(x), b.tensor(y), b.tensor(dy), b.tensor(x)
-    for d in (0, geo.channel_dim):
-        f = b.factor(x[d])
-        for dims in (xd, yd, dyd, dxd):
-            b.put(dims, d, f)
+    _batch_and_channels(b, x, geo, xd, yd, dyd, dxd)
     _spatial_factors(b, geo, (xd, dxd), (yd, dyd))
     return b.done({0: xd, 1: yd, 2: dyd}, [dxd])
 
@@ -223,10 +225,7 @@ def avg_pool_grad(ctx):
         return None
     b = _Builder(2)
     dyd, dxd = b.tensor(dy), b.tensor(dx)
-    for d in (0, geo.channel_dim):
-        f = b.factor(dx[d])
-        b.put(dyd, d, f)
-        b.put(dxd, d, f)
+    _batch_and_channels(b, dx, geo, dyd, dxd)
     _spatial_factors(b, geo, dxd, dyd)
     return b.done({1: dyd}, [dxd])
 

@@ -55,6 +55,9 @@ class ProgramBuilder:
         self.mesh = mesh
         self.graph = Graph()
         self._consts = {}
+        # handlers' per-program caches, by handler (e.g. halo windows reused by a conv's
+        # gradients)
+        self.memo = {}
 
     def _add(self, op, inputs, attrs, shapes, dtypes, params=None, name=None):
         name = name or f"{op.replace('gt.', 'gt_')}_{len(self.graph.nodes)}"

@@ -41,7 +41,6 @@ window / in-bounds count for padded windows.
 
 from __future__ import annotations
 
-import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -209,11 +208,6 @@ class _DimPlan:
         return self.k > 1 and not self.whole
 
 
-# per program: (tensor, plans) -> window, so that a conv's weight gradient reuses the
-# halos its forward pass exchanged
-_WINDOWS = weakref.WeakKeyDictionary()
-
-
 def _plan_key(dp, d):
     p = dp.plan
     return (d, dp.axes, dp.split, p["ext_lo"], p["ext_hi"], p["halo_lo"], p["halo_hi"],
@@ -223,7 +217,9 @@ def _plan_key(dp, d):
 def _extend_and_slice(b, ref, dims_plans, dim_of):
     """Extend each planned dim of local `ref` (halo exchange or padding) and slice the
     span each shard reads. `dim_of(plan)` gives the tensor dim of a plan."""
-    cache = _WINDOWS.setdefault(b, {})
+    # (tensor, plans) -> window, so that a conv's weight gradient reuses the halos its
+    # forward pass exchanged
+    cache = b.memo.setdefault("conv_windows", {})
     key = (ref, tuple(_plan_key(dp, dim_of(dp)) for dp in dims_plans))
     if key not in cache:
         cache[key] = _extend_and_slice_uncached(b, ref, dims_plans, dim_of)
