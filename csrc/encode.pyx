@@ -1,0 +1,175 @@
+# cython: boundscheck=False, wraparound=False, language_level=3
+"""The per-node loop of the propagation encoder (see gspmd_tf/propagation/propagate.py).
+
+Two passes over the nodes: the first finds each node's encoded rule (one per distinct
+rule key, built by a Python callback) and counts slots, dims and factors; the second
+writes the core's int arrays directly, so no per-node Python list grows.
+"""
+
+import numpy as np
+
+cdef class EncodedRule:
+    """An OpRule flattened once for every node that shares it: the operand and result
+    positions that take part, the factor ids of each of their dims, factor data."""
+
+    cdef readonly object rule
+    cdef readonly tuple inputs, outputs
+    cdef int[::1] dim_factors, dim_counts, sizes
+    cdef signed char[::1] kinds
+
+    def __init__(self, rule):
+        self.rule = rule
+        self.inputs = tuple(i for i, dims in enumerate(rule.operands) if dims is not None)
+        self.outputs = tuple(k for k, dims in enumerate(rule.results) if dims is not None)
+        dims_lists = [rule.operands[i] for i in self.inputs] + \
+            [rule.results[k] for k in self.outputs]
+        self.dim_factors = np.asarray([f for dims in dims_lists for fs in dims for f in fs],
+                                      np.int32)
+        self.dim_counts = np.asarray([len(fs) for dims in dims_lists for fs in dims],
+                                     np.int32)
+        self.sizes = np.asarray(rule.factor_sizes, np.int32)
+        self.kinds = np.asarray(rule.factor_kinds, np.int8)
+
+
+cdef tuple _rule_key(list nodes, object node, list tensor_shape, long long[::1] base,
+                     dict const_ids, long long t0):
+    """What a rule may depend on, as a flat tuple: op type, input shapes, constant
+    inputs' values, output shapes and attrs. Shapes and constants enter as small ints
+    interned per graph (`tensor_shape` by tensor id; `const_ids` by serialized value,
+    memoized per Const node), so building and hashing the key stays cheap."""
+    cdef list parts = [node.op]
+    cdef Py_ssize_t j, k
+    cdef tuple r
+    for ref in <list>node.inputs:
+        r = <tuple>ref  # a Ref (a tuple subclass): read its fields as tuple items
+        j = r[0]
+        parts.append(tensor_shape[base[j] + <Py_ssize_t>r[1]])
+        src = nodes[j]
+        if src.op == "Const":
+            parts.append(_const_id(src, j, const_ids))
+    parts.append(-1)
+    for k in range(len(node.out_shapes)):
+        parts.append(tensor_shape[t0 + k])
+    attrs = node.attrs
+    if attrs:
+        for name, value in attrs.items():
+            parts.append(name)
+            parts.append(value.SerializeToString())
+    return tuple(parts)
+
+
+cdef object _const_id(object src, Py_ssize_t j, dict const_ids):
+    """A small int per distinct constant value (memoized per node index as -j - 1)."""
+    memo = const_ids.get(-j - 1)
+    if memo is None:
+        value = src.attrs["value"].SerializeToString()
+        memo = const_ids.get(value)
+        if memo is None:
+            memo = const_ids[value] = len(const_ids)
+        const_ids[-j - 1] = memo
+    return memo
+
+
+def encode_rules(list nodes, object has_rule, object make_rule, int max_factors):
+    """The rules of `nodes` as the core's arrays.
+
+    has_rule(op_type) says whether an op type has a rule builder; make_rule(index) builds
+    the OpRule of node `index` (None: no rule). Returns (rules, ranks, out_counts,
+    slot_tensor, slot_op, dim_factors, dim_counts, factor_size, factor_kind, op_slots,
+    op_factors): `rules` per node (None for ops without a rule or with more than
+    `max_factors` factors), the rest int numpy arrays (see csrc/propagation.pyx).
+    """
+    cdef Py_ssize_t n = len(nodes), i, k, s, d, f, op, num_tensors = 0
+    cdef Py_ssize_t num_slots = 0, num_dims = 0, num_factors = 0, num_ops = 0, num_df = 0
+    cdef long long[::1] base = np.zeros(n + 1, np.int64)
+    cdef int[::1] enc_of = np.full(n, -1, np.int32)
+    cdef dict cache = {}, const_ids = {}, known = {}, shape_ids = {}
+    cdef list rules = [None] * n, encs = [], ranks = [], tensor_shape = []
+    cdef EncodedRule enc
+    # pass 0: tensor ids, ranks and interned shapes
+    for i in range(n):
+        base[i] = num_tensors
+        for shape in nodes[i].out_shapes:
+            ranks.append(len(shape))
+            sid = shape_ids.get(shape)
+            if sid is None:
+                sid = shape_ids[shape] = len(shape_ids)
+            tensor_shape.append(sid)
+            num_tensors += 1
+    base[n] = num_tensors
+    # pass 1: rules and sizes
+    for i in range(n):
+        node = nodes[i]
+        op_type = node.op
+        ok = known.get(op_type)
+        if ok is None:
+            ok = known[op_type] = bool(has_rule(op_type))
+        if not ok:
+            continue
+        key = _rule_key(nodes, node, tensor_shape, base, const_ids, base[i])
+        entry = cache.get(key)
+        if entry is None:
+            rule = make_rule(i)
+            if rule is None or len(rule.factor_sizes) > max_factors:
+                entry = cache[key] = -1
+            else:
+                encs.append(EncodedRule(rule))
+                entry = cache[key] = len(encs) - 1
+        if entry < 0:
+            continue
+        enc = encs[entry]
+        enc_of[i] = entry
+        rules[i] = enc.rule
+        num_slots += len(enc.inputs) + len(enc.outputs)
+        num_dims += enc.dim_counts.shape[0]
+        num_df += enc.dim_factors.shape[0]
+        num_factors += enc.sizes.shape[0]
+        num_ops += 1
+    # pass 2: the arrays
+    slot_tensor_a = np.empty(num_slots, np.int32)
+    slot_op_a = np.empty(num_slots, np.int32)
+    dim_counts_a = np.empty(num_dims, np.int32)
+    dim_factors_a = np.empty(num_df, np.int32)
+    factor_size_a = np.empty(num_factors, np.int32)
+    factor_kind_a = np.empty(num_factors, np.int8)
+    op_slots_a = np.empty(num_ops, np.int32)
+    op_factors_a = np.empty(num_ops, np.int32)
+    cdef int[::1] slot_tensor = slot_tensor_a, slot_op = slot_op_a
+    cdef int[::1] dim_counts = dim_counts_a, factor_size = factor_size_a
+    cdef int[::1] dim_factors = dim_factors_a
+    cdef signed char[::1] factor_kind = factor_kind_a
+    cdef int[::1] op_slots = op_slots_a, op_factors = op_factors_a
+    cdef Py_ssize_t ns, e = 0
+    cdef tuple r
+    s = d = f = op = 0
+    for i in range(n):
+        if enc_of[i] < 0:
+            continue
+        enc = encs[enc_of[i]]
+        inputs = <list>nodes[i].inputs
+        for k in enc.inputs:
+            r = <tuple>inputs[k]
+            slot_tensor[s] = base[<Py_ssize_t>r[0]] + <Py_ssize_t>r[1]
+            slot_op[s] = op
+            s += 1
+        for k in enc.outputs:
+            slot_tensor[s] = base[i] + k
+            slot_op[s] = op
+            s += 1
+        op_slots[op] = len(enc.inputs) + len(enc.outputs)
+        for k in range(enc.dim_counts.shape[0]):
+            dim_counts[d] = enc.dim_counts[k]
+            d += 1
+        ns = enc.sizes.shape[0]
+        for k in range(ns):
+            factor_size[f] = enc.sizes[k]
+            factor_kind[f] = enc.kinds[k]
+            f += 1
+        op_factors[op] = ns
+        for k in range(enc.dim_factors.shape[0]):
+            dim_factors[e] = enc.dim_factors[k]
+            e += 1
+        op += 1
+    return (rules, np.asarray(ranks, np.int32), np.asarray(base), slot_tensor_a, slot_op_a,
+            dim_factors_a, dim_counts_a, factor_size_a, factor_kind_a, op_slots_a,
+            op_factors_a)
