@@ -74,9 +74,9 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
     """The rules of `nodes` as the core's arrays.
 
     has_rule(op_type) says whether an op type has a rule builder; make_rule(index) builds
-    the OpRule of node `index` (None: no rule). Returns (rules, ranks, out_counts,
-    slot_tensor, slot_op, dim_factors, dim_counts, factor_size, factor_kind, op_slots,
-    op_factors): `rules` per node (None for ops without a rule or with more than
+    the OpRule of node `index` (None: no rule). Returns (rules, ranks, tensor_base,
+    slot_tensor, dim_factors, dim_counts, factor_size, factor_kind, op_slots, op_factors,
+    tensor_op_start, tensor_ops): `rules` per node (None for ops without a rule or with more than
     `max_factors` factors), the rest int numpy arrays (see csrc/propagation.pyx).
     """
     cdef Py_ssize_t n = len(nodes), i, k, s, d, f, op, num_tensors = 0
@@ -170,6 +170,26 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
             dim_factors[e] = enc.dim_factors[k]
             e += 1
         op += 1
-    return (rules, np.asarray(ranks, np.int32), np.asarray(base), slot_tensor_a, slot_op_a,
+    tensor_op_start_a, tensor_ops_a = _users(slot_tensor, slot_op, num_tensors)
+    return (rules, np.asarray(ranks, np.int32), np.asarray(base), slot_tensor_a,
             dim_factors_a, dim_counts_a, factor_size_a, factor_kind_a, op_slots_a,
-            op_factors_a)
+            op_factors_a, tensor_op_start_a, tensor_ops_a)
+
+
+cdef tuple _users(int[::1] slot_tensor, int[::1] slot_op, Py_ssize_t num_tensors):
+    """The ops that read or write each tensor, grouped by tensor in op order (a counting
+    sort of the slots): tensor t's ops are tensor_ops[tensor_op_start[t]:...[t + 1]]."""
+    start_a = np.zeros(num_tensors + 1, np.int32)
+    ops_a = np.empty(slot_tensor.shape[0], np.int32)
+    cdef int[::1] start = start_a, ops = ops_a
+    cdef Py_ssize_t s, t
+    for s in range(slot_tensor.shape[0]):
+        start[slot_tensor[s] + 1] += 1
+    for t in range(num_tensors):
+        start[t + 1] += start[t]
+    cdef int[::1] fill = start_a[:-1].copy()
+    for s in range(slot_tensor.shape[0]):
+        t = slot_tensor[s]
+        ops[fill[t]] = slot_op[s]
+        fill[t] += 1
+    return start_a, ops_a

@@ -89,8 +89,9 @@ def encode(graph, mesh, seeds):
     gc_was_enabled = gc.isenabled()
     gc.disable()  # the encoder allocates a few objects per op; collections would dominate
     try:
-        (rules, rank, tensor_base, slot_tensor, slot_op, dim_factors, dim_counts,
-         factor_size, factor_kind, op_slots, op_factors) = _encode.encode_rules(
+        (rules, rank, tensor_base, slot_tensor, dim_factors, dim_counts, factor_size,
+         factor_kind, op_slots, op_factors, tensor_op_start,
+         tensor_ops) = _encode.encode_rules(
             graph.nodes, RULES.__contains__, lambda i: rule_for(graph, graph.nodes[i]),
             MAX_FACTORS)
     finally:
@@ -108,14 +109,10 @@ def encode(graph, mesh, seeds):
             axes[dim_start[t] + d, :len(names)] = [axis_id[n] for n in names]
             naxes[dim_start[t] + d] = len(names)
         fixed[t] = 1
-    # the ops that read or write each tensor, grouped by tensor
-    order = np.argsort(slot_tensor, kind="stable")
-    tensor_op_start = np.searchsorted(slot_tensor[order],
-                                      np.arange(len(rank) + 1)).astype(np.int32)
     core_args = (rank, dim_start[:-1].copy(), fixed, axes, naxes,
                  np.asarray(mesh.shape, np.int32), _offsets(op_slots), _offsets(op_factors),
                  slot_tensor, _offsets(rank[slot_tensor]), _offsets(dim_counts), dim_factors,
-                 factor_size, factor_kind, tensor_op_start, slot_op[order])
+                 factor_size, factor_kind, tensor_op_start, tensor_ops)
     return Encoded(rules, base, dim_start.tolist(), axes, naxes, core_args)
 
 
