@@ -36,7 +36,9 @@ cdef tuple _rule_key(list nodes, object node, list tensor_shape, long long[::1] 
     """What a rule may depend on, as a flat tuple: op type, input shapes, constant
     inputs' values, output shapes and attrs. Shapes and constants enter as small ints
     interned per graph (`tensor_shape` by tensor id; `const_ids` by serialized value,
-    memoized per Const node), so building and hashing the key stays cheap."""
+    memoized per Const node), so building and hashing the key stays cheap. Shape ids are
+    >= 0 and constant ids <= -2 (-1 ends the inputs), so keys of ops with different
+    numbers of inputs cannot coincide."""
     cdef list parts = [node.op]
     cdef Py_ssize_t j, k
     cdef tuple r
@@ -46,7 +48,7 @@ cdef tuple _rule_key(list nodes, object node, list tensor_shape, long long[::1] 
         parts.append(tensor_shape[base[j] + <Py_ssize_t>r[1]])
         src = nodes[j]
         if src.op == "Const":
-            parts.append(_const_id(src, j, const_ids))
+            parts.append(-2 - <Py_ssize_t>_const_id(src, j, const_ids))
     parts.append(-1)
     for k in range(len(node.out_shapes)):
         parts.append(tensor_shape[t0 + k])
