@@ -18,6 +18,7 @@ from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
+from gspmd_tf.spmd.dce import eliminate_dead_code
 from gspmd_tf.spmd.handlers import HANDLERS, replay
 from gspmd_tf.spmd.program import Local, ProgramBuilder
 from gspmd_tf.spmd.reshard import reshard
@@ -27,12 +28,11 @@ log = logging.getLogger("gspmd_tf")
 
 @dataclass
 class SpmdProgram:
-    """The partitioned program with its input/output layouts and every tensor's Local."""
+    """The partitioned program (dead code eliminated) with its input/output layouts."""
 
     graph: object
     input_layouts: list
     output_layouts: list
-    locals: dict
     replicated_ops: list
 
 
@@ -233,8 +233,9 @@ class Partitioner:
             local = self.reshard(self.values[ref], layout)
             outputs.append(local)
             b.graph.outputs.append(local.ref)
-        return SpmdProgram(b.graph, [self.values[r].layout for r in graph.inputs],
-                           [o.layout for o in outputs], self.values, self.replicated_ops)
+        return SpmdProgram(eliminate_dead_code(b.graph),
+                           [self.values[r].layout for r in graph.inputs],
+                           [o.layout for o in outputs], self.replicated_ops)
 
     def _by_rule(self, ctx, emit):
         layouts = ctx.result_layouts()

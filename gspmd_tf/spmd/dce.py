@@ -1,0 +1,62 @@
+"""Dead-code elimination of an SPMD program.
+
+The partitioner emits what each op needs and reshards results to their propagated
+layouts, so some emitted nodes are never read: a reshard to a layout no consumer takes, a
+handler's operand resharded again. TF would keep the dead collectives among them (they are
+stateful) and run them on every device. Since the program is the same on every device, a
+node dead on one device is dead on all, and dropping it keeps collectives matched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tensorflow.python.framework import op_def_registry
+
+from gspmd_tf.graph.ir import Graph, Ref
+
+_ALWAYS_KEPT = frozenset({"gt.Input"})  # program inputs keep their positions
+
+
+def _has_effect(node):
+    """Whether a node must run even when nothing reads it: a program input, a TF op with
+    no outputs (variable updates) or a stateful TF op (its state would change otherwise).
+    gt.* collectives and shard indices are pure functions of their operands."""
+    if node.op in _ALWAYS_KEPT:
+        return True
+    if node.op.startswith("gt."):
+        return False
+    return not node.out_shapes or _is_stateful(node.op)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_stateful(op_type):
+    op_def = op_def_registry.get(op_type)
+    return op_def is None or op_def.is_stateful
+
+
+def eliminate_dead_code(graph):
+    """The graph of the nodes of `graph` that its outputs or side effects need (the kept
+    nodes are moved into it, their inputs renumbered)."""
+    nodes = graph.nodes
+    live = [False] * len(nodes)
+    stack = [ref.node for ref in graph.outputs]
+    stack += [i for i, node in enumerate(nodes) if _has_effect(node)]
+    while stack:
+        i = stack.pop()
+        if live[i]:
+            continue
+        live[i] = True
+        stack.extend(ref.node for ref in nodes[i].inputs)
+        stack.extend(nodes[i].control_inputs)
+    new_index = {}
+    pruned = Graph()
+    for i, node in enumerate(nodes):
+        if not live[i]:
+            continue
+        node.inputs = [Ref(new_index[r.node], r.out) for r in node.inputs]
+        node.control_inputs = [new_index[c] for c in node.control_inputs]
+        new_index[i] = pruned.add(node)
+    pruned.inputs = [Ref(new_index[r.node], r.out) for r in graph.inputs]
+    pruned.outputs = [Ref(new_index[r.node], r.out) for r in graph.outputs]
+    return pruned
