@@ -41,7 +41,8 @@ def replay(ctx, operands, layouts, attrs=None, refs=None):
 
 
 def as_identity(ctx, operands, layouts):
-    """XlaSharding: only an annotation; locally an Identity."""
+    """XlaSharding (only an annotation) and EnsureShape (the global shape is known and
+    checked when the graph is imported): locally an Identity."""
     dtype = ctx.node.out_dtypes[0]
     return [ctx.b.op("Identity", [operands[0].ref], local_shapes(ctx, layouts)[0], dtype,
                      name=ctx.node.name, T=dtype)]
@@ -60,6 +61,15 @@ def with_local_shape_input(position):
     return emit
 
 
+def squeeze(ctx, operands, layouts):
+    """Squeeze the dims of size 1 in the global shape, named explicitly: a split dim
+    can be size 1 in a shard only (6 split over 8)."""
+    shape = ctx.inputs[0].shape
+    dims = ctx.node.attr("squeeze_dims") or [d for d, n in enumerate(shape) if n == 1]
+    return replay(ctx, operands, layouts,
+                  attrs={"squeeze_dims": sorted(int(d) % len(shape) for d in dims)})
+
+
 def const(ctx, operands, layouts):
     """A constant: the whole value, then this device's slice of it."""
     b = ctx.b
@@ -71,7 +81,8 @@ def const(ctx, operands, layouts):
 
 
 def mean(ctx, operands, layouts):
-    """Mean over a split dim: local sums scaled by 1/global count (partial sums)."""
+    """Mean over a split dim: local sums scaled by 1/global count (partial sums). An
+    integer mean divides (truncating, as TF does) only after the sums are combined."""
     if not ctx.split_reduce_axes():
         return replay(ctx, operands, layouts)
     b = ctx.b
@@ -83,8 +94,14 @@ def mean(ctx, operands, layouts):
     shape = local_shapes(ctx, layouts)[0]
     total = b.op("Sum", refs[:2], shape, dtype, T=dtype, Tidx=ctx.node.attrs["Tidx"],
                  keep_dims=bool(ctx.node.attr("keep_dims")))
-    return [b.op("Mul", [total, b.const(np.asarray(1.0 / count), dtype)], shape, dtype,
-                 name=ctx.node.name, T=dtype)]
+    if dtype.is_floating:  # the mean of nothing is NaN
+        scale = b.const(np.asarray(1.0 / count if count else np.nan), dtype)
+        return [b.op("Mul", [total, scale], shape, dtype, name=ctx.node.name, T=dtype)]
+    whole = Layout(layouts[0].dims)
+    total = ctx.reshard(Local(total, layouts[0], ctx.node.out_shapes[0], dtype), whole)
+    ref = b.op("Div", [total.ref, b.const(np.asarray(count), dtype)], shape, dtype,
+               name=ctx.node.name, T=dtype)
+    return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
 
 
 def slicing(ctx, operands, layouts):
@@ -112,8 +129,10 @@ def slicing(ctx, operands, layouts):
 
 BASIC_HANDLERS = {
     "XlaSharding": as_identity,
+    "EnsureShape": as_identity,
     "Reshape": with_local_shape_input(1),
     "Fill": with_local_shape_input(0),
+    "Squeeze": squeeze,
     "Const": const,
     "Mean": mean,
     "Slice": slicing,
