@@ -150,13 +150,15 @@ def test_regression_reshapes(mesh_shape, axes, in_shape, spec, out_shape):
     check_partitioned(reshape_grad_fn(out_shape), (x, w), mesh, (spec, None))
 
 
-def test_regression_backward_reshape_local_shape():
-    """Backward propagation gave a reshape a result split its local shape cannot hold."""
-    mesh = gt.Mesh.create((2, 4), ("a", "b"))
-    x = np.arange(88, dtype=np.float32).reshape(8, 11)
-    w = np.ones((11, 2, 1, 4), np.float32)
-    check_partitioned(reshape_grad_fn((11, 2, 1, 4)), (x, w), mesh, (None, P("b", "a")),
-                      out_shardings=(P("a", "b"),))
+def test_regression_reshape_gradient_local_shape():
+    """A reshape whose gradient was emitted as a local reshape TF rejects ("Cannot
+    reshape a tensor with 66 elements to shape [3,2,1,3]")."""
+    mesh = gt.Mesh.create((8,), ("a",))
+    x = np.arange(132, dtype=np.float32).reshape(22, 3, 2) / 50
+    w = np.arange(132, dtype=np.float32).reshape(3, 2, 1, 22) - 60
+    spec = P(None, None, "a")
+    check_partitioned(reshape_grad_fn((3, 2, 1, 22)), (x, w), mesh, (spec, P("a")),
+                      out_shardings=(spec,))
 
 
 @st.composite
