@@ -41,3 +41,27 @@ def test_int_mean_truncates_after_summing(spec):
     mesh = gt.Mesh.create((2, 4), ("a", "b"))
     x = np.array([3, -7, 5, 2, 9, -1, 4, 6], np.int32)
     check_partitioned(lambda t: tf.reduce_mean(t), (x,), mesh, (spec,))
+
+
+PADDING_CHECKED = {
+    "floordiv": lambda x, y: x // y,
+    "floormod": lambda x, y: x % y,
+    "truncatediv": lambda x, y: tf.truncatediv(x, y),
+    "truncatemod": lambda x, y: tf.truncatemod(x, y),
+    "int_pow": lambda x, y: tf.pow(x, y - 1),
+    "gather_computed_indices": lambda x, y: tf.gather(tf.range(10) * 3, y - 1),
+    "labels_computed": lambda x, y: tf.nn.sparse_softmax_cross_entropy_with_logits(
+        (y - 1) // 2, tf.cast(tf.stack([x, x + 1, x * 2], 1), tf.float32)),
+    "check_numerics": lambda x, y: tf.debugging.check_numerics(
+        tf.math.log(tf.cast(y - 1, tf.float32) + 0.5) / tf.cast(y + 1, tf.float32), "x"),
+}
+
+
+@pytest.mark.parametrize("case", list(PADDING_CHECKED))
+def test_padding_never_fails_a_local_op(case):
+    """The padding of a dim split unevenly (6 over 8) holds values the op would reject
+    (y == 0 and y - 1 == -1 there): it is set to a harmless value first."""
+    mesh = gt.Mesh.create((8,), ("x",))
+    x = np.array([7, -8, 9, 10, 11, 12], np.int32)
+    y = np.array([1, 2, 3, 4, 5, 6], np.int32)
+    check_partitioned(PADDING_CHECKED[case], (x, y), mesh, (P("x"), P("x")))

@@ -16,20 +16,39 @@ def local_shapes(ctx, layouts):
     return [ctx.local_shape(layout, k) for k, layout in enumerate(layouts)]
 
 
+# Inputs whose padding (the tail of an uneven split dim) could make the local op fail
+# where the global one does not: an integer divisor or exponent, an index, a label, a
+# value checked for NaN/Inf. Their padding is set to a harmless value first.
+_SAFE_PADDING = {
+    **{op: {1: 1} for op in ("Div", "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod")},
+    "Pow": {1: 0},
+    "GatherV2": {1: 0},
+    "ResourceGather": {1: 0},
+    "SparseSoftmaxCrossEntropyWithLogits": {1: 0},
+    "CheckNumerics": {0: 0},
+}
+
+
 def masked_refs(ctx, operands):
     """Operand refs with the padding of split, uneven REDUCE dims set to the identity of
-    the reduction, so padding never reaches a result."""
+    the reduction, so padding never reaches a result; and the padding of inputs the op
+    checks (see _SAFE_PADDING) set to a harmless value."""
     rule = ctx.rule
     reduce_op = {"arg": "max"}.get(rule.reduce_op, rule.reduce_op)
+    safe = _SAFE_PADDING.get(ctx.node.op, {})
     refs = []
-    for x, dims in zip(operands, rule.operands):
+    for i, (x, dims) in enumerate(zip(operands, rule.operands)):
         if dims is None:
             refs.append(x.ref)
             continue
         masked = [d for d, fs in enumerate(dims)
                   if any(rule.factor_kinds[f] == REDUCE and ctx.factor_axes[f] for f in fs)]
-        refs.append(mask_padding(ctx.b, x, masked, identity_of(reduce_op, x.dtype))
-                    if masked else x.ref)
+        ref = (mask_padding(ctx.b, x, masked, identity_of(reduce_op, x.dtype))
+               if masked else x.ref)
+        if i in safe:
+            checked = [d for d, axes in enumerate(x.layout.dims) if axes and d not in masked]
+            ref = mask_padding(ctx.b, x._replace(ref=ref), checked, safe[i])
+        refs.append(ref)
     return refs
 
 
