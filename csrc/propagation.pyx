@@ -101,7 +101,7 @@ cdef class _Propagator:
                     fsize = self.factor_size[fb + f]
                     start = k
                     p = 1
-                    if j == nf - 1:  # the minor factor may be split unevenly
+                    if nf == 1:  # a dim that is one factor may be split unevenly
                         k = n
                         p = fsize
                     else:
@@ -142,7 +142,7 @@ cdef class _Propagator:
         """Extend the op's unfixed tensors to the chosen factor axes."""
         cdef int s, t, d, sd, j, nf, f, k, n, td, d2, fb = self.factor_start[op]
         cdef signed char new[MAX_AXES]
-        cdef long long other
+        cdef long long other, p, asz
         cdef bint changed = False
         for s in range(self.slot_start[op], self.slot_start[op + 1]):
             t = self.slot_tensor[s]
@@ -156,11 +156,16 @@ cdef class _Propagator:
                 n = 0
                 for j in range(nf):
                     f = self.dim_factors[self.dim_factor_start[sd] + j]
+                    p = 1
                     for k in range(self.cand_n[f]):
-                        if n < MAX_AXES:
-                            new[n] = self.cand[f][k]
-                            n += 1
-                    if self.cand_size[f] != self.factor_size[fb + f]:
+                        asz = self.axis_size[self.cand[f][k]]
+                        # in a dim of several factors each is split evenly
+                        if n == MAX_AXES or (nf > 1 and self.factor_size[fb + f] % (p * asz)):
+                            break
+                        p *= asz
+                        new[n] = self.cand[f][k]
+                        n += 1
+                    if p != self.factor_size[fb + f]:
                         break
                 td = self.dim_start[t] + d
                 if n <= self.naxes[td] or not _is_prefix(&self.axes[td, 0], self.naxes[td], new, n):

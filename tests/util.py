@@ -16,10 +16,15 @@ def single_device(fn, args):
 
 
 def assert_close(got, want, what=""):
-    """Floats: relative error (norm) within RTOL; everything else exact."""
+    """Floats: NaN and infinities in the same places, the rest within RTOL relative
+    error (norm); everything else exact."""
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape, (what, got.shape, want.shape)
     if np.issubdtype(want.dtype, np.floating):
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(np.where(finite, 0, got), np.where(finite, 0, want),
+                                      err_msg=f"{what}: NaN/Inf differ")
+        got, want = np.where(finite, got, 0), np.where(finite, want, 0)
         scale = max(np.linalg.norm(want.astype(np.float64)), 1e-30)
         err = np.linalg.norm((got.astype(np.float64) - want)) / scale
         assert err <= RTOL, f"{what}: relative error {err:.2e} > {RTOL}"

@@ -248,35 +248,72 @@ def reshape(ctx, data_inputs=(0,)):
 def reshape_factors(rule, in_shape, out_shape):
     """Sub-factors shared by the dims of two shapes of equal size.
 
-    Walks both shapes major to minor taking the gcd of what is left of the current dims;
-    where the dims do not share a factor the rest of that aligned span is REPLICATE.
+    Both shapes index the same flat array. A factor is shared only where it is the same
+    digit of the flat index in both: the same size and the same product of everything
+    major to it. Walking both shapes major to minor, the gcd of what is left of the
+    current dims is such a digit while the walk is aligned. Where the dims share nothing
+    (gcd 1), the shapes regroup the flat index differently: what is left of each dim up
+    to the next point where the products of whole dims meet again is REPLICATE. A tensor
+    without elements has no data to split: its dims are all REPLICATE.
     """
     in_dims = [[] for _ in in_shape]
     out_dims = [[] for _ in out_shape]
-    i = o = 0
-    ri = in_shape[0] if in_shape else 1
-    ro = out_shape[0] if out_shape else 1
-    while i < len(in_shape) and o < len(out_shape):
-        if ri == 1:
-            i += 1
-            ri = in_shape[i] if i < len(in_shape) else 1
-            continue
-        if ro == 1:
-            o += 1
-            ro = out_shape[o] if o < len(out_shape) else 1
-            continue
-        g = int(np.gcd(ri, ro))
-        if g == 1:  # misaligned span: neither side may stay split
-            in_dims[i].append(rule.add_factor(ri, REPLICATE))
-            out_dims[o].append(rule.add_factor(ro, REPLICATE))
-            ri = ro = 1
-            continue
-        f = rule.add_factor(g)
-        in_dims[i].append(f)
-        out_dims[o].append(f)
-        ri //= g
-        ro //= g
+    if 0 in in_shape or 0 in out_shape:
+        for dims, shape in ((in_dims, in_shape), (out_dims, out_shape)):
+            for dim, size in zip(dims, shape):
+                if size > 1:
+                    dim.append(rule.add_factor(size, REPLICATE))
+        return tuple(map(tuple, in_dims)), tuple(map(tuple, out_dims))
+    walk_in, walk_out = _DimWalk(in_shape, in_dims), _DimWalk(out_shape, out_dims)
+    aligned = True
+    while walk_in.more() and walk_out.more():
+        if aligned:
+            g = int(np.gcd(walk_in.left, walk_out.left))
+            if g > 1:
+                f = rule.add_factor(g)
+                walk_in.take(f, g)
+                walk_out.take(f, g)
+                continue
+            aligned = False
+        # misaligned: replicate the rest of the dim that ends first (both on a tie)
+        end_in, end_out = walk_in.dim_end(), walk_out.dim_end()
+        if end_in <= end_out:
+            walk_in.take(rule.add_factor(walk_in.left, REPLICATE), walk_in.left)
+        if end_out <= end_in:
+            walk_out.take(rule.add_factor(walk_out.left, REPLICATE), walk_out.left)
+        aligned = end_in == end_out
     return tuple(map(tuple, in_dims)), tuple(map(tuple, out_dims))
+
+
+class _DimWalk:
+    """A walk over a shape's dims major to minor, taking sub-factors of the current dim
+    (size-1 dims skipped); `left` is what is left of the current dim."""
+
+    def __init__(self, shape, dims):
+        self.shape, self.dims = shape, dims
+        self.dim, self.done = -1, 1  # `done`: product of everything taken
+        self.left = 1
+        self._skip_finished()
+
+    def _skip_finished(self):
+        while self.left == 1 and self.dim + 1 < len(self.shape):
+            self.dim += 1
+            self.left = self.shape[self.dim]
+
+    def more(self):
+        """True while something is left to take."""
+        return self.left > 1
+
+    def dim_end(self):
+        """Product of everything up to the end of the current dim."""
+        return self.done * self.left
+
+    def take(self, factor, size):
+        """Give the current dim its next sub-factor, of `size`."""
+        self.dims[self.dim].append(factor)
+        self.left //= size
+        self.done *= size
+        self._skip_finished()
 
 
 def per_dim(ctx, replicate_dims, data_inputs=(0,), result_rank_source=0):
@@ -422,6 +459,21 @@ def variable_update(ctx):
     return rule
 
 
+def bitcast(ctx):
+    """Bitcast: to a narrower type adds a minor dim (the bytes of an element), to a wider
+    one removes it; that dim stays whole, the others pass."""
+    in_shape, out_shape = ctx.in_shapes[0], ctx.out_shapes[0]
+    letters = _letters(min(len(in_shape), len(out_shape)))
+    extra_in = "Y" if len(in_shape) > len(letters) else ""
+    extra_out = "Z" if len(out_shape) > len(letters) else ""
+    rule = einsum_rule(f"{letters}{extra_in}->{letters}{extra_out}", [in_shape], out_shape)
+    for dims in (rule.operands[0], rule.results[0]):
+        if len(dims) > len(letters):
+            for f in dims[-1]:
+                rule.factor_kinds[f] = REPLICATE
+    return rule
+
+
 def squeeze_or_expand(ctx):
     """ExpandDims/Squeeze are reshapes of size-1 dims."""
     return reshape(ctx)
@@ -521,7 +573,7 @@ UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Er
 Floor Identity Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike Reciprocal
 Relu Relu6 Rint Round Rsqrt Selu Sigmoid Sign Sin Sinh Softplus Softsign Sqrt Square Tan
 Tanh ZerosLike Cast StopGradient PreventGradient Snapshot CheckNumerics LeakyRelu Gelu
-XlaSharding EnsureShape Bitcast""".split()
+XlaSharding EnsureShape""".split()
 
 BINARY = """Add AddV2 Sub Mul Div DivNoNan RealDiv FloorDiv FloorMod TruncateDiv TruncateMod
 Maximum Minimum Pow SquaredDifference Equal NotEqual Less LessEqual Greater GreaterEqual
@@ -540,6 +592,7 @@ RULES = {
     **{op: (elementwise,) for op in UNARY + BINARY},
     "AddN": (elementwise,),
     "Select": (select_v1,),
+    "Bitcast": (bitcast,),
     "SelectV2": (elementwise,),
     "MatMul": (matmul,),
     "BatchMatMul": (batch_matmul,),

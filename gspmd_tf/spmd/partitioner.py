@@ -84,13 +84,14 @@ class OpContext:
 
 
 def _split_candidates(mesh, rule, dims_factors, layout):
-    """Per factor, the axes a tensor's layout gives it (sub-factors split major first)."""
+    """Per factor, the axes a tensor's layout gives it (sub-factors split major first,
+    evenly; a dim that is one factor may be split unevenly)."""
     found = {}
     for fs, axes in zip(dims_factors, layout.dims):
         k = 0
-        for j, f in enumerate(fs):
+        for f in fs:
             start, p, size = k, 1, rule.factor_sizes[f]
-            if j == len(fs) - 1:
+            if len(fs) == 1:
                 k, p = len(axes), size
             else:
                 while k < len(axes) and size % (p * mesh.axis_size(axes[k])) == 0:

@@ -99,8 +99,13 @@ class ProgramBuilder:
                          params={"axes": tuple(axes)})[0]
 
     def collective(self, kind, x, shape, dtype, **params):
-        """A collective on local tensor `x` producing a local tensor of `shape`."""
+        """A collective on local tensor `x` producing a local tensor of `shape`.
+
+        A tensor with no elements carries no data: its result is an empty constant, and
+        no collective runs (TF's collectives crash on empty tensors)."""
         assert kind in COLLECTIVES, kind
+        if 0 in self.shape_of(x) or 0 in shape:
+            return self.const(np.zeros(shape, dtype.as_numpy_dtype), dtype)
         return self._add(kind, [x], {}, [shape], [dtype], params=params)[0]
 
     def shape_of(self, ref):

@@ -16,20 +16,39 @@ def local_shapes(ctx, layouts):
     return [ctx.local_shape(layout, k) for k, layout in enumerate(layouts)]
 
 
+# Inputs whose padding (the tail of an uneven split dim) could make the local op fail
+# where the global one does not: an integer divisor or exponent, an index, a label, a
+# value checked for NaN/Inf. Their padding is set to a harmless value first.
+_SAFE_PADDING = {
+    **{op: {1: 1} for op in ("Div", "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod")},
+    "Pow": {1: 0},
+    "GatherV2": {1: 0},
+    "ResourceGather": {1: 0},
+    "SparseSoftmaxCrossEntropyWithLogits": {1: 0},
+    "CheckNumerics": {0: 0},
+}
+
+
 def masked_refs(ctx, operands):
     """Operand refs with the padding of split, uneven REDUCE dims set to the identity of
-    the reduction, so padding never reaches a result."""
+    the reduction, so padding never reaches a result; and the padding of inputs the op
+    checks (see _SAFE_PADDING) set to a harmless value."""
     rule = ctx.rule
     reduce_op = {"arg": "max"}.get(rule.reduce_op, rule.reduce_op)
+    safe = _SAFE_PADDING.get(ctx.node.op, {})
     refs = []
-    for x, dims in zip(operands, rule.operands):
+    for i, (x, dims) in enumerate(zip(operands, rule.operands)):
         if dims is None:
             refs.append(x.ref)
             continue
         masked = [d for d, fs in enumerate(dims)
                   if any(rule.factor_kinds[f] == REDUCE and ctx.factor_axes[f] for f in fs)]
-        refs.append(mask_padding(ctx.b, x, masked, identity_of(reduce_op, x.dtype))
-                    if masked else x.ref)
+        ref = (mask_padding(ctx.b, x, masked, identity_of(reduce_op, x.dtype))
+               if masked else x.ref)
+        if i in safe:
+            checked = [d for d, axes in enumerate(x.layout.dims) if axes and d not in masked]
+            ref = mask_padding(ctx.b, x._replace(ref=ref), checked, safe[i])
+        refs.append(ref)
     return refs
 
 
@@ -41,7 +60,8 @@ def replay(ctx, operands, layouts, attrs=None, refs=None):
 
 
 def as_identity(ctx, operands, layouts):
-    """XlaSharding: only an annotation; locally an Identity."""
+    """XlaSharding (only an annotation) and EnsureShape (the global shape is known and
+    checked when the graph is imported): locally an Identity."""
     dtype = ctx.node.out_dtypes[0]
     return [ctx.b.op("Identity", [operands[0].ref], local_shapes(ctx, layouts)[0], dtype,
                      name=ctx.node.name, T=dtype)]
@@ -60,6 +80,15 @@ def with_local_shape_input(position):
     return emit
 
 
+def squeeze(ctx, operands, layouts):
+    """Squeeze the dims of size 1 in the global shape, named explicitly: a split dim
+    can be size 1 in a shard only (6 split over 8)."""
+    shape = ctx.inputs[0].shape
+    dims = ctx.node.attr("squeeze_dims") or [d for d, n in enumerate(shape) if n == 1]
+    return replay(ctx, operands, layouts,
+                  attrs={"squeeze_dims": sorted(int(d) % len(shape) for d in dims)})
+
+
 def const(ctx, operands, layouts):
     """A constant: the whole value, then this device's slice of it."""
     b = ctx.b
@@ -71,7 +100,8 @@ def const(ctx, operands, layouts):
 
 
 def mean(ctx, operands, layouts):
-    """Mean over a split dim: local sums scaled by 1/global count (partial sums)."""
+    """Mean over a split dim: local sums scaled by 1/global count (partial sums). An
+    integer mean divides (truncating, as TF does) only after the sums are combined."""
     if not ctx.split_reduce_axes():
         return replay(ctx, operands, layouts)
     b = ctx.b
@@ -83,8 +113,14 @@ def mean(ctx, operands, layouts):
     shape = local_shapes(ctx, layouts)[0]
     total = b.op("Sum", refs[:2], shape, dtype, T=dtype, Tidx=ctx.node.attrs["Tidx"],
                  keep_dims=bool(ctx.node.attr("keep_dims")))
-    return [b.op("Mul", [total, b.const(np.asarray(1.0 / count), dtype)], shape, dtype,
-                 name=ctx.node.name, T=dtype)]
+    if dtype.is_floating:  # the mean of nothing is NaN
+        scale = b.const(np.asarray(1.0 / count if count else np.nan), dtype)
+        return [b.op("Mul", [total, scale], shape, dtype, name=ctx.node.name, T=dtype)]
+    whole = Layout(layouts[0].dims)
+    total = ctx.reshard(Local(total, layouts[0], ctx.node.out_shapes[0], dtype), whole)
+    ref = b.op("Div", [total.ref, b.const(np.asarray(count), dtype)], shape, dtype,
+               name=ctx.node.name, T=dtype)
+    return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
 
 
 def slicing(ctx, operands, layouts):
@@ -112,8 +148,10 @@ def slicing(ctx, operands, layouts):
 
 BASIC_HANDLERS = {
     "XlaSharding": as_identity,
+    "EnsureShape": as_identity,
     "Reshape": with_local_shape_input(1),
     "Fill": with_local_shape_input(0),
+    "Squeeze": squeeze,
     "Const": const,
     "Mean": mean,
     "Slice": slicing,

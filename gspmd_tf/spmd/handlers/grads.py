@@ -18,11 +18,12 @@ def _index_dtype(ctx, attr):
 
 
 def tile(ctx, operands, layouts):
-    """Tile: each dim's multiple is its local result size over its local input size."""
+    """Tile: each dim's multiple is its local result size over its local input size
+    (any multiple of an empty dim is empty)."""
     refs = masked_refs(ctx, operands)
     out = local_shapes(ctx, layouts)[0]
     local_in = ctx.b.shape_of(refs[0])
-    multiples = [o // i for o, i in zip(out, local_in)]
+    multiples = [o // i if i else 1 for o, i in zip(out, local_in)]
     refs[1] = ctx.b.const(np.asarray(multiples, _index_dtype(ctx, "Tmultiples")))
     return replay(ctx, operands, layouts, refs=refs)
 
