@@ -27,15 +27,31 @@ def assert_close(got, want, what=""):
         np.testing.assert_array_equal(got, want, err_msg=what)
 
 
-def check_partitioned(fn, args, mesh, in_shardings, out_shardings=None):
-    """Run `fn` partitioned and on one device; assert equal values. Returns Lowered."""
+def assert_same_values(got, want, what=""):
+    """Like assert_close, for values that may hold NaN or +-Inf: NaN and +-Inf at exactly
+    the same positions, the finite values within RTOL (norm over the finite values)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    if not np.issubdtype(want.dtype, np.floating):
+        np.testing.assert_array_equal(got, want, err_msg=what)
+        return
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{what}: NaN")
+    for inf in (np.inf, -np.inf):
+        np.testing.assert_array_equal(got == inf, want == inf, err_msg=f"{what}: {inf}")
+    finite = np.isfinite(want)
+    assert_close(got[finite], want[finite], what)
+
+
+def check_partitioned(fn, args, mesh, in_shardings, out_shardings=None, compare=assert_close):
+    """Run `fn` partitioned and on one device; assert equal values (by `compare`).
+    Returns Lowered."""
     f = gt.function(fn, mesh=mesh, in_shardings=in_shardings, out_shardings=out_shardings)
     got = tf.nest.flatten(f(*args))
     want = single_device(fn, args)
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert isinstance(g, gt.ShardedTensor)
-        assert_close(g.numpy(), w, f"output {i}")
+        compare(g.numpy(), w, f"output {i}")
     return f.lower(*args)
 
 
