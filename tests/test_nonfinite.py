@@ -86,21 +86,29 @@ def test_nonfinite_values_match_single_device(op, split, n):
     check_partitioned(OPS[op], (x,), mesh, (spec,), compare=assert_same_values)
 
 
-@pytest.mark.parametrize("seed", range(6))
+SEGMENT_LAYOUTS = {  # data, ids, result
+    "rows_over_both_axes": (P(("a", "b")), P(("a", "b")), None),
+    "rows_and_segments_split": (P("b"), P("b"), P("a")),
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("n", [16, 11])
-def test_segment_extrema_random_nonfinite_rows(seed, n):
+@pytest.mark.parametrize("layout", list(SEGMENT_LAYOUTS))
+def test_segment_extrema_random_nonfinite_rows(seed, n, layout):
     """Dense NaN/Inf, negative (dropped) ids, segments in few or many blocks."""
     rng = np.random.default_rng(seed)
     data = rng.choice(np.array([NAN, INF, -INF, 1.0, -2.0], np.float32), size=(n, 3),
                       p=[0.3, 0.2, 0.3, 0.1, 0.1])
     ids = rng.integers(-1, 4, size=n).astype(np.int32)
     mesh = gt.Mesh.create((2, 4), ("a", "b"))
+    data_spec, ids_spec, out_spec = SEGMENT_LAYOUTS[layout]
 
     def f(d, i):
         return (tf.math.unsorted_segment_max(d, i, 5), tf.math.unsorted_segment_min(d, i, 5))
 
-    check_partitioned(f, (data, ids), mesh, (P(("a", "b")), P(("a", "b"))),
-                      compare=assert_same_values)
+    check_partitioned(f, (data, ids), mesh, (data_spec, ids_spec),
+                      out_shardings=(out_spec, out_spec), compare=assert_same_values)
 
 
 @pytest.mark.parametrize("spec", [P("a", "b"), P(None, "b")])
