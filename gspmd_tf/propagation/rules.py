@@ -42,6 +42,33 @@ class OpRule:
         self.factor_kinds.append(kind)
         return len(self.factor_sizes) - 1
 
+    def __str__(self):
+        """Shardy's form, e.g. `([i, k], [k, j])->([i, j]) {i=8, j=16, k=8} reduction={k}`.
+
+        Factors are named i, j, k... by id; a dim made of several factors joins their
+        names major first (`[ij, k]`), a dim without one (size 1, broadcast) is `1`, a
+        non-data operand `_`. REPLICATE factors are listed as `need_replication`, and the
+        reduce op follows when it is not a sum."""
+        names = [_factor_name(f) for f in range(len(self.factor_sizes))]
+
+        def tensors(all_dims):
+            return ", ".join("_" if dims is None else
+                             "[" + ", ".join("".join(names[f] for f in fs) or "1"
+                                             for fs in dims) + "]" for dims in all_dims)
+
+        sizes = ", ".join(f"{name}={size}" for name, size in zip(names, self.factor_sizes))
+        text = f"({tensors(self.operands)})->({tensors(self.results)}) {{{sizes}}}"
+        for kind, label in ((REDUCE, "reduction"), (REPLICATE, "need_replication")):
+            of_kind = [name for name, k in zip(names, self.factor_kinds) if k == kind]
+            if of_kind:
+                text += f" {label}={{{', '.join(of_kind)}}}"
+        return text if self.reduce_op == "sum" else f"{text} reduce={self.reduce_op}"
+
+
+def _factor_name(f):
+    """i, j, ..., z, then z_1, z_2... (as Shardy names factors)."""
+    return chr(ord("i") + f) if f < 18 else f"z_{f - 17}"
+
 
 class RuleContext:
     """What a rule builder may look at: the node, its input/output shapes, constants."""
@@ -372,14 +399,17 @@ def strided_slice_kept_dims(node, rank):
 def _sliced_factors(rule, x, y, kept, strided):
     """Dims of a tensor x and of its slice y (y dim j is x dim kept[j]): a kept dim of
     unchanged size and stride 1 passes; dims sliced, strided or shrunk away stay whole."""
-    dims_x = [(rule.add_factor(n, REPLICATE),) if n > 1 else () for n in x]
-    dims_y = [()] * len(y)
-    for j, d in enumerate(kept):
-        if x[d] == y[j] and d not in strided and x[d] > 1:
-            f = rule.add_factor(x[d])
-            dims_x[d], dims_y[j] = (f,), (f,)
-        elif y[j] > 1:
-            dims_y[j] = (rule.add_factor(y[j], REPLICATE),)
+    passing = {d: j for j, d in enumerate(kept)
+               if x[d] == y[j] and d not in strided and x[d] > 1}
+    dims_x, dims_y = [], [()] * len(y)
+    for d, n in enumerate(x):
+        kind = PASS if d in passing else REPLICATE
+        dims_x.append((rule.add_factor(n, kind),) if n > 1 else ())
+        if d in passing:
+            dims_y[passing[d]] = dims_x[d]
+    for j, n in enumerate(y):
+        if n > 1 and not dims_y[j]:
+            dims_y[j] = (rule.add_factor(n, REPLICATE),)
     return tuple(dims_x), tuple(dims_y)
 
 
@@ -460,17 +490,17 @@ def variable_update(ctx):
 
 
 def bitcast(ctx):
-    """Bitcast: to a narrower type adds a minor dim (the bytes of an element), to a wider
-    one removes it; that dim stays whole, the others pass."""
-    in_shape, out_shape = ctx.in_shapes[0], ctx.out_shapes[0]
-    letters = _letters(min(len(in_shape), len(out_shape)))
-    extra_in = "Y" if len(in_shape) > len(letters) else ""
-    extra_out = "Z" if len(out_shape) > len(letters) else ""
-    rule = einsum_rule(f"{letters}{extra_in}->{letters}{extra_out}", [in_shape], out_shape)
-    for dims in (rule.operands[0], rule.results[0]):
-        if len(dims) > len(letters):
-            for f in dims[-1]:
-                rule.factor_kinds[f] = REPLICATE
+    """Bitcast: the dims both sides have pass; the minor dim a bitcast to a narrower type
+    adds (or to a wider one removes) is in one tensor only and stays whole."""
+    x, y = ctx.in_shapes[0], ctx.out_shapes[0]
+    rule = OpRule()
+    shared = tuple((rule.add_factor(n),) if n > 1 else () for n in x[:min(len(x), len(y))])
+
+    def whole(shape):
+        return tuple((rule.add_factor(n, REPLICATE),) if n > 1 else ()
+                     for n in shape[len(shared):])
+    rule.operands = [shared + whole(x)]
+    rule.results = [shared + whole(y)]
     return rule
 
 
@@ -572,14 +602,14 @@ def select_v1(ctx):
 UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
 Floor Identity Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike Reciprocal
 Relu Relu6 Rint Round Rsqrt Selu Sigmoid Sign Sin Sinh Softplus Softsign Sqrt Square Tan
-Tanh ZerosLike Cast StopGradient PreventGradient Snapshot CheckNumerics LeakyRelu Gelu
+Tanh ZerosLike Cast StopGradient PreventGradient Snapshot CheckNumerics LeakyRelu
 XlaSharding EnsureShape""".split()
 
 BINARY = """Add AddV2 Sub Mul Div DivNoNan RealDiv FloorDiv FloorMod TruncateDiv TruncateMod
 Maximum Minimum Pow SquaredDifference Equal NotEqual Less LessEqual Greater GreaterEqual
 LogicalAnd LogicalOr Atan2 Xdivy Xlogy Xlog1py MulNoNan BitwiseAnd BitwiseOr BitwiseXor
 ReluGrad Relu6Grad TanhGrad SigmoidGrad SoftplusGrad RsqrtGrad SqrtGrad EluGrad
-SeluGrad LeakyReluGrad GeluGrad ReciprocalGrad""".split()
+SeluGrad LeakyReluGrad ReciprocalGrad""".split()
 
 VARIABLE_OPS = """ReadVariableOp AssignVariableOp AssignAddVariableOp AssignSubVariableOp
 ResourceApplyGradientDescent ResourceApplyMomentum ResourceApplyKerasMomentum
@@ -591,8 +621,8 @@ ResourceApplyProximalAdagrad ResourceApplyAddSign ResourceApplyPowerSign""".spli
 RULES = {
     **{op: (elementwise,) for op in UNARY + BINARY},
     "AddN": (elementwise,),
-    "Select": (select_v1,),
     "Bitcast": (bitcast,),
+    "Select": (select_v1,),
     "SelectV2": (elementwise,),
     "MatMul": (matmul,),
     "BatchMatMul": (batch_matmul,),

@@ -1,14 +1,12 @@
 """Handlers for ops of TF's gradient code: Tile, BroadcastTo, StridedSliceGrad (shape
-arguments made local) and UnsortedSegmentSum/Max/Min/Prod (segments split by block)."""
+arguments made local). UnsortedSegment* ops are in segment.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
 
-from gspmd_tf.propagation.rules import REDUCE
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
-from gspmd_tf.spmd.local_ops import binary, cast, mask_padding, select, shard_offset
 
 
 def _index_dtype(ctx, attr):
@@ -53,44 +51,8 @@ def strided_slice_grad(ctx, operands, layouts):
     return replay(ctx, operands, layouts, refs=refs)
 
 
-def unsorted_segment(ctx, operands, layouts):
-    """UnsortedSegment{Sum,Max,Min,Prod}. Split segment (REDUCE) dims give a partial
-    result the partitioner combines; a split result segment dim keeps, on each device,
-    the segments of its block: ids shifted by the block start, ids outside the block
-    (and padding) set to -1, which TF drops."""
-    b = ctx.b
-    data, ids = operands[0], operands[1]
-    refs = masked_refs(ctx, operands)  # data padding -> the reduction's identity
-    itype = ids.dtype
-    np_itype = itype.as_numpy_dtype
-    rule = ctx.rule
-    split = [d for d, fs in enumerate(rule.operands[1])
-             if any(rule.factor_kinds[f] == REDUCE and ctx.factor_axes[f] for f in fs)]
-    id_ref = mask_padding(b, ids, split, np_itype(-1)) if split else ids.ref
-    axes = layouts[0].dims[0]
-    num = local_shapes(ctx, layouts)[0][0]
-    if axes:
-        offset = shard_offset(b, axes, num)
-        if itype != tf.int32:
-            offset = cast(b, offset, tf.int32, itype)
-        shifted = binary(b, "Sub", id_ref, offset, itype)
-        inside = b.op("LogicalAnd", [
-            binary(b, "GreaterEqual", shifted, b.const(np.zeros((), np_itype)), itype,
-                   tf.bool),
-            binary(b, "Less", shifted, b.const(np.asarray(num, np_itype)), itype, tf.bool)],
-            b.shape_of(shifted), tf.bool)
-        id_ref = select(b, inside, shifted, b.const(np.asarray(-1, np_itype)), itype)
-    refs[1] = id_ref
-    refs[2] = b.const(np.asarray(num, _index_dtype(ctx, "Tnumsegments")))
-    return replay(ctx, operands, layouts, refs=refs)
-
-
 GRAD_HANDLERS = {
     "Tile": tile,
     "BroadcastTo": broadcast_to,
     "StridedSliceGrad": strided_slice_grad,
-    "UnsortedSegmentSum": unsorted_segment,
-    "UnsortedSegmentMax": unsorted_segment,
-    "UnsortedSegmentMin": unsorted_segment,
-    "UnsortedSegmentProd": unsorted_segment,
 }

@@ -86,7 +86,12 @@ def cross_entropy(ctx, operands, layouts):
         target = mask_padding(b, labels, [1], 0.0)
     # loss = sum_c target * (log_sum_exp - logit) = sum_c target * (max + log_sum - logit)
     lse = binary(b, "AddV2", rows.max, rows.log_sum, dtype)
-    per_class = binary(b, "Mul", target, binary(b, "Sub", lse, safe_logits, dtype), dtype)
+    per_class = binary(b, "Sub", lse, safe_logits, dtype)
+    if ctx.node.op == "SparseSoftmaxCrossEntropyWithLogits":
+        # like TF, take the label's term only: 0 * inf from a -inf logit must not be NaN
+        per_class = select(b, hit, per_class, b.const(0, dtype), dtype)
+    else:  # TF multiplies here, so a zero label on a -inf logit is NaN there too
+        per_class = binary(b, "Mul", target, per_class, dtype)
     local_loss = reduce_last(b, "Sum", per_class, dtype, keep_dims=False)
     batch_dims = logits.layout.dims[:1]
     loss = _combine(ctx, local_loss, batch_dims, rows.axes, "sum", dtype, logits.shape[:1])
@@ -97,8 +102,12 @@ def cross_entropy(ctx, operands, layouts):
 
 
 def arg_reduce(ctx, operands, layouts):
-    """ArgMax/ArgMin over a split dim: best local (value, global index), then the best
-    value across devices and the smallest index holding it."""
+    """ArgMax/ArgMin over a split dim, as TF's kernel on one device: the first index of
+    the best value, NaN never a candidate, nor a value no better than the kernel's start
+    (dtype.min for ArgMax, dtype.max for ArgMin); index 0 when nothing is a candidate.
+
+    Each device takes its best candidate value and its global index; all devices agree on
+    the best value, then on the smallest index that holds it."""
     x = operands[0]
     axis = int(np.atleast_1d(ctx.graph.const_value(ctx.node.inputs[1]))[0]) % len(x.shape)
     axes = x.layout.dims[axis]
@@ -112,8 +121,8 @@ def arg_reduce(ctx, operands, layouts):
     values = mask_padding(b, x, [axis], identity_of(best, dtype))
     shape = local_shapes(ctx, layouts)[0]
     axis_ref = b.const(np.int32(axis))
-    local_best = b.op(best.capitalize(), [values, axis_ref], shape, dtype, T=dtype,
-                      Tidx=tf.int32, keep_dims=False)
+    local_best = b.op(best.capitalize(), [_without_nan(b, values, best, dtype), axis_ref],
+                      shape, dtype, T=dtype, Tidx=tf.int32, keep_dims=False)
     out_dims = layouts[0].dims
     out_shape = node.out_shapes[0]
     best_all = _combine(ctx, local_best, out_dims, axes, best, dtype, out_shape)
@@ -124,10 +133,21 @@ def arg_reduce(ctx, operands, layouts):
         start = cast(b, start, tf.int32, out_type)
     index = binary(b, "AddV2", index, start, out_type)
     is_best = binary(b, "Equal", local_best, best_all, dtype, tf.bool)
-    never = b.const(np.asarray(np.iinfo(out_type.as_numpy_dtype).max, out_type.as_numpy_dtype))
-    candidate = select(b, is_best, index, never, out_type)
+    candidate = select(b, is_best, index, b.const(out_type.max, out_type), out_type)
+    kernel_start = b.const(dtype.min if best == "max" else dtype.max, dtype)
+    found = binary(b, "Greater" if best == "max" else "Less", best_all, kernel_start, dtype,
+                   tf.bool)
+    candidate = select(b, found, candidate, b.const(0, out_type), out_type)
     combined = _combine(ctx, candidate, out_dims, axes, "min", out_type, out_shape)
     return [Local(combined, Layout(out_dims), out_shape, out_type)]
+
+
+def _without_nan(b, ref, best, dtype):
+    """`ref` with NaN replaced by the identity of `best` (floats; others unchanged)."""
+    if not dtype.is_floating:
+        return ref
+    is_nan = b.op("IsNan", [ref], b.shape_of(ref), tf.bool, T=dtype)
+    return select(b, is_nan, b.const(identity_of(best, dtype), dtype), ref, dtype)
 
 
 NORMALIZE_HANDLERS = {

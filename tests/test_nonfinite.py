@@ -1,0 +1,127 @@
+"""NaN and +-Inf on a split dim: every reduction-like op gives single-device TF's values.
+
+Each input row holds one pattern (NaN/Inf in the first, middle or last shard, all-NaN,
+all-Inf, ties across shards...); the reduced dim is split over a 1-D mesh of 8 or over one
+or both axes of a 2x4 mesh, with even and uneven sizes.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gspmd_tf as gt
+from util import check_partitioned
+
+P = gt.P
+NAN, INF = np.nan, np.inf
+
+
+def special_rows(n, rng):
+    """[15, n] float32: one NaN/Inf pattern per row, placed across the shards of dim 1."""
+    rows = rng.standard_normal((15, n)).astype(np.float32)
+    put = {1: [(0, NAN)], 2: [(n - 1, NAN)], 3: [(n // 2, INF)], 4: [(n // 3, -INF)],
+           8: [(n // 4, 5.0), (n - 1, 5.0), (1, -5.0), (n - 2, -5.0)],
+           9: [(0, INF), (n - 1, -INF)], 10: [(n // 2, NAN), (1, INF)],
+           11: [(1, NAN), (n - 2, NAN)]}
+    for row, cells in put.items():
+        for col, value in cells:
+            rows[row, col] = value
+    rows[5], rows[6], rows[7] = NAN, -INF, INF
+    rows[12], rows[12, n - 1] = -INF, NAN    # argmax: no candidate but NaN -> index 0
+    rows[13], rows[13, 0] = INF, NAN         # argmin: the same
+    rows[14, :-1] = -INF
+    return rows
+
+
+def segment_ids(n):
+    """Segments interleaved across the shards of the data dim; segment 3 stays empty."""
+    return np.arange(n, dtype=np.int32) % 3
+
+
+OPS = {
+    "argmax": lambda x: tf.argmax(x, 1),
+    "argmin": lambda x: tf.argmin(x, 1, output_type=tf.int32),
+    "argmax_dim0": lambda x: tf.argmax(tf.transpose(x), 0),
+    "argmax_int": lambda x: tf.argmax(tf.cast(tf.where(tf.math.is_finite(x), x, 0.0), tf.int32), 1),
+    "argmin_half": lambda x: tf.argmin(tf.cast(x, tf.float16), 1),
+    "softmax": tf.nn.softmax,
+    "log_softmax": tf.nn.log_softmax,
+    "sparse_xent": lambda x: tf.nn.sparse_softmax_cross_entropy_with_logits(
+        tf.range(15) % x.shape[1], x),
+    "xent_smooth": lambda x: tf.nn.softmax_cross_entropy_with_logits(
+        tf.one_hot(tf.range(15) % x.shape[1], x.shape[1]) * 0.5 + 0.5 / x.shape[1], x),
+    "xent_one_hot": lambda x: tf.nn.softmax_cross_entropy_with_logits(
+        tf.one_hot(tf.range(15) % x.shape[1], x.shape[1]), x),
+    "max": lambda x: tf.reduce_max(x, 1),
+    "min": lambda x: tf.reduce_min(x, 1, keepdims=True),
+    "sum": lambda x: tf.reduce_sum(x, 1),
+    "prod": lambda x: tf.reduce_prod(x, 1),
+    "mean": lambda x: tf.reduce_mean(x, 1),
+    "all_any": lambda x: (tf.reduce_all(x > -1.0, 1), tf.reduce_any(tf.math.is_nan(x), 1),
+                          tf.reduce_any(x > 1e30, 1)),
+    "segment_max": lambda x: tf.math.unsorted_segment_max(
+        tf.transpose(x), segment_ids(x.shape[1]), 4),
+    "segment_min": lambda x: tf.math.unsorted_segment_min(
+        tf.transpose(x), segment_ids(x.shape[1]), 4),
+    "matmul": lambda x: x @ tf.reshape(tf.range(x.shape[1] * 3, dtype=tf.float32) % 5 - 2.0,
+                                       (x.shape[1], 3)),
+    "einsum": lambda x: tf.einsum("rn,rn->r", x, tf.reverse(x, [0])),
+}
+
+SPLITS = {
+    "1d": ((8,), ("x",), P(None, "x")),
+    "2d_minor": ((2, 4), ("a", "b"), P(None, "b")),
+    "2d_major": ((2, 4), ("a", "b"), P("b", "a")),
+    "2d_both": ((2, 4), ("a", "b"), P(None, ("a", "b"))),
+}
+
+
+@pytest.mark.parametrize("n", [16, 13])
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("op", list(OPS))
+def test_nonfinite_values_match_single_device(op, split, n):
+    shape, axes, spec = SPLITS[split]
+    mesh = gt.Mesh.create(shape, axes)
+    x = special_rows(n, np.random.default_rng(n))
+    check_partitioned(OPS[op], (x,), mesh, (spec,))
+
+
+SEGMENT_LAYOUTS = {  # data, ids, result
+    "rows_over_both_axes": (P(("a", "b")), P(("a", "b")), None),
+    "rows_and_segments_split": (P("b"), P("b"), P("a")),
+}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n", [16, 11])
+@pytest.mark.parametrize("layout", list(SEGMENT_LAYOUTS))
+def test_segment_extrema_random_nonfinite_rows(seed, n, layout):
+    """Dense NaN/Inf, negative (dropped) ids, segments in few or many blocks."""
+    rng = np.random.default_rng(seed)
+    data = rng.choice(np.array([NAN, INF, -INF, 1.0, -2.0], np.float32), size=(n, 3),
+                      p=[0.3, 0.2, 0.3, 0.1, 0.1])
+    ids = rng.integers(-1, 4, size=n).astype(np.int32)
+    mesh = gt.Mesh.create((2, 4), ("a", "b"))
+    data_spec, ids_spec, out_spec = SEGMENT_LAYOUTS[layout]
+
+    def f(d, i):
+        return (tf.math.unsorted_segment_max(d, i, 5), tf.math.unsorted_segment_min(d, i, 5))
+
+    check_partitioned(f, (data, ids), mesh, (data_spec, ids_spec),
+                      out_shardings=(out_spec, out_spec))
+
+
+@pytest.mark.parametrize("spec", [P("a", "b"), P(None, "b")])
+def test_segment_extrema_over_rows_split_in_two_dims(spec, caplog):
+    """Rows indexed by a 2-D ids tensor, split in its minor dim: not one block per device,
+    so they are gathered (with a warning) and the values still match."""
+    rng = np.random.default_rng(1)
+    data = rng.choice(np.array([NAN, -INF, 1.0, 2.0], np.float32), size=(4, 8, 3))
+    ids = rng.integers(0, 3, size=(4, 8)).astype(np.int32)
+    mesh = gt.Mesh.create((2, 4), ("a", "b"))
+
+    def f(d, i):
+        return tf.math.unsorted_segment_max(d, i, 3), tf.math.unsorted_segment_min(d, i, 3)
+
+    check_partitioned(f, (data, ids), mesh, (spec, spec))
+    assert "gathered first" in caplog.text

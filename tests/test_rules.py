@@ -1,0 +1,320 @@
+"""The sharding rule of every op type in RULES, checked in its printed (Shardy) form.
+
+Each row traces a tiny TF function holding the op, imports it and prints rule_for of the
+op's node. The expected texts say what the rule must be: letters are factors in order of
+id, `[ij]` a dim made of two factors, `1` a dim without a factor, `_` a non-data input.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.compiler.xla.experimental import xla_sharding as xs
+from tensorflow.python.framework import op_def_registry
+
+import gspmd_tf as gt
+from gspmd_tf.graph import import_graph
+from gspmd_tf.propagation.rules import BINARY, RULES, UNARY, einsum_rule, rule_for
+from util import check_partitioned
+
+
+def f32(*shape):
+    return tf.TensorSpec(shape, tf.float32)
+
+
+def i32(*shape):
+    return tf.TensorSpec(shape, tf.int32)
+
+
+def boolean(*shape):
+    return tf.TensorSpec(shape, tf.bool)
+
+
+def printed_rule(op_type, fn, specs):
+    """The printed rule of the last `op_type` node of `fn` traced on `specs`."""
+    graph = import_graph(tf.function(fn, autograph=False).get_concrete_function(*specs))
+    nodes = [n for n in graph.nodes if n.op == op_type]
+    assert nodes, f"no {op_type} in {[n.op for n in graph.nodes]}"
+    return str(rule_for(graph, nodes[-1]))
+
+
+def raw(op_type, **attrs):
+    """tf.raw_ops.<op_type> called with its data inputs positionally."""
+    names = [a.name for a in op_def_registry.get(op_type).input_arg]
+    op = getattr(tf.raw_ops, op_type)
+    return lambda *xs_: op(**dict(zip(names, xs_)), **attrs)
+
+
+SAME_2D = "([i, j])->([i, j]) {i=4, j=6}"
+UNARY_ATTRS = {"Cast": {"DstT": tf.int32}, "CheckNumerics": {"message": "m"},
+               "EnsureShape": {"shape": [4, 6]}}
+UNARY_ROWS = [(op, raw(op, **UNARY_ATTRS.get(op, {})),
+               [boolean(4, 6) if op == "LogicalNot" else f32(4, 6)], SAME_2D)
+              for op in UNARY if op != "XlaSharding"]
+
+BROADCAST = "([i, 1, k], [j, k])->([i, j, k]) {i=4, j=5, k=6}"
+BITWISE = {"LogicalAnd": boolean, "LogicalOr": boolean, "BitwiseAnd": i32, "BitwiseOr": i32,
+           "BitwiseXor": i32}
+BINARY_ROWS = [(op, raw(op), [BITWISE.get(op, f32)(4, 1, 6), BITWISE.get(op, f32)(5, 6)],
+                BROADCAST) for op in BINARY if not op.endswith("Grad")]
+GRAD_ROWS = [(op, raw(op), [f32(4, 6), f32(4, 6)], "([i, j], [i, j])->([i, j]) {i=4, j=6}")
+             for op in BINARY if op.endswith("Grad")]
+
+
+def with_variables(op_type, var_shape=(4, 6)):
+    """A fused variable update on fresh variables: resource inputs are variables of
+    `var_shape`, `grad`/`delta` a tensor of that shape, the other inputs scalars."""
+    op_def = op_def_registry.get(op_type)
+    args = op_def.input_arg
+    attrs = {"dtype": tf.float32} if op_type == "ReadVariableOp" else {}
+    variables = {a.name: tf.Variable(tf.zeros(var_shape)) for a in args
+                 if a.type == tf.resource.as_datatype_enum}
+
+    def fn(grad):
+        values = {a.name: variables[a.name].handle if a.name in variables
+                  else grad if a.name in ("grad", "delta", "value") else tf.constant(0.1)
+                  for a in args}
+        result = getattr(tf.raw_ops, op_type)(**values, **attrs)
+        return result if isinstance(result, tf.Tensor) else None  # not an Operation
+    return fn
+
+
+V = "[i, j]"
+VARIABLE_EXPECTED = {
+    "ReadVariableOp": f"({V})->({V})",
+    "AssignVariableOp": f"({V}, {V})->()",
+    "AssignAddVariableOp": f"({V}, {V})->()",
+    "AssignSubVariableOp": f"({V}, {V})->()",
+    "ResourceApplyGradientDescent": f"({V}, _, {V})->()",
+    "ResourceApplyMomentum": f"({V}, {V}, _, {V}, _)->()",
+    "ResourceApplyKerasMomentum": f"({V}, {V}, _, {V}, _)->()",
+    "ResourceApplyAdam": f"({V}, {V}, {V}, _, _, _, _, _, _, {V})->()",
+    "ResourceApplyAdamWithAmsgrad": f"({V}, {V}, {V}, {V}, _, _, _, _, _, _, {V})->()",
+    "ResourceApplyAdagrad": f"({V}, {V}, _, {V})->()",
+    "ResourceApplyAdagradV2": f"({V}, {V}, _, _, {V})->()",
+    "ResourceApplyRMSProp": f"({V}, {V}, {V}, _, _, _, _, {V})->()",
+    "ResourceApplyCenteredRMSProp": f"({V}, {V}, {V}, {V}, _, _, _, _, {V})->()",
+    "ResourceApplyAdadelta": f"({V}, {V}, {V}, _, _, _, {V})->()",
+    "ResourceApplyAdaMax": f"({V}, {V}, {V}, _, _, _, _, _, {V})->()",
+    "ResourceApplyFtrl": f"({V}, {V}, {V}, {V}, _, _, _, _)->()",
+    "ResourceApplyFtrlV2": f"({V}, {V}, {V}, {V}, _, _, _, _, _)->()",
+    "ResourceApplyProximalGradientDescent": f"({V}, _, _, _, {V})->()",
+    "ResourceApplyProximalAdagrad": f"({V}, {V}, _, _, _, {V})->()",
+    "ResourceApplyAddSign": f"({V}, {V}, _, _, _, _, {V})->()",
+    "ResourceApplyPowerSign": f"({V}, {V}, _, _, _, _, {V})->()",
+}
+VARIABLE_ROWS = [(op, with_variables(op), [f32(4, 6)], text + " {i=4, j=6}")
+                 for op, text in VARIABLE_EXPECTED.items()]
+
+
+def read(shape):
+    variable = tf.Variable(tf.zeros(shape))
+    return lambda i: tf.raw_ops.ResourceGather(resource=variable.handle, indices=i,
+                                               dtype=tf.float32)
+
+
+def conv(op_type, x, w, y, **attrs):
+    """A conv-family op in the argument order of its raw op (x, w, y: the forward
+    image, filter and output shapes; gradient ops get the sizes they compute)."""
+    attrs = {"strides": [1, 1, 1, 1], "padding": "SAME", **attrs}
+    op = getattr(tf.raw_ops, op_type)
+    if op_type.endswith("BackpropInput"):
+        return (lambda w_, dy: op(input_sizes=list(x), filter=w_, out_backprop=dy, **attrs),
+                [f32(*w), f32(*y)])
+    if op_type.endswith("BackpropFilter"):
+        return (lambda x_, dy: op(input=x_, filter_sizes=list(w), out_backprop=dy, **attrs),
+                [f32(*x), f32(*y)])
+    return lambda x_, w_: op(input=x_, filter=w_, **attrs), [f32(*x), f32(*w)]
+
+
+CONV = ("([i, j, k, l], [n, o, l, m])->([i, j, k, m]) {i=2, j=8, k=8, l=3, m=5, n=3, o=3}")
+DEPTHWISE_SIZES = "{i=2, j=8, k=8, l=3, m=2, n=3, o=3}"
+CONV_ROWS = [
+    ("Conv2D", *conv("Conv2D", (2, 8, 8, 3), (3, 3, 3, 5), None),
+     CONV + " reduction={l} need_replication={n, o}"),
+    ("Conv2DBackpropInput", *conv("Conv2DBackpropInput", (2, 8, 8, 3), (3, 3, 3, 5),
+                                  (2, 8, 8, 5)),
+     "(_, [n, o, l, m], [i, j, k, m])->([i, j, k, l]) {i=2, j=8, k=8, l=3, m=5, n=3, o=3}"
+     " reduction={m} need_replication={n, o}"),
+    ("Conv2DBackpropFilter", *conv("Conv2DBackpropFilter", (2, 8, 8, 3), (3, 3, 3, 5),
+                                   (2, 8, 8, 5)),
+     "([i, j, k, l], _, [i, j, k, m])->([n, o, l, m]) {i=2, j=8, k=8, l=3, m=5, n=3, o=3}"
+     " reduction={i, j, k} need_replication={n, o}"),
+    ("DepthwiseConv2dNative", *conv("DepthwiseConv2dNative", (2, 8, 8, 3), (3, 3, 3, 2),
+                                    None),
+     f"([i, j, k, l], [n, o, l, m])->([i, j, k, lm]) {DEPTHWISE_SIZES}"
+     " need_replication={n, o}"),
+    ("DepthwiseConv2dNativeBackpropInput",
+     *conv("DepthwiseConv2dNativeBackpropInput", (2, 8, 8, 3), (3, 3, 3, 2), (2, 8, 8, 6)),
+     f"(_, [n, o, l, m], [i, j, k, lm])->([i, j, k, l]) {DEPTHWISE_SIZES}"
+     " reduction={m} need_replication={n, o}"),
+    ("DepthwiseConv2dNativeBackpropFilter",
+     *conv("DepthwiseConv2dNativeBackpropFilter", (2, 8, 8, 3), (3, 3, 3, 2), (2, 8, 8, 6)),
+     f"([i, j, k, l], _, [i, j, k, lm])->([n, o, l, m]) {DEPTHWISE_SIZES}"
+     " reduction={i, j, k} need_replication={n, o}"),
+    # strided: the spatial factor spans x's 8 and y's 3 (its size is the larger)
+    ("Conv2D", *conv("Conv2D", (2, 8, 8, 3), (3, 3, 3, 5), None, strides=[1, 2, 2, 1],
+                     padding="VALID"),
+     CONV + " reduction={l} need_replication={n, o}"),
+]
+
+POOL = {"ksize": [1, 2, 2, 1], "strides": [1, 2, 2, 1], "padding": "VALID"}
+POOLED = "[i, k, l, j]"
+POOL_SIZES = " {i=2, j=3, k=8, l=8}"
+POOL_ROWS = [
+    ("MaxPool", lambda x: tf.raw_ops.MaxPool(input=x, **POOL), [f32(2, 8, 8, 3)],
+     f"({POOLED})->({POOLED})" + POOL_SIZES),
+    ("AvgPool", lambda x: tf.raw_ops.AvgPool(value=x, **POOL), [f32(2, 8, 8, 3)],
+     f"({POOLED})->({POOLED})" + POOL_SIZES),
+    ("MaxPoolGrad", lambda x, y, dy: tf.raw_ops.MaxPoolGrad(orig_input=x, orig_output=y,
+                                                            grad=dy, **POOL),
+     [f32(2, 8, 8, 3), f32(2, 4, 4, 3), f32(2, 4, 4, 3)],
+     f"({POOLED}, {POOLED}, {POOLED})->({POOLED})" + POOL_SIZES),
+    ("AvgPoolGrad", lambda dy: tf.raw_ops.AvgPoolGrad(orig_input_shape=[2, 8, 8, 3],
+                                                      grad=dy, **POOL),
+     [f32(2, 4, 4, 3)], f"(_, {POOLED})->({POOLED})" + POOL_SIZES),
+]
+
+def select(condition, x, y):
+    return tf.raw_ops.Select(condition=condition, x=x, y=y)
+
+
+MATMUL = "([i, j], [j, k])->([i, k]) {i=4, j=8, k=16} reduction={j}"
+ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_ROWS + [
+    ("XlaSharding", lambda x: xs.replicate(x, use_sharding_op=True), [f32(4, 6)], SAME_2D),
+    # a bitcast to a narrower type adds a minor dim, to a wider one removes it: that dim
+    # is in one tensor only and stays whole
+    ("Bitcast", raw("Bitcast", type=tf.int32), [f32(4, 6)], SAME_2D),
+    ("Bitcast", raw("Bitcast", type=tf.uint8), [f32(4, 6)],
+     "([i, j])->([i, j, k]) {i=4, j=6, k=4} need_replication={k}"),
+    ("Bitcast", raw("Bitcast", type=tf.float32), [tf.TensorSpec((4, 6, 4), tf.uint8)],
+     "([i, j, k])->([i, j]) {i=4, j=6, k=4} need_replication={k}"),
+    ("AddN", lambda *x: tf.raw_ops.AddN(inputs=x), [f32(4, 6)] * 3,
+     "([i, j], [i, j], [i, j])->([i, j]) {i=4, j=6}"),
+    ("Select", select, [boolean(4), f32(4, 6), f32(4, 6)],
+     "([i], [i, j], [i, j])->([i, j]) {i=4, j=6}"),
+    ("Select", select, [boolean(4, 6), f32(4, 6), f32(4, 6)],
+     "([i, j], [i, j], [i, j])->([i, j]) {i=4, j=6}"),
+    ("SelectV2", raw("SelectV2"), [boolean(4, 1), f32(4, 6), f32(6)],
+     "([i, 1], [i, j], [j])->([i, j]) {i=4, j=6}"),
+    ("MatMul", raw("MatMul"), [f32(4, 8), f32(8, 16)], MATMUL),
+    ("MatMul", raw("MatMul", transpose_b=True), [f32(4, 8), f32(16, 8)],
+     "([i, j], [k, j])->([i, k]) {i=4, j=8, k=16} reduction={j}"),
+    ("BatchMatMul", raw("BatchMatMul"), [f32(3, 4, 8), f32(3, 8, 5)],
+     "([i, j, k], [i, k, l])->([i, j, l]) {i=3, j=4, k=8, l=5} reduction={k}"),
+    ("BatchMatMulV2", raw("BatchMatMulV2"), [f32(2, 1, 4, 8), f32(3, 8, 5)],
+     "([i, 1, k, l], [j, l, m])->([i, j, k, m]) {i=2, j=3, k=4, l=8, m=5} reduction={l}"),
+    ("BatchMatMulV3", raw("BatchMatMulV3", adj_x=True, Tout=tf.float32),
+     [f32(3, 8, 4), f32(3, 8, 5)],
+     "([i, j, k], [i, j, l])->([i, k, l]) {i=3, j=8, k=4, l=5} reduction={j}"),
+    ("Einsum", lambda a, b: tf.einsum("abc,cd->abd", a, b), [f32(2, 3, 4), f32(4, 5)],
+     "([i, j, k], [k, l])->([i, j, l]) {i=2, j=3, k=4, l=5} reduction={k}"),
+    ("Einsum", lambda a, b: tf.einsum("...ij,jk->...ik", a, b), [f32(2, 3, 4), f32(4, 5)],
+     "([i, j, k], [k, l])->([i, j, l]) {i=2, j=3, k=4, l=5} reduction={k}"),
+    ("BiasAdd", raw("BiasAdd"), [f32(4, 6), f32(6)], "([i, j], [j])->([i, j]) {i=4, j=6}"),
+    ("BiasAdd", raw("BiasAdd", data_format="NCHW"), [f32(2, 3, 4, 5), f32(3)],
+     "([i, j, k, l], [j])->([i, j, k, l]) {i=2, j=3, k=4, l=5}"),
+    ("BiasAddV1", raw("BiasAddV1"), [f32(4, 6), f32(6)], "([i, j], [j])->([i, j]) {i=4, j=6}"),
+    ("Sum", lambda x: tf.reduce_sum(x, 1), [f32(4, 6)],
+     "([i, j], _)->([i]) {i=4, j=6} reduction={j}"),
+    ("Mean", lambda x: tf.reduce_mean(x, 0), [f32(4, 6)],
+     "([i, j], _)->([j]) {i=4, j=6} reduction={i}"),
+    ("Max", lambda x: tf.reduce_max(x, 1, keepdims=True), [f32(4, 6)],
+     "([i, j], _)->([i, 1]) {i=4, j=6} reduction={j} reduce=max"),
+    ("Min", lambda x: tf.reduce_min(x, -1), [f32(4, 6)],
+     "([i, j], _)->([i]) {i=4, j=6} reduction={j} reduce=min"),
+    ("Prod", lambda x: tf.reduce_prod(x, [0, 1]), [f32(4, 6)],
+     "([i, j], _)->([]) {i=4, j=6} reduction={i, j} reduce=prod"),
+    ("All", lambda x: tf.reduce_all(x, 1), [boolean(4, 6)],
+     "([i, j], _)->([i]) {i=4, j=6} reduction={j} reduce=min"),
+    ("Any", lambda x: tf.reduce_any(x, 0), [boolean(4, 6)],
+     "([i, j], _)->([j]) {i=4, j=6} reduction={i} reduce=max"),
+    ("ArgMax", lambda x: tf.argmax(x, 1), [f32(4, 6)],
+     "([i, j], _)->([i]) {i=4, j=6} reduction={j} reduce=arg"),
+    ("ArgMin", lambda x: tf.argmin(x, 0), [f32(4, 6)],
+     "([i, j], _)->([j]) {i=4, j=6} reduction={i} reduce=arg"),
+    # the class dim is reduced inside the handler (it combines the pieces itself)
+    ("Softmax", tf.nn.softmax, [f32(4, 6)], SAME_2D),
+    ("LogSoftmax", tf.nn.log_softmax, [f32(4, 6)], SAME_2D),
+    ("SparseSoftmaxCrossEntropyWithLogits", raw("SparseSoftmaxCrossEntropyWithLogits"),
+     [f32(4, 6), i32(4)], "([i, j], [i])->([i], [i, j]) {i=4, j=6}"),
+    ("SoftmaxCrossEntropyWithLogits", raw("SoftmaxCrossEntropyWithLogits"),
+     [f32(4, 6), f32(4, 6)], "([i, j], [i, j])->([i], [i, j]) {i=4, j=6}"),
+    ("Transpose", lambda x: tf.transpose(x, [2, 0, 1]), [f32(2, 3, 4)],
+     "([i, j, k], _)->([k, i, j]) {i=2, j=3, k=4}"),
+    ("Reshape", lambda x: tf.reshape(x, [24]), [f32(6, 4)], "([i, j], _)->([ij]) {i=6, j=4}"),
+    ("Reshape", lambda x: tf.reshape(x, [6, 4]), [f32(2, 3, 4)],
+     "([i, j, k], _)->([ij, k]) {i=2, j=3, k=4}"),
+    ("ExpandDims", lambda x: tf.expand_dims(x, 1), [f32(4, 6)],
+     "([i, j], _)->([i, 1, j]) {i=4, j=6}"),
+    ("Squeeze", lambda x: tf.squeeze(x, [1]), [f32(4, 1, 6)],
+     "([i, 1, j])->([i, j]) {i=4, j=6}"),
+    ("ConcatV2", lambda a, b: tf.concat([a, b], 1), [f32(4, 6), f32(4, 2)],
+     "([i, j], [i, k], _)->([i, l]) {i=4, j=6, k=2, l=8} need_replication={j, k, l}"),
+    ("Slice", lambda x: tf.slice(x, [0, 1], [4, 3]), [f32(4, 6)],
+     "([i, j], _, _)->([i, k]) {i=4, j=6, k=3} need_replication={j, k}"),
+    ("StridedSlice", lambda x: x[:, 1:4], [f32(4, 6)],
+     "([i, j], _, _, _)->([i, k]) {i=4, j=6, k=3} need_replication={j, k}"),
+    ("StridedSlice", lambda x: x[::2, 2], [f32(4, 6)],
+     "([i, j], _, _, _)->([k]) {i=4, j=6, k=2} need_replication={i, j, k}"),
+    ("Pad", lambda x: tf.pad(x, [[0, 0], [1, 2]]), [f32(4, 6)],
+     "([i, j], _)->([i, k]) {i=4, j=6, k=9} need_replication={j, k}"),
+    ("PadV2", lambda x: tf.pad(x, [[0, 0], [1, 2]], constant_values=1.0), [f32(4, 6)],
+     "([i, j], _, _)->([i, k]) {i=4, j=6, k=9} need_replication={j, k}"),
+    # a dim tiled from size 1 is a factor of the result only; tiled from more, whole
+    ("Tile", lambda x: tf.tile(x, [1, 3]), [f32(4, 1)], "([i, 1], _)->([i, j]) {i=4, j=3}"),
+    ("Tile", lambda x: tf.tile(x, [2, 1]), [f32(4, 6)],
+     "([i, k], _)->([j, k]) {i=4, j=8, k=6} need_replication={i, j}"),
+    # the gathered table dim: a masked local lookup, then a sum of the partial results
+    ("GatherV2", lambda t, i: tf.gather(t, i), [f32(10, 6), i32(4, 3)],
+     "([i, j], [k, l], _)->([k, l, j]) {i=10, j=6, k=4, l=3} reduction={i}"),
+    ("GatherV2", lambda t, i: tf.gather(t, i, axis=1), [f32(10, 6), i32(5)],
+     "([i, j], [k], _)->([i, k]) {i=10, j=6, k=5} reduction={j}"),
+    ("ResourceGather", read((10, 6)), [i32(4)],
+     "([i, j], [k])->([k, j]) {i=10, j=6, k=4} reduction={i}"),
+    ("OneHot", lambda i: tf.one_hot(i, 5), [i32(4)], "([i], _, _, _)->([i, j]) {i=4, j=5}"),
+    ("Const", lambda x: x + tf.constant(np.ones((4, 6), np.float32)), [f32(4, 6)],
+     "()->([i, j]) {i=4, j=6}"),
+    ("Fill", lambda v: tf.fill([4, 6], v), [f32()], "(_, _)->([i, j]) {i=4, j=6}"),
+    ("BiasAddGrad", raw("BiasAddGrad"), [f32(4, 6)], "([i, j])->([j]) {i=4, j=6} reduction={i}"),
+    ("BroadcastTo", lambda x: tf.broadcast_to(x, [4, 6]), [f32(1, 6)],
+     "([1, j], _)->([i, j]) {i=4, j=6}"),
+    ("StridedSliceGrad", lambda dy: tf.raw_ops.StridedSliceGrad(
+        shape=[4, 6], begin=[0, 1], end=[4, 4], strides=[1, 1], dy=dy), [f32(4, 3)],
+     "(_, _, _, _, [i, k])->([i, j]) {i=4, j=6, k=3} need_replication={j, k}"),
+    *[(op, lambda d, s, op=op: getattr(tf.raw_ops, op)(data=d, segment_ids=s, num_segments=3),
+       [f32(6, 4), i32(6)], f"([i, j], [i], _)->([k, j]) {{i=6, j=4, k=3}} reduction={{i}}"
+       + ("" if reduce_op == "sum" else f" reduce={reduce_op}"))
+      for op, reduce_op in [("UnsortedSegmentSum", "sum"), ("UnsortedSegmentMax", "max"),
+                            ("UnsortedSegmentMin", "min"), ("UnsortedSegmentProd", "prod")]],
+]
+
+
+@pytest.mark.parametrize("op_type, fn, specs, expected", ROWS,
+                         ids=[f"{row[0]}-{k}" for k, row in enumerate(ROWS)])
+def test_rule_of_op(op_type, fn, specs, expected):
+    assert printed_rule(op_type, fn, specs) == expected
+
+
+def test_every_op_with_a_rule_has_a_row():
+    assert sorted(set(RULES) - {row[0] for row in ROWS}) == []
+
+
+def test_printed_form_of_a_long_rule():
+    """Factors past z are z_1, z_2... as in Shardy."""
+    letters = "abcdefghijklmnopqrst"
+    text = str(einsum_rule(f"{letters}->{letters}", [(2,) * 20], (2,) * 20))
+    assert text.startswith("([i, j, k, l, m, n, o, p, q, r, s, t, u, v, w, x, y, z, z_1, z_2])")
+
+
+@pytest.mark.parametrize("spec", [gt.P("a", "b"), gt.P(None, "b")])
+def test_bitcast_to_another_width_partitions_exactly(spec):
+    """Its rule once gave the added minor dim the factor of a major one (a crash)."""
+    mesh = gt.Mesh.create((2, 4), ("a", "b"))
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+
+    def f(t):
+        narrow = tf.bitcast(t, tf.uint16)
+        hinted = gt.mesh_split(narrow, mesh, gt.P(None, None, "b"))
+        return tf.bitcast(t, tf.uint8), tf.bitcast(hinted, tf.float32)
+
+    check_partitioned(f, (x,), mesh, (spec,))
