@@ -286,3 +286,63 @@ def test_error_names_both_meshes_with_their_devices(mesh):
         f.lower(np.ones((8, 4), np.float32))
     message = str(info.value)
     assert "devices CPU:7, CPU:6" in message and "devices CPU:0, CPU:1" in message
+
+
+# ---------------------------------------------------------------- initial values and updates
+@pytest.mark.parametrize("returned,complaint", [
+    (lambda s, d: tf.zeros((8, 12), d), r"it returned shape \(8, 12\)"),  # the whole tensor
+    (lambda s, d: tf.zeros((s[0] - 1, s[1]), d), r"it returned shape \(3, 3\)"),
+    (lambda s, d: tf.constant(1.0, d), r"it returned shape \(\)"),
+    (lambda s, d: None, "it returned None"),
+    (lambda s, d: tf.zeros(s, tf.float64), "does not convert.*float64"),
+])
+def test_initial_value_callable_must_return_one_shard(mesh, returned, complaint):
+    with pytest.raises(gt.ShardingError,
+                       match=r"of variable 'init_check.*shape \(4, 3\), dtype float32 .*"
+                             + complaint):
+        gt.Variable(returned, mesh, P("data", "model"), shape=(8, 12), name="init_check")
+
+
+def test_initial_value_dtype_follows_tf_variable(mesh):
+    """As tf.Variable: numpy values are cast to the dtype; tensors and python numbers of
+    another kind are refused."""
+    float_array = np.full((8, 4), 1.5)
+    want = tf.Variable(float_array, dtype=tf.int32).numpy()
+    got = gt.Variable(float_array, mesh, P("data"), dtype=tf.int32, name="cast").numpy()
+    np.testing.assert_array_equal(got, want)
+    for value in (tf.fill((8, 4), 1.5), [[1.5] * 4] * 8):
+        with pytest.raises((TypeError, ValueError)):
+            tf.Variable(value, dtype=tf.int32)
+        with pytest.raises((TypeError, ValueError)):
+            gt.Variable(value, mesh, P("data"), dtype=tf.int32, name="refused")
+    with pytest.raises(gt.ShardingError, match="does not convert"):
+        gt.Variable(lambda s, d: tf.fill(s, 1.5), mesh, P("data"), shape=(8, 4),
+                    dtype=tf.int32, name="refused_fn")
+
+
+@pytest.mark.parametrize("update", ["assign_add", "assign_sub"])
+@pytest.mark.parametrize("delta", [np.ones(4, np.float32), np.ones((1, 4), np.float32), 1.0])
+def test_eager_update_with_another_shape_is_refused_like_tf(mesh, update, delta):
+    plain = tf.Variable(np.zeros((8, 4), np.float32))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="shapes must be equal"):
+        getattr(plain, update)(delta)
+    v = gt.Variable(np.zeros((8, 4), np.float32), mesh, P("data", "model"), name="eager_upd")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"variable 'eager_upd.*\[8, 4\].*shapes must be equal"):
+        getattr(v, update)(delta)
+    np.testing.assert_array_equal(v.numpy(), np.zeros((8, 4)))
+    with pytest.raises(gt.ShardingError, match=r"eager_upd.*cannot assign a value of shape"):
+        v.assign(delta)
+
+
+def test_eager_update_dtype_follows_tf_variable(mesh):
+    plain = tf.Variable(np.zeros(8, np.int32))
+    v = gt.Variable(np.zeros(8, np.int32), mesh, P("model"), name="int_var")
+    for var in (plain, v):
+        var.assign_add(np.full(8, 1.5))  # numpy: cast, as tf.Variable does
+        with pytest.raises((TypeError, ValueError)):
+            var.assign_add(1.5)
+        with pytest.raises((TypeError, ValueError)):
+            var.assign(tf.fill([8], 1.5))
+    np.testing.assert_array_equal(v.numpy(), plain.numpy())
+    assert_replicas_equal(v)
