@@ -5,8 +5,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from gspmd_tf.runtime.sharded_tensor import distinct_boxes
-from util import assert_close
+from util import assert_close, assert_replicas_equal
 
 P = gt.P
 
@@ -211,16 +210,6 @@ def test_fused_optimizer_updates_act_on_shards(mesh, kind):
 
 
 # ---------------------------------------------------------------- variables of other meshes
-def assert_replicas_equal(variable):
-    """Every device holding the same elements of `variable` holds the same values."""
-    for box, devices in distinct_boxes(variable.mesh, variable.layout, variable.shape):
-        inside = tuple(slice(0, b - a) for a, b in box)
-        first = variable.shard_variables[devices[0]].numpy()[inside]
-        for device in devices[1:]:
-            np.testing.assert_array_equal(variable.shard_variables[device].numpy()[inside],
-                                          first, err_msg=f"{variable.name} device {device}")
-
-
 def _other_meshes():
     """Meshes with the variable mesh's axis names but another shape or device order."""
     devices = gt.Mesh.create((8,), ("x",)).devices

@@ -4,7 +4,11 @@ To traced code it is an ordinary (resource) tf.Variable of the global shape: rea
 take gradients with respect to it, assign to it, hand it to an optimizer. Its own handle
 holds no memory (an uninitialized variable); when a gt.function runs, every device's
 program gets the handle of that device's shard variable instead, so reads, assigns and
-optimizer updates act on the shards.
+optimizer updates act on the shards. (A gt.function on another mesh only reads it, from
+copies resharded onto its mesh; see gt.function.)
+
+Checkpoints store each distinct shard as a slice of the global variable, so saving and
+restoring move one shard at a time, and any mesh, spec or plain tf.Variable restores them.
 """
 
 from __future__ import annotations
