@@ -1,4 +1,4 @@
-"""Peak memory of creating, saving and restoring one large variable: gt.Variable vs tf.Variable.
+"""Peak memory of creating, saving and restoring a large gt.Variable, beside a tf.Variable.
 
     .venv/bin/python benchmarks/variable_memory.py --mib=1024 --mesh=2,4 --spec=data,model
 

@@ -110,9 +110,10 @@ def test_checkpoint_stores_one_slice_per_distinct_shard(mesh, tmp_path):
 
 
 @pytest.mark.parametrize("shape,spec", [((30, 7), P("model", "data")), ((5,), P("model")),
-                                        ((), P()), ((3, 4), P())])
+                                        ((3,), P("model")), ((), P()), ((3, 4), P()),
+                                        ((0, 4), P("data"))])
 def test_checkpoint_round_trips_with_plain_variables(mesh, tmp_path, shape, spec):
-    """Uneven shards, scalars and replicated variables: a sliced checkpoint restores
+    """Uneven and empty shards, scalars, replicated and empty variables: a checkpoint restores
     into a plain tf.Variable and onto other meshes; a plain one restores into shards."""
     value = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
     v = gt.Variable(value, mesh, spec, name="round_trip")

@@ -177,7 +177,8 @@ class Variable(_WholeValueCheckpoint):
     def _update_shards(self, update, value):
         """Apply `update` ("assign", "assign_add", "assign_sub") of a global numpy value
         shard by shard."""
-        for var, piece in zip(self.shard_variables, split_value(value, self.mesh, self.layout)):
+        pieces = split_value(value, self.mesh, self.layout)
+        for var, piece in zip(self.shard_variables, pieces):
             getattr(var, update)(piece)
 
     # Eagerly (between steps: metrics, get/set weights, checkpoints) a read is the global
@@ -286,8 +287,9 @@ class _ShardSaveable(saveable_object.SaveableObject):
 
 
 def _slice_spec(shape, box):
-    """The checkpoint slice spec of `box` in a tensor of `shape` ("" for a scalar)."""
-    if len(shape) == 0:
+    """The checkpoint slice spec of `box` in a tensor of `shape`; "" (the whole tensor)
+    for a scalar or a tensor with no elements, which slice specs cannot describe."""
+    if len(shape) == 0 or 0 in tuple(shape):
         return ""
     return tf.Variable.SaveSliceInfo(
         full_name="", full_shape=list(shape), var_offset=[a for a, _ in box],
