@@ -7,7 +7,8 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.demo import slot_spec
-from lm import NAMES, SPECS, init_params, make_step
+from lm import NAMES, SPECS, init_params, loss_fn, make_step
+from util import assert_replicas_equal
 
 P = gt.P
 STEPS = 20
@@ -91,3 +92,33 @@ def test_weight_update_sharding_divides_optimizer_state_by_data_axis():
     data = [c for c in lowered.collectives() if c.axes == ("data",)]
     assert {c.kind for c in data} == {"reduce-scatter", "all-gather", "all-reduce"}
     assert all(np.prod(c.shape) == 1 for c in data if c.kind == "all-reduce")
+
+
+def test_weights_trained_on_one_mesh_evaluate_on_others_and_refuse_updates_there():
+    """Evaluation may run on another mesh (the weights are resharded in); a training step
+    there is refused and leaves every weight and its replicas as they were."""
+    rng = np.random.default_rng(0)
+    params = init_params(rng)
+    tokens = rng.integers(0, 16, size=(8, 9)).astype(np.int32)
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+    variables = {n: gt.Variable(params[n], mesh, SPECS[n], name=n) for n in NAMES}
+    step = gt.function(make_step(variables, {}, params["heads"], "sgd"), mesh=mesh,
+                       in_shardings=(P("data"),))
+    for _ in range(3):
+        step(tokens)
+    trained = {n: variables[n].numpy() for n in NAMES}
+    want = loss_fn({n: tf.constant(trained[n]) for n in NAMES}, params["heads"], tokens)
+    devices = mesh.devices
+    for other in [gt.Mesh.create((4, 2), ("data", "model")),
+                  gt.Mesh.create((8, 1), ("data", "model")),
+                  gt.Mesh((2, 4), ("data", "model"), devices[::-1])]:
+        evaluate = gt.function(lambda t: loss_fn(variables, params["heads"], t), mesh=other,
+                               in_shardings=(P("data"),))
+        assert rel_err(evaluate(tokens).numpy(), want.numpy()) < TOL, other
+        train_there = gt.function(make_step(variables, {}, params["heads"], "sgd"),
+                                  mesh=other, in_shardings=(P("data"),))
+        with pytest.raises(gt.ShardingError, match="updates variable"):
+            train_there(tokens)
+        for n in NAMES:
+            np.testing.assert_array_equal(variables[n].numpy(), trained[n])
+            assert_replicas_equal(variables[n])

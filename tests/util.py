@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 import gspmd_tf as gt
+from gspmd_tf.runtime.sharded_tensor import distinct_boxes
 
 RTOL = 1e-5  # float32 relative error, measured on the whole tensor
 
@@ -47,3 +48,13 @@ def check_partitioned(fn, args, mesh, in_shardings, out_shardings=None):
 def randn(rng, *shape):
     """float32 normal values."""
     return rng.standard_normal(shape).astype(np.float32)
+
+
+def assert_replicas_equal(variable):
+    """Every device holding the same elements of `variable` holds the same values."""
+    for box, devices in distinct_boxes(variable.mesh, variable.layout, variable.shape):
+        inside = tuple(slice(0, b - a) for a, b in box)
+        first = variable.shard_variables[devices[0]].numpy()[inside]
+        for device in devices[1:]:
+            np.testing.assert_array_equal(variable.shard_variables[device].numpy()[inside],
+                                          first, err_msg=f"{variable.name} device {device}")

@@ -115,7 +115,8 @@ class Function:
                 seeds[ref] = layout
         for ref, value in zip(graph.inputs[len(flat):], graph.captures):
             if graph.dtype(ref) == tf.resource:
-                seeds[ref] = _captured_variable(graph, ref, value).layout
+                seeds[ref] = self._variable_layout(graph, ref,
+                                                   _captured_variable(graph, ref, value))
         self._seed_annotations(graph, seeds)
         out_layouts = self._seed_outputs(graph, seeds)
         propagation = propagate(graph, mesh, seeds)
@@ -125,6 +126,26 @@ class Function:
                           self._backend_factory)
         lowered.structured_outputs = concrete.structured_outputs
         return lowered
+
+    def _variable_layout(self, graph, ref, variable):
+        """The layout captured gt.Variable `variable` enters the program with: its own on
+        its own mesh. From another mesh it is read-only (updates would have to reach
+        shards this program does not hold): its value enters resharded to its spec on
+        this mesh, or replicated where this mesh lacks the spec's axes."""
+        if variable.mesh == self.mesh:
+            return variable.layout
+        writer = _first_writer(graph, ref)
+        if writer is not None:
+            raise ShardingError(
+                f"{self.fn.__name__} updates variable {variable.name!r} ({writer.op} "
+                f"{writer.name!r}) but runs on {_mesh_text(self.mesh)} while the variable "
+                f"lives on {_mesh_text(variable.mesh)}: run the function on the "
+                "variable's mesh, or make the variable on this mesh (e.g. gt.Variable("
+                "v.numpy(), mesh, spec)); reading a variable of another mesh works")
+        try:
+            return Layout.from_spec(self.mesh, variable.spec, len(variable.shape))
+        except ShardingError:
+            return Layout.replicated(len(variable.shape))
 
     def _seed_annotations(self, graph, seeds):
         from gspmd_tf.sharding import Sharding
@@ -155,9 +176,11 @@ class Function:
         run = lowered.compile()
         program = lowered.program
         graph = lowered.graph
-        inputs = [self._shards(value, layout) for value, layout in
+        copies = []  # read-only copies of variables of other meshes, alive for the run
+        inputs = [self._shards(value, layout, copies) for value, layout in
                   zip(list(flat) + list(graph.captures), program.input_layouts)]
         outs = run(inputs)
+        del copies
         results = [ShardedTensor(self.mesh, layout, lowered.graph.shape(ref),
                                  lowered.graph.dtype(ref), shards)
                    for ref, layout, shards in zip(lowered.graph.outputs,
@@ -165,12 +188,21 @@ class Function:
         return tf.nest.pack_sequence_as(lowered.structured_outputs, results,
                                         expand_composites=True)
 
-    def _shards(self, value, layout):
+    def _shards(self, value, layout, copies):
         """Per-device shards of one program input in `layout` (variables: the handles
-        of their shard variables)."""
+        of their shard variables; a variable of another mesh: of copies of its value
+        resharded onto this mesh, appended to `copies`)."""
         variable = variable_of_handle(value)
-        if variable is not None:
+        if variable is not None and variable.mesh == self.mesh:
             return [v.handle for v in variable.shard_variables]
+        if variable is not None:
+            handles = [None] * self.mesh.size
+            for devices, piece in variable.sharded().pieces_on(self.mesh, layout):
+                for device in devices:
+                    with tf.device(self.mesh.devices[device]):
+                        copies.append(tf.Variable(piece, trainable=False))
+                    handles[device] = copies[-1].handle
+            return handles
         if isinstance(value, ShardedTensor):
             if value.layout == layout:
                 return value.shards
@@ -189,6 +221,32 @@ def _captured_variable(graph, ref, handle):
             "gt.Variable; create it with gt.Variable(value, mesh=..., spec=...) so that "
             "each device holds its shard")
     return variable
+
+
+# ops that only read the variable behind their resource input
+_READ_ONLY = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather",
+                        "ResourceGatherNd"})
+
+
+def _first_writer(graph, ref):
+    """The first node that may update the variable of resource `ref` (anything but a
+    known read, through Identity), or None."""
+    users = graph.consumers()
+    pending = [ref.node]
+    while pending:
+        for user, _ in users[pending.pop()]:
+            node = graph.nodes[user]
+            if node.op == "Identity":
+                pending.append(user)
+            elif node.op not in _READ_ONLY:
+                return node
+    return None
+
+
+def _mesh_text(mesh):
+    """A mesh's shape and devices, for errors about two meshes with the same axes."""
+    names = [d.rsplit("device:", 1)[-1] for d in mesh.devices]
+    return f"{mesh!r} (devices {', '.join(names)})"
 
 
 def _add_seed(graph, seeds, ref, layout, what):

@@ -18,17 +18,33 @@ def shard_bounds(mesh, layout, shape, device_id):
     return bounds
 
 
+def distinct_boxes(mesh, layout, shape):
+    """[(box, device ids holding it)] for each distinct shard, in device order; a box is
+    the (start, stop) per dim of the global elements the shard holds."""
+    holders = {}
+    for device in range(mesh.size):
+        holders.setdefault(tuple(shard_bounds(mesh, layout, shape, device)), []).append(device)
+    return list(holders.items())
+
+
+def padding(box, local_shape):
+    """np.pad widths that grow the elements of `box` to the (padded) local shape."""
+    return [(0, l - (b - a)) for l, (a, b) in zip(local_shape, box)]
+
+
+def pad_piece(piece, box, local_shape):
+    """`piece` (the elements of `box`, numpy) zero-padded to the local shape."""
+    pad = padding(box, local_shape)
+    return np.pad(piece, pad) if any(p for _, p in pad) else piece
+
+
 def split_value(value, mesh, layout):
     """numpy pieces of a global value, one per device, padded to the local shape."""
     value = np.asarray(value)
     local = layout.local_shape(mesh, value.shape)
-    pieces = []
-    for device in range(mesh.size):
-        bounds = shard_bounds(mesh, layout, value.shape, device)
-        piece = value[tuple(slice(a, b) for a, b in bounds)]
-        pad = [(0, l - (b - a)) for l, (a, b) in zip(local, bounds)]
-        pieces.append(np.pad(piece, pad) if any(p for _, p in pad) else piece)
-    return pieces
+    return [pad_piece(value[tuple(slice(a, b) for a, b in bounds)], bounds, local)
+            for bounds in (shard_bounds(mesh, layout, value.shape, device)
+                           for device in range(mesh.size))]
 
 
 class ShardedTensor:
@@ -68,17 +84,28 @@ class ShardedTensor:
 
     def numpy(self):
         """The global value."""
-        out = np.empty(self.shape, self.dtype.as_numpy_dtype)
-        done = set()
-        for device, shard in enumerate(self.shards):
-            bounds = tuple(shard_bounds(self.mesh, self.layout, self.shape, device))
-            if bounds in done:
+        return self.read_box(tuple((0, n) for n in self.shape))
+
+    def read_box(self, box):
+        """numpy value of the global elements in `box` ((start, stop) per dim), copied
+        from the shards that overlap it: at most one whole shard is read at a time."""
+        out = np.empty([b - a for a, b in box], self.dtype.as_numpy_dtype)
+        for held, devices in distinct_boxes(self.mesh, self.layout, self.shape):
+            overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, held)]
+            if any(lo >= hi for lo, hi in overlap):
                 continue
-            done.add(bounds)
-            local = shard.numpy()
-            out[tuple(slice(a, b) for a, b in bounds)] = \
-                local[tuple(slice(0, b - a) for a, b in bounds)]
+            local = np.asarray(self.shards[devices[0]])
+            out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, box))] = \
+                local[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, held))]
         return out
+
+    def pieces_on(self, mesh, layout):
+        """Yield (device ids, numpy piece) of this value resharded to `layout` on `mesh`
+        (any mesh: only the shard boxes matter), one distinct piece at a time, padded to
+        the local shape."""
+        local = layout.local_shape(mesh, self.shape)
+        for box, devices in distinct_boxes(mesh, layout, self.shape):
+            yield devices, pad_piece(self.read_box(box), box, local)
 
     def __array__(self, dtype=None, copy=None):
         value = self.numpy()

@@ -4,7 +4,11 @@ To traced code it is an ordinary (resource) tf.Variable of the global shape: rea
 take gradients with respect to it, assign to it, hand it to an optimizer. Its own handle
 holds no memory (an uninitialized variable); when a gt.function runs, every device's
 program gets the handle of that device's shard variable instead, so reads, assigns and
-optimizer updates act on the shards.
+optimizer updates act on the shards. (A gt.function on another mesh only reads it, from
+copies resharded onto its mesh; see gt.function.)
+
+Checkpoints store each distinct shard as a slice of the global variable, so saving and
+restoring move one shard at a time, and any mesh, spec or plain tf.Variable restores them.
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ import weakref
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.trackable import base as trackable
+from tensorflow.python.training.saving import saveable_object
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import PartitionSpec
-from gspmd_tf.runtime.sharded_tensor import ShardedTensor, shard_bounds, split_value
+from gspmd_tf.runtime.sharded_tensor import (ShardedTensor, distinct_boxes, pad_piece,
+                                             padding, split_value)
 
 # id(handle tensor) -> Variable, so a traced function's captured handles lead back to
 # their variables
@@ -30,7 +37,19 @@ def variable_of_handle(handle):
     return _BY_HANDLE.get(id(handle))
 
 
-class Variable(resource_variable_ops.UninitializedVariable):
+class _WholeValueCheckpoint(resource_variable_ops.UninitializedVariable):
+    """The _serialize_to_tensors protocol for objects that delegate to a gt.Variable
+    (keras.Variable calls its value's methods): the whole value, one key."""
+
+    def _serialize_to_tensors(self):
+        return {trackable.VARIABLE_VALUE_KEY: tf.constant(self.numpy())}
+
+    def _restore_from_tensors(self, restored_tensors):
+        self.assign_global(restored_tensors[trackable.VARIABLE_VALUE_KEY])
+        return tf.no_op()
+
+
+class Variable(_WholeValueCheckpoint):
     """A variable of global `shape` split over `mesh` by `spec`; each device stores only
     its shard.
 
@@ -51,41 +70,62 @@ class Variable(resource_variable_ops.UninitializedVariable):
                                     "shape=")
             dtype = tf.as_dtype(dtype or tf.float32)
         else:
-            value = initial_value.numpy() if hasattr(initial_value, "numpy") \
-                else np.asarray(initial_value)
-            dtype = tf.as_dtype(dtype or value.dtype)
-            value = value.astype(dtype.as_numpy_dtype)
-            if shape is not None and tuple(shape) != value.shape:
+            # tf.Variable's conversion rules: numpy values are cast, tensors and python
+            # numbers of another dtype are refused
+            value = tf.convert_to_tensor(initial_value, dtype=dtype)
+            dtype = value.dtype
+            if shape is not None and tuple(shape) != tuple(value.shape):
                 raise ShardingError(f"variable {name or ''}: shape {tuple(shape)} does not "
-                                    f"match the initial value's {value.shape}")
+                                    f"match the initial value's {tuple(value.shape)}")
             shape = value.shape
         shape = tuple(int(s) for s in shape)
         super().__init__(trainable=trainable, name=name, shape=shape, dtype=dtype)
-        what = f"variable {self.name!r}"
         self.mesh = mesh
-        self.layout = Layout.from_spec(mesh, spec or PartitionSpec(), len(shape), what)
-        pieces = (split_value(value, mesh, self.layout) if value is not None
-                  else self._initial_pieces(initial_value, shape, dtype))
-        self.shard_variables = []
-        for device, piece in zip(mesh.devices, pieces):
-            with tf.device(device):
-                self.shard_variables.append(tf.Variable(piece, trainable=False, dtype=dtype,
-                                                        name=f"{self._shared_name}_shard"))
+        self.layout = Layout.from_spec(mesh, spec or PartitionSpec(), len(shape),
+                                       f"variable {self.name!r}")
+        pieces = (self._global_pieces(np.asarray(value)) if value is not None
+                  else self._initial_pieces(initial_value))
+        self.shard_variables = [None] * mesh.size
+        for devices, piece in pieces:
+            for device in devices:
+                with tf.device(mesh.devices[device]):
+                    self.shard_variables[device] = tf.Variable(
+                        piece, trainable=False, dtype=dtype, name=f"{self._shared_name}_shard")
         _BY_HANDLE[id(self.handle)] = self
 
-    def _initial_pieces(self, init, shape, dtype):
-        """One call of `init` per distinct shard (replicas copy it), padded locally."""
-        local = self.layout.local_shape(self.mesh, shape)
-        made, pieces = {}, []
-        for device in range(self.mesh.size):
-            bounds = tuple(shard_bounds(self.mesh, self.layout, shape, device))
-            if bounds not in made:
-                with tf.device(self.mesh.devices[device]):
-                    piece = np.asarray(init(tuple(b - a for a, b in bounds), dtype))
-                pad = [(0, l - (b - a)) for l, (a, b) in zip(local, bounds)]
-                made[bounds] = np.pad(piece, pad) if any(p for _, p in pad) else piece
-            pieces.append(made[bounds])
-        return pieces
+    def _global_pieces(self, value):
+        """Yield (device ids, piece) of a global numpy value, one distinct shard at a time."""
+        local = self.layout.local_shape(self.mesh, self.shape)
+        for box, devices in distinct_boxes(self.mesh, self.layout, self.shape):
+            yield devices, pad_piece(value[tuple(slice(a, b) for a, b in box)], box, local)
+
+    def _initial_pieces(self, init):
+        """Yield (device ids, piece): one call of `init` per distinct shard, checked and
+        padded on the first device that holds it; one piece is alive at a time."""
+        local = self.layout.local_shape(self.mesh, self.shape)
+        for box, devices in distinct_boxes(self.mesh, self.layout, self.shape):
+            extent = tuple(b - a for a, b in box)
+            with tf.device(self.mesh.devices[devices[0]]):
+                piece = self._checked_piece(init(extent, self.dtype), extent)
+                pad = padding(box, local)
+                yield devices, (tf.pad(piece, pad) if any(p for _, p in pad) else piece)
+
+    def _checked_piece(self, piece, extent):
+        """`piece` (what initial_value(shape, dtype) returned) as a tensor of one shard;
+        ShardingError naming the variable and the expected shard if it is not one."""
+        expected = (f"initial_value(shape, dtype) of variable {self.name!r} is called once "
+                    f"per distinct shard and must return that shard: shape {extent}, dtype "
+                    f"{self.dtype.name} (the whole variable is {tuple(self.shape)})")
+        if piece is None:
+            raise ShardingError(f"{expected}; it returned None")
+        try:
+            piece = tf.convert_to_tensor(piece, dtype=self.dtype)
+        except (TypeError, ValueError) as error:
+            raise ShardingError(f"{expected}; it returned a value that does not convert: "
+                                f"{error}") from None
+        if tuple(piece.shape) != extent:
+            raise ShardingError(f"{expected}; it returned shape {tuple(piece.shape)}")
+        return piece
 
     # ------------------------------------------------------------------ host side
     @property
@@ -117,14 +157,29 @@ class Variable(resource_variable_ops.UninitializedVariable):
 
     def assign_global(self, value):
         """Set the global value from the host (each device takes its shard)."""
-        value = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-        if tuple(value.shape) != tuple(self.shape):
+        self._update_shards("assign", self._global_operand(value, "assign"))
+
+    def _global_operand(self, value, update):
+        """`value` as a numpy array of the variable's dtype and shape, converted and
+        refused as tf.Variable does (numpy values are cast, tensors of another dtype are
+        not; assign raises ValueError, assign_add/sub InvalidArgumentError)."""
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if tuple(value.shape) == tuple(self.shape):
+            return np.asarray(value)
+        if update == "assign":
             raise ShardingError(f"variable {self.name!r} has shape {tuple(self.shape)}; "
-                                f"cannot assign a value of shape {value.shape}")
-        for var, piece in zip(self.shard_variables,
-                              split_value(value.astype(self.dtype.as_numpy_dtype), self.mesh,
-                                          self.layout)):
-            var.assign(piece)
+                                f"cannot assign a value of shape {tuple(value.shape)}")
+        raise tf.errors.InvalidArgumentError(
+            None, None, f"Cannot update variable {self.name!r} with shape "
+            f"{list(self.shape)} using a Tensor with shape {list(value.shape)}, shapes must "
+            "be equal.")
+
+    def _update_shards(self, update, value):
+        """Apply `update` ("assign", "assign_add", "assign_sub") of a global numpy value
+        shard by shard."""
+        pieces = split_value(value, self.mesh, self.layout)
+        for var, piece in zip(self.shard_variables, pieces):
+            getattr(var, update)(piece)
 
     # Eagerly (between steps: metrics, get/set weights, checkpoints) a read is the global
     # value assembled from the shards and an update is split over them; in traced code
@@ -134,26 +189,23 @@ class Variable(resource_variable_ops.UninitializedVariable):
             return tf.constant(self.numpy())
         return super()._read_variable_op(no_copy)
 
+    def _update(self, update, value, use_locking, name, read_value):
+        if tf.executing_eagerly():
+            self._update_shards(update, self._global_operand(value, update))
+            return self if read_value else None
+        return getattr(super(), update)(value, use_locking, name, read_value)
+
     def assign(self, value, use_locking=None, name=None, read_value=True):
         """Set the value (see the class docstring for eager vs traced)."""
-        if tf.executing_eagerly():
-            self.assign_global(value)
-            return self if read_value else None
-        return super().assign(value, use_locking, name, read_value)
+        return self._update("assign", value, use_locking, name, read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
         """Add to the value."""
-        if tf.executing_eagerly():
-            return self.assign(self.numpy() + np.asarray(delta, self.dtype.as_numpy_dtype),
-                               read_value=read_value)
-        return super().assign_add(delta, use_locking, name, read_value)
+        return self._update("assign_add", delta, use_locking, name, read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         """Subtract from the value."""
-        if tf.executing_eagerly():
-            return self.assign(self.numpy() - np.asarray(delta, self.dtype.as_numpy_dtype),
-                               read_value=read_value)
-        return super().assign_sub(delta, use_locking, name, read_value)
+        return self._update("assign_sub", delta, use_locking, name, read_value)
 
     @classmethod
     def _variable_call(cls, *args, **kwargs):
@@ -162,20 +214,83 @@ class Variable(resource_variable_ops.UninitializedVariable):
         return None
 
     # ------------------------------------------------------------------ checkpoints
-    def _serialize_to_tensors(self):
-        """Checkpoints hold the global value, so they restore onto any mesh or spec."""
-        return {"VARIABLE_VALUE": tf.constant(self.numpy())}
+    # TF's own checkpoints (tf.train.Checkpoint) take the legacy saveable path below,
+    # because this class defines _gather_saveables_for_checkpoint and not
+    # _serialize_to_tensors (TF checks the class itself first): its restore hands every
+    # slice to its own saveable, where the _serialize_to_tensors path would keep only one
+    # slice per key.
+    def _gather_saveables_for_checkpoint(self):
+        return {trackable.VARIABLE_VALUE_KEY: self._shard_saveables}
 
-    def _restore_from_tensors(self, restored_tensors):
-        value = restored_tensors["VARIABLE_VALUE"]
-        if tuple(value.shape) != tuple(self.shape):
-            raise ShardingError(
-                f"checkpoint value for variable {self.name!r} has shape {tuple(value.shape)} "
-                f"but the variable has {tuple(self.shape)}: restore into a variable of the "
-                "saved shape")
-        self.assign_global(value)
-        return tf.no_op()
+    def _shard_saveables(self, name):
+        """This variable's checkpoint entries: each distinct shard is one slice of the
+        full variable, so save and restore move one shard at a time and any mesh, spec or
+        plain tf.Variable can restore the checkpoint."""
+        boxes = [(box, devices) for box, devices in
+                 distinct_boxes(self.mesh, self.layout, self.shape)
+                 if all(b > a for a, b in box)]
+        if not boxes:  # no elements: one empty entry, nothing to write back
+            boxes = [(tuple((0, n) for n in self.shape), [])]
+        return [_ShardSaveable(self, box, devices, name) for box, devices in boxes]
 
     def __repr__(self):
         return (f"<gt.Variable {self.name!r} shape={tuple(self.shape)} "
                 f"dtype={self.dtype.name} spec={self.spec!r} on {self.mesh!r}>")
+
+
+class _ShardSaveable(saveable_object.SaveableObject):
+    """One distinct shard of a gt.Variable in a checkpoint: saved as the slice `box` of
+    the full variable, restored by reading just that slice into the devices holding it.
+
+    Reading the slice with its full-shape slice spec makes TF's RestoreV2 check the
+    stored shape and dtype before any restored value is written.
+    """
+
+    def __init__(self, variable, box, devices, name):
+        self._variable = variable
+        self._box = box
+        self._devices = devices
+        self._extent = tuple(b - a for a, b in box)
+        source = variable.shard_variables[devices[0] if devices else 0]
+        spec = saveable_object.SaveSpec(self._read, _slice_spec(variable.shape, box), name,
+                                        dtype=variable.dtype, device=source.device)
+        super().__init__(source, [spec], name)
+
+    def _read(self):
+        variable = self._variable
+        if not self._devices:  # a variable with no elements
+            return tf.zeros(self._extent, variable.dtype)
+        source = variable.shard_variables[self._devices[0]]
+        with tf.device(source.device):
+            value = source.read_value()
+            if tuple(source.shape) != self._extent:  # drop the padding of uneven shards
+                value = value[tuple(slice(0, n) for n in self._extent)]
+        return value
+
+    def restore(self, restored_tensors, restored_shapes):
+        """Write the restored slice to each device that holds it (padded)."""
+        value, = restored_tensors
+        variable = self._variable
+        if tuple(value.shape) != self._extent:  # only unsliced entries get here unchecked
+            raise ShardingError(
+                f"checkpoint value for variable {variable.name!r} has shape "
+                f"{tuple(value.shape)} but the variable has {tuple(variable.shape)}: restore "
+                "into a variable of the saved shape")
+        updates = []
+        for device in self._devices:
+            shard = variable.shard_variables[device]
+            pad = padding(self._box, shard.shape)
+            with tf.device(shard.device):
+                updates.append(shard.assign(tf.pad(value, pad) if any(p for _, p in pad)
+                                            else value, read_value=False))
+        return tf.group(updates)
+
+
+def _slice_spec(shape, box):
+    """The checkpoint slice spec of `box` in a tensor of `shape`; "" (the whole tensor)
+    for a scalar or a tensor with no elements, which slice specs cannot describe."""
+    if len(shape) == 0 or 0 in tuple(shape):
+        return ""
+    return tf.Variable.SaveSliceInfo(
+        full_name="", full_shape=list(shape), var_offset=[a for a, _ in box],
+        var_shape=[b - a for a, b in box]).spec
