@@ -175,7 +175,7 @@ def _propagate(graph, mesh, seeds):
     sweeps = _propagation.propagate_arrays(
         rank, dim_start[:-1].copy(), fixed, axes, naxes, i32(mesh.shape), slot_start,
         factor_start, slot_tensor, slot_dim_start, dim_factor_start, i32(dim_factors),
-        i32(factor_size), np.asarray(factor_kind, np.int8), tensor_op_start, tensor_ops)
+        np.asarray(factor_size, np.int64), np.asarray(factor_kind, np.int8), tensor_op_start, tensor_ops)
     layouts = _LazyLayouts(graph, mesh.axis_names, base, dim_start.tolist(), axes,
                            naxes.tolist())
     return Propagation(layouts, rules, sweeps)
