@@ -18,22 +18,34 @@ from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.partitioner import partition
 
 
-def _default_backend(mesh):
-    from gspmd_tf.backends.local import LocalBackend
-    return LocalBackend(mesh)
+def _local_backend(collective_timeout):
+    """A backend factory: LocalBackend(mesh, collective_timeout)."""
+    from gspmd_tf.backends.local import LocalBackend, check_timeout
+    if collective_timeout is not None:
+        check_timeout(collective_timeout)
+    return functools.partial(LocalBackend, collective_timeout=collective_timeout)
 
 
-def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=None):
+def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=None,
+             collective_timeout=None):
     """Partition `fn` over `mesh`; usable as `@gt.function(mesh=...)` or `gt.function(f, ...)`.
 
     in_shardings: one entry per positional argument (a PartitionSpec, a gt.Sharding, or
     None to infer); out_shardings: one per flat output, likewise. Calls return
-    ShardedTensors in the structure `fn` returns.
+    ShardedTensors in the structure `fn` returns. collective_timeout: seconds a call may
+    take before it is cancelled with DeadlineExceededError (default: the
+    GSPMD_TF_COLLECTIVE_TIMEOUT environment variable, else 300; 0 for no limit); for
+    the default backend only (`backend`: a factory mesh -> gspmd_tf.backends.Backend).
     """
     if fn is None:
         return functools.partial(function, mesh=mesh, in_shardings=in_shardings,
-                                 out_shardings=out_shardings, backend=backend)
-    return Function(fn, mesh, in_shardings, out_shardings, backend or _default_backend)
+                                 out_shardings=out_shardings, backend=backend,
+                                 collective_timeout=collective_timeout)
+    if backend is not None and collective_timeout is not None:
+        raise ValueError("collective_timeout applies to the default backend: give it to "
+                         "your backend instead")
+    return Function(fn, mesh, in_shardings, out_shardings,
+                    backend or _local_backend(collective_timeout))
 
 
 def _spec_layout(mesh, entry, rank, what):
@@ -53,6 +65,7 @@ class Function:
 
     def __init__(self, fn, mesh, in_shardings, out_shardings, backend_factory):
         self.fn = fn
+        self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
         self.mesh = mesh
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
@@ -65,7 +78,7 @@ class Function:
     def _flat_args(self, args):
         if self.in_shardings is not None and len(self.in_shardings) != len(args):
             raise ShardingError(
-                f"{self.fn.__name__} got {len(args)} arguments but in_shardings has "
+                f"{self.name} got {len(args)} arguments but in_shardings has "
                 f"{len(self.in_shardings)} entries: pass one entry per positional argument")
         flat, entries = [], []
         for i, arg in enumerate(args):
@@ -122,7 +135,7 @@ class Function:
         out_layouts = [l or propagation.layout(r) for l, r in zip(out_layouts, graph.outputs)]
         program = partition(graph, mesh, propagation, out_layouts)
         lowered = Lowered(mesh, graph, propagation, program, len(flat), set(seeds),
-                          self._backend_factory)
+                          self._backend_factory, name=f"gt.function {self.name!r}")
         lowered.structured_outputs = concrete.structured_outputs
         return lowered
 
@@ -139,7 +152,7 @@ class Function:
             return [None] * len(graph.outputs)
         if len(self.out_shardings) != len(graph.outputs):
             raise ShardingError(
-                f"{self.fn.__name__} has {len(graph.outputs)} outputs but out_shardings has "
+                f"{self.name} has {len(graph.outputs)} outputs but out_shardings has "
                 f"{len(self.out_shardings)} entries: give one per flat output")
         layouts = []
         for i, (ref, entry) in enumerate(zip(graph.outputs, self.out_shardings)):
