@@ -26,6 +26,14 @@ MERGE_OPS = {"sum": "Add", "max": "Max", "min": "Min", "prod": "Mul"}
 _CARRIERS = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32,
              tf.uint16: tf.int32, tf.uint32: tf.int64, tf.bfloat16: tf.float32}
 
+_NATIVE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def carries(dtype):
+    """True when TF's collective ops take `dtype`, as is or through a carrier dtype."""
+    return dtype in _NATIVE or dtype in _CARRIERS
+
+
 # Keys start far from tf.distribute's (which count up from small numbers), so both can
 # run collectives in one process without sharing a key.
 _KEY_BASE = 0x4753_0000
@@ -137,12 +145,7 @@ class Group:
         resolver finds no collective for it), so this is an all-reduce and a local slice:
         twice the traffic of a true reduce-scatter.
         """
-        reduced = self.all_reduce(x, reduce_op)
-        begin = [0] * x.shape.rank
-        size = [-1] * x.shape.rank
-        size[dim] = _chunk_size(x.shape.as_list(), dim, self.size)
-        begin[dim] = shard * size[dim]
-        return tf.slice(reduced, begin, size)
+        return chunk(self.all_reduce(x, reduce_op), dim, self.size, shard)
 
     def all_gather(self, x, dim):
         """Every member's x concatenated along `dim` in shard order.
@@ -177,6 +180,15 @@ class Group:
         received.set_shape([k] + chunk)
         merged = _merge_leading(_pick(received, self.rank_of_shard), concat_dim, chunk)
         return _restore(merged, x.dtype)
+
+
+def chunk(x, dim, k, index):
+    """Chunk `index` of k equal chunks of x along `dim`."""
+    begin = [0] * x.shape.rank
+    size = [-1] * x.shape.rank
+    size[dim] = _chunk_size(x.shape.as_list(), dim, k)
+    begin[dim] = index * size[dim]
+    return tf.slice(x, begin, size)
 
 
 def _carry(x):

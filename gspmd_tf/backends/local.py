@@ -201,8 +201,10 @@ class _Lowering:
         groups = self.mesh.groups(tuple(p["axes"]))
         if groups.shape[1] == 1:
             return lambda d, ins: ins[0][d]
-        instance_key = collectives.next_instance_key()
         row_of = {int(dev): [int(x) for x in row] for row in groups for dev in row}
+        if not collectives.carries(node.out_dtypes[0]):
+            return self._copy_collective(node, row_of)
+        instance_key = collectives.next_instance_key()
 
         def emit(d, ins):
             row = row_of[d]
@@ -218,6 +220,43 @@ class _Lowering:
                 return group.all_gather(x, p["dim"] % rank)
             return group.all_to_all(x, p["split_dim"] % rank, p["concat_dim"] % rank)
         return emit
+
+
+    def _copy_collective(self, node, row_of):
+        """Emitter of a collective made of cross-device copies, for dtypes TF's collective
+        ops do not take (strings, complex): each device reads what it needs from every
+        member of its group, and TF inserts the Send/Recv pairs, as for gt.Permute."""
+        p = node.params
+        dtype = node.out_dtypes[0]
+        if node.op in (base.ALL_REDUCE, base.REDUCE_SCATTER) and (
+                dtype == tf.string or p["reduce_op"] not in _STACKED_REDUCE):
+            raise ShardingError(
+                f"node {node.name} ({node.op}) would {p['reduce_op']}-reduce {dtype.name} "
+                "values across devices, which TF cannot do; keep the reduced dim of that "
+                "tensor unsplit")
+
+        def emit(d, ins):
+            row = row_of[d]
+            x = ins[0]
+            if node.op == base.ALL_GATHER:
+                return tf.concat([x[m] for m in row], p["dim"] % x[d].shape.rank)
+            if node.op == base.ALL_TO_ALL:
+                rank = x[d].shape.rank
+                pieces = []
+                for m in row:
+                    with tf.device(self.devices[m]):
+                        pieces.append(collectives.chunk(x[m], p["split_dim"] % rank, len(row),
+                                                        row.index(d)))
+                return tf.concat(pieces, p["concat_dim"] % rank)
+            reduced = _STACKED_REDUCE[p["reduce_op"]](tf.stack([x[m] for m in row]), 0)
+            if node.op == base.ALL_REDUCE:
+                return reduced
+            return collectives.chunk(reduced, p["dim"] % x[d].shape.rank, len(row), row.index(d))
+        return emit
+
+
+_STACKED_REDUCE = {"sum": tf.reduce_sum, "prod": tf.reduce_prod, "max": tf.reduce_max,
+                   "min": tf.reduce_min}
 
 
 def _set_shapes(node, tensors):
