@@ -142,6 +142,8 @@ def test_called_inside_tf_function_says_what_to_do(mesh):
     f = gt.function(lambda x: x * 2.0, mesh=mesh, in_shardings=(P("data"),))
     with pytest.raises(gt.ShardingError, match="called while TensorFlow traces a graph"):
         tf.function(lambda v: f(v).shards[0], autograph=False)(x8x4())
+    with pytest.raises(gt.ShardingError, match="called while TensorFlow traces a graph"):
+        tf.function(lambda: f(x8x4()).shards[0], autograph=False)()
 
 
 def test_called_under_gradient_tape_says_what_to_do(mesh):

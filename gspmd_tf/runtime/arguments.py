@@ -60,12 +60,6 @@ class Arguments:
                 raise ShardingError(
                     f"{self.function_name}: {self.describe(index)} is {advice}; gt.function "
                     "takes dense tensors")
-        if isinstance(leaf, tf.Tensor) and not hasattr(leaf, "numpy"):
-            raise ShardingError(
-                f"{self.function_name}: {self.describe(index)} is the symbolic tensor "
-                f"{leaf.name}: gt.function was called while TensorFlow traces a graph (inside "
-                "tf.function, a Keras model's call or a tf.data map). It runs eagerly: call "
-                "it outside tf.function, or move the surrounding code into the gt.function")
 
     def tensor_leaves(self):
         """(argument index, leaf) of the leaves that are program inputs, in order."""

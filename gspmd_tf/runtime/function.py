@@ -238,6 +238,12 @@ class Function:
 
     # ----------------------------------------------------------------- running
     def __call__(self, *args, **kwargs):
+        if not tf.executing_eagerly():
+            raise ShardingError(
+                f"gt.function {self.name!r} was called while TensorFlow traces a graph "
+                "(inside tf.function, a Keras model's call or a tf.data map); it runs "
+                "eagerly: call it outside tf.function, or move the surrounding code into "
+                "the gt.function")
         arguments = self._arguments(args, kwargs)
         lowered, flat = self._lower(arguments)
         self._check_not_taped(arguments, lowered)
