@@ -33,8 +33,10 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
              collective_timeout=None):
     """Partition `fn` over `mesh`; usable as `@gt.function(mesh=...)` or `gt.function(f, ...)`.
 
-    in_shardings: one entry per positional argument (a PartitionSpec, a gt.Sharding, or
-    None to infer); out_shardings: one per flat output, likewise. Calls return
+    in_shardings: one entry per argument, matched to fn's parameters in signature order
+    whether passed by position or keyword (a PartitionSpec, a gt.Sharding, or None to
+    infer; None for Python values, which are static); out_shardings: one per flat
+    output, likewise. Calls return
     ShardedTensors in the structure `fn` returns. collective_timeout: seconds a call may
     take before it is cancelled with DeadlineExceededError (default: the
     GSPMD_TF_COLLECTIVE_TIMEOUT environment variable, else 300; 0 for no limit); for

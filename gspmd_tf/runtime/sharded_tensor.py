@@ -22,12 +22,15 @@ def split_value(value, mesh, layout):
     """numpy pieces of a global value, one per device, padded to the local shape."""
     value = np.asarray(value)
     local = layout.local_shape(mesh, value.shape)
+    # TF hands out string tensors as object arrays of bytes, which numpy pads with 0
+    fill = b"" if value.dtype == object else 0
     pieces = []
     for device in range(mesh.size):
         bounds = shard_bounds(mesh, layout, value.shape, device)
         piece = value[tuple(slice(a, b) for a, b in bounds)]
         pad = [(0, l - (b - a)) for l, (a, b) in zip(local, bounds)]
-        pieces.append(np.pad(piece, pad) if any(p for _, p in pad) else piece)
+        pieces.append(np.pad(piece, pad, constant_values=fill) if any(p for _, p in pad)
+                      else piece)
     return pieces
 
 
