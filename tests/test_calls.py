@@ -193,3 +193,16 @@ def test_py_function_runs_once_per_device(mesh, caplog):
     assert "EagerPyFunc" in caplog.text and "runs replicated" in caplog.text
     assert calls == [(8, 4)] * mesh.size  # no rule: replicated, on the whole value
     assert "once per device" in gt.Function.__doc__
+
+
+def test_runtime_errors_name_the_function(mesh):
+    def checked(x):
+        return tf.debugging.check_numerics(x * 2.0, "x has a NaN")
+
+    f = gt.function(checked, mesh=mesh, in_shardings=(P("data"),))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="x has a NaN") as info:
+        f(np.full((8, 4), np.nan, np.float32))
+    assert "while running gt.function 'test_runtime_errors_name_the_function.<locals>." \
+           "checked'" in info.value.__notes__
+    assert "__inference_gt_function_test_runtime_errors_name_the_function_locals_checked" \
+        in str(info.value)

@@ -69,7 +69,7 @@ class LocalBackend(base.Backend):
         inputs[i][d]: shard of program input i for device id d (tensors or arrays);
         outputs[j][d]: shard of program.outputs[j], held in device d's memory (its
         `backing_device`; TF labels every output of a function call with the call's device
-        in `.device`). `name` names the program in errors (default: its TF function).
+        in `.device`). `name` names the program in errors.
         Calls of one compiled program are serialized: its collective instance keys are
         fixed at trace time and concurrent calls would mix them up. A GradientTape does
         not record the call.
@@ -92,13 +92,18 @@ class _Compiled:
                                     else node.out_shapes[0], node.out_dtypes[0])
                       for node in self.inputs for _ in range(n)]
         self.lock = threading.Lock()
+        self.what = name or "an SPMD program"
         self._trace()
-        self.what = name or self.function.name.decode()
 
     def _trace(self):
         lowering = _Lowering(self.mesh)
         self.generation = collectives.generation()
-        fn = tf.function(lambda *flat: lowering.lower(self.program, flat), autograph=False)
+
+        def spmd_program(*flat):
+            return lowering.lower(self.program, flat)
+        # TF's errors name the function: __inference_<this name>_N
+        spmd_program.__name__ = re.sub(r"\W+", "_", self.what).strip("_")
+        fn = tf.function(spmd_program, autograph=False)
         concrete = fn.get_concrete_function(*self.specs)
         # Calling the traced function directly skips ConcreteFunction's argument binding
         # (about 0.9 ms of Python for 8 shards); the captures are the ordering tokens.
@@ -120,9 +125,10 @@ class _Compiled:
             with collectives.watchdog.guard(self.timeout, self.what) as call:
                 try:
                     outs = self._execute(flat + self.captures, call)
-                except tf.errors.OpError:
+                except tf.errors.OpError as e:
                     if call is not None and call.timed_out:
                         raise call.timeout_error() from None
+                    e.add_note(f"while running {self.what}")
                     raise
         return [outs[j * n:(j + 1) * n] for j in range(len(self.program.outputs))]
 
