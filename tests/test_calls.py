@@ -61,6 +61,16 @@ def test_keyword_arguments_match_in_shardings_by_signature(mesh):
         g(x, w, bias=b)  # bias is the third parameter: it needs a third entry
 
 
+def test_keyword_only_tensors_in_any_order(mesh):
+    def f(x, *, z, b):
+        return x @ z + b
+
+    g = gt.function(f, mesh=mesh, in_shardings=(P("data"), P(None, "model"), P("model")))
+    x, z, b = x8x4(), np.ones((4, 8), np.float32), np.arange(8, dtype=np.float32)
+    assert_close(g(x, b=b, z=z).numpy(), x @ z + b)
+    assert g.lower(x, z=z, b=b).input_shardings[2] == gt.Sharding.from_spec(mesh, P("model"), 1)
+
+
 def test_keyword_arguments_skipping_a_default(mesh):
     f = gt.function(lambda x, y=None, z=1.0: x * z if y is None else (x + y) * z, mesh=mesh)
     assert_close(f(x8x4(), z=3.0).numpy(), 3 * x8x4())

@@ -14,7 +14,6 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 
 STATIC_TYPES = (bool, int, float, complex, str, bytes, type(None))
 _COMPOSITES = {tf.RaggedTensor: "a tf.RaggedTensor: pad it with .to_tensor() or pass its "

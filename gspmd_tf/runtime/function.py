@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 import types
 
 import numpy as np
@@ -97,6 +99,7 @@ class Function:
         self._backend_factory = backend_factory
         self._signature = signature_of(fn)
         self._traced = tf.function(fn, autograph=False)
+        self._keyword_functions = {}  # see _keyword_traced
         self._cache = {}
         self._signatures = []  # traced arguments in words, for errors
         functools.update_wrapper(self, fn)
@@ -182,7 +185,11 @@ class Function:
         shown = "(" + ", ".join(f"{n}: {_describe_spec(v)}" for n, v in zip(
             arguments.names, positional + list(keywords.values()))) + ")"
         try:
-            concrete = self._traced.get_concrete_function(*positional, **keywords)
+            if keywords:
+                concrete = self._keyword_traced(arguments).get_concrete_function(
+                    *positional, *keywords.values())
+            else:
+                concrete = self._traced.get_concrete_function(*positional)
         except (TypeError, ValueError) as e:
             e.add_note(f"while tracing gt.function {self.name!r} for {shown}" + (
                 f"; earlier calls traced {', '.join(self._signatures)}: pass the same "
@@ -191,6 +198,24 @@ class Function:
             raise
         self._signatures.append(shown)
         return concrete
+
+    def _keyword_traced(self, arguments):
+        """A tf.function taking every argument by position, which calls fn with the
+        keyword-only ones by name: the traced inputs then follow the order of
+        `arguments` (tf.function would order keyword arguments its own way)."""
+        key = (tuple(arguments.names), arguments.keywords)
+        if key not in self._keyword_functions:
+            fn, count = self.fn, arguments.keywords
+            keyword_names = arguments.names[-count:]
+
+            def by_position(*values):
+                return fn(*values[:-count], **dict(zip(keyword_names, values[-count:])))
+            by_position.__name__ = getattr(fn, "__name__", "fn")
+            by_position.__signature__ = inspect.Signature(
+                [inspect.Parameter(re.sub(r"\W", "_", name), inspect.Parameter.POSITIONAL_ONLY)
+                 for name in arguments.names])
+            self._keyword_functions[key] = tf.function(by_position, autograph=False)
+        return self._keyword_functions[key]
 
     def _build(self, arguments, specs, entries, committed):
         concrete = self._trace(arguments, specs)
