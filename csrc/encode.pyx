@@ -14,7 +14,8 @@ cdef class EncodedRule:
 
     cdef readonly object rule
     cdef readonly tuple inputs, outputs
-    cdef int[::1] dim_factors, dim_counts, sizes
+    cdef int[::1] dim_factors, dim_counts
+    cdef long long[::1] sizes  # dim sizes may pass 2**31
     cdef signed char[::1] kinds
 
     def __init__(self, rule):
@@ -27,7 +28,7 @@ cdef class EncodedRule:
                                       np.int32)
         self.dim_counts = np.asarray([len(fs) for dims in dims_lists for fs in dims],
                                      np.int32)
-        self.sizes = np.asarray(rule.factor_sizes, np.int32)
+        self.sizes = np.asarray(rule.factor_sizes, np.int64)
         self.kinds = np.asarray(rule.factor_kinds, np.int8)
 
 
@@ -132,12 +133,13 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
     slot_op_a = np.empty(num_slots, np.int32)
     dim_counts_a = np.empty(num_dims, np.int32)
     dim_factors_a = np.empty(num_df, np.int32)
-    factor_size_a = np.empty(num_factors, np.int32)
+    factor_size_a = np.empty(num_factors, np.int64)
     factor_kind_a = np.empty(num_factors, np.int8)
     op_slots_a = np.empty(num_ops, np.int32)
     op_factors_a = np.empty(num_ops, np.int32)
     cdef int[::1] slot_tensor = slot_tensor_a, slot_op = slot_op_a
-    cdef int[::1] dim_counts = dim_counts_a, factor_size = factor_size_a
+    cdef int[::1] dim_counts = dim_counts_a
+    cdef long long[::1] factor_size = factor_size_a
     cdef int[::1] dim_factors = dim_factors_a
     cdef signed char[::1] factor_kind = factor_kind_a
     cdef int[::1] op_slots = op_slots_a, op_factors = op_factors_a

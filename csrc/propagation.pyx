@@ -50,7 +50,8 @@ cdef bint _is_prefix(const signed char* a, int na, const signed char* b, int nb)
 
 cdef class _Propagator:
     cdef int[::1] rank, dim_start, slot_start, factor_start, slot_tensor, slot_dim_start
-    cdef int[::1] dim_factor_start, dim_factors, factor_size, tensor_op_start, tensor_ops
+    cdef int[::1] dim_factor_start, dim_factors, tensor_op_start, tensor_ops
+    cdef long long[::1] factor_size  # dim sizes may pass 2**31
     cdef int[::1] axis_size
     cdef signed char[:, ::1] axes
     cdef signed char[::1] naxes, factor_kind
@@ -219,7 +220,8 @@ def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
                      int max_sweeps=1000):
     """Run propagation in place on `axes`/`naxes`; returns the number of sweeps.
 
-    Arrays are int32 except axes, naxes, factor_kind (int8) and fixed (uint8); see the
+    Arrays are int32 except factor_size (int64), axes, naxes, factor_kind (int8) and
+    fixed (uint8); see the
     module docstring for their meaning. An op may have at most 64 factors and a dim at
     most 4 axes.
     """

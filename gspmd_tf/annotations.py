@@ -7,6 +7,7 @@ import tensorflow as tf
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.mesh import Mesh
 from gspmd_tf.sharding import Sharding
 
 
@@ -21,6 +22,8 @@ def mesh_split(tensor, mesh, spec):
     value through, on any device. In eager mode there is no graph to annotate: the spec
     is checked and `tensor` is returned unchanged.
     """
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(f"mesh_split needs a gt.Mesh, got {mesh!r}")
     eager = tf.executing_eagerly()
     value = tensor if eager else tf.convert_to_tensor(tensor)
     what = "tensor" if eager else f"tensor {value.name}"

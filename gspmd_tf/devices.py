@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.mesh import check_count
+
+# Measured (TF 2.21, 2 cores): 4096 logical devices start in 0.7 s, 32768 take 21 s and
+# 650 MiB; larger meshes are better studied with gt.Mesh.abstract, which has no devices.
+MAX_CPU_DEVICES = 4096
 
 
 def configure_cpu_devices(n=8):
@@ -10,8 +15,10 @@ def configure_cpu_devices(n=8):
 
     TensorFlow fixes its devices when its runtime starts (the first op or device query),
     so call this before that. Calling it later is fine when the runtime already has at
-    least `n` logical CPU devices; otherwise it raises ShardingError.
+    least `n` logical CPU devices; otherwise it raises ShardingError. `n` is an int from
+    1 to MAX_CPU_DEVICES.
     """
+    n = check_count(n, "configure_cpu_devices: the number of devices", high=MAX_CPU_DEVICES)
     import tensorflow as tf  # late, so that importing gspmd_tf does not start TF
 
     cpu = tf.config.list_physical_devices("CPU")[0]

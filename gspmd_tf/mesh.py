@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from gspmd_tf.errors import ShardingError
@@ -37,6 +39,35 @@ class PartitionSpec(tuple):
 
 P = PartitionSpec
 
+# The most devices a mesh or sharding may name: far above the 2048 of the GSPMD paper's
+# largest runs, and small enough that a mistyped count fails at once instead of
+# allocating its device tables (a 10**8-device sharding took 8 GiB).
+MAX_DEVICES = 1 << 17
+
+
+def check_count(value, what, low=1, high=None):
+    """`value` as an int in [low, high]; ShardingError naming `what` otherwise.
+
+    Accepts Python and numpy integers, refuses bools, floats and strings (a mesh of
+    1.5 devices must not become 1).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ShardingError(f"{what} must be an integer, got {value!r} "
+                            f"({type(value).__name__})")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ShardingError(f"{what} is {value}; it must be {bound}")
+    return value
+
+
+def check_num_devices(count, what):
+    """Refuse a device count above MAX_DEVICES (an int, possibly huge)."""
+    if count > MAX_DEVICES:
+        raise ShardingError(
+            f"{what} needs {count} devices; gspmd-tf supports at most {MAX_DEVICES} "
+            "(gspmd_tf.mesh.MAX_DEVICES)")
+
 
 def local_device_names(device_type=None):
     """Names of the logical TF devices of this process, CPU unless GPUs are present."""
@@ -55,26 +86,18 @@ class Mesh:
     """
 
     def __init__(self, shape, axis_names, devices=None):
-        shape = tuple(int(s) for s in shape)
-        axis_names = tuple(axis_names)
-        if len(shape) != len(axis_names):
-            raise ShardingError(
-                f"mesh shape {shape} has {len(shape)} dims but {len(axis_names)} axis names "
-                f"{axis_names}: give one name per dim")
-        if len(set(axis_names)) != len(axis_names):
-            raise ShardingError(f"mesh axis names {axis_names} repeat a name: make them unique")
-        if any(s < 1 for s in shape):
-            raise ShardingError(f"mesh shape {shape}: every axis needs at least one device")
+        shape, axis_names = _check_axes(shape, axis_names)
         self.shape = shape
         self.axis_names = axis_names
         self.size = int(np.prod(shape, dtype=np.int64))
         self.device_ids = np.arange(self.size, dtype=np.int64).reshape(shape)
-        self.devices = None if devices is None else list(devices)
+        self.devices = None if devices is None else _check_devices(devices, self.size)
         self._groups = {}
 
     @classmethod
     def create(cls, shape, axis_names, device_type=None):
         """A mesh over local devices 0..N-1 in row-major order."""
+        shape, axis_names = _check_axes(shape, axis_names)
         names = local_device_names(device_type)
         needed = int(np.prod(shape))
         if needed > len(names):
@@ -150,3 +173,89 @@ class Mesh:
         kind = "abstract " if self.is_abstract else ""
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         return f"<{kind}Mesh {axes}>"
+
+
+def _check_axes(shape, axis_names):
+    """The mesh shape and axis names as tuples, checked: ShardingError if malformed."""
+    if isinstance(shape, numbers.Integral) or isinstance(axis_names, str):
+        raise ShardingError(
+            f"mesh shape {shape!r} and axis names {axis_names!r}: give a tuple of sizes and "
+            "a tuple of names, e.g. gt.Mesh.create((2, 4), ('data', 'model'))")
+    shape = tuple(check_count(s, f"mesh shape {tuple(shape)}: an axis size") for s in shape)
+    axis_names = tuple(axis_names)
+    if len(shape) != len(axis_names):
+        raise ShardingError(
+            f"mesh shape {shape} has {len(shape)} dims but {len(axis_names)} axis names "
+            f"{axis_names}: give one name per dim")
+    for name in axis_names:
+        if not isinstance(name, str) or not name:
+            raise ShardingError(
+                f"mesh axis names {axis_names}: {name!r} is not a non-empty string; name "
+                "each axis with a string such as 'data'")
+    if len(set(axis_names)) != len(axis_names):
+        raise ShardingError(f"mesh axis names {axis_names} repeat a name: make them unique")
+    size = 1
+    for s in shape:
+        size *= s
+    check_num_devices(size, f"mesh shape {shape}")
+    return shape, axis_names
+
+
+def _check_devices(devices, size):
+    """The mesh's TF device names, each resolved to the one local logical device it
+    names; ShardingError when one is missing, ambiguous or listed twice."""
+    import tensorflow as tf  # late: configure_cpu_devices must run before TF starts
+
+    devices = list(np.asarray(devices, dtype=object).reshape(-1))
+    if len(devices) != size:
+        raise ShardingError(f"a mesh of {size} devices was given {len(devices)} device "
+                            "names: give one per mesh position")
+    local = [d.name for d in tf.config.list_logical_devices()]
+    resolved = [_resolve_device(name, local) for name in devices]
+    seen = {}
+    for position, name in enumerate(resolved):
+        if name in seen:
+            raise ShardingError(
+                f"mesh devices list {name} twice (positions {seen[name]} and {position}); "
+                "each device may appear once: a duplicated device would wait for itself "
+                "in every collective")
+        seen[name] = position
+    return resolved
+
+
+def _resolve_device(name, local):
+    """The full name of the one local device `name` denotes."""
+    try:
+        spec = _device_spec(name)
+    except (TypeError, ValueError) as e:
+        raise ShardingError(f"mesh device {name!r} is not a TF device name: {e}") from None
+    # local logical devices leave job, replica and task unset: those of this process
+    this_task = _device_spec("/job:localhost/replica:0/task:0")
+    matches = [full for full in local
+               if _spec_matches(spec, this_task.make_merged_spec(_device_spec(full)))]
+    if len(matches) != 1:
+        problem = "names no logical device" if not matches else \
+            f"names {len(matches)} logical devices"
+        raise ShardingError(
+            f"mesh device {name!r} {problem} of this process "
+            f"({', '.join(local)}); name one device that exists, e.g. '/device:CPU:0' "
+            "(gt.configure_cpu_devices(n) before TensorFlow starts makes n CPU devices)")
+    return matches[0]
+
+
+def _device_spec(name):
+    """tf.DeviceSpec of a device name string."""
+    import tensorflow as tf
+
+    if not isinstance(name, str):
+        raise TypeError(f"expected a string, got {type(name).__name__}")
+    return tf.DeviceSpec.from_string(name)
+
+
+def _spec_matches(partial, full):
+    """True when every field `partial` sets equals that field of `full`."""
+    for field in ("job", "replica", "task", "device_type", "device_index"):
+        value = getattr(partial, field)
+        if value is not None and value != getattr(full, field):
+            return False
+    return True

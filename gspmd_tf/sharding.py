@@ -21,6 +21,7 @@ from tensorflow.compiler.xla import xla_data_pb2
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
+from gspmd_tf.mesh import MAX_DEVICES, check_count, check_num_devices
 
 _OpSharding = xla_data_pb2.OpSharding
 
@@ -53,10 +54,19 @@ def _proto_text(proto):
     return _short("{" + text_format.MessageToString(proto, as_one_line=True) + "}")
 
 
+def _num_tiles(dims, what):
+    """The number of devices tile dims `dims` name, checked before anything is built."""
+    count = 1
+    for d in dims:
+        count *= check_count(d, f"{what} {list(dims)}: a dim")
+    check_num_devices(count, f"{what} {list(dims)}")
+    return count
+
+
 def _iota(dims, reshape_dims, perm):
     """XLA's iota tile assignment: arange, reshape, transpose, reshape to `dims`."""
-    n = int(np.prod(reshape_dims, dtype=np.int64))
-    if sorted(perm) != list(range(len(reshape_dims))) or n != np.prod(dims, dtype=np.int64):
+    n = _num_tiles(reshape_dims, "iota reshape dims")
+    if sorted(perm) != list(range(len(reshape_dims))) or n != _num_tiles(dims, "tile dims"):
         raise ShardingError(
             f"bad iota tile assignment: the transpose must permute the {len(reshape_dims)} "
             "reshape dims and both shapes must hold the same number of devices")
@@ -65,11 +75,12 @@ def _iota(dims, reshape_dims, perm):
 
 def _from_tiles(dims, devices, replicate, subgroups):
     """A tiled sharding from text or proto fields; `subgroups`: last_tile_dims kinds."""
+    needed = _num_tiles(dims, "tile dims")
     devices = np.asarray(devices, dtype=np.int64)
-    if not dims or devices.size != np.prod(dims, dtype=np.int64):
+    if not dims or devices.size != needed:
         raise ShardingError(
-            f"bad tile assignment: tile dims {list(dims)} need "
-            f"{int(np.prod(dims, dtype=np.int64))} devices, got {devices.size}")
+            f"bad tile assignment: tile dims {list(dims)} need {needed} devices, got "
+            f"{devices.size}")
     tiles = devices.reshape(dims)
     if subgroups:
         if any(kind != REPLICATED for kind in subgroups):
@@ -119,9 +130,8 @@ class Sharding:
     @classmethod
     def maximal(cls, device):
         """Device `device` alone computes the value."""
-        if int(device) < 0:
-            raise ShardingError(f"maximal sharding device {device}: use a device id >= 0")
-        return cls(MAXIMAL, device=int(device))
+        device = check_count(device, "maximal sharding device", low=0, high=MAX_DEVICES - 1)
+        return cls(MAXIMAL, device=device)
 
     @classmethod
     def manual(cls):
@@ -136,10 +146,11 @@ class Sharding:
         devices holding copies of the same tile. Returns the canonical form.
         """
         tiles = np.array(tile_assignment, dtype=np.int64)
-        if tiles.size == 0 or tiles.min() < 0 or np.unique(tiles).size != tiles.size:
+        check_num_devices(tiles.size, f"tile assignment of shape {list(tiles.shape)}")
+        if tiles.size == 0 or tiles.max() >= MAX_DEVICES or tiles.min() < 0 or np.unique(tiles).size != tiles.size:
             raise ShardingError(
-                f"tile assignment {_short(str(tiles.tolist()))}: list each device id (>= 0) "
-                "exactly once")
+                f"tile assignment {_short(str(tiles.tolist()))}: list each device id "
+                f"(0 <= id < {MAX_DEVICES}) exactly once")
         if last_tile_dim_replicate and tiles.ndim and tiles.shape[-1] == 1:
             tiles = tiles.reshape(tiles.shape[:-1])
             last_tile_dim_replicate = False
@@ -333,9 +344,13 @@ class Sharding:
         every device. Raises ShardingError, naming `what`, when the sharding is manual, does
         not fit `rank`, or uses a device order or device set that the mesh cannot express.
         """
+        where = f"{what}: sharding {_short(str(self))} on {mesh!r}"
+        if self.kind == MAXIMAL and self.device >= mesh.size:
+            raise ShardingError(
+                f"{where}: the mesh has no device {self.device} (its ids are "
+                f"0..{mesh.size - 1}); name one of them")
         if self.kind in (REPLICATED, MAXIMAL):
             return Layout.replicated(rank)
-        where = f"{what}: sharding {_short(str(self))} on {mesh!r}"
         if self.kind == MANUAL:
             raise ShardingError(f"{where}: manual shardings are not supported yet; annotate "
                                 "the tensor with a mesh sharding instead")

@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("GSPMD_TF_COLLECTIVE_TIMEOUT", "10")  # a hung collective fails fast
 
+import subprocess
+import sys
 import time
 import types
 
@@ -15,7 +17,7 @@ from gspmd_tf.devices import configure_cpu_devices
 
 configure_cpu_devices(8)  # conftest normally has; a no-op then
 
-from gspmd_tf.backends import LocalBackend, collectives  # noqa: E402
+from gspmd_tf.backends import LocalBackend, collectives, local  # noqa: E402
 from gspmd_tf.errors import ShardingError  # noqa: E402
 from gspmd_tf.graph.ir import Graph, Node, Ref  # noqa: E402
 from gspmd_tf.mesh import Mesh  # noqa: E402
@@ -316,20 +318,54 @@ def test_many_calls_do_not_pile_up_threads(mesh):
         [np.sum([xs[j] for j in mesh.groups(("model",))[i // 4]], 0) for i in row])))
 
 
-def test_watchdog_aborts_collectives_past_the_deadline(monkeypatch):
+def test_watchdog_cancels_late_calls_and_aborts_only_as_a_last_resort(monkeypatch):
     aborted = []
     fake = types.SimpleNamespace(abort_collective_ops=lambda code, message: aborted.append(
         (code, message)))
     monkeypatch.setattr(collectives, "context", types.SimpleNamespace(context=lambda: fake))
-    watchdog = collectives.Watchdog()
-    with watchdog.guard(0.05, "a quick call"):
+    watchdog = collectives.Watchdog(grace=5.0)
+    with watchdog.guard(0.05, "a quick call") as call:
         pass
-    with watchdog.guard(0.2, "a slow call"):
+    assert not call.timed_out and not call.manager.is_cancelled
+    generation = collectives.generation()
+    with watchdog.guard(0.2, "a slow call") as call:
         time.sleep(0.6)
-    assert len(aborted) == 1 and "a slow call" in aborted[0][1], aborted
-    with watchdog.guard(0, "an unguarded call"):
+    assert call.timed_out and call.manager.is_cancelled and not aborted
+    assert collectives.generation() == generation + 1  # group keys retired
+    assert "a slow call did not finish within 0.2 s" in call.timeout_error().message
+    with watchdog.guard(0, "an unguarded call") as call:
         time.sleep(0.1)
-    assert len(aborted) == 1
+    assert call is None
+    watchdog.grace = 0.1
+    with watchdog.guard(0.1, "a call that ignores cancellation"):
+        time.sleep(0.6)
+    assert len(aborted) == 1 and "restart" in aborted[0][1], aborted
+
+
+def test_a_hung_call_times_out_and_the_process_stays_usable():
+    # One device's collective never gets its peers; in its own process, so that a
+    # regression cannot abort this process's collectives or hang the suite.
+    probe = os.path.join(os.path.dirname(__file__), "timeout_probe.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    done = subprocess.run([sys.executable, probe], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0 and "usable after the timeout" in done.stdout, (
+        done.stdout[-2000:] + done.stderr[-4000:])
+
+
+def test_timeouts_are_finite_by_default_and_checked(monkeypatch):
+    monkeypatch.delenv("GSPMD_TF_COLLECTIVE_TIMEOUT")
+    assert local.default_timeout() == local.DEFAULT_TIMEOUT == 300
+    monkeypatch.setenv("GSPMD_TF_COLLECTIVE_TIMEOUT", "2.5")
+    assert local.default_timeout() == 2.5
+    monkeypatch.setenv("GSPMD_TF_COLLECTIVE_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="GSPMD_TF_COLLECTIVE_TIMEOUT='soon'"):
+        local.default_timeout()
+    for bad in (-1, "5", float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="collective_timeout"):
+            local.check_timeout(bad)
+    assert local.check_timeout(0) == 0.0
 
 
 def test_errors(mesh):

@@ -49,7 +49,11 @@ def test_mesh_larger_than_devices():
 
 def test_args_not_matching_signature():
     f = gt.function(lambda x, y: x + y, mesh=MESH, in_shardings=(P("data"), None))
-    with pytest.raises(gt.ShardingError, match="got 1 arguments but in_shardings has 2"):
+    with pytest.raises(TypeError, match="missing a required argument: 'y'"):
+        f.lower(X)
+    f = gt.function(lambda x, y=1.0: x + y, mesh=MESH, in_shardings=(P("data"), None))
+    with pytest.raises(gt.ShardingError,
+                       match=r"got 1 arguments \(x\) but in_shardings has 2"):
         f.lower(X)
     g = gt.function(lambda x: x, mesh=MESH, out_shardings=(P("data"), P("data")))
     with pytest.raises(gt.ShardingError, match="1 outputs but out_shardings has 2"):
@@ -99,3 +103,28 @@ def test_sharding_of_unknown_name():
     low = lower(lambda x: x * 2.0, (P("data"),), X)
     with pytest.raises(gt.ShardingError, match="no tensor named 'nope'"):
         low.sharding_of("nope")
+
+
+def test_dims_past_int32_lower_on_an_abstract_mesh():
+    # used to raise OverflowError in propagation
+    big = 2**31 + 8
+    low = lower(lambda x, w: tf.reduce_sum(tf.nn.relu(x @ w), axis=1), (P("data"), None),
+                tf.TensorSpec((big, 4)), tf.TensorSpec((4, 8)))
+    assert low.input_shardings[0] == gt.Sharding.from_spec(MESH, P("data"), 2)
+    assert low.output_shardings[0] == gt.Sharding.from_spec(MESH, P("data"), 1)
+
+
+def test_mesh_argument_must_be_a_mesh():
+    with pytest.raises(gt.ShardingError, match=r"needs mesh=gt.Mesh\(...\), got \(2, 4\)"):
+        gt.function(lambda x: x, mesh=(2, 4))
+    with pytest.raises(gt.ShardingError, match="mesh_split needs a gt.Mesh"):
+        gt.mesh_split(tf.ones((8, 4)), "mesh", P("data"))
+    with pytest.raises(gt.ShardingError, match="give a tuple with one entry per argument"):
+        gt.function(lambda x: x, mesh=MESH, in_shardings=P("data"))
+
+
+def test_collective_timeout_is_checked():
+    with pytest.raises(ValueError, match="collective_timeout=-1"):
+        gt.function(lambda x: x, mesh=MESH, collective_timeout=-1)
+    with pytest.raises(ValueError, match="give it to your backend"):
+        gt.function(lambda x: x, mesh=MESH, collective_timeout=5, backend=lambda m: None)

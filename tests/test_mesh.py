@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from gspmd_tf.devices import configure_cpu_devices
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.mesh import Mesh, P
+from gspmd_tf.mesh import MAX_DEVICES, Mesh, P
 
 
 def test_create_uses_local_devices_row_major():
@@ -59,7 +59,7 @@ def test_partition_spec():
 @pytest.mark.parametrize("make, message", [
     (lambda: Mesh.abstract((2, 4), ("a", "a")), "repeat a name"),
     (lambda: Mesh.abstract((2, 4), ("a",)), "one name per dim"),
-    (lambda: Mesh.abstract((2, 0), ("a", "b")), "at least one device"),
+    (lambda: Mesh.abstract((2, 0), ("a", "b")), r"an axis size is 0; it must be at least 1"),
     (lambda: Mesh.abstract((2, 4), ("a", "b")).axis_size("c"), "unknown mesh axis 'c'"),
     (lambda: Mesh.abstract((2, 4), ("a", "b")).groups(("c",)), "unknown mesh axis 'c'"),
     (lambda: Mesh.create((4, 4), ("a", "b")), r"needs 16 devices but this process has 8"),
@@ -75,3 +75,57 @@ def test_configure_cpu_devices_after_start():
     configure_cpu_devices(4)
     with pytest.raises(ShardingError, match="before TensorFlow runs"):
         configure_cpu_devices(16)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Mesh.create((1.5, 4), ("a", "b")), r"an axis size must be an integer, got 1.5"),
+    (lambda: Mesh.abstract(("2", 4), ("a", "b")), r"an axis size must be an integer, got '2'"),
+    (lambda: Mesh.abstract((True, 4), ("a", "b")), r"must be an integer, got True"),
+    (lambda: Mesh.abstract((-2, 4), ("a", "b")), r"an axis size is -2"),
+    (lambda: Mesh.create((2, 4), (1, 2)), r"1 is not a non-empty string"),
+    (lambda: Mesh.abstract((2, 4), ("a", None)), r"None is not a non-empty string"),
+    (lambda: Mesh.abstract((2, 4), ("a", "")), r"'' is not a non-empty string"),
+    (lambda: Mesh.abstract(8, "x"), r"give a tuple of sizes and a tuple of names"),
+    (lambda: Mesh.abstract((100000, 100000), ("a", "b")), r"needs 10000000000 devices.*at most"),
+])
+def test_mesh_shape_and_names_are_checked(make, message):
+    with pytest.raises(ShardingError, match=message):
+        make()
+
+
+def test_numpy_sizes_and_the_largest_abstract_mesh_are_accepted():
+    assert Mesh.abstract((np.int64(2), np.int32(4)), ("a", "b")).shape == (2, 4)
+    assert Mesh.abstract((MAX_DEVICES // 64, 64), ("a", "b")).size == MAX_DEVICES
+
+
+@pytest.mark.parametrize("devices, message", [
+    (["/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:0"],
+     r"list /device:CPU:0 twice \(positions 0 and 1\)"),
+    (["/device:CPU:0", "/cpu:0"], r"list /device:CPU:0 twice"),
+    (["/device:CPU:0", "/device:CPU:99"], r"'/device:CPU:99' names no logical device"),
+    (["/device:CPU:0", "/device:GPU:0"], r"'/device:GPU:0' names no logical device"),
+    (["/device:CPU:0", "/job:localhost"], r"'/job:localhost' names 8 logical devices"),
+    (["/device:CPU:0"], r"a mesh of 2 devices was given 1 device names"),
+    (["/device:CPU:0", 3], r"3 is not a TF device name"),
+])
+def test_mesh_devices_must_exist_once(devices, message):
+    # a duplicated device used to be accepted and its first collective hung forever
+    with pytest.raises(ShardingError, match=message):
+        Mesh((2,), ("a",), devices)
+
+
+def test_mesh_devices_are_resolved_to_local_names():
+    mesh = Mesh((2,), ("a",), ["/cpu:1", "/job:localhost/replica:0/task:0/device:CPU:0"])
+    assert mesh.devices == ["/device:CPU:1", "/device:CPU:0"]
+    assert Mesh((2, 4), ("a", "b"), Mesh.create((2, 4), ("a", "b")).devices) == \
+        Mesh.create((2, 4), ("a", "b"))
+
+
+@pytest.mark.parametrize("n, message", [
+    (0, "is 0; it must be between 1 and 4096"), (-3, "is -3"),
+    ("8", r"must be an integer, got '8' \(str\)"), (8.0, "must be an integer"),
+    (1 << 20, "between 1 and 4096"),
+])
+def test_configure_cpu_devices_checks_its_count(n, message):
+    with pytest.raises(ShardingError, match=message):
+        configure_cpu_devices(n)

@@ -1,5 +1,7 @@
 """Sharding: XLA text and proto forms, Layout conversion, and graph annotations."""
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -11,7 +13,7 @@ from tensorflow.python.compiler.xla.experimental import xla_sharding
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
-from gspmd_tf.mesh import Mesh, P
+from gspmd_tf.mesh import MAX_DEVICES, Mesh, P
 from gspmd_tf.sharding import Sharding
 
 OpSharding = xla_data_pb2.OpSharding
@@ -167,6 +169,43 @@ def test_bad_protos(proto):
         Sharding.from_proto(proto)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: Sharding.parse("{devices=[10000000]<=[10000000]}"),
+    lambda: Sharding.parse("{devices=[100000000]<=[100000000]}"),
+    lambda: Sharding.parse("{devices=[4294967296,4294967296]<=[18446744073709551616]}"),
+    lambda: Sharding.parse("{maximal device=10000000000000000000000}"),
+    lambda: Sharding.from_proto(OpSharding(type=OpSharding.OTHER,
+                                           tile_assignment_dimensions=[1 << 20, 1 << 20],
+                                           iota_reshape_dims=[1 << 40])),
+    lambda: Sharding.tile(np.arange(1 << 18)),
+    lambda: Sharding.maximal(1 << 40),
+])
+def test_absurd_device_counts_are_refused_at_once(make):
+    # each used to allocate its device table first: 10**7 devices took 9 s and 700 MiB
+    start = time.perf_counter()
+    with pytest.raises(ShardingError, match=r"at most 131072|between 0 and 131071"):
+        make()
+    assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Sharding.maximal(2.5), "must be an integer"),
+    (lambda: Sharding.maximal("3"), "must be an integer"),
+    (lambda: Sharding.maximal(-1), "between 0 and"),
+    (lambda: Sharding.parse("{devices=[2,0]0,1}"), "a dim is 0"),
+    (lambda: Sharding.from_proto(OpSharding(type=OpSharding.OTHER,
+                                            tile_assignment_dimensions=[2, 0])), "a dim is 0"),
+])
+def test_bad_device_fields(make, message):
+    with pytest.raises(ShardingError, match=message):
+        make()
+
+
+def test_largest_supported_sharding_parses():
+    sharding = Sharding.parse(f"{{devices=[{MAX_DEVICES}]<=[{MAX_DEVICES}]}}")
+    assert sharding.num_devices == MAX_DEVICES
+
+
 # ---- Layout conversion
 
 
@@ -232,6 +271,7 @@ def test_size_one_axes_are_dropped():
     ("{devices=[16]<=[16]}", 1, "every device id of the mesh"),
     ("{devices=[2,4]<=[8]}", 3, "tiles 2 dims but the tensor has rank 3"),
     ("{manual}", 2, "manual shardings are not supported"),
+    ("{maximal device=99}", 2, "the mesh has no device 99"),
 ])
 def test_to_layout_rejects(text, rank, message):
     sharding = Sharding.parse(text)

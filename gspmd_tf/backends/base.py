@@ -30,11 +30,12 @@ class Backend(abc.ABC):
         self.mesh = mesh
 
     @abc.abstractmethod
-    def compile(self, program):
+    def compile(self, program, name=None):
         """Builds `program` once; returns run(inputs) -> outputs.
 
         inputs[i][d] is the shard of program input i (gt.Input index i) for device id d;
-        outputs[j][d] is the shard of program.outputs[j] on device id d.
+        outputs[j][d] is the shard of program.outputs[j] on device id d. `name` (the
+        user's function, as errors should call it) names the program in errors.
         """
 
 

@@ -13,7 +13,7 @@ import threading
 import time
 
 import tensorflow as tf
-from tensorflow.python.eager import context
+from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import errors, ops
 from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
 
@@ -26,6 +26,14 @@ MERGE_OPS = {"sum": "Add", "max": "Max", "min": "Min", "prod": "Mul"}
 _CARRIERS = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32,
              tf.uint16: tf.int32, tf.uint32: tf.int64, tf.bfloat16: tf.float32}
 
+_NATIVE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def carries(dtype):
+    """True when TF's collective ops take `dtype`, as is or through a carrier dtype."""
+    return dtype in _NATIVE or dtype in _CARRIERS
+
+
 # Keys start far from tf.distribute's (which count up from small numbers), so both can
 # run collectives in one process without sharing a key.
 _KEY_BASE = 0x4753_0000
@@ -33,19 +41,40 @@ _lock = threading.Lock()
 _group_keys = {}
 _instance_keys = itertools.count(_KEY_BASE)
 _tokens = {}
+_generation = 0
 
 
 def group_key(device_names):
     """The process-wide collective group key of a set of devices.
 
     TF binds a group key to one device set for the life of the process, so the same set
-    always gets the same key and different sets get different keys.
+    gets the same key and different sets get different keys, within one generation
+    (see retire_group_keys).
     """
     members = tuple(sorted(device_names))
     with _lock:
-        if members not in _group_keys:
-            _group_keys[members] = _KEY_BASE + len(_group_keys)
-        return _group_keys[members]
+        key = (_generation, members)
+        if key not in _group_keys:
+            _group_keys[key] = _KEY_BASE + len(_group_keys)
+        return _group_keys[key]
+
+
+def generation():
+    """How often group keys were retired; a program traced in an older generation holds
+    retired keys and must be traced again before it runs."""
+    return _generation
+
+
+def retire_group_keys():
+    """Give every device set a new group key from now on.
+
+    A cancelled collective may leave its group cancelled inside TF (measured with TF
+    2.21: when its group never completed, the next collective on that group key fails
+    and aborts every collective of the process); fresh keys avoid those groups.
+    """
+    global _generation
+    with _lock:
+        _generation += 1
 
 
 def next_instance_key():
@@ -116,12 +145,7 @@ class Group:
         resolver finds no collective for it), so this is an all-reduce and a local slice:
         twice the traffic of a true reduce-scatter.
         """
-        reduced = self.all_reduce(x, reduce_op)
-        begin = [0] * x.shape.rank
-        size = [-1] * x.shape.rank
-        size[dim] = _chunk_size(x.shape.as_list(), dim, self.size)
-        begin[dim] = shard * size[dim]
-        return tf.slice(reduced, begin, size)
+        return chunk(self.all_reduce(x, reduce_op), dim, self.size, shard)
 
     def all_gather(self, x, dim):
         """Every member's x concatenated along `dim` in shard order.
@@ -156,6 +180,15 @@ class Group:
         received.set_shape([k] + chunk)
         merged = _merge_leading(_pick(received, self.rank_of_shard), concat_dim, chunk)
         return _restore(merged, x.dtype)
+
+
+def chunk(x, dim, k, index):
+    """Chunk `index` of k equal chunks of x along `dim`."""
+    begin = [0] * x.shape.rank
+    size = [-1] * x.shape.rank
+    size[dim] = _chunk_size(x.shape.as_list(), dim, k)
+    begin[dim] = index * size[dim]
+    return tf.slice(x, begin, size)
 
 
 def _carry(x):
@@ -195,39 +228,49 @@ def _merge_leading(x, dim, shape):
 
 
 class Watchdog:
-    """Aborts TF's collectives when a guarded call runs past its deadline.
+    """Cancels a guarded call that runs past its deadline.
 
     TF's own per-op timeout_seconds starts a detached thread per collective per device
     per call, each sleeping for the whole timeout (measured: 2 per device per collective
-    with TF 2.21), so a test suite with a 60 s timeout can run out of threads. One
-    watchdog thread per process does the same job: on a deadline it calls
-    abort_collective_ops, as tf.distribute's peer health check does; the pending call then
-    raises DeadlineExceededError. Like TF's timeout, an abort leaves the collectives of
-    this process unusable.
+    with TF 2.21), so a test suite with a 60 s timeout can run out of threads; and on
+    expiry it aborts every collective of the process for good, as abort_collective_ops
+    does. One watchdog thread per process instead cancels the late call through its
+    CancellationManager: TF then fails that call's pending collectives without aborting
+    the process's collective executor, and retire_group_keys steers later programs away
+    from the groups the call left behind. Measured with TF 2.21: collectives of any
+    group work after such a cancellation. Should a cancelled call still not return
+    within `grace` seconds, the watchdog falls back to abort_collective_ops, after which
+    this process can run no more collectives.
     """
 
-    def __init__(self):
+    def __init__(self, grace=30.0):
         self._cond = threading.Condition()
         self._calls = {}
         self._keys = itertools.count()
         self._thread = None
+        self.grace = grace
 
     @contextlib.contextmanager
     def guard(self, seconds, what):
-        """Runs the body with a deadline of `seconds` (none when seconds <= 0)."""
+        """Runs the body with a deadline of `seconds` (none when seconds <= 0).
+
+        Yields a GuardedCall whose `manager` the body must run its TF function under,
+        or None without a deadline.
+        """
         if seconds <= 0:
-            yield
+            yield None
             return
+        call = GuardedCall(time.monotonic() + seconds, what, seconds)
         with self._cond:
             key = next(self._keys)
-            self._calls[key] = (time.monotonic() + seconds, f"{what} (limit {seconds:g} s)")
+            self._calls[key] = call
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, name="gspmd-tf-watchdog",
                                                 daemon=True)
                 self._thread.start()
             self._cond.notify()
         try:
-            yield
+            yield call
         finally:
             with self._cond:
                 self._calls.pop(key, None)
@@ -238,16 +281,43 @@ class Watchdog:
                 if not self._calls:
                     self._cond.wait()
                     continue
-                deadline, what = min(self._calls.values())
-                delay = deadline - time.monotonic()
+                key, call = min(self._calls.items(), key=lambda item: item[1].deadline)
+                delay = call.deadline - time.monotonic()
                 if delay > 0:
                     self._cond.wait(delay)
                     continue
-                self._calls.clear()
+                if not call.timed_out:
+                    call.timed_out = True
+                    call.deadline = time.monotonic() + self.grace
+                    retire_group_keys()
+                    call.manager.start_cancel()
+                    continue
+                del self._calls[key]
                 context.context().abort_collective_ops(
                     errors.DEADLINE_EXCEEDED,
-                    f"gspmd-tf: {what} did not finish in time; collectives are aborted for "
-                    "the rest of this process")
+                    f"gspmd-tf: {call.what} did not finish in {call.seconds:g} s and could "
+                    "not be cancelled; collectives are aborted for the rest of this process: "
+                    "restart it")
+
+
+class GuardedCall:
+    """One call under the watchdog: its CancellationManager and whether it timed out."""
+
+    def __init__(self, deadline, what, seconds):
+        self.deadline = deadline
+        self.what = what
+        self.seconds = seconds
+        self.manager = cancellation.CancellationManager()
+        self.timed_out = False
+
+    def timeout_error(self):
+        """The DeadlineExceededError to raise for this call."""
+        return errors.DeadlineExceededError(
+            None, None,
+            f"{self.what} did not finish within {self.seconds:g} s, so it was cancelled: a "
+            "collective waited for peers that did not come (or the program is slower than "
+            "the limit: raise it with collective_timeout= or GSPMD_TF_COLLECTIVE_TIMEOUT). "
+            "Variables it assigns may be partly updated; later calls run normally.")
 
 
 watchdog = Watchdog()

@@ -8,11 +8,13 @@ per-device parts concurrently.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import threading
 
 import tensorflow as tf
+from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import ops
 
 from gspmd_tf.backends import base, collectives
@@ -21,60 +23,124 @@ from gspmd_tf.errors import ShardingError
 _COLLECTIVES = (base.ALL_REDUCE, base.ALL_GATHER, base.REDUCE_SCATTER, base.ALL_TO_ALL)
 
 
+# Generous: a call that waits this long is hung, not slow, on the meshes of one host.
+DEFAULT_TIMEOUT = 300.0
+
+
+def default_timeout():
+    """GSPMD_TF_COLLECTIVE_TIMEOUT (seconds) when set, else DEFAULT_TIMEOUT."""
+    text = os.environ.get("GSPMD_TF_COLLECTIVE_TIMEOUT")
+    if text is None:
+        return DEFAULT_TIMEOUT
+    try:
+        return check_timeout(float(text))
+    except ValueError:
+        raise ValueError(f"GSPMD_TF_COLLECTIVE_TIMEOUT={text!r}: give a number of seconds "
+                         "(0 for no limit)") from None
+
+
+def check_timeout(seconds):
+    """`seconds` as a float; ValueError unless it is a finite number >= 0."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
+            not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"collective_timeout={seconds!r}: give a finite number of seconds "
+                         ">= 0 (0 for no limit)")
+    return float(seconds)
+
+
 class LocalBackend(base.Backend):
     """Runs SPMD programs on the mesh's devices in this process.
 
     `collective_timeout` (seconds; 0 means none) bounds every call of a compiled program;
-    it defaults to the GSPMD_TF_COLLECTIVE_TIMEOUT environment variable. A call past it
-    raises DeadlineExceededError and leaves TF's collectives unusable in this process (see
-    collectives.Watchdog), so it is a guard against hangs, not a scheduling tool.
+    it defaults to the GSPMD_TF_COLLECTIVE_TIMEOUT environment variable, else
+    DEFAULT_TIMEOUT. A call past it is cancelled and raises DeadlineExceededError naming
+    the program; later calls, of this program or any other, run normally (see
+    collectives.Watchdog).
     """
 
     def __init__(self, mesh, collective_timeout=None):
         super().__init__(mesh)
-        if collective_timeout is None:
-            collective_timeout = float(os.environ.get("GSPMD_TF_COLLECTIVE_TIMEOUT", 0))
-        self.collective_timeout = float(collective_timeout)
+        self.collective_timeout = (default_timeout() if collective_timeout is None
+                                   else check_timeout(collective_timeout))
 
-    def compile(self, program):
+    def compile(self, program, name=None):
         """Traces `program` into one tf.function; returns run(inputs) -> outputs.
 
         inputs[i][d]: shard of program input i for device id d (tensors or arrays);
         outputs[j][d]: shard of program.outputs[j], held in device d's memory (its
         `backing_device`; TF labels every output of a function call with the call's device
-        in `.device`). Calls of one compiled program are serialized: its collective
-        instance keys are fixed at trace time and concurrent calls would mix them up.
-        A GradientTape does not record the call.
+        in `.device`). `name` names the program in errors.
+        Calls of one compiled program are serialized: its collective instance keys are
+        fixed at trace time and concurrent calls would mix them up. A GradientTape does
+        not record the call.
         """
-        inputs = base.program_inputs(program)
-        n = self.mesh.size
+        return _Compiled(self.mesh, program, self.collective_timeout, name)
+
+
+class _Compiled:
+    """A program traced into one TF function, traced again when its collective group
+    keys were retired (after a cancelled call)."""
+
+    def __init__(self, mesh, program, timeout, name):
+        self.mesh = mesh
+        self.program = program
+        self.timeout = timeout
+        self.inputs = base.program_inputs(program)
+        n = mesh.size
         # a variable's handle is a scalar, whatever the shape of the value it holds
-        specs = [tf.TensorSpec(() if node.out_dtypes[0] == tf.resource else node.out_shapes[0],
-                               node.out_dtypes[0])
-                 for node in inputs for _ in range(n)]
+        self.specs = [tf.TensorSpec(() if node.out_dtypes[0] == tf.resource
+                                    else node.out_shapes[0], node.out_dtypes[0])
+                      for node in self.inputs for _ in range(n)]
+        self.lock = threading.Lock()
+        self.what = name or "an SPMD program"
+        self._trace()
+
+    def _trace(self):
         lowering = _Lowering(self.mesh)
-        fn = tf.function(lambda *flat: lowering.lower(program, flat), autograph=False)
-        concrete = fn.get_concrete_function(*specs)
-        # The flat call skips ConcreteFunction's argument binding (about 0.9 ms of Python
-        # for 8 shards); the captures are the ordering tokens.
-        call_flat = concrete.inference_fn.call_flat
-        captures = list(concrete.captured_inputs)
-        n_out = len(program.outputs)
-        call_lock = threading.Lock()
-        what = f"a LocalBackend call of {concrete.name}"
+        self.generation = collectives.generation()
 
-        def run(shards):
-            if len(shards) != len(inputs) or any(len(s) != n for s in shards):
-                raise ValueError(
-                    f"expected {len(inputs)} inputs with {n} shards each, got "
-                    f"{[len(s) for s in shards]}")
-            flat = [x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x, spec.dtype)
-                    for x, spec in zip((x for s in shards for x in s), specs)]
-            with call_lock, collectives.watchdog.guard(self.collective_timeout, what):
-                outs = call_flat(*flat, *captures)
-            return [outs[j * n:(j + 1) * n] for j in range(n_out)]
+        def spmd_program(*flat):
+            return lowering.lower(self.program, flat)
+        # TF's errors name the function: __inference_<this name>_N
+        spmd_program.__name__ = re.sub(r"\W+", "_", self.what).strip("_")
+        fn = tf.function(spmd_program, autograph=False)
+        concrete = fn.get_concrete_function(*self.specs)
+        # Calling the traced function directly skips ConcreteFunction's argument binding
+        # (about 0.9 ms of Python for 8 shards); the captures are the ordering tokens.
+        self.function = concrete.inference_fn
+        self.captures = list(concrete.captured_inputs)
+        self.num_outputs = len(concrete.inference_fn.function_type.flat_outputs)
 
-        return run
+    def __call__(self, shards):
+        n = self.mesh.size
+        if len(shards) != len(self.inputs) or any(len(s) != n for s in shards):
+            raise ValueError(
+                f"expected {len(self.inputs)} inputs with {n} shards each, got "
+                f"{[len(s) for s in shards]}")
+        flat = [x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x, spec.dtype)
+                for x, spec in zip((x for s in shards for x in s), self.specs)]
+        with self.lock:
+            if self.generation != collectives.generation():
+                self._trace()
+            with collectives.watchdog.guard(self.timeout, self.what) as call:
+                try:
+                    outs = self._execute(flat + self.captures, call)
+                except tf.errors.OpError as e:
+                    if call is not None and call.timed_out:
+                        raise call.timeout_error() from None
+                    e.add_note(f"while running {self.what}")
+                    raise
+        return [outs[j * n:(j + 1) * n] for j in range(len(self.program.outputs))]
+
+    def _execute(self, inputs, call):
+        """Runs the traced function, under the call's CancellationManager if guarded."""
+        ctx = context.context()
+        name = self.function.name.decode()
+        attrs = tuple(itertools.chain(*ctx.function_call_options.as_attrs().items()))
+        if call is None:
+            return execute.execute(name, self.num_outputs, inputs, attrs, ctx)
+        return execute.execute_with_cancellation(name, self.num_outputs, inputs, attrs, ctx,
+                                                 call.manager)
 
 
 def _safe_name(name):
@@ -141,8 +207,10 @@ class _Lowering:
         groups = self.mesh.groups(tuple(p["axes"]))
         if groups.shape[1] == 1:
             return lambda d, ins: ins[0][d]
-        instance_key = collectives.next_instance_key()
         row_of = {int(dev): [int(x) for x in row] for row in groups for dev in row}
+        if not collectives.carries(node.out_dtypes[0]):
+            return self._copy_collective(node, row_of)
+        instance_key = collectives.next_instance_key()
 
         def emit(d, ins):
             row = row_of[d]
@@ -158,6 +226,43 @@ class _Lowering:
                 return group.all_gather(x, p["dim"] % rank)
             return group.all_to_all(x, p["split_dim"] % rank, p["concat_dim"] % rank)
         return emit
+
+
+    def _copy_collective(self, node, row_of):
+        """Emitter of a collective made of cross-device copies, for dtypes TF's collective
+        ops do not take (strings, complex): each device reads what it needs from every
+        member of its group, and TF inserts the Send/Recv pairs, as for gt.Permute."""
+        p = node.params
+        dtype = node.out_dtypes[0]
+        if node.op in (base.ALL_REDUCE, base.REDUCE_SCATTER) and (
+                dtype == tf.string or p["reduce_op"] not in _STACKED_REDUCE):
+            raise ShardingError(
+                f"node {node.name} ({node.op}) would {p['reduce_op']}-reduce {dtype.name} "
+                "values across devices, which TF cannot do; keep the reduced dim of that "
+                "tensor unsplit")
+
+        def emit(d, ins):
+            row = row_of[d]
+            x = ins[0]
+            if node.op == base.ALL_GATHER:
+                return tf.concat([x[m] for m in row], p["dim"] % x[d].shape.rank)
+            if node.op == base.ALL_TO_ALL:
+                rank = x[d].shape.rank
+                pieces = []
+                for m in row:
+                    with tf.device(self.devices[m]):
+                        pieces.append(collectives.chunk(x[m], p["split_dim"] % rank, len(row),
+                                                        row.index(d)))
+                return tf.concat(pieces, p["concat_dim"] % rank)
+            reduced = _STACKED_REDUCE[p["reduce_op"]](tf.stack([x[m] for m in row]), 0)
+            if node.op == base.ALL_REDUCE:
+                return reduced
+            return collectives.chunk(reduced, p["dim"] % x[d].shape.rank, len(row), row.index(d))
+        return emit
+
+
+_STACKED_REDUCE = {"sum": tf.reduce_sum, "prod": tf.reduce_prod, "max": tf.reduce_max,
+                   "min": tf.reduce_min}
 
 
 def _set_shapes(node, tensors):

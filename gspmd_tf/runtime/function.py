@@ -3,37 +3,56 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import re
+import types
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import record
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.importer import import_graph
 from gspmd_tf.layout import Layout
-from gspmd_tf.mesh import PartitionSpec
+from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.propagation.propagate import propagate
+from gspmd_tf.runtime.arguments import Arguments, is_static, signature_of
 from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.partitioner import partition
 
 
-def _default_backend(mesh):
-    from gspmd_tf.backends.local import LocalBackend
-    return LocalBackend(mesh)
+def _local_backend(collective_timeout):
+    """A backend factory: LocalBackend(mesh, collective_timeout)."""
+    from gspmd_tf.backends.local import LocalBackend, check_timeout
+    if collective_timeout is not None:
+        check_timeout(collective_timeout)
+    return functools.partial(LocalBackend, collective_timeout=collective_timeout)
 
 
-def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=None):
+def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=None,
+             collective_timeout=None):
     """Partition `fn` over `mesh`; usable as `@gt.function(mesh=...)` or `gt.function(f, ...)`.
 
-    in_shardings: one entry per positional argument (a PartitionSpec, a gt.Sharding, or
-    None to infer); out_shardings: one per flat output, likewise. Calls return
-    ShardedTensors in the structure `fn` returns.
+    in_shardings: one entry per argument, matched to fn's parameters in signature order
+    whether passed by position or keyword (a PartitionSpec, a gt.Sharding, or None to
+    infer; None for Python values, which are static); out_shardings: one per flat
+    output, likewise. Calls return
+    ShardedTensors in the structure `fn` returns. collective_timeout: seconds a call may
+    take before it is cancelled with DeadlineExceededError (default: the
+    GSPMD_TF_COLLECTIVE_TIMEOUT environment variable, else 300; 0 for no limit); for
+    the default backend only (`backend`: a factory mesh -> gspmd_tf.backends.Backend).
     """
     if fn is None:
         return functools.partial(function, mesh=mesh, in_shardings=in_shardings,
-                                 out_shardings=out_shardings, backend=backend)
-    return Function(fn, mesh, in_shardings, out_shardings, backend or _default_backend)
+                                 out_shardings=out_shardings, backend=backend,
+                                 collective_timeout=collective_timeout)
+    if backend is not None and collective_timeout is not None:
+        raise ValueError("collective_timeout applies to the default backend: give it to "
+                         "your backend instead")
+    return Function(fn, mesh, in_shardings, out_shardings,
+                    backend or _local_backend(collective_timeout))
 
 
 def _spec_layout(mesh, entry, rank, what):
@@ -49,34 +68,83 @@ def _spec_layout(mesh, entry, rank, what):
 
 
 class Function:
-    """A partitioned function: lowered once per input signature, then run."""
+    """A partitioned function: lowered once per input signature, then run.
+
+    Called like the Python function: positional or keyword arguments; Python values
+    (None, bool, int, float, str) are static, as in tf.function (a new value traces
+    again); every other leaf is a tensor input. On a method (`@gt.function` in a class
+    body) it binds `self` like tf.function does.
+
+    Each device runs its part of the program: a tf.py_function or tf.numpy_function
+    inside runs once per device per call (on that device's shard, or on the whole value
+    where gspmd-tf runs the op replicated), so keep such functions free of side effects.
+    """
 
     def __init__(self, fn, mesh, in_shardings, out_shardings, backend_factory):
+        if not isinstance(mesh, Mesh):
+            raise ShardingError(f"gt.function needs mesh=gt.Mesh(...), got {mesh!r}: build "
+                                "one with gt.Mesh.create(shape, axis_names)")
+        for kind, entries in (("in_shardings", in_shardings), ("out_shardings", out_shardings)):
+            if entries is not None and (isinstance(entries, PartitionSpec)
+                                        or not isinstance(entries, (tuple, list))):
+                raise ShardingError(
+                    f"{kind}={entries!r}: give a tuple with one entry per "
+                    f"{'argument' if kind == 'in_shardings' else 'flat output'}, e.g. "
+                    f"{kind}=(P('data'),) for one")
         self.fn = fn
+        self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
         self.mesh = mesh
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         self._backend_factory = backend_factory
+        self._signature = signature_of(fn)
         self._traced = tf.function(fn, autograph=False)
+        self._keyword_functions = {}  # see _keyword_traced
         self._cache = {}
+        self._signatures = []  # traced arguments in words, for errors
         functools.update_wrapper(self, fn)
 
-    # ----------------------------------------------------------------- signature
-    def _flat_args(self, args):
-        if self.in_shardings is not None and len(self.in_shardings) != len(args):
-            raise ShardingError(
-                f"{self.fn.__name__} got {len(args)} arguments but in_shardings has "
-                f"{len(self.in_shardings)} entries: pass one entry per positional argument")
-        flat, entries = [], []
-        for i, arg in enumerate(args):
-            leaves = tf.nest.flatten(arg)
-            entry = None if self.in_shardings is None else self.in_shardings[i]
-            for leaf in leaves:
-                flat.append(leaf)
-                entries.append(entry)
-        return flat, entries
+    def __get__(self, instance, owner=None):
+        """`@gt.function` on a method: the Function of this instance, built once.
 
-    def _spec_of(self, leaf):
+        It is kept in the instance's __dict__ (so it lives as long as the instance and
+        keeps its traces); an instance without one gets a new Function, and traces, on
+        every access.
+        """
+        if instance is None:
+            return self
+        state = getattr(instance, "__dict__", None)
+        key = f"_gt_function_{id(self)}"
+        method = None if state is None else state.get(key)
+        if method is None:
+            method = Function(types.MethodType(self.fn, instance), self.mesh, self.in_shardings,
+                              self.out_shardings, self._backend_factory)
+            if state is not None:
+                state[key] = method
+        return method
+
+    # ----------------------------------------------------------------- signature
+    def _arguments(self, args, kwargs):
+        arguments = Arguments(f"gt.function {self.name!r}", self._signature, args, kwargs)
+        if self.in_shardings is not None and len(self.in_shardings) != len(arguments.values):
+            raise ShardingError(
+                f"{self.name} got {len(arguments.values)} arguments "
+                f"({', '.join(arguments.names)}) but in_shardings has "
+                f"{len(self.in_shardings)} entries: pass one entry per argument (None for "
+                "Python values and arguments to infer)")
+        for index, leaf in arguments.leaves:
+            if is_static(leaf) and self._entry(index) is not None:
+                raise ShardingError(
+                    f"{self.name}: {arguments.describe(index)} is the Python value "
+                    f"{leaf!r}, which is static (baked into the trace, as in tf.function), "
+                    f"so in_shardings entry {self._entry(index)!r} cannot split it; pass a "
+                    "tensor or array, or give None")
+        return arguments
+
+    def _entry(self, index):
+        return None if self.in_shardings is None else self.in_shardings[index]
+
+    def _spec_of(self, arguments, index, leaf):
         if isinstance(leaf, ShardedTensor):
             if leaf.mesh != self.mesh:
                 raise ShardingError(f"argument {leaf!r} lives on another mesh; move it to "
@@ -84,27 +152,73 @@ class Function:
             return tf.TensorSpec(leaf.shape, leaf.dtype)
         if isinstance(leaf, tf.TensorSpec):
             return leaf
-        value = leaf if isinstance(leaf, tf.Tensor) else tf.convert_to_tensor(leaf)
+        try:
+            value = leaf if isinstance(leaf, tf.Tensor) else tf.convert_to_tensor(leaf)
+        except (TypeError, ValueError) as e:
+            raise ShardingError(
+                f"{self.name}: {arguments.describe(index)} ({type(leaf).__name__}) is "
+                f"neither a tensor nor a Python value: {e}") from None
         return tf.TensorSpec(value.shape, value.dtype)
 
-    def lower(self, *args):
+    def lower(self, *args, **kwargs):
         """Lower for these arguments (values or tf.TensorSpec); nothing runs."""
-        return self._lower(args)[0]
+        return self._lower(self._arguments(args, kwargs))[0]
 
-    def _lower(self, args):
-        flat, entries = self._flat_args(args)
-        specs = [self._spec_of(leaf) for leaf in flat]
+    def _lower(self, arguments):
+        tensors = arguments.tensor_leaves()
+        flat = [leaf for _, leaf in tensors]
+        specs = [self._spec_of(arguments, i, leaf) for i, leaf in tensors]
+        entries = [self._entry(i) for i, _ in tensors]
         committed = [leaf.layout if isinstance(leaf, ShardedTensor) else None for leaf in flat]
         # an argument's own layout matters only where in_shardings leaves it open
-        key = tuple((tuple(s.shape), s.dtype, str(e) if e is not None else c)
-                    for s, e, c in zip(specs, entries, committed))
+        key = (arguments.structure_key(),) + tuple(
+            (tuple(s.shape), s.dtype, str(e) if e is not None else c)
+            for s, e, c in zip(specs, entries, committed))
         if key not in self._cache:
-            self._cache[key] = self._build(args, flat, specs, entries, committed)
+            self._cache[key] = self._build(arguments, specs, entries, committed)
         return self._cache[key], flat
 
-    def _build(self, args, flat, specs, entries, committed):
-        structured = tf.nest.pack_sequence_as(list(args), specs)
-        concrete = self._traced.get_concrete_function(*structured)
+    def _trace(self, arguments, specs):
+        """The ConcreteFunction for these arguments, tensors replaced by `specs`."""
+        spec_of = dict(zip((id(leaf) for _, leaf in arguments.tensor_leaves()), specs))
+        positional, keywords = arguments.call_structure(lambda leaf: spec_of[id(leaf)])
+        shown = "(" + ", ".join(f"{n}: {_describe_spec(v)}" for n, v in zip(
+            arguments.names, positional + list(keywords.values()))) + ")"
+        try:
+            if keywords:
+                concrete = self._keyword_traced(arguments).get_concrete_function(
+                    *positional, *keywords.values())
+            else:
+                concrete = self._traced.get_concrete_function(*positional)
+        except (TypeError, ValueError) as e:
+            e.add_note(f"while tracing gt.function {self.name!r} for {shown}" + (
+                f"; earlier calls traced {', '.join(self._signatures)}: pass the same "
+                "dtypes (e.g. np.asarray(x, np.float32)) to reuse their trace"
+                if self._signatures else ""))
+            raise
+        self._signatures.append(shown)
+        return concrete
+
+    def _keyword_traced(self, arguments):
+        """A tf.function taking every argument by position, which calls fn with the
+        keyword-only ones by name: the traced inputs then follow the order of
+        `arguments` (tf.function would order keyword arguments its own way)."""
+        key = (tuple(arguments.names), arguments.keywords)
+        if key not in self._keyword_functions:
+            fn, count = self.fn, arguments.keywords
+            keyword_names = arguments.names[-count:]
+
+            def by_position(*values):
+                return fn(*values[:-count], **dict(zip(keyword_names, values[-count:])))
+            by_position.__name__ = getattr(fn, "__name__", "fn")
+            by_position.__signature__ = inspect.Signature(
+                [inspect.Parameter(re.sub(r"\W", "_", name), inspect.Parameter.POSITIONAL_ONLY)
+                 for name in arguments.names])
+            self._keyword_functions[key] = tf.function(by_position, autograph=False)
+        return self._keyword_functions[key]
+
+    def _build(self, arguments, specs, entries, committed):
+        concrete = self._trace(arguments, specs)
         graph = import_graph(concrete)
         mesh = self.mesh
         seeds = {}
@@ -113,7 +227,7 @@ class Function:
             layout = _spec_layout(mesh, entries[i], len(spec.shape), what) or committed[i]
             if layout is not None:
                 seeds[ref] = layout
-        for ref, value in zip(graph.inputs[len(flat):], graph.captures):
+        for ref, value in zip(graph.inputs[len(specs):], graph.captures):
             if graph.dtype(ref) == tf.resource:
                 seeds[ref] = self._variable_layout(graph, ref,
                                                    _captured_variable(graph, ref, value))
@@ -122,8 +236,8 @@ class Function:
         propagation = propagate(graph, mesh, seeds)
         out_layouts = [l or propagation.layout(r) for l, r in zip(out_layouts, graph.outputs)]
         program = partition(graph, mesh, propagation, out_layouts)
-        lowered = Lowered(mesh, graph, propagation, program, len(flat), set(seeds),
-                          self._backend_factory)
+        lowered = Lowered(mesh, graph, propagation, program, len(specs), set(seeds),
+                          self._backend_factory, name=f"gt.function {self.name!r}")
         lowered.structured_outputs = concrete.structured_outputs
         return lowered
 
@@ -160,7 +274,7 @@ class Function:
             return [None] * len(graph.outputs)
         if len(self.out_shardings) != len(graph.outputs):
             raise ShardingError(
-                f"{self.fn.__name__} has {len(graph.outputs)} outputs but out_shardings has "
+                f"{self.name} has {len(graph.outputs)} outputs but out_shardings has "
                 f"{len(self.out_shardings)} entries: give one per flat output")
         layouts = []
         for i, (ref, entry) in enumerate(zip(graph.outputs, self.out_shardings)):
@@ -171,8 +285,16 @@ class Function:
         return layouts
 
     # ----------------------------------------------------------------- running
-    def __call__(self, *args):
-        lowered, flat = self._lower(args)
+    def __call__(self, *args, **kwargs):
+        if not tf.executing_eagerly():
+            raise ShardingError(
+                f"gt.function {self.name!r} was called while TensorFlow traces a graph "
+                "(inside tf.function, a Keras model's call or a tf.data map); it runs "
+                "eagerly: call it outside tf.function, or move the surrounding code into "
+                "the gt.function")
+        arguments = self._arguments(args, kwargs)
+        lowered, flat = self._lower(arguments)
+        self._check_not_taped(arguments, lowered)
         run = lowered.compile()
         program = lowered.program
         graph = lowered.graph
@@ -187,6 +309,28 @@ class Function:
                                                   program.output_layouts, outs)]
         return tf.nest.pack_sequence_as(lowered.structured_outputs, results,
                                         expand_composites=True)
+
+    def _check_not_taped(self, arguments, lowered):
+        """A GradientTape cannot see into the partitioned program: refuse a call whose
+        gradient it would silently miss."""
+        if not record.could_possibly_record():
+            return
+        for index, leaf in arguments.tensor_leaves():
+            if isinstance(leaf, tf.Tensor) and record.should_record_backprop([leaf]):
+                watched = arguments.describe(index)
+                break
+        else:
+            trainable = [variable_of_handle(v) for v in lowered.graph.captures]
+            watched = next((f"variable {v.name!r}" for v in trainable
+                            if v is not None and v.trainable), None)
+            if watched is None:
+                return
+        raise ShardingError(
+            f"gt.function {self.name!r} was called under a tf.GradientTape that may "
+            f"differentiate {watched}; the tape cannot see inside the partitioned program, "
+            "so that gradient would be None. Take the gradient inside the gt.function "
+            "(open the tape in it and return or apply the gradients, as a training step "
+            "does), or call it outside the tape")
 
     def _shards(self, value, layout, copies):
         """Per-device shards of one program input in `layout` (variables: the handles
@@ -258,3 +402,10 @@ def _add_seed(graph, seeds, ref, layout, what):
             f"{old.to_spec()!r} and {layout.to_spec()!r} ({what}); remove one of them or "
             "annotate a copy (tf.identity) instead")
     seeds[ref] = layout
+
+
+def _describe_spec(value):
+    """A traced argument in words: dtype and shape of a spec, or the Python value."""
+    if isinstance(value, tf.TensorSpec):
+        return f"{value.dtype.name}{list(value.shape)}"
+    return repr(value)

@@ -34,8 +34,10 @@ _KIND = {"gt.AllReduce": "all-reduce", "gt.AllGather": "all-gather",
 class Lowered:
     """The result of gt.function(...).lower(...): shardings, collectives, report, compile."""
 
-    def __init__(self, mesh, graph, propagation, program, num_args, annotated, backend_factory):
+    def __init__(self, mesh, graph, propagation, program, num_args, annotated, backend_factory,
+                 name=None):
         self.mesh = mesh
+        self.name = name
         self.graph = graph
         self.propagation = propagation
         self.program = program
@@ -130,5 +132,6 @@ class Lowered:
             raise ShardingError("this function was lowered for an abstract mesh: use "
                                 "gt.Mesh.create(...) to run it")
         if self._run is None:
-            self._run = self._backend_factory(self.mesh).compile(self.program.graph)
+            self._run = self._backend_factory(self.mesh).compile(self.program.graph,
+                                                                 name=self.name)
         return self._run

@@ -35,7 +35,9 @@ def padding(box, local_shape):
 def pad_piece(piece, box, local_shape):
     """`piece` (the elements of `box`, numpy) zero-padded to the local shape."""
     pad = padding(box, local_shape)
-    return np.pad(piece, pad) if any(p for _, p in pad) else piece
+    # TF hands out string tensors as object arrays of bytes, which numpy pads with 0
+    fill = b"" if piece.dtype == object else 0
+    return np.pad(piece, pad, constant_values=fill) if any(p for _, p in pad) else piece
 
 
 def split_value(value, mesh, layout):
