@@ -438,10 +438,13 @@ def summary(results, seconds):
     counts = {s: sum(1 for r in results.values() if r["status"] == s)
               for s in ("pass",) + FAILURES}
     n = len(results)
+    cpu = [r["cpu"] for r in results.values() if "cpu" in r]
     return (f"programs={n} passed={counts['pass']} mismatches={counts['mismatch']} "
             f"errors={counts['error']} crashes={counts['crash']} hangs={counts['hang']} "
             f"invalid={counts['invalid']} seconds={seconds:.0f} "
-            f"throughput={n / max(seconds, 1e-9):.2f} programs/s")
+            f"throughput={n / max(seconds, 1e-9):.2f} programs/s "
+            f"(worker CPU {sum(cpu) / max(len(cpu), 1):.2f} s/program, "
+            f"load average {os.getloadavg()[0]:.1f})")
 
 
 def reproducer_text(index, seed, original, result, small):
@@ -481,6 +484,8 @@ def main(argv):
     seconds = time.monotonic() - start
     failures = [(i, r, len(programs[i]["ops"])) for i, r in sorted(results.items())
                 if r["status"] != "pass"]
+    # an invalid program is the generator's bug: reported above, not shrunk
+    real = [f for f in failures if f[1]["status"] != "invalid"]
     groups = {}
     for i, r, _ in failures:
         groups.setdefault(signature(r), []).append(i)
@@ -498,8 +503,8 @@ def main(argv):
                 out.write(text + "\n\n")
                 out.flush()
 
-    if SHRINK.value and failures:
-        picked = pick_for_shrinking(failures, SHRINK.value)
+    if SHRINK.value and real:
+        picked = pick_for_shrinking(real, SHRINK.value)
         print(f"shrinking {len(picked)} failure(s)", flush=True)
         shrink_all(picked, programs, JOBS.value, TIMEOUT.value, COLLECTIVE_TIMEOUT.value,
                    SHRINK_BUDGET.value, on_done)

@@ -30,7 +30,7 @@ FAMILIES = {
     "slice": 4, "strided_slice": 6, "pad": 4, "concat": 4, "tile": 3, "gather": 5,
     "one_hot": 2, "reduce": 8, "arg_reduce": 3, "softmax": 3, "cross_entropy": 2,
     "einsum": 5, "matmul": 5, "bias_add": 3, "conv": 4, "pool": 3, "segment": 3,
-    "select": 3, "cast": 3, "add_n": 1, "no_rule": 2,
+    "select": 3, "cast": 3, "add_n": 1, "broadcast": 2, "no_rule": 2,
 }
 
 # Elementwise ops by dtype class. "ill" ops amplify rounding differences (division by a
@@ -103,7 +103,7 @@ class Generator:
         self.num_ops = num_ops
         self.families = {k: v for k, v in FAMILIES.items()
                          if families is None or k in families}
-        self.grad_prob = grad_prob
+        self.grad = rng.random() < grad_prob
         meshes = meshes or MESHES
         shape = meshes[rng.integers(len(meshes))]
         names = AXIS_NAMES[rng.integers(len(AXIS_NAMES))][:len(shape)]
@@ -223,7 +223,7 @@ class Generator:
             self.op_unary()
         last = self.ops[-1]["out"]
         unused = [op["out"] for op in self.ops[:-1] if op["out"] not in self.used]
-        outputs = [last] + [n for n in unused if self.chance(0.3)][:2]
+        outputs = [last] + unused  # every result is used: no dead code
         by_name = {t.name: t for t in self.tensors}
         out_shardings = None
         if self.chance(0.3):
@@ -231,8 +231,7 @@ class Generator:
                              for n in outputs]
         float_inputs = [i["name"] for i in self.inputs
                         if i["dtype"] in FLOATS and i["kind"] == "normal"]
-        grad = bool(float_inputs) and any(by_name[n].is_float for n in outputs) \
-            and self.chance(self.grad_prob)
+        grad = bool(float_inputs) and any(by_name[n].is_float for n in outputs) and self.grad
         return {"mesh": self.mesh, "inputs": self.inputs, "ops": self.ops,
                 "outputs": outputs, "out_shardings": out_shardings, "grad": grad}
 
@@ -621,7 +620,8 @@ class Generator:
     def window(self, n, stride_ok=True, dilation_ok=True):
         k = self.pick([1, 2, 3])
         s = self.pick([1, 1, 2, 3]) if stride_ok else 1
-        d = self.pick([1, 1, 2]) if dilation_ok and s == 1 else 1
+        # TF's CPU kernels have no gradient of a dilated convolution
+        d = self.pick([1, 1, 2]) if dilation_ok and s == 1 and not self.grad else 1
         return k, s, d
 
     @staticmethod
@@ -722,6 +722,23 @@ class Generator:
             expr = f"tf.cast({{0}}, tf.{dtype})"
         self.emit(expr, [x], x.shape, dtype, family="cast")
 
+    def op_broadcast(self):
+        if self.chance(0.3):
+            shape = self.shape()
+            dtype = self.pick(["float32", "int32"])
+            value = 1.5 if dtype == "float32" else 3
+            self.emit(f"tf.fill({shape}, tf.constant({value}, tf.{dtype}))", [], shape,
+                      dtype, family="broadcast")
+            return
+        x = self.operand(lambda t: t.rank <= 3 and t.size <= 48)
+        if x is None:
+            return
+        shape = [self.pick([2, 3, 4]) if n == 1 and self.chance(0.6) else n for n in x.shape]
+        shape = [self.pick([1, 2, 3]) for _ in range(int(self.rng.integers(0, 2)))] + shape
+        if np.prod(shape) > MAX_ELEMENTS:
+            return
+        self.emit(f"tf.broadcast_to({{0}}, {shape})", [x], shape, x.dtype, family="broadcast")
+
     def op_no_rule(self):
         x = self.operand(lambda t: t.rank >= 1 and t.dtype in ("float32", "int32"))
         if x is None:
@@ -776,7 +793,7 @@ def input_source(inp):
         value = f"{rng}.integers(0, 2, {shape})"
     np_dtype = {"bool": "bool", "bfloat16": "tf.bfloat16.as_numpy_dtype"}.get(
         dtype, f"np.{dtype}")
-    lines = [f"{name} = {value}.astype({np_dtype})"]
+    lines = [f"{name} = np.asarray({value}).astype({np_dtype})"]
     for what, flat in inp["special"]:
         index = tuple(int(i) for i in np.unravel_index(flat, shape))
         lines.append(f"{name}[{index}] = {'-np.inf' if what == '-inf' else 'np.' + what}")
@@ -807,7 +824,9 @@ def body_source(program):
     outs = program["outputs"]
     if program["grad"]:
         dtypes = {op["out"]: op["dtype"] for op in program["ops"]}
-        losses = [f"tf.reduce_sum(tf.cast({o}, tf.float32))" for o in outs
+        # sin: a plain sum can make the loss constant (sum of a softmax), whose gradient
+        # is rounding noise that no two summation orders agree on
+        losses = [f"tf.reduce_sum(tf.sin(tf.cast({o}, tf.float32)))" for o in outs
                   if dtypes[o] in FLOATS]
         lines.append(f"{indent}loss = " + " + ".join(losses))
         lines.append(f"    grads = tape.gradient(loss, [{', '.join(floats)}], "
@@ -862,7 +881,7 @@ gt.configure_cpu_devices(8)
 """
 
 SNIPPET_TAIL = """\
-want = tf.function(f, autograph=False)(*args)
+want = f(*[tf.convert_to_tensor(a) for a in args])  # single-device TF, eagerly
 got = gt.function(f, mesh=mesh, in_shardings=in_shardings, out_shardings=out_shardings)(*args)
 for i, (g, w) in enumerate(zip(got, want)):
     print(i, "max abs diff:", np.max(np.abs(g.numpy().astype(np.float64) - np.asarray(w, np.float64)), initial=0))
