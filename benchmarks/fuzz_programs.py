@@ -615,7 +615,7 @@ class Generator:
             return self.new_input(shape, self.pick(["float32"] * 6 + ["float64", "float16"]))
         return self.operand(lambda t: t.rank == 4 and t.dtype in ("float32", "float64",
                                                                   "float16")
-                            and np.prod(t.shape[1:3]) <= 64, make)
+                            and np.prod(t.shape[1:3]) <= 64 and t.shape[3] > 0, make)
 
     def window(self, n, stride_ok=True, dilation_ok=True):
         k = self.pick([1, 2, 3])

@@ -86,7 +86,7 @@ def check_output(got, want, spec, mesh, i, precision):
     scale = None if finite is None else np.linalg.norm(finite.astype(np.float64))
     local = got.layout.local_shape(mesh, want.shape)
     for device, shard in enumerate(got.shards):
-        value = shard.numpy()
+        value = np.asarray(shard.numpy())
         if value.shape != local:
             raise Mismatch(f"output {i}: device {device} holds shape {value.shape}, "
                            f"expected {local}")
@@ -118,7 +118,8 @@ def run_program(program, tf, gt):
         exec(source(program), scope)  # noqa: S102 - the program is our own generated text
         with tf.device("/device:CPU:0"):  # eagerly: no tracing cost for the reference
             want = scope["f"](*[tf.convert_to_tensor(a) for a in scope["args"]])
-        want = [np.asarray(w) for w in want]
+        # .numpy(), not np.asarray(tensor): a 0-d bfloat16 tensor's __array__ gives a scalar
+        want = [np.asarray(w.numpy()) for w in want]
     except Exception as exc:  # noqa: BLE001 - any failure here is the generator's
         return "invalid", first_line(exc)
     try:
