@@ -56,6 +56,8 @@ OPS = flags.DEFINE_string("ops", "2-12", "number of ops per program, MIN-MAX (sh
 FAMILIES = flags.DEFINE_list("families", ["all"], "op families to draw from: all or some of "
                              + ",".join(all_families()))
 GRAD = flags.DEFINE_float("grad_prob", 0.15, "fraction of programs that take a gradient")
+ZERO = flags.DEFINE_float("zero_prob", 0.04, "chance of a zero-size dim in each drawn dim "
+                          "(0: only slices empty a dim)")
 BATCH = flags.DEFINE_integer("batch", 100, "programs per worker process (one TF import)")
 JOBS = flags.DEFINE_integer("jobs", 2, "worker processes running at once")
 TIMEOUT = flags.DEFINE_float("timeout", 60, "seconds one program may take before it "
@@ -463,7 +465,8 @@ def main(argv):
         if shape not in MESHES and (len(shape) > 3 or math.prod(shape) > 8):
             raise app.UsageError(f"mesh {shape}: use at most 3 axes and 8 devices")
     indices = range(START.value, START.value + PROGRAMS.value)
-    programs = {i: generate(SEED.value, i, (lo, hi), families, GRAD.value, meshes)
+    programs = {i: generate(SEED.value, i, (lo, hi), families, GRAD.value, meshes,
+                            ZERO.value)
                 for i in indices}
     print(f"fuzz: {len(programs)} programs, seed {SEED.value}, {JOBS.value} workers of "
           f"{BATCH.value} programs, load average {os.getloadavg()[0]:.2f}", flush=True)

@@ -98,8 +98,10 @@ class Tensor:
 class Generator:
     """Builds one random program from a numpy Generator."""
 
-    def __init__(self, rng, num_ops, families=None, grad_prob=0.15, meshes=None):
+    def __init__(self, rng, num_ops, families=None, grad_prob=0.15, meshes=None,
+                 zero_prob=0.04):
         self.rng = rng
+        self.zero_prob = zero_prob  # chance of a 0 in each drawn dim
         self.num_ops = num_ops
         self.families = {k: v for k, v in FAMILIES.items()
                          if families is None or k in families}
@@ -120,15 +122,15 @@ class Generator:
     def pick(self, seq):
         return seq[self.rng.integers(len(seq))]
 
-    def dim(self, zero_prob=0.04):
-        if self.chance(zero_prob):
+    def dim(self):
+        if self.chance(self.zero_prob):
             return 0
         return int(self.pick(DIMS))
 
-    def shape(self, rank=None, zero_prob=0.04):
+    def shape(self, rank=None):
         rank = int(self.rng.integers(1, 4)) if rank is None else rank
         for _ in range(20):
-            shape = [self.dim(zero_prob) for _ in range(rank)]
+            shape = [self.dim() for _ in range(rank)]
             if np.prod(shape) <= MAX_ELEMENTS:
                 return shape
         return [1] * rank
@@ -432,7 +434,7 @@ class Generator:
                 args.append(x)
             else:
                 shape = list(x.shape)
-                shape[d] = self.pick([0, 1, 2, 3, 5, 8])
+                shape[d] = self.dim() if self.chance(0.3) else self.pick([1, 2, 3, 5, 8])
                 args.append(self.new_input(shape, x.dtype))
         shape = list(x.shape)
         shape[d] = sum(a.shape[d] for a in args)
@@ -466,7 +468,7 @@ class Generator:
             x = self.new_input(self.shape(), self.any_dtype())
         axis = int(self.rng.integers(-x.rank, x.rank))
         d = axis % x.rank
-        ishape = self.shape(int(self.rng.integers(0, 3)), zero_prob=0.05)
+        ishape = self.shape(int(self.rng.integers(0, 3)))
         idx = self.index_input(ishape, x.shape[d])
         shape = x.shape[:d] + idx.shape + x.shape[d + 1:]
         if np.prod(shape) > MAX_ELEMENTS:
@@ -475,7 +477,7 @@ class Generator:
                   family="gather")
 
     def op_one_hot(self):
-        depth = int(self.pick([0, 1, 2, 3, 5, 8]))
+        depth = 0 if self.chance(self.zero_prob) else int(self.pick([1, 2, 3, 5, 8]))
         ishape = self.shape(int(self.rng.integers(0, 3)))
         idx = self.index_input(ishape, depth + 1, low=-1)  # -1 and depth: all-off rows
         axis = int(self.rng.integers(-1, len(idx.shape) + 1))
@@ -609,7 +611,7 @@ class Generator:
 
     def image(self):
         def make():
-            shape = [self.pick([0, 1, 2, 3]) if self.chance(0.1) else self.pick([1, 2, 3]),
+            shape = [0 if self.chance(self.zero_prob) else self.pick([1, 2, 3]),
                      self.pick([1, 3, 4, 5, 6, 8]), self.pick([1, 3, 4, 5, 7]),
                      self.pick([1, 2, 3])]
             return self.new_input(shape, self.pick(["float32"] * 6 + ["float64", "float16"]))
@@ -754,15 +756,17 @@ def _is_index(item):
     return item.lstrip("-").isdigit()
 
 
-def generate(seed, index, ops=(2, 12), families=None, grad_prob=0.15, meshes=None):
+def generate(seed, index, ops=(2, 12), families=None, grad_prob=0.15, meshes=None,
+             zero_prob=0.04):
     """Program number `index` of the run with `seed` (independent of every other).
 
     ops: (min, max) number of ops; families: op families to draw from (None: all);
-    meshes: mesh shapes to draw from (None: MESHES)."""
+    meshes: mesh shapes to draw from (None: MESHES); zero_prob: chance of a 0 in each
+    drawn dim (slices may still empty a dim)."""
     rng = np.random.default_rng([seed, index])
     # short programs are cheaper and shrink faster; long ones still come up often
     num_ops = min(ops[1], ops[0] + int(rng.geometric(1 / (1 + (ops[1] - ops[0]) / 3))) - 1)
-    return Generator(rng, num_ops, families, grad_prob, meshes).program()
+    return Generator(rng, num_ops, families, grad_prob, meshes, zero_prob).program()
 
 
 # ---------------------------------------------------------------------- rendering
