@@ -125,7 +125,7 @@ class Worker:
             answer = self._read_line(timeout or self.timeout)
         except TimeoutError:
             self.stop()
-            return {"status": "hang", "detail": f"no answer in {timeout or self.timeout:.0f} s",
+            return {"status": "hang", "detail": f"no answer in {timeout or self.timeout:g} s",
                     "seconds": time.monotonic() - start}
         except BrokenPipeError:
             answer = None
