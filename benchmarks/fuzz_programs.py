@@ -849,7 +849,7 @@ def output_precisions(program):
                     for i in program["inputs"]})
     result = [by_name[o] for o in program["outputs"]]
     if program["grad"]:
-        every = loosest(list(by_name.values()))
+        every = loosest(list(by_name.values()) + ["float32"])  # the loss is float32
         result += [every] * len(_watched(program))
     return result
 
