@@ -185,11 +185,29 @@ def test_conv_out_channels_and_spatial(mesh, rng):
     assert set(kinds(low)) == {"collective-permute"}
 
 
+def _nhwc_reference(fn):
+    """`fn` of NCHW tensors computed in NHWC (TF's CPU kernels take only NHWC; a
+    single-device run of NCHW convs relies on grappler rewriting them, which does not
+    always happen): x transposed in, rank-4 results transposed out, except weight
+    gradients (HWIO). `fn` must take data_format as a keyword."""
+    def reference(x, w):
+        outs = fn(tf.transpose(x, [0, 2, 3, 1]), w, data_format="NHWC")
+        return tf.nest.map_structure(
+            lambda t: tf.transpose(t, [0, 3, 1, 2]) if t.shape.rank == 4 and t.shape != w.shape
+            else t, outs)
+    return reference
+
+
 def test_conv_nchw_explicit_dilated(mesh, rng):
     x, w = randn(rng, 2, 3, 16, 9), randn(rng, 3, 3, 3, 4)
-    f = lambda x, w: tf.nn.conv2d(x, w, 1, [[0, 0], [0, 0], [2, 1], [1, 0]],
-                                  data_format="NCHW", dilations=2)
-    low = check_partitioned(f, (x, w), mesh, (P(None, None, "model"), None))
+
+    def f(x, w, data_format="NCHW"):
+        pads = [[0, 0], [0, 0], [2, 1], [1, 0]]
+        if data_format == "NHWC":
+            pads = [pads[0], pads[2], pads[3], pads[1]]
+        return tf.nn.conv2d(x, w, 1, pads, data_format=data_format, dilations=2)
+    low = check_partitioned(f, (x, w), mesh, (P(None, None, "model"), None),
+                            reference=_nhwc_reference(f))
     assert set(kinds(low)) == {"collective-permute"}
 
 
@@ -221,14 +239,15 @@ def test_depthwise(mesh, rng):
 def test_nchw_gradients_h_and_w(mesh, rng):
     x, w = randn(rng, 2, 3, 16, 10), randn(rng, 3, 3, 3, 4)
 
-    def grads(x, w):
+    def grads(x, w, data_format="NCHW"):
         with tf.GradientTape() as tape:
             tape.watch([x, w])
-            y = tf.nn.conv2d(x, w, 2, "SAME", data_format="NCHW")
-            y = tf.nn.avg_pool2d(y, 3, 1, "SAME", data_format="NCHW")
+            y = tf.nn.conv2d(x, w, 2, "SAME", data_format=data_format)
+            y = tf.nn.avg_pool2d(y, 3, 1, "SAME", data_format=data_format)
             loss = tf.reduce_sum(y * y)
         return tape.gradient(loss, [x, w])
-    low = check_partitioned(grads, (x, w), mesh, (P(None, None, "model", "data"), None))
+    low = check_partitioned(grads, (x, w), mesh, (P(None, None, "model", "data"), None),
+                            reference=_nhwc_reference(grads))
     assert set(kinds(low)) == {"collective-permute", "all-reduce"}
 
 

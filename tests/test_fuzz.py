@@ -12,7 +12,6 @@ which also prints it shrunk to a standalone snippet.
 import os
 import sys
 
-import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
@@ -24,9 +23,6 @@ SEED = 0
 PROGRAMS = 40
 
 
-@pytest.mark.xfail(strict=False, reason="the fuzzer still finds bugs that are being fixed "
-                   "on other branches (zero-size dims, reshape, NaN semantics); see "
-                   "briefs/fuzz-findings.md. Remove this mark once they are merged.")
 def test_random_programs_match_single_device():
     programs = {i: generate(SEED, i, ops=(2, 8)) for i in range(PROGRAMS)}
     results = run_programs(programs, jobs=1, batch=PROGRAMS, timeout=120,

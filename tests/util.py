@@ -33,11 +33,14 @@ def assert_close(got, want, what=""):
         np.testing.assert_array_equal(got, want, err_msg=what)
 
 
-def check_partitioned(fn, args, mesh, in_shardings, out_shardings=None):
-    """Run `fn` partitioned and on one device; assert equal values. Returns Lowered."""
+def check_partitioned(fn, args, mesh, in_shardings, out_shardings=None, reference=None):
+    """Run `fn` partitioned and on one device; assert equal values. Returns Lowered.
+
+    `reference` (default `fn`) is what runs on one device: a function computing the same
+    values, for ops single-device TF cannot run as written (NCHW convs on CPU)."""
     f = gt.function(fn, mesh=mesh, in_shardings=in_shardings, out_shardings=out_shardings)
     got = tf.nest.flatten(f(*args))
-    want = single_device(fn, args)
+    want = single_device(reference or fn, args)
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert isinstance(g, gt.ShardedTensor)

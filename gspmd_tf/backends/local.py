@@ -15,6 +15,7 @@ import threading
 
 import tensorflow as tf
 from tensorflow.python.eager import context, execute
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops
 
 from gspmd_tf.backends import base, collectives
@@ -200,7 +201,7 @@ class _Lowering:
             return self._collective(node)
         if node.op.startswith("gt."):
             raise ShardingError(f"LocalBackend cannot lower {node.op} (node {node.name})")
-        return _tf_op(node)
+        return _tf_op(node, self.devices)
 
     def _collective(self, node):
         p = node.params
@@ -280,17 +281,75 @@ def _set_shapes(node, tensors):
                 f"{shape}, TF computes {tensor.shape}") from None
 
 
-def _tf_op(node):
+def _tf_op(node, devices):
     """Emitter re-creating a TF op from its type and attrs."""
     # Underscore attrs (_class, _XlaSharding, ...) describe the traced graph, not the op;
     # colocation constraints in particular would fight the per-device placement.
     attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
     name = _safe_name(node.name)
+    if node.op in _NCHW_ON_CPU and attrs.get("data_format") is not None and \
+            attrs["data_format"].s == b"NCHW":
+        return _nhwc_on_cpu(node, attrs, name, devices)
 
     def emit(d, ins):
         return ops.get_default_graph()._create_op_internal(
             node.op, [x[d] for x in ins], dtypes=node.out_dtypes, attrs=attrs,
             name=f"{name}_d{d}")
+    return emit
+
+
+# Windowed ops whose CPU kernels take only NHWC: (inputs in NCHW, inputs that are NCHW
+# shape vectors, whether the output is NCHW). A single-device tf.function relies on
+# grappler's layout optimizer for these, which is not guaranteed to run on the SPMD
+# program, so the backend transposes itself.
+_NCHW_ON_CPU = {
+    "Conv2D": ((0,), (), True),
+    "Conv2DBackpropInput": ((2,), (0,), True),
+    "Conv2DBackpropFilter": ((0, 2), (), False),
+    "DepthwiseConv2dNative": ((0,), (), True),
+    "DepthwiseConv2dNativeBackpropInput": ((2,), (0,), True),
+    "DepthwiseConv2dNativeBackpropFilter": ((0, 2), (), False),
+    "MaxPool": ((0,), (), True),
+    "AvgPool": ((0,), (), True),
+    "MaxPoolGrad": ((0, 1, 2), (), True),
+    "AvgPoolGrad": ((1,), (0,), True),
+}
+_TO_NHWC, _TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
+
+
+def _nhwc_on_cpu(node, attrs, name, devices):
+    """Emitter of an NCHW windowed op: on CPU devices as the NHWC op between transposes
+    (per-dim attrs permuted); elsewhere as it is."""
+    data, vectors, nchw_out = _NCHW_ON_CPU[node.op]
+    nhwc = dict(attrs, data_format=attr_value_pb2.AttrValue(s=b"NHWC"))
+    for key in ("strides", "dilations", "ksize"):
+        if key in attrs and len(attrs[key].list.i) == 4:
+            values = list(attrs[key].list.i)
+            nhwc[key] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                i=[values[k] for k in _TO_NHWC]))
+    if "explicit_paddings" in attrs and len(attrs["explicit_paddings"].list.i) == 8:
+        pairs = list(attrs["explicit_paddings"].list.i)
+        nhwc["explicit_paddings"] = attr_value_pb2.AttrValue(
+            list=attr_value_pb2.AttrValue.ListValue(
+                i=[v for k in _TO_NHWC for v in pairs[2 * k:2 * k + 2]]))
+
+    def emit(d, ins):
+        graph = ops.get_default_graph()
+        if "CPU" not in tf.DeviceSpec.from_string(devices[d]).device_type.upper():
+            return graph._create_op_internal(node.op, [x[d] for x in ins],
+                                             dtypes=node.out_dtypes, attrs=attrs,
+                                             name=f"{name}_d{d}")
+        args = []
+        for k, x in enumerate(ins):
+            if k in data:
+                args.append(tf.transpose(x[d], _TO_NHWC))
+            elif k in vectors:
+                args.append(tf.gather(x[d], _TO_NHWC))
+            else:
+                args.append(x[d])
+        op = graph._create_op_internal(node.op, args, dtypes=node.out_dtypes, attrs=nhwc,
+                                       name=f"{name}_d{d}")
+        return tf.transpose(op.outputs[0], _TO_NCHW) if nchw_out else op.outputs[0]
     return emit
 
 
