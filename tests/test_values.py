@@ -205,3 +205,10 @@ def test_sharded_arguments_reuse_the_lowering_of_their_specs(rng):
     placed = gt.ShardedTensor.from_value(x, mesh, pf.lower(x).program.input_layouts[0])
     np.testing.assert_allclose(pf(placed).numpy(), x * 2.0)
     assert len(calls) == 1
+
+
+def test_scalar_bfloat16_result_reads_back():
+    """A scalar bfloat16 output (TF's scalar bfloat16 tensors refuse np.asarray)."""
+    mesh = gt.Mesh.create((8,), ("a",))
+    x = np.arange(8, dtype=np.float32).astype(tf.bfloat16.as_numpy_dtype).reshape(8, 1)
+    check_partitioned(lambda x: x[-3, -1], (x,), mesh, (P("a"),))

@@ -71,3 +71,11 @@ def test_collective_of_empty_tensor_is_a_constant():
     low = check_partitioned(lambda x: tf.transpose(x) * 1.0, (np.ones((0, 8), np.float32),),
                             mesh, (P("a", "b"),), out_shardings=(P("b", "a"),))
     assert not low.collectives()
+
+
+@pytest.mark.parametrize("spec", [P("a"), P(None, "a")])
+def test_integer_mean_of_nothing_is_zero(spec):
+    """TF's integer mean over no elements is 0 (not a division by zero), split or not."""
+    mesh = gt.Mesh.create((8,), ("a",))
+    x = np.zeros((0, 3), np.int32)
+    check_partitioned(lambda x: tf.reduce_mean(x, 0, keepdims=True), (x,), mesh, (spec,))

@@ -13,7 +13,7 @@ def single_device(fn, args):
     """`fn` run by plain TF on one device, as numpy leaves."""
     with tf.device("/device:CPU:0"):
         out = tf.function(fn, autograph=False)(*args)
-    return [np.asarray(t) for t in tf.nest.flatten(out)]
+    return [np.asarray(t.numpy()) for t in tf.nest.flatten(out)]
 
 
 def assert_close(got, want, what=""):

@@ -96,7 +96,7 @@ class ShardedTensor:
             overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, held)]
             if any(lo >= hi for lo, hi in overlap):
                 continue
-            local = np.asarray(self.shards[devices[0]])
+            local = _as_numpy(self.shards[devices[0]])
             out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, box))] = \
                 local[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, held))]
         return out
@@ -120,3 +120,9 @@ class ShardedTensor:
     def __repr__(self):
         return (f"<ShardedTensor shape={self.shape} dtype={self.dtype.name} "
                 f"spec={self.layout.to_spec()!r} on {self.mesh!r}>")
+
+
+def _as_numpy(shard):
+    """A shard (tf.Tensor or array) as numpy; TF's scalar bfloat16 tensors refuse
+    np.asarray, their .numpy() works."""
+    return np.asarray(shard.numpy() if hasattr(shard, "numpy") else shard)

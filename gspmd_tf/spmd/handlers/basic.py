@@ -118,7 +118,8 @@ def mean(ctx, operands, layouts):
         return [b.op("Mul", [total, scale], shape, dtype, name=ctx.node.name, T=dtype)]
     whole = Layout(layouts[0].dims)
     total = ctx.reshard(Local(total, layouts[0], ctx.node.out_shapes[0], dtype), whole)
-    ref = b.op("Div", [total.ref, b.const(np.asarray(count), dtype)], shape, dtype,
+    # TF's integer mean of nothing is 0: the sum (0) divided by 1
+    ref = b.op("Div", [total.ref, b.const(np.asarray(max(count, 1)), dtype)], shape, dtype,
                name=ctx.node.name, T=dtype)
     return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
 
