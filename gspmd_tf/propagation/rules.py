@@ -93,7 +93,9 @@ def _dims_of(letters, shape, factor_of):
 def einsum_rule(equation, in_shapes, out_shape, reduce_op="sum"):
     """Rule from an einsum equation; letters missing from the output are REDUCE.
 
-    A size-1 operand dim whose letter is larger elsewhere broadcasts (no factor).
+    A size-1 operand dim whose letter is larger elsewhere broadcasts (no factor). A letter
+    that names two dims of one tensor (a diagonal, e.g. 'aab') is REPLICATE: one mesh axis
+    cannot split two dims of a tensor.
     """
     lhs, out = equation.replace(" ", "").split("->")
     inputs = lhs.split(",")
@@ -107,7 +109,10 @@ def einsum_rule(equation, in_shapes, out_shape, reduce_op="sum"):
         if sizes[letter] == 1:
             factor_of[letter] = (None, 1)
             continue
-        kind = PASS if letter in out else REDUCE
+        if any(term.count(letter) > 1 for term in inputs + [out]):
+            kind = REPLICATE
+        else:
+            kind = PASS if letter in out else REDUCE
         factor_of[letter] = (rule.add_factor(sizes[letter], kind), sizes[letter])
     for letters, shape in zip(inputs, in_shapes):
         rule.operands.append(_dims_of(letters, shape, factor_of))
