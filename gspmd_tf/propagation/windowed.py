@@ -229,17 +229,3 @@ def avg_pool_grad(ctx):
     _spatial_factors(b, geo, dxd, dyd)
     return b.done({1: dyd}, [dxd])
 
-
-WINDOWED_RULES = {
-    # conv_family parameters: x, w, y positions, reduced parts, depthwise
-    "Conv2D": (conv_family, 0, 1, "out", ("C",), False),
-    "DepthwiseConv2dNative": (conv_family, 0, 1, "out", (), True),
-    "Conv2DBackpropInput": (conv_family, "out", 1, 2, ("O",), False),
-    "Conv2DBackpropFilter": (conv_family, 0, "out", 2, ("batch",), False),
-    "DepthwiseConv2dNativeBackpropInput": (conv_family, "out", 1, 2, ("O",), True),
-    "DepthwiseConv2dNativeBackpropFilter": (conv_family, 0, "out", 2, ("batch",), True),
-    "MaxPool": (pool,),
-    "AvgPool": (pool,),
-    "MaxPoolGrad": (max_pool_grad,),
-    "AvgPoolGrad": (avg_pool_grad,),
-}

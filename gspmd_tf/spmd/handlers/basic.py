@@ -6,7 +6,9 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.layout import Layout
+from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import REDUCE, strided_slice_kept_dims
+from gspmd_tf.registry import declare, op_family
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding
 from gspmd_tf.spmd.program import Local
 
@@ -59,6 +61,7 @@ def replay(ctx, operands, layouts, attrs=None, refs=None):
                         attrs)
 
 
+@op_family(["XlaSharding", "EnsureShape"], rules.elementwise)
 def as_identity(ctx, operands, layouts):
     """XlaSharding (only an annotation) and EnsureShape (the global shape is known and
     checked when the graph is imported): locally an Identity."""
@@ -80,6 +83,7 @@ def with_local_shape_input(position):
     return emit
 
 
+@op_family("Squeeze", rules.squeeze_or_expand)
 def squeeze(ctx, operands, layouts):
     """Squeeze the dims of size 1 in the global shape, named explicitly: a split dim
     can be size 1 in a shard only (6 split over 8)."""
@@ -89,6 +93,7 @@ def squeeze(ctx, operands, layouts):
                   attrs={"squeeze_dims": sorted(int(d) % len(shape) for d in dims)})
 
 
+@op_family("Const", rules.source)
 def const(ctx, operands, layouts):
     """A constant: the whole value, then this device's slice of it."""
     b = ctx.b
@@ -99,6 +104,7 @@ def const(ctx, operands, layouts):
     return [ctx.reshard(whole, layouts[0]).ref]
 
 
+@op_family({"Mean": "sum"}, rules.reduction)
 def mean(ctx, operands, layouts):
     """Mean over a split dim: local sums scaled by 1/global count (partial sums). An
     integer mean divides (truncating, as TF does) only after the sums are combined."""
@@ -124,6 +130,8 @@ def mean(ctx, operands, layouts):
     return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
 
 
+@op_family("Slice", rules.same_rank_slicing)
+@op_family("StridedSlice", rules.strided_slice)
 def slicing(ctx, operands, layouts):
     """Slice/StridedSlice: dims that stay whole in size keep their local extent."""
     node = ctx.node
@@ -147,14 +155,5 @@ def slicing(ctx, operands, layouts):
     return replay(ctx, operands, layouts, refs=refs)
 
 
-BASIC_HANDLERS = {
-    "XlaSharding": as_identity,
-    "EnsureShape": as_identity,
-    "Reshape": with_local_shape_input(1),
-    "Fill": with_local_shape_input(0),
-    "Squeeze": squeeze,
-    "Const": const,
-    "Mean": mean,
-    "Slice": slicing,
-    "StridedSlice": slicing,
-}
+declare("Reshape", rules.reshape, emit=with_local_shape_input(1))
+declare("Fill", rules.source, emit=with_local_shape_input(0))

@@ -47,7 +47,9 @@ import tensorflow as tf
 
 from gspmd_tf import _halo
 from gspmd_tf.layout import Layout
+from gspmd_tf.propagation import windowed
 from gspmd_tf.propagation.windowed import geometry
+from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding, replace_dim, static_slice_dim
 from gspmd_tf.spmd.program import Local
@@ -303,6 +305,11 @@ def _needs_mask(dp, fill_zero):
     return dp.split and s.n % dp.k != 0
 
 
+# conv_family parameters: positions of x, w, y (an input index or "out"), the parts that
+# are REDUCE factors, depthwise
+@op_family({"Conv2D": (0, 1, "out", ("C",), False),
+            "DepthwiseConv2dNative": (0, 1, "out", (), True)}, windowed.conv_family)
+@op_family(["MaxPool", "AvgPool"], windowed.pool)
 def windowed_forward(ctx, operands, layouts):
     """Conv2D, DepthwiseConv2dNative, MaxPool, AvgPool with split spatial dims."""
     node = ctx.node
@@ -357,6 +364,9 @@ def _avg_counts(ctx, ref, plans):
 
 # ------------------------------------------------------------------------ gradients
 
+@op_family({"Conv2DBackpropFilter": (0, "out", 2, ("batch",), False),
+            "DepthwiseConv2dNativeBackpropFilter": (0, "out", 2, ("batch",), True)},
+           windowed.conv_family)
 def backprop_filter(ctx, operands, layouts):
     """Conv2DBackpropFilter(x, filter_sizes, dy) with split spatial dims: x windowed
     like the forward conv, dy local; the result is partial over the spatial axes."""
@@ -426,6 +436,11 @@ _TRANSPOSED = {
 }
 
 
+@op_family({"Conv2DBackpropInput": ("out", 1, 2, ("O",), False),
+            "DepthwiseConv2dNativeBackpropInput": ("out", 1, 2, ("O",), True)},
+           windowed.conv_family)
+@op_family("MaxPoolGrad", windowed.max_pool_grad)
+@op_family("AvgPoolGrad", windowed.avg_pool_grad)
 def transposed(ctx, operands, layouts):
     """Conv2DBackpropInput, AvgPoolGrad, MaxPoolGrad with split spatial dims: halos of
     the window operands (every forward window touching this device's block of the
@@ -518,16 +533,3 @@ def _avg_grad_scale(b, ref, dims):
 
 
 _FILTERED = {"Conv2D", "DepthwiseConv2dNative"}
-
-CONV_HANDLERS = {
-    "Conv2D": windowed_forward,
-    "DepthwiseConv2dNative": windowed_forward,
-    "MaxPool": windowed_forward,
-    "AvgPool": windowed_forward,
-    "Conv2DBackpropFilter": backprop_filter,
-    "DepthwiseConv2dNativeBackpropFilter": backprop_filter,
-    "DepthwiseConv2dNativeBackpropInput": transposed,
-    "Conv2DBackpropInput": transposed,
-    "AvgPoolGrad": transposed,
-    "MaxPoolGrad": transposed,
-}

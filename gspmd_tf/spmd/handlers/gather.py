@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import RuleContext, gather_axis
+from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, replay
 from gspmd_tf.spmd.local_ops import binary, cast, select, shard_offset
 
@@ -20,6 +22,7 @@ def _local_indices(ctx, indices, axes, size):
     return binary(b, "Sub", indices.ref, offset, dtype)
 
 
+@op_family(["GatherV2", "ResourceGather"], rules.gather)
 def gather(ctx, operands, layouts):
     """GatherV2 from a table split on the gathered dim: a masked local lookup whose
     partial result the partitioner all-reduces."""
@@ -49,6 +52,7 @@ def gather(ctx, operands, layouts):
     return [select(b, valid, out, b.const(np.zeros((), dtype.as_numpy_dtype)), dtype)]
 
 
+@op_family("OneHot", rules.one_hot)
 def one_hot(ctx, operands, layouts):
     """OneHot with the depth dim split: each device encodes its block of classes."""
     axis = ctx.node.attr("axis")
@@ -61,6 +65,3 @@ def one_hot(ctx, operands, layouts):
     refs = [_local_indices(ctx, operands[0], axes, local), ctx.b.const(np.int32(local)),
             operands[2].ref, operands[3].ref]
     return replay(ctx, operands, layouts, refs=refs)
-
-
-GATHER_HANDLERS = {"GatherV2": gather, "ResourceGather": gather, "OneHot": one_hot}

@@ -10,6 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.layout import Layout
+from gspmd_tf.propagation import rules
+from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, replay
 from gspmd_tf.spmd.local_ops import (binary, cast, global_index, identity_of, mask_padding,
                                      reduce_last, select, shard_offset, unary)
@@ -53,6 +55,7 @@ def _class_split(operands):
     return bool(operands[0].layout.dims[-1])
 
 
+@op_family(["Softmax", "LogSoftmax"], rules.last_dim_normalizer)
 def softmax(ctx, operands, layouts):
     """Softmax / LogSoftmax over a split last dim."""
     if not _class_split(operands):
@@ -63,6 +66,8 @@ def softmax(ctx, operands, layouts):
                      name=ctx.node.name, T=rows.dtype)]
 
 
+@op_family({"SparseSoftmaxCrossEntropyWithLogits": True,
+            "SoftmaxCrossEntropyWithLogits": False}, rules.cross_entropy)
 def cross_entropy(ctx, operands, layouts):
     """(Sparse)SoftmaxCrossEntropyWithLogits over split classes: loss and backprop."""
     if not _class_split(operands):
@@ -101,6 +106,7 @@ def cross_entropy(ctx, operands, layouts):
             b.op("Identity", [backprop], shapes[1], dtype, T=dtype)]
 
 
+@op_family(["ArgMax", "ArgMin"], rules.arg_reduction)
 def arg_reduce(ctx, operands, layouts):
     """ArgMax/ArgMin over a split dim, as TF's kernel on one device: the first index of
     the best value, NaN never a candidate, nor a value no better than the kernel's start
@@ -148,13 +154,3 @@ def _without_nan(b, ref, best, dtype):
         return ref
     is_nan = b.op("IsNan", [ref], b.shape_of(ref), tf.bool, T=dtype)
     return select(b, is_nan, b.const(identity_of(best, dtype), dtype), ref, dtype)
-
-
-NORMALIZE_HANDLERS = {
-    "Softmax": softmax,
-    "LogSoftmax": softmax,
-    "SoftmaxCrossEntropyWithLogits": cross_entropy,
-    "SparseSoftmaxCrossEntropyWithLogits": cross_entropy,
-    "ArgMax": arg_reduce,
-    "ArgMin": arg_reduce,
-}
