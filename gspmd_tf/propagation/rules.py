@@ -208,6 +208,13 @@ def bias_add(ctx):
                        ctx.out_shapes[0])
 
 
+@dataclass(frozen=True)
+class ReductionParams:
+    """OpRule.params of a reduction (Sum, Mean, ArgMax...): its reduced dims, sorted."""
+
+    axes: tuple
+
+
 def _axes(ctx, i, rank):
     value = ctx.const(i)
     if value is None:
@@ -231,6 +238,7 @@ def reduction(ctx, reduce_op):
             if shape[d] > 1:
                 rule.factor_kinds[rule.operands[0][d][0]] = REDUCE
     rule.operands.append(None)
+    rule.params = ReductionParams(tuple(axes))
     return rule
 
 
@@ -244,6 +252,7 @@ def arg_reduction(ctx):
     out = "".join(l for d, l in enumerate(letters) if d not in axes)
     rule = einsum_rule(f"{letters}->{out}", [shape], ctx.out_shapes[0], "arg")
     rule.operands.append(None)
+    rule.params = ReductionParams(tuple(axes))
     return rule
 
 
@@ -438,28 +447,39 @@ def strided_slice(ctx):
     return rule
 
 
-def gather_axis(ctx):
-    """The gathered table dim of GatherV2 (its axis input) or ResourceGather (dim 0);
-    None when not a constant."""
-    if ctx.node.op == "ResourceGather":
-        return 0
-    axis = ctx.const(2)
-    return None if axis is None else int(axis) % len(ctx.in_shapes[0])
+@dataclass(frozen=True)
+class GatherParams:
+    """OpRule.params of GatherV2/ResourceGather: the gathered table dim, and how many
+    leading dims table and indices share (batch_dims)."""
+
+    axis: int
+    batch_dims: int
 
 
 def gather(ctx):
     """GatherV2/ResourceGather: indices dims and the table's other dims pass; the gathered
-    table dim is REDUCE (masked local lookup, then all-reduce of the partial result)."""
+    table dim is REDUCE (masked local lookup, then all-reduce of the partial result).
+    The first batch_dims dims of table and indices are one PASS factor each, shared with
+    the result: a parallel gather, each device looking up its own batch, as XLA does."""
     table, indices = ctx.in_shapes[0], ctx.in_shapes[1]
-    axis = gather_axis(ctx)
     batch_dims = ctx.node.attr("batch_dims") or 0
-    if axis is None or batch_dims:
+    if batch_dims < 0:
+        batch_dims += len(indices)
+    if ctx.node.op == "ResourceGather":  # gathers the first dim after the batch
+        axis = batch_dims
+    else:
+        axis = ctx.const(2)
+        if axis is None:
+            return None
+        axis = int(axis) % len(table)
+    if not 0 <= batch_dims <= min(axis, len(indices)):
         return None
     t = _letters(len(table))
-    ind = _letters(len(indices), len(table))
-    out = t[:axis] + ind + t[axis + 1:]
+    ind = t[:batch_dims] + _letters(len(indices) - batch_dims, len(table))
+    out = t[:axis] + ind[batch_dims:] + t[axis + 1:]
     rule = einsum_rule(f"{t},{ind}->{out}", [table, indices], ctx.out_shapes[0])
     rule.operands += [None] * (len(ctx.in_shapes) - 2)
+    rule.params = GatherParams(axis, batch_dims)
     return rule
 
 

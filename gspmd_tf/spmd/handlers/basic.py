@@ -113,8 +113,7 @@ def mean(ctx, operands, layouts):
     b = ctx.b
     dtype = ctx.node.out_dtypes[0]
     in_shape = ctx.inputs[0].shape
-    axes = np.atleast_1d(ctx.graph.const_value(ctx.node.inputs[1])) % max(len(in_shape), 1)
-    count = int(np.prod([in_shape[a] for a in set(axes.tolist())]))
+    count = int(np.prod([in_shape[a] for a in ctx.rule.params.axes]))
     refs = masked_refs(ctx, operands)
     shape = local_shapes(ctx, layouts)[0]
     total = b.op("Sum", refs[:2], shape, dtype, T=dtype, Tidx=ctx.node.attrs["Tidx"],

@@ -6,7 +6,6 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.propagation import rules
-from gspmd_tf.propagation.rules import RuleContext, gather_axis
 from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, replay
 from gspmd_tf.spmd.local_ops import binary, cast, select, shard_offset
@@ -27,7 +26,7 @@ def gather(ctx, operands, layouts):
     """GatherV2 from a table split on the gathered dim: a masked local lookup whose
     partial result the partitioner all-reduces."""
     table, indices = operands[0], operands[1]
-    axis = gather_axis(RuleContext(ctx.graph, ctx.node))
+    axis, batch_dims = ctx.rule.params.axis, ctx.rule.params.batch_dims
     axes = table.layout.dims[axis]
     if not axes:
         return replay(ctx, operands, layouts)
@@ -44,8 +43,11 @@ def gather(ctx, operands, layouts):
     refs = [table.ref, safe] + [x.ref for x in operands[2:]]
     out = replay(ctx, operands, layouts, refs=refs)[0]
     out_shape = local_shapes(ctx, layouts)[0]
-    idx_rank = len(b.shape_of(safe))
-    bshape = (1,) * axis + b.shape_of(safe) + (1,) * (len(out_shape) - axis - idx_rank)
+    # the mask broadcast over the result: its batch dims, then the table dims before the
+    # axis, then the other indices dims, then the table dims after the axis
+    idx = b.shape_of(safe)
+    bshape = (idx[:batch_dims] + (1,) * (axis - batch_dims) + idx[batch_dims:]
+              + (1,) * (len(out_shape) - axis - len(idx) + batch_dims))
     valid = b.op("Reshape", [valid, b.const(np.asarray(bshape, np.int32))], bshape, tf.bool,
                  T=tf.bool, Tshape=tf.int32)
     dtype = ctx.node.out_dtypes[0]  # the table may be a variable handle

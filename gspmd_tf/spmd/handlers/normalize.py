@@ -115,7 +115,7 @@ def arg_reduce(ctx, operands, layouts):
     Each device takes its best candidate value and its global index; all devices agree on
     the best value, then on the smallest index that holds it."""
     x = operands[0]
-    axis = int(np.atleast_1d(ctx.graph.const_value(ctx.node.inputs[1]))[0]) % len(x.shape)
+    axis, = ctx.rule.params.axes
     axes = x.layout.dims[axis]
     if not axes:
         return replay(ctx, operands, layouts)
