@@ -9,6 +9,10 @@ An OpDef holds
   replay             True: re-creating the TF op on local shapes is exact. It is declared
                      per op, never assumed: an op with a rule needs one of the two.
   silent_replicated  no warning when it runs replicated (scalars, shapes)
+  safe_padding       (input, value) pairs: inputs the op checks (an integer divisor, an
+                     index, a label...) whose padding (the tail of an uneven split dim)
+                     is set to `value` first, so it cannot fail where the global op
+                     does not
   fold               FOLD_SHAPE: graph.fold turns it into a constant from its input shapes
                      (Shape, Size...); FOLD_VALUES: a pure op graph.fold evaluates when all
                      its inputs are constants
@@ -49,6 +53,7 @@ class OpDef:
     emit: Optional[Callable] = None
     replay: bool = False
     silent_replicated: bool = False
+    safe_padding: tuple = ()
     fold: Optional[str] = None
     custom: bool = False
 
@@ -116,8 +121,11 @@ def _put(op_type, override=False, **fields):
 def declare(op_types, rule=None, *, emit=None, replay=False, **flags):
     """Declare built-in op types: `op_types` is a name, a list of names, or a dict
     {name: rule parameters} (a tuple, or one value) when they differ per op. Flags
-    (silent_replicated, fold) without a rule give a flag-only entry; flags merge into
-    an entry declared elsewhere. Checked when the module is imported."""
+    (silent_replicated, safe_padding as a dict, fold) without a rule give a flag-only
+    entry; flags merge into an entry declared elsewhere. Checked when the module is
+    imported."""
+    if "safe_padding" in flags:
+        flags["safe_padding"] = tuple(sorted(flags["safe_padding"].items()))
     if isinstance(op_types, str):
         op_types = [op_types]
     per_op = op_types if isinstance(op_types, dict) else dict.fromkeys(op_types, ())

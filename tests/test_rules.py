@@ -108,10 +108,10 @@ VARIABLE_ROWS = [(op, with_variables(op), [f32(4, 6)], text + " {i=4, j=6}")
                  for op, text in VARIABLE_EXPECTED.items()]
 
 
-def read(shape):
+def read(shape, batch_dims=0):
     variable = tf.Variable(tf.zeros(shape))
     return lambda i: tf.raw_ops.ResourceGather(resource=variable.handle, indices=i,
-                                               dtype=tf.float32)
+                                               dtype=tf.float32, batch_dims=batch_dims)
 
 
 def conv(op_type, x, w, y, **attrs):
@@ -273,6 +273,12 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
      "([i, j], [k], _)->([i, k]) {i=10, j=6, k=5} reduction={j}"),
     ("ResourceGather", read((10, 6)), [i32(4)],
      "([i, j], [k])->([k, j]) {i=10, j=6, k=4} reduction={i}"),
+    # batch_dims: the leading dims of table and indices are one factor (a parallel gather)
+    ("GatherV2", lambda t, i: tf.gather(t, i, axis=2, batch_dims=1),
+     [f32(6, 5, 7, 8), i32(6, 3)],
+     "([i, j, k, l], [i, m], _)->([i, j, m, l]) {i=6, j=5, k=7, l=8, m=3} reduction={k}"),
+    ("ResourceGather", read((6, 7, 8), batch_dims=1), [i32(6, 3)],
+     "([i, j, k], [i, l])->([i, l, k]) {i=6, j=7, k=8, l=3} reduction={j}"),
     ("OneHot", lambda i: tf.one_hot(i, 5), [i32(4)], "([i], _, _, _)->([i, j]) {i=4, j=5}"),
     ("Const", lambda x: x + tf.constant(np.ones((4, 6), np.float32)), [f32(4, 6)],
      "()->([i, j]) {i=4, j=6}"),

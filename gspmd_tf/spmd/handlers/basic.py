@@ -8,7 +8,7 @@ import tensorflow as tf
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import REDUCE, strided_slice_kept_dims
-from gspmd_tf.registry import declare, op_family
+from gspmd_tf.registry import declare, op_def, op_family
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding
 from gspmd_tf.spmd.program import Local
 
@@ -18,26 +18,13 @@ def local_shapes(ctx, layouts):
     return [ctx.local_shape(layout, k) for k, layout in enumerate(layouts)]
 
 
-# Inputs whose padding (the tail of an uneven split dim) could make the local op fail
-# where the global one does not: an integer divisor or exponent, an index, a label, a
-# value checked for NaN/Inf. Their padding is set to a harmless value first.
-_SAFE_PADDING = {
-    **{op: {1: 1} for op in ("Div", "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod")},
-    "Pow": {1: 0},
-    "GatherV2": {1: 0},
-    "ResourceGather": {1: 0},
-    "SparseSoftmaxCrossEntropyWithLogits": {1: 0},
-    "CheckNumerics": {0: 0},
-}
-
-
 def masked_refs(ctx, operands):
     """Operand refs with the padding of split, uneven REDUCE dims set to the identity of
     the reduction, so padding never reaches a result; and the padding of inputs the op
-    checks (see _SAFE_PADDING) set to a harmless value."""
+    checks (the op registry's safe_padding) set to a harmless value."""
     rule = ctx.rule
     reduce_op = {"arg": "max"}.get(rule.reduce_op, rule.reduce_op)
-    safe = _SAFE_PADDING.get(ctx.node.op, {})
+    safe = dict(op_def(ctx.node.op).safe_padding)
     refs = []
     for i, (x, dims) in enumerate(zip(operands, rule.operands)):
         if dims is None:

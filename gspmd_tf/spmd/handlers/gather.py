@@ -21,7 +21,7 @@ def _local_indices(ctx, indices, axes, size):
     return binary(b, "Sub", indices.ref, offset, dtype)
 
 
-@op_family(["GatherV2", "ResourceGather"], rules.gather)
+@op_family(["GatherV2", "ResourceGather"], rules.gather, safe_padding={1: 0})  # indices
 def gather(ctx, operands, layouts):
     """GatherV2 from a table split on the gathered dim: a masked local lookup whose
     partial result the partitioner all-reduces."""

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
-from gspmd_tf.registry import op_family
+from gspmd_tf.registry import declare, op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, replay
 from gspmd_tf.spmd.local_ops import (binary, cast, global_index, identity_of, mask_padding,
                                      reduce_last, select, shard_offset, unary)
@@ -64,6 +64,9 @@ def softmax(ctx, operands, layouts):
     out = rows.softmax() if ctx.node.op == "Softmax" else rows.log_softmax()
     return [ctx.b.op("Identity", [out], local_shapes(ctx, layouts)[0], rows.dtype,
                      name=ctx.node.name, T=rows.dtype)]
+
+
+declare("SparseSoftmaxCrossEntropyWithLogits", safe_padding={1: 0})  # labels (indices)
 
 
 @op_family({"SparseSoftmaxCrossEntropyWithLogits": True,

@@ -56,6 +56,13 @@ declare(["Pad", "PadV2"], rules.same_rank_slicing, replay=True)
 # variables: reads, assignments and fused optimizer updates are elementwise on the shard
 declare(VARIABLE_OPS, rules.variable_update, replay=True)
 
+# inputs the op checks (an integer divisor or exponent, a value checked for NaN/Inf):
+# their padding (the tail of an uneven split dim, arbitrary values) could make the local
+# op fail where the global one does not, so it is set to a harmless value first
+declare(["Div", "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod"], safe_padding={1: 1})
+declare("Pow", safe_padding={1: 0})
+declare("CheckNumerics", safe_padding={0: 0})
+
 # ---------------------------------------------------------------- flags of ops in general
 # shape ops graph.fold turns into constants from their inputs' static shapes
 declare(["Shape", "ShapeN", "Size", "Rank"], fold=FOLD_SHAPE)
