@@ -8,7 +8,9 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf import registry
+from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
+from gspmd_tf.spmd.handlers import replay
 from util import check_partitioned, randn
 
 P = gt.P
@@ -95,6 +97,23 @@ def test_einsum_string_rule_for_an_elementwise_op(mesh, rng, own_table):
     assert low.program.replicated_ops == []
     assert low.layout_of("erfinv").to_spec() == P("data", "model")
 
+
+
+def test_registered_emitter_emits_the_op(mesh, rng, own_table):
+    """An op registered with emit=: the partitioner calls it with the operands resharded
+    to the rule's split (here the emitter replays the op, as a handler may)."""
+    seen = []
+
+    def emit(ctx, operands, layouts):
+        seen.append((ctx.node.name, operands[0].layout, layouts[0]))
+        return replay(ctx, operands, layouts)
+
+    gt.register_op("Erfinv", rule="ij->ij", emit=emit)
+    x = np.tanh(randn(rng, 6, 10))
+    check_partitioned(lambda v: tf.raw_ops.Erfinv(x=v, name="erfinv"), [x], mesh,
+                      (P("data", "model"),))
+    split = Layout((("data",), ("model",)))
+    assert seen and all(s == ("erfinv", split, split) for s in seen)
 
 # ------------------------------------------------------------------ parallel gather
 

@@ -15,6 +15,10 @@ channels] (or channels first), windows over the spatial dims, an output y. Facto
   depthwise    channels PASS, the output channel dim made of (channel, multiplier)
   pooling      channels PASS (ksize/strides 1 there, else no rule)
   pool grads   the spatial factor spans x, y, dy and dx
+
+Every rule carries a WindowedParams (OpRule.params): the geometry and layout its emitter
+needs. The op types these builders serve, with their parameters, are declared beside the
+emitters (gspmd_tf/spmd/handlers/conv.py).
 """
 
 from __future__ import annotations
@@ -216,7 +220,9 @@ def _batch_and_channels(b, shape, geo, *tensors_dims):
 
 
 def pool(ctx, pooling, explicit_padding):
-    """MaxPool/AvgPool: batch and channels pass, spatial dims shared by x and y."""
+    """MaxPool/AvgPool: batch and channels pass, spatial dims shared by x and y.
+    `pooling` ("max" or "avg") and `explicit_padding` (whether the op takes per-dim
+    explicit padding) go to the emitter in WindowedParams."""
     x = ctx.in_shapes[0]
     y = ctx.out_shapes[0]
     geo = geometry(ctx.node, x, y)

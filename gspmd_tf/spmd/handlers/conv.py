@@ -249,9 +249,6 @@ def _offset(b, dp):
 
 # ------------------------------------------------------------------------ forward ops
 
-_POOL_FILL = {"max": "max"}  # pooling -> the reduction whose identity pads
-
-
 def _prepare_input(ctx, operands, index, geo, axes_of):
     """The operand `index` (x) with every spatial dim either split like its windows or
     whole, and the per-dim plans."""
@@ -316,7 +313,7 @@ def windowed_forward(ctx, operands, layouts):
     x, plans = _prepare_input(ctx, operands, 0, geo, lambda s: y_layout.dims[s.y_dim])
     plans, attrs = _local_padding(params.explicit_padding, plans)
     refs = masked_refs(ctx, [x] + list(operands[1:]))  # split in-channels -> zeros
-    reduce = _POOL_FILL.get(params.pooling, "sum")
+    reduce = "max" if params.pooling == "max" else "sum"  # its identity pads the window
     fill = identity_of(reduce, x.dtype)
     window = _extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim)
     for dp in plans:
@@ -513,4 +510,3 @@ def _avg_grad_scale(b, ref, dims):
         local = _slice(b, table, {s.y_dim: start}, {s.y_dim: p["span"]})
         ref = b.op("Mul", [ref, local], b.shape_of(ref), dtype, T=dtype)
     return ref
-
