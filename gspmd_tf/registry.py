@@ -131,13 +131,12 @@ def declare(op_types, rule=None, *, emit=None, replay=False, **flags):
     per_op = op_types if isinstance(op_types, dict) else dict.fromkeys(op_types, ())
     for op_type, args in per_op.items():
         fields = dict(flags)
-        if rule is not None:
+        if rule is not None or emit is not None or replay:  # (checked below)
             fields.update(rule=rule, rule_args=args if isinstance(args, tuple) else (args,),
                           emit=emit, replay=replay)
         _put(op_type, **fields)
     for op_type in per_op:
-        if rule is not None:
-            _check(_TABLE[op_type])
+        _check(_TABLE[op_type])
 
 
 def op_family(op_types, rule, **flags):
