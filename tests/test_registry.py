@@ -154,8 +154,12 @@ def test_parallel_gather_sends_nothing(mesh, rng, specs):
     assert low.layout_of("gathered").dims[0] == batch_axes
 
 
-def test_resource_gather_with_batch_dims(mesh, rng):
-    table = gt.Variable(randn(rng, 4, 7, 8), mesh=mesh, spec=P("data"))
+@pytest.mark.parametrize("spec, collectives", [(P("data"), []),
+                                               (P("data", "model"), ["all-reduce"])])
+def test_resource_gather_with_batch_dims(mesh, rng, spec, collectives):
+    """A variable split on its batch dim: nothing sent; also split on the gathered dim
+    (7 rows over 4 devices): a masked local lookup and one all-reduce."""
+    table = gt.Variable(randn(rng, 4, 7, 8), mesh=mesh, spec=spec)
     indices = rng.integers(0, 7, size=(4, 3)).astype(np.int32)
 
     def fn(ids):
@@ -168,7 +172,7 @@ def test_resource_gather_with_batch_dims(mesh, rng):
     np.testing.assert_array_equal(got, want)
     low = f.lower(indices)
     assert low.program.replicated_ops == []
-    assert low.collectives() == []
+    assert [c.kind for c in low.collectives()] == collectives, low.report()
 
 
 def test_batch_gather_gradient(mesh, rng):
