@@ -541,7 +541,7 @@ def squeeze_or_expand(ctx):
 
 
 # ------------------------------------------------------------------ gradient-side ops
-# Ops TF's gradient code emits (besides elementwise *Grad ops, which are in BINARY).
+# Ops TF's gradient code emits (besides elementwise *Grad ops, served by elementwise).
 
 
 def bias_add_grad(ctx):
