@@ -3,7 +3,9 @@
 For every op, in graph order: pick the mesh axes of each factor of its rule (the result's
 target layout decides the factors it has, the operands' layouts the reduced ones), reshard
 the operands to match, emit the local op through the op's handler, and reshard each
-result to the layout propagation chose for it. Ops without a rule run replicated.
+result to the layout propagation chose for it. Ops without a rule run replicated, and so
+do control-flow ops (While, If, Case: nodes with regions) until their bodies are
+partitioned: operands gathered, the op and its bodies whole on every device.
 """
 
 from __future__ import annotations
@@ -223,7 +225,7 @@ class Partitioner:
                 continue
             rule = self.propagation.rules[index]
             ctx = OpContext(self, index, rule, targets)
-            if rule is None:
+            if rule is None or node.regions:
                 results = self._replicated(ctx)
             else:
                 results = self._by_rule(ctx, HANDLERS.get(node.op, replay))
@@ -248,13 +250,26 @@ class Partitioner:
                 in zip(refs, layouts, node.out_shapes, node.out_dtypes)]
 
     def _replicated(self, ctx):
-        """No rule: gather the inputs, run the op whole on every device."""
+        """No rule: gather the inputs, run the op whole on every device (a control-flow
+        op with its regions, which then hold no collectives)."""
         node = ctx.node
-        if node.op not in _SILENT_REPLICATED:
+        if node.regions:
+            log.warning("gspmd_tf: control-flow op %s (%s) runs replicated: its operands are "
+                        "gathered and its bodies run whole on every device", node.name,
+                        node.op)
+            self.replicated_ops.append(node.name)
+        elif node.op not in _SILENT_REPLICATED:
             log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
                         "(inputs gathered)", node.name, node.op)
             self.replicated_ops.append(node.name)
         for ref, x in zip(node.inputs, ctx.inputs):
+            if x.dtype == tf.resource and not x.layout.is_replicated and node.regions:
+                raise ShardingError(
+                    f"control-flow op {node.name!r} ({node.op}) uses the sharded variable "
+                    f"{self.graph.tensor_name(ref)!r} in its body, and bodies run replicated "
+                    "(control flow is not partitioned yet); read the variable before the "
+                    "op (e.g. w = tf.convert_to_tensor(v), then use w inside), or make "
+                    "that variable replicated (spec P())")
             if x.dtype == tf.resource and not x.layout.is_replicated:
                 raise ShardingError(
                     f"op {node.name!r} ({node.op}) uses the sharded variable "
