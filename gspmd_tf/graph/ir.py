@@ -101,6 +101,8 @@ class Graph:
     holds the captured values (same order as the tail of `inputs`); `annotations` maps a
     tensor to the gt.Sharding a user asked for. `aliases` maps names ("op:k") of tensors
     that have no node of their own (outputs of inlined function calls) to their Ref.
+    A region (a body of a control-flow op, Node.regions) is a Graph whose inputs are its
+    parameters (Placeholder nodes) and whose outputs are its results.
     """
 
     def __init__(self):

@@ -23,6 +23,7 @@ from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.spmd.dce import eliminate_dead_code
 from gspmd_tf.spmd.handlers import HANDLERS, replay
 from gspmd_tf.spmd.program import Local, ProgramBuilder
+from gspmd_tf.spmd.regions import read_variables_whole
 from gspmd_tf.spmd.reshard import reshard
 
 log = logging.getLogger("gspmd_tf")
@@ -230,7 +231,10 @@ class Partitioner:
             else:
                 results = self._by_rule(ctx, HANDLERS.get(node.op, replay))
             for k, (local, target) in enumerate(zip(results, targets)):
-                self.values[Ref(index, k)] = self.reshard(local, target)
+                # a variable handle (e.g. one a loop hands through) points to this
+                # device's shard whatever layout propagation gave it: never resharded
+                self.values[Ref(index, k)] = (local if local.dtype == tf.resource
+                                              else self.reshard(local, target))
         outputs = []
         for ref, layout in zip(graph.outputs, output_layouts):
             local = self.reshard(self.values[ref], layout)
@@ -262,23 +266,28 @@ class Partitioner:
             log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
                         "(inputs gathered)", node.name, node.op)
             self.replicated_ops.append(node.name)
-        for ref, x in zip(node.inputs, ctx.inputs):
+        operands, through = ctx.inputs, {}
+        if node.regions:  # bodies that only read sharded variables take their values
+            node, operands, through = read_variables_whole(self.b, node, operands)
+        for ref, x in zip(node.inputs, operands):
             if x.dtype == tf.resource and not x.layout.is_replicated and node.regions:
                 raise ShardingError(
-                    f"control-flow op {node.name!r} ({node.op}) uses the sharded variable "
-                    f"{self.graph.tensor_name(ref)!r} in its body, and bodies run replicated "
-                    "(control flow is not partitioned yet); read the variable before the "
-                    "op (e.g. w = tf.convert_to_tensor(v), then use w inside), or make "
-                    "that variable replicated (spec P())")
+                    f"control-flow op {node.name!r} ({node.op}) writes the sharded variable "
+                    f"{self.graph.tensor_name(ref)!r} in a body (or hands its handle to an op "
+                    "other than a read), and bodies run whole on every device (control flow "
+                    "is not partitioned yet), where one device's shard cannot stand for the "
+                    "variable; update it outside the control-flow op, or make that variable "
+                    "replicated (spec P())")
             if x.dtype == tf.resource and not x.layout.is_replicated:
                 raise ShardingError(
                     f"op {node.name!r} ({node.op}) uses the sharded variable "
                     f"{self.graph.tensor_name(ref)!r} but has no partitioning rule; make that "
                     "variable replicated (spec P()) or add a rule for the op")
-        inputs = [self.reshard(x, Layout.replicated(len(x.shape))) for x in ctx.inputs]
+        inputs = [self.reshard(x, Layout.replicated(len(x.shape))) for x in operands]
         refs = self.b.replay(node, [x.ref for x in inputs], node.out_shapes, node.out_dtypes)
-        return [Local(ref, Layout.replicated(len(shape)), shape, dtype)
-                for ref, shape, dtype in zip(refs, node.out_shapes, node.out_dtypes)]
+        return [through.get(k) or Local(ref, Layout.replicated(len(shape)), shape, dtype)
+                for k, (ref, shape, dtype)
+                in enumerate(zip(refs, node.out_shapes, node.out_dtypes))]
 
 
 # ops that are naturally whole (scalars, shapes): no warning when they run replicated
