@@ -7,9 +7,13 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 import gspmd_tf as gt
+from gspmd_tf.backends import LocalBackend
 from gspmd_tf.graph.importer import import_graph
+from gspmd_tf.graph.ir import Graph, Node, Ref
+from gspmd_tf.spmd.program import attr_value
 from util import assert_close, randn, single_device
 
 P = gt.P
@@ -296,3 +300,44 @@ def test_keras_lstm_trains_data_parallel(mesh):
     split = model()
     gt.keras.shard_model(split, mesh, layout_map={".*lstm.*kernel": P(None, "model")})
     assert_close(split.predict(x, verbose=0), model().predict(x, verbose=0), "predict")
+
+
+def _region(op, value):
+    """A region computing op(x, value) of its one parameter x: float32[2, 4]."""
+    region = Graph()
+    x = Ref(region.add(Node("x", "Placeholder", attrs={"dtype": attr_value(tf.float32)},
+                            out_shapes=[(2, 4)], out_dtypes=[tf.float32])), 0)
+    c = Ref(region.add(Node("c", "Const", attrs={
+        "dtype": attr_value(tf.float32), "value": attr_value(np.asarray(value, np.float32))},
+        out_shapes=[()], out_dtypes=[tf.float32])), 0)
+    y = Ref(region.add(Node("y", op, [x, c], attrs={"T": attr_value(tf.float32)},
+                            out_shapes=[(2, 4)], out_dtypes=[tf.float32])), 0)
+    region.inputs, region.outputs = [x], [y]
+    return region
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_backend_builds_bodies_from_regions_alone(mesh, pred):
+    """A hand-built SPMD program whose If names no existing function: LocalBackend runs
+    the bodies its regions hold, on every device's own input."""
+    program = Graph()
+    x = Ref(program.add(Node("in", "gt.Input", out_shapes=[(2, 4)], out_dtypes=[tf.float32],
+                             params={"index": 0})), 0)
+    p = Ref(program.add(Node("p", "Const", attrs={
+        "dtype": attr_value(tf.bool), "value": attr_value(np.asarray(pred))},
+        out_shapes=[()], out_dtypes=[tf.bool])), 0)
+    missing = attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name="no_such_fn"))
+    branch = program.add(Node(
+        "cond", "StatelessIf", [p, x],
+        attrs={"Tcond": attr_value(tf.bool), "Tin": attr_value([tf.float32]),
+               "Tout": attr_value([tf.float32]), "then_branch": missing,
+               "else_branch": missing, "output_shapes": attr_value_pb2.AttrValue(
+                   list=attr_value_pb2.AttrValue.ListValue(
+                       shape=[tf.TensorShape([2, 4]).as_proto()]))},
+        out_shapes=[(2, 4)], out_dtypes=[tf.float32],
+        regions=[_region("Mul", 2.0), _region("AddV2", 1.0)]))
+    program.inputs, program.outputs = [x], [Ref(branch, 0)]
+    shards = [np.full((2, 4), d, np.float32) for d in range(mesh.size)]
+    outs = LocalBackend(mesh).compile(program, "hand-built If")([shards])
+    for d, out in enumerate(outs[0]):
+        assert_close(out.numpy(), shards[d] * 2 if pred else shards[d] + 1, f"device {d}")
