@@ -249,6 +249,29 @@ def test_variables_in_bodies(mesh, xw):
     assert_close(counter.numpy(), np.full((4,), 3.0, np.float32))
 
 
+def test_variable_of_another_mesh_in_bodies(mesh, xw):
+    """A body may read a variable of another mesh (its value is resharded in); writing
+    it in a body is refused like any update of such a variable."""
+    x, w = xw
+    v = gt.Variable(w, gt.Mesh.create((4, 2), ("data", "model")), P(None, "model"),
+                    name="foreign_loop")
+
+    def read(x):
+        return tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, h @ v), (0, x))[1]
+    f = gt.function(read, mesh=mesh, in_shardings=(P("data"),))
+    assert_close(f(x).numpy(), x @ w @ w)
+
+    def write(x):
+        def body(i, h):
+            v.assign_add(tf.zeros_like(v))
+            return i + 1, h
+        return tf.while_loop(lambda i, h: i < 2, body, (0, x))[1]
+    g = gt.function(write, mesh=mesh, in_shardings=(P("data"),))
+    with pytest.raises(gt.ShardingError, match=r"updates variable 'foreign_loop.*\(While "
+                                               r"'while'\)"):
+        g(x)
+
+
 def test_dead_code_elimination_of_region_ops(mesh, xw):
     """A stateless loop whose results nobody reads is dropped; a stateful one (its body
     updates a variable) runs."""

@@ -31,14 +31,9 @@ def read_variables_whole(builder, node, operands):
     operands = list(operands)
     through = {}
     for p, x in enumerate(operands):
-        if p < first or x.dtype != tf.resource or x.layout.is_replicated:
+        if x.dtype != tf.resource or x.layout.is_replicated or not reads_only(node, p):
             continue
         j = p - first
-        if not all(_only_read(region, j, loop) for region in node.regions):
-            continue
-        body = node.regions[-1]
-        if loop and body.outputs[j] != body.inputs[j]:  # the loop must hand it on
-            continue
         dtype, shape = _variable_type(node, j)
         if dtype is None:
             continue
@@ -49,6 +44,19 @@ def read_variables_whole(builder, node, operands):
         if loop:
             through[p] = x
     return node, operands, through
+
+
+def reads_only(node, p):
+    """Whether the regions of control-flow `node` only read the variable handle that is
+    its input `p`: ReadVariableOps of it, and a While body returning it unchanged."""
+    first = REGION_OPS[node.op][1]
+    if p < first:
+        return False
+    j, loop = p - first, "While" in node.op
+    if not all(_only_read(region, j, loop) for region in node.regions):
+        return False
+    body = node.regions[-1]
+    return not loop or body.outputs[j] == body.inputs[j]  # a loop must hand it on
 
 
 def _only_read(region, j, loop):
