@@ -150,6 +150,36 @@ def test_cond_nested_in_while(mesh, xw, caplog):
     assert [n.op for n in inner] == ["StatelessIf"] and len(inner[0].regions) == 2
 
 
+def _map_fn(x, w):
+    return tf.map_fn(lambda row: tf.tanh(tf.linalg.matvec(w, row)), x)
+
+
+def _tensor_array(x, w):
+    def body(i, array, h):
+        h = tf.tanh(h @ w)
+        return i + 1, array.write(i, h), h
+    array = tf.TensorArray(tf.float32, size=4)
+    return tf.while_loop(lambda i, a, h: i < 4, body, (0, array, x),
+                         maximum_iterations=4)[1].stack()
+
+
+def _scan_gradient(x, w):
+    with tf.GradientTape() as tape:
+        tape.watch(w)
+        steps = tf.reshape(x, (2, 4, 16))
+        y = tf.reduce_sum(tf.scan(lambda a, r: tf.tanh(a @ w) + r, steps))
+    return tape.gradient(y, w)
+
+
+@pytest.mark.parametrize("fn", [_map_fn, _tensor_array, _scan_gradient],
+                         ids=lambda fn: fn.__name__)
+def test_loops_over_tensor_arrays(mesh, xw, caplog, fn):
+    """tf.map_fn, tf.TensorArray in a while_loop and tf.scan's gradient: loops whose
+    bodies read and write TensorLists (the list ops run replicated too)."""
+    low, warnings = check_calls(fn, [xw], mesh, caplog)
+    assert_runs_replicated(low, warnings, [n.name for n in low.graph.nodes if n.regions])
+
+
 def test_mesh_split_inside_a_body_is_kept_as_an_identity(mesh, xw, caplog):
     def fn(x, w):
         def body(i, h):
