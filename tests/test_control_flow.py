@@ -46,7 +46,7 @@ def check_calls(fn, calls, mesh, caplog, specs=SPECS, out_specs=None):
 
 
 def region_ops(graph):
-    """(node, depth) of every node with regions in `graph` and its regions."""
+    """Every node with regions in `graph` and, recursively, in its regions."""
     found = []
     for node in graph.nodes:
         if node.regions:
@@ -59,7 +59,7 @@ def region_ops(graph):
 def assert_runs_replicated(low, warnings, names):
     """The control-flow ops `names` ran replicated, each named by a warning, and no
     collective is inside a region of the program (the bodies run whole)."""
-    assert set(names) <= set(low.program.replicated_ops)
+    assert names and set(names) <= set(low.program.replicated_ops)
     for name in names:
         assert any(f"control-flow op {name} " in w and "runs replicated" in w
                    for w in warnings), (name, warnings)
