@@ -35,7 +35,7 @@ def read_variables_whole(builder, node, operands):
             continue
         j = p - first
         dtype, shape = _variable_type(node, j)
-        if dtype is None:
+        if shape != x.shape:  # unread, or TF could not tell the variable's shape
             continue
         local_shape = x.layout.local_shape(builder.mesh, x.shape)
         value = builder.op("ReadVariableOp", [x.ref], local_shape, dtype, dtype=dtype)
@@ -69,13 +69,13 @@ def _only_read(region, j, loop):
 
 
 def _variable_type(node, j):
-    """(dtype, shape) of the variable behind region parameter `j`, from its reads (None
-    when no region reads it)."""
+    """(dtype, shape) of the variable behind region parameter `j`, as its first read
+    gives them ((None, None) when no region reads it)."""
     for region in node.regions:
         param = region.inputs[j]
         for n in region.nodes:
             if param in n.inputs:
-                return n.out_dtypes[0], region.shape(param)
+                return n.out_dtypes[0], n.out_shapes[0]
     return None, None
 
 
