@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 from gspmd_tf.runtime.variables import variable_of_handle
 
@@ -20,7 +21,7 @@ from gspmd_tf.runtime.variables import variable_of_handle
 @dataclass(frozen=True)
 class Memory:
     """Bytes one device holds: `arguments` (its shards of the tensor arguments),
-    `variables` (its shards of captured gt.Variables), `outputs` (its output shards) and
+    `variables` (its shards of the captured variables), `outputs` (its output shards) and
     `peak` (estimated live bytes at the fullest point of the program, all included)."""
 
     arguments: int
@@ -41,6 +42,22 @@ def _bytes(shape, dtype):
     return int(np.prod(shape, dtype=np.int64)) * tf.as_dtype(dtype).size
 
 
+def _variable_shape(handle):
+    """(global shape, dtype) of the variable behind a captured resource handle: a
+    gt.Variable's, else what the handle records (a plain tf.Variable, e.g. of a
+    SavedModel); None when unknown."""
+    variable = variable_of_handle(handle)
+    if variable is not None:
+        return tuple(variable.shape), variable.dtype
+    data = resource_variable_ops.get_eager_safe_handle_data(handle)
+    if not data.is_set or not data.shape_and_type:
+        return None
+    shape = tf.TensorShape(data.shape_and_type[0].shape)
+    if not shape.is_fully_defined():
+        return None
+    return tuple(shape.as_list()), tf.as_dtype(data.shape_and_type[0].dtype)
+
+
 def program_memory(lowered):
     """The Memory of `lowered` (a gt.Lowered)."""
     program, graph, mesh = lowered.program.graph, lowered.graph, lowered.mesh
@@ -51,11 +68,10 @@ def program_memory(lowered):
         if program.dtype(ref) != tf.resource:
             arguments += _bytes(program.shape(ref), program.dtype(ref))
             continue
-        variable = (variable_of_handle(graph.captures[i - first_capture])
-                    if i >= first_capture else None)
-        if variable is not None:
-            shape = layout.local_shape(mesh, tuple(variable.shape))
-            variables += _bytes(shape, variable.dtype)
+        if i >= first_capture:
+            shape_dtype = _variable_shape(graph.captures[i - first_capture])
+            if shape_dtype is not None:
+                variables += _bytes(layout.local_shape(mesh, shape_dtype[0]), shape_dtype[1])
     outputs = sum(_bytes(program.shape(r), program.dtype(r)) for r in program.outputs)
 
     # live ranges in program order; arguments, variables and outputs stay live

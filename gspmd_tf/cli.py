@@ -1,0 +1,148 @@
+"""`python -m gspmd_tf inspect SAVED_MODEL ...`: how a SavedModel's signature would be
+partitioned, without running it.
+
+    python -m gspmd_tf inspect /tmp/model --mesh=2x4 --axes=data,model \\
+        --shard 'x=data' --shard '.*kernel=None,model' [--html=report.html]
+
+Loads the SavedModel, imports the signature's graph, seeds the shardings that --shard
+gives (each REGEX is matched with re.fullmatch against the signature's input names and
+the variable names, as gt.keras' layout_map: an exact name first, a name matching two
+regexes is an error), then propagates and partitions on an abstract mesh (no devices
+are needed). Prints the sharding report (every tensor, every collective with its bytes)
+and the per-device memory. Unmatched inputs get inferred shardings; unmatched variables
+stay replicated.
+
+SPEC: one entry per dim, comma separated; an entry is a mesh axis name, several names
+joined by '+' (one dim split over several axes), or None / '-' / '' (not split).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import tensorflow as tf
+from absl import app, flags
+
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.importer import import_graph
+from gspmd_tf.keras import _Rules
+from gspmd_tf.layout import Layout
+from gspmd_tf.mesh import Mesh, PartitionSpec
+from gspmd_tf.propagation.propagate import propagate
+from gspmd_tf.runtime.function import Function
+from gspmd_tf.runtime.lowered import Lowered
+from gspmd_tf.spmd.partitioner import partition
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("mesh", None, "mesh shape, e.g. 2x4")
+flags.DEFINE_list("axes", None, "mesh axis names, e.g. data,model")
+flags.DEFINE_multi_string("shard", [], "REGEX=SPEC: shard the inputs and variables whose "
+                          "names match REGEX by SPEC (e.g. 'x=data', '.*kernel=None,model')")
+flags.DEFINE_string("signature", "serving_default", "the signature to lower")
+flags.DEFINE_string("html", None, "also write the HTML report to this path")
+
+
+def parse_spec(text):
+    """A PartitionSpec from 'data,None', 'data+model,-' or '' (replicated)."""
+    entries = []
+    for entry in text.split(",") if text.strip() else []:
+        entry = entry.strip()
+        if entry in ("None", "-", ""):
+            entries.append(None)
+        else:
+            names = tuple(n.strip() for n in entry.split("+"))
+            entries.append(names[0] if len(names) == 1 else names)
+    return PartitionSpec(*entries)
+
+
+def parse_shard_flags(values):
+    """{regex: PartitionSpec} from REGEX=SPEC strings (split at the last '=')."""
+    rules = {}
+    for value in values:
+        regex, sep, spec = value.rpartition("=")
+        if not sep or not regex:
+            raise ShardingError(f"--shard {value!r}: write REGEX=SPEC, e.g. 'x=data,None'")
+        rules[regex] = parse_spec(spec)
+    return rules
+
+
+def parse_mesh(shape, axes):
+    """An abstract gt.Mesh from '2x4' and ['data', 'model']."""
+    try:
+        dims = tuple(int(d) for d in shape.lower().split("x"))
+    except (AttributeError, ValueError):
+        raise ShardingError(f"--mesh={shape!r}: give the mesh shape as e.g. 2x4") from None
+    return Mesh.abstract(dims, tuple(axes or ()))
+
+
+def lower_saved_model(path, mesh, shard_rules, signature="serving_default"):
+    """The gt.Lowered of SavedModel `path`'s `signature` on `mesh` with `shard_rules`
+    ({name regex: PartitionSpec} over input and variable names); nothing runs."""
+    loaded = tf.saved_model.load(path)
+    if signature not in loaded.signatures:
+        raise ShardingError(f"SavedModel {path!r} has no signature {signature!r}; it has "
+                            f"{sorted(loaded.signatures)} (pass --signature)")
+    concrete = loaded.signatures[signature]
+    graph = import_graph(concrete)
+    rules, used = _Rules(shard_rules), set()
+    specs = tf.nest.flatten(concrete.structured_input_signature)
+    variables = {id(v.handle): v for v in concrete.variables}
+    named = [(spec.name, ref, spec.shape) for spec, ref in zip(specs, graph.inputs)]
+    first_capture = len(graph.inputs) - len(graph.captures)
+    for ref, handle in zip(graph.inputs[first_capture:], graph.captures):
+        variable = variables.get(id(handle))
+        if variable is not None:
+            named.append((variable.name.split(":")[0], ref, variable.shape))
+    for name, ref, shape in named:
+        if not shape.is_fully_defined():
+            raise ShardingError(f"input {name!r} of signature {signature!r} has shape "
+                                f"{shape}; export the signature with static shapes")
+    seeds = {}
+    for name, ref, shape in named:
+        key, spec = rules.lookup(name)
+        if key is not None:
+            used.add(key)
+            seeds[ref] = Layout.from_spec(mesh, spec, len(shape), f"{name!r} (--shard {key!r})")
+        elif graph.dtype(ref) == tf.resource:  # a variable enters the program whole
+            seeds[ref] = Layout.replicated(len(shape))
+    unused = [key for key, _ in rules.items if key not in used]
+    if unused:
+        raise ShardingError(f"--shard regex(es) {unused} match no input or variable; the "
+                            f"names are {[name for name, _, _ in named]}")
+    # annotations inside the graph (tf2xla XlaSharding) are seeded as gt.function does
+    Function._seed_annotations(types.SimpleNamespace(mesh=mesh), graph, seeds)
+    propagation = propagate(graph, mesh, seeds)
+    program = partition(graph, mesh, propagation,
+                        [propagation.layout(r) for r in graph.outputs])
+    # an abstract mesh never compiles, so no backend is needed
+    return Lowered(mesh, graph, propagation, program, len(specs), set(seeds), None,
+                   name=f"SavedModel {path} signature {signature!r}")
+
+
+def _inspect(argv):
+    if len(argv) != 3 or argv[1] != "inspect":
+        raise app.UsageError("usage: python -m gspmd_tf inspect SAVED_MODEL --mesh=2x4 "
+                             "--axes=data,model --shard 'REGEX=SPEC' ...")
+    if FLAGS.mesh is None:
+        raise app.UsageError("--mesh is required (e.g. --mesh=2x4 --axes=data,model)")
+    try:
+        mesh = parse_mesh(FLAGS.mesh, FLAGS.axes)
+        lowered = lower_saved_model(argv[2], mesh, parse_shard_flags(FLAGS.shard),
+                                    FLAGS.signature)
+    except ShardingError as e:
+        print(f"gspmd_tf inspect: {e}", file=sys.stderr)
+        return 2
+    print(lowered.report())
+    print("\nper-device memory (every device runs the same program; peak estimated in "
+          "program order)")
+    print(lowered.memory().text())
+    if FLAGS.html:
+        lowered.report(format="html", path=FLAGS.html)
+        print(f"\nHTML report written to {FLAGS.html}")
+    return 0
+
+
+def main():
+    """Entry point of `python -m gspmd_tf`."""
+    app.run(_inspect)
