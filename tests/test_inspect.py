@@ -198,3 +198,26 @@ def test_html_report_renders_in_headless_chromium(lowered, tmp_path):
                     path.as_uri()], capture_output=True, timeout=120, check=True)
     assert shot.stat().st_size > 10_000  # a page with a drawn graph, not a blank one
     assert os.path.getsize(path) < 200_000
+
+
+# --------------------------------------------------------------------------- warnings
+
+def test_replicated_ops_warn_once_per_op_type_with_a_count(mesh, caplog):
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+
+    @gt.function(mesh=mesh, in_shardings=(P("data", "model"),))
+    def cumsums(t):
+        for _ in range(12):
+            t = tf.cumsum(t, axis=0) * 0.5
+        return t
+
+    with caplog.at_level("WARNING", logger="gspmd_tf"):
+        got = cumsums(x).numpy()
+    want = x
+    for _ in range(12):
+        want = np.cumsum(want, axis=0) * 0.5
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    warnings = [r.getMessage() for r in caplog.records if "Cumsum" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("gspmd_tf: 12 ops (Cumsum) have no partitioning rule")
+    assert warnings[0].endswith("... (2 more)")

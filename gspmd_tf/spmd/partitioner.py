@@ -29,6 +29,7 @@ from gspmd_tf.spmd.regions import read_variables_whole
 from gspmd_tf.spmd.reshard import reshard
 
 log = logging.getLogger("gspmd_tf")
+_NAMES_SHOWN = 10  # op names a grouped replicated-op warning lists
 
 
 @dataclass
@@ -238,6 +239,7 @@ class Partitioner:
                 # device's shard whatever layout propagation gave it: never resharded
                 self.values[Ref(index, k)] = (local if local.dtype == tf.resource
                                               else self.reshard(local, target))
+        self._warn_replicated()
         outputs = []
         for ref, layout in zip(graph.outputs, output_layouts):
             local = self.reshard(self.values[ref], layout)
@@ -246,6 +248,30 @@ class Partitioner:
         return SpmdProgram(eliminate_dead_code(b.graph),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops)
+
+    def _warn_replicated(self):
+        """One warning per op type that ran replicated, with the count and the names (an
+        RNN's hundreds of cells give one line, not hundreds)."""
+        by_type = {}
+        for name in self.replicated_ops:
+            node = self.graph.nodes[self.graph.node_index(name)]
+            by_type.setdefault((bool(node.regions), node.op), []).append(name)
+        for (control_flow, op), names in by_type.items():
+            shown = ", ".join(names[:_NAMES_SHOWN]) + (
+                f", ... ({len(names) - _NAMES_SHOWN} more)" if len(names) > _NAMES_SHOWN else "")
+            if control_flow and len(names) == 1:
+                log.warning("gspmd_tf: control-flow op %s (%s) runs replicated: its operands "
+                            "are gathered and its bodies run whole on every device", shown, op)
+            elif control_flow:
+                log.warning("gspmd_tf: %d control-flow ops (%s) run replicated: their operands "
+                            "are gathered and their bodies run whole on every device: %s",
+                            len(names), op, shown)
+            elif len(names) == 1:
+                log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
+                            "(inputs gathered)", shown, op)
+            else:
+                log.warning("gspmd_tf: %d ops (%s) have no partitioning rule; they run "
+                            "replicated (inputs gathered): %s", len(names), op, shown)
 
     def _by_rule(self, ctx, emit):
         layouts = ctx.result_layouts()
@@ -260,14 +286,8 @@ class Partitioner:
         """No rule: gather the inputs, run the op whole on every device (a control-flow
         op with its regions, which then hold no collectives)."""
         node = ctx.node
-        if node.regions:
-            log.warning("gspmd_tf: control-flow op %s (%s) runs replicated: its operands are "
-                        "gathered and its bodies run whole on every device", node.name,
-                        node.op)
-            self.replicated_ops.append(node.name)
-        elif not op_def(node.op).silent_replicated:
-            log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
-                        "(inputs gathered)", node.name, node.op)
+        if node.regions or not op_def(node.op).silent_replicated:
+            # warned once per op type when the program is done (_warn_replicated)
             self.replicated_ops.append(node.name)
         operands, through = ctx.inputs, {}
         if node.regions:  # bodies that only read sharded variables take their values
