@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import sys
 import types
 
 import numpy as np
@@ -358,6 +359,13 @@ class Function:
         return split_value(np.asarray(value), self.mesh, layout)
 
 
+# Keras keeps a layer's weights in plain tf.Variables, which _captured_variable refuses
+_KERAS_HINT = (". A Keras layer or model called inside gt.function brings its own "
+               "tf.Variables: call gt.keras.shard_model(model, mesh, layout_map) on it "
+               "first (it backs the variables by gt.Variables; then model.fit/predict, or "
+               "calling the model inside gt.function, run partitioned)")
+
+
 def _captured_variable(graph, ref, handle):
     """The gt.Variable behind a captured resource; plain tf.Variables are refused."""
     variable = variable_of_handle(handle)
@@ -365,7 +373,7 @@ def _captured_variable(graph, ref, handle):
         raise ShardingError(
             f"the function captures a tf.Variable ({graph.tensor_name(ref)!r}) that is not a "
             "gt.Variable; create it with gt.Variable(value, mesh=..., spec=...) so that "
-            "each device holds its shard")
+            "each device holds its shard" + _KERAS_HINT * ("keras" in sys.modules))
     return variable
 
 
