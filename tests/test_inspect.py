@@ -221,3 +221,22 @@ def test_replicated_ops_warn_once_per_op_type_with_a_count(mesh, caplog):
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("gspmd_tf: 12 ops (Cumsum) have no partitioning rule")
     assert warnings[0].endswith("... (2 more)")
+
+
+def test_lowering_logs_progress_with_counts(mesh, caplog, monkeypatch):
+    from gspmd_tf.spmd import partitioner
+    monkeypatch.setattr(partitioner, "PROGRESS_EVERY", 4)
+
+    @gt.function(mesh=mesh, in_shardings=(P("data"),))
+    def chain(t):
+        for _ in range(6):
+            t = tf.tanh(t) * 2.0
+        return t
+
+    with caplog.at_level("INFO", logger="gspmd_tf"):
+        low = chain.lower(np.ones((8, 4), np.float32))
+    lines = [r.getMessage() for r in caplog.records]
+    ops = len(low.graph.nodes)
+    assert any(f".chain traced: {ops} ops (" in l for l in lines)
+    assert any(f"partitioned 4 of {ops} ops" in l for l in lines)
+    assert any("partitioned: " in l and "ops in the SPMD program" in l for l in lines)

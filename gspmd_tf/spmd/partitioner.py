@@ -30,6 +30,7 @@ from gspmd_tf.spmd.reshard import reshard
 
 log = logging.getLogger("gspmd_tf")
 _NAMES_SHOWN = 10  # op names a grouped replicated-op warning lists
+PROGRESS_EVERY = 10_000  # ops between two progress lines (log level INFO)
 
 
 @dataclass
@@ -219,6 +220,8 @@ class Partitioner:
         graph, b = self.graph, self.b
         input_index = {ref.node: i for i, ref in enumerate(graph.inputs)}
         for index, node in enumerate(graph.nodes):
+            if index and index % PROGRESS_EVERY == 0:
+                log.info("gspmd_tf: partitioned %d of %d ops", index, len(graph.nodes))
             targets = self.propagation.layouts[index]
             if index in input_index:
                 layout = targets[0]
