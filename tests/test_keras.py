@@ -313,3 +313,17 @@ def test_keras_layers_inside_gt_function_point_to_shard_model(mesh):
     got = call(x)
     assert got.spec == P("data", "model")
     _close(got.numpy(), want, "sharded model called in gt.function")
+
+
+def test_export_of_a_sharded_model_serves_on_one_device(mesh, tmp_path):
+    ref, sharded = _twins(lambda: _mlp("mlp_export"))
+    gt.keras.shard_model(sharded, mesh, {".*/d1/kernel": P(None, "model"),
+                                         ".*/d2/kernel": P("model", None)})
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 12)).astype(np.float32)
+    y = rng.integers(0, CLASSES, 8).astype(np.int32)
+    for model in (ref, sharded):  # weights that moved on the mesh are what is exported
+        model.train_on_batch(x, y)
+    sharded.export(str(tmp_path / "served"), verbose=False)
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    _close(served.serve(x).numpy(), ref.predict_on_batch(x), "exported model")
