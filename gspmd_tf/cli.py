@@ -116,8 +116,12 @@ def lower_saved_model(path, mesh, shard_rules, signature="serving_default"):
     program = partition(graph, mesh, propagation,
                         [propagation.layout(r) for r in graph.outputs])
     # an abstract mesh never compiles, so no backend is needed
-    return Lowered(mesh, graph, propagation, program, len(specs), set(seeds), None,
-                   name=f"SavedModel {path} signature {signature!r}")
+    lowered = Lowered(mesh, graph, propagation, program, len(specs), set(seeds), None,
+                      name=f"SavedModel {path} signature {signature!r}")
+    # the signature's input and variable names beside their graph tensors (TF names a
+    # captured variable's placeholder "unknown")
+    lowered.named_inputs = [(name, graph.tensor_name(ref)) for name, ref, _ in named]
+    return lowered
 
 
 def _inspect(argv):
@@ -133,6 +137,10 @@ def _inspect(argv):
     except ShardingError as e:
         print(f"gspmd_tf inspect: {e}", file=sys.stderr)
         return 2
+    print("inputs and variables:")
+    for name, tensor in lowered.named_inputs:
+        print(f"  {name:30s} {lowered.layout_of(tensor).to_spec()!r:24s} (tensor {tensor})")
+    print()
     print(lowered.report())
     print("\nper-device memory (every device runs the same program; peak estimated in "
           "program order)")

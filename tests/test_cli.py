@@ -50,6 +50,8 @@ def test_inspect_prints_report_collectives_and_memory(saved_model, tmp_path):
                    "--shard", "dense/kernel=None,model", f"--html={html}")
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
+    kernel = next(l for l in lines if l.strip().startswith("dense/kernel "))
+    assert "P(None, 'model')" in kernel
     matmul = next(l for l in lines if " MatMul " in l)
     assert matmul.rstrip().endswith("P('data', 'model')")
     # the row sum over the split 'model' dim needs one all-reduce of a [16] f32 shard
