@@ -130,11 +130,14 @@ def visualize_sharding(sharding_or_tensor, shape=None):
     """A ShardingView (print it; notebooks render it as HTML) of how a 1-D or 2-D tensor
     is split over devices.
 
-    sharding_or_tensor: a gt.ShardedTensor or gt.Variable (shape and mesh taken from it),
+    sharding_or_tensor: a gt.ShardedTensor or gt.Variable (shape and mesh taken from it;
+      also a Keras variable of a gt.keras.shard_model model),
       a gt.Sharding (pass `shape`), or a NamedSharding-like object with `.mesh` and
       `.spec` (pass `shape`).
     """
     value = sharding_or_tensor
+    if not hasattr(value, "layout") and hasattr(getattr(value, "_value", None), "layout"):
+        value = value._value  # a Keras variable backed by a gt.Variable (gt.keras)
     mesh = getattr(value, "mesh", None)
     if hasattr(value, "layout") and mesh is not None:  # ShardedTensor, gt.Variable
         shape = tuple(int(n) for n in value.shape) if shape is None else shape

@@ -146,6 +146,9 @@ def test_every_variable_is_sharded_and_devices_hold_shards(adam_run):
     assert gt.keras.layout_of(model.optimizer.iterations) == P()
     logits = model.get_layer("dense_logits").kernel
     assert gt.keras.layout_of(logits) == P("model")
+    view = gt.visualize_sharding(logits)  # the Keras variable's blocks
+    assert [devices for row in view.cells for _, devices in row] == \
+        [(0, 4), (1, 5), (2, 6), (3, 7)]
     for v in model.metrics_variables:
         assert gt.keras.layout_of(v) == P()
 
