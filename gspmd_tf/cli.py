@@ -2,7 +2,7 @@
 partitioned, without running it.
 
     python -m gspmd_tf inspect /tmp/model --mesh=2x4 --axes=data,model \\
-        --shard 'x=data' --shard '.*kernel=None,model' [--html=report.html]
+        --shard 'x=data' --shard '.*kernel=None,model' [--shape x=32,16] [--html=report.html]
 
 Loads the SavedModel, imports the signature's graph, seeds the shardings that --shard
 gives (each REGEX is matched with re.fullmatch against the signature's input names and
@@ -10,7 +10,8 @@ the variable names, as gt.keras' layout_map: an exact name first, a name matchin
 regexes is an error), then propagates and partitions on an abstract mesh (no devices
 are needed). Prints the sharding report (every tensor, every collective with its bytes)
 and the per-device memory. Unmatched inputs get inferred shardings; unmatched variables
-stay replicated.
+stay replicated. A signature with unknown dims (a Keras export's batch) is traced again
+for the sizes --shape gives.
 
 SPEC: one entry per dim, comma separated; an entry is a mesh axis name, several names
 joined by '+' (one dim split over several axes), or None / '-' / '' (not split).
@@ -39,6 +40,8 @@ flags.DEFINE_string("mesh", None, "mesh shape, e.g. 2x4")
 flags.DEFINE_list("axes", None, "mesh axis names, e.g. data,model")
 flags.DEFINE_multi_string("shard", [], "REGEX=SPEC: shard the inputs and variables whose "
                           "names match REGEX by SPEC (e.g. 'x=data', '.*kernel=None,model')")
+flags.DEFINE_multi_string("shape", [], "NAME=D0,D1,...: the shape of an input whose "
+                          "signature leaves dims unknown (e.g. the batch: 'x=32,16')")
 flags.DEFINE_string("signature", "serving_default", "the signature to lower")
 flags.DEFINE_string("html", None, "also write the HTML report to this path")
 
@@ -76,28 +79,67 @@ def parse_mesh(shape, axes):
     return Mesh.abstract(dims, tuple(axes or ()))
 
 
-def lower_saved_model(path, mesh, shard_rules, signature="serving_default"):
+def parse_shape_flags(values):
+    """{input name: shape tuple} from NAME=D0,D1,... strings."""
+    shapes = {}
+    for value in values:
+        name, sep, dims = value.rpartition("=")
+        try:
+            shapes[name] = tuple(int(d) for d in dims.split(",") if d.strip())
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise ShardingError(f"--shape {value!r}: write NAME=D0,D1,..., e.g. 'x=32,16'")
+    return shapes
+
+
+def _static_signature(signature_fn, shapes, signature):
+    """`signature_fn` traced again for static input shapes (a signature exported with
+    unknown dims, e.g. the batch, gets them from `shapes`; TF infers the rest)."""
+    specs = tf.nest.flatten(signature_fn.structured_input_signature)
+    static = []
+    for spec in specs:
+        shape = tf.TensorShape(shapes.get(spec.name, spec.shape))
+        if not shape.is_compatible_with(spec.shape):
+            raise ShardingError(f"--shape {spec.name}={shape}: signature {signature!r} takes "
+                                f"{spec.name!r} of shape {spec.shape}")
+        if not shape.is_fully_defined():
+            raise ShardingError(f"input {spec.name!r} of signature {signature!r} has shape "
+                                f"{spec.shape}: give its size, e.g. --shape "
+                                f"{spec.name}={','.join(str(d or 32) for d in spec.shape)}")
+        static.append(tf.TensorSpec(shape, spec.dtype, name=spec.name))
+    unknown = set(shapes) - {spec.name for spec in specs}
+    if unknown:
+        raise ShardingError(f"--shape names {sorted(unknown)} are not inputs of signature "
+                            f"{signature!r} (its inputs: {[spec.name for spec in specs]})")
+    if all(a.shape == b.shape for a, b in zip(specs, static)):
+        return signature_fn
+    names = [spec.name for spec in specs]
+    # signature functions take keyword arguments only
+    return tf.function(lambda *xs: signature_fn(**dict(zip(names, xs))),
+                       autograph=False).get_concrete_function(*static)
+
+
+def lower_saved_model(path, mesh, shard_rules, signature="serving_default", shapes=None):
     """The gt.Lowered of SavedModel `path`'s `signature` on `mesh` with `shard_rules`
-    ({name regex: PartitionSpec} over input and variable names); nothing runs."""
+    ({name regex: PartitionSpec} over input and variable names); `shapes` ({input name:
+    shape}) fixes dims the signature leaves unknown. Nothing runs."""
     loaded = tf.saved_model.load(path)
     if signature not in loaded.signatures:
         raise ShardingError(f"SavedModel {path!r} has no signature {signature!r}; it has "
                             f"{sorted(loaded.signatures)} (pass --signature)")
-    concrete = loaded.signatures[signature]
+    signature_fn = loaded.signatures[signature]
+    concrete = _static_signature(signature_fn, shapes or {}, signature)
     graph = import_graph(concrete)
     rules, used = _Rules(shard_rules), set()
     specs = tf.nest.flatten(concrete.structured_input_signature)
-    variables = {id(v.handle): v for v in concrete.variables}
+    variables = {id(v.handle): v for v in signature_fn.variables}
     named = [(spec.name, ref, spec.shape) for spec, ref in zip(specs, graph.inputs)]
     first_capture = len(graph.inputs) - len(graph.captures)
     for ref, handle in zip(graph.inputs[first_capture:], graph.captures):
         variable = variables.get(id(handle))
         if variable is not None:
             named.append((variable.name.split(":")[0], ref, variable.shape))
-    for name, ref, shape in named:
-        if not shape.is_fully_defined():
-            raise ShardingError(f"input {name!r} of signature {signature!r} has shape "
-                                f"{shape}; export the signature with static shapes")
     seeds = {}
     for name, ref, shape in named:
         key, spec = rules.lookup(name)
@@ -133,7 +175,7 @@ def _inspect(argv):
     try:
         mesh = parse_mesh(FLAGS.mesh, FLAGS.axes)
         lowered = lower_saved_model(argv[2], mesh, parse_shard_flags(FLAGS.shard),
-                                    FLAGS.signature)
+                                    FLAGS.signature, parse_shape_flags(FLAGS.shape))
     except ShardingError as e:
         print(f"gspmd_tf inspect: {e}", file=sys.stderr)
         return 2

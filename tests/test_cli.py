@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from gspmd_tf.cli import lower_saved_model, parse_spec
+from gspmd_tf.cli import lower_saved_model, parse_shape_flags, parse_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,3 +79,29 @@ def test_lowered_in_process_matches_the_cli(saved_model):
     assert lowered.memory().variables == 16 * 8 * 4  # unmatched variables stay whole
     with pytest.raises(gt.ShardingError, match="no signature 'train'"):
         lower_saved_model(saved_model, mesh, {}, "train")
+
+
+class _AnyBatch(_Dense):
+    @tf.function(input_signature=[tf.TensorSpec([None, 16], tf.float32, name="x")])
+    def serve(self, x):
+        return {"y": tf.nn.relu(x @ self.kernel)}
+
+
+def test_unknown_batch_dims_take_the_given_shape(tmp_path):
+    module = _AnyBatch()
+    path = str(tmp_path / "any_batch")
+    tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    rules = {"x": gt.P("data"), "dense/kernel": gt.P(None, "model")}
+    with pytest.raises(gt.ShardingError, match=r"shape \(None, 16\): give its size, e.g. "
+                                               r"--shape x=32,16"):
+        lower_saved_model(path, mesh, rules)
+    lowered = lower_saved_model(path, mesh, rules, shapes=parse_shape_flags(["x=64,16"]))
+    relu = next(n.name for n in lowered.graph.nodes if n.op == "Relu")
+    assert lowered.graph.shape(lowered.graph.ref(relu)) == (64, 8)
+    assert lowered.layout_of(relu).to_spec() == gt.P("data", "model")
+    assert lowered.memory().variables == 16 * 2 * 4  # the kernel is still found by name
+    with pytest.raises(gt.ShardingError, match="signature 'serving_default' takes 'x'"):
+        lower_saved_model(path, mesh, rules, shapes={"x": (64, 3)})
+    with pytest.raises(gt.ShardingError, match=r"\['z'\] are not inputs"):
+        lower_saved_model(path, mesh, rules, shapes={"x": (64, 16), "z": (1,)})
