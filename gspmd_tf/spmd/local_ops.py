@@ -52,6 +52,18 @@ def pad_dim(b, ref, dim, extra):
                 b.graph.dtype(ref), T=b.graph.dtype(ref), Tpaddings=tf.int32)
 
 
+def concat_dim(b, refs, dim):
+    """The local tensors `refs` (None entries skipped) concatenated along `dim`."""
+    refs = [r for r in refs if r is not None]
+    if len(refs) == 1:
+        return refs[0]
+    shapes = [b.shape_of(r) for r in refs]
+    dtype = b.graph.dtype(refs[0])
+    shape = replace_dim(shapes[0], dim, sum(s[dim] for s in shapes))
+    return b.op("ConcatV2", refs + [b.const(np.int32(dim))], shape, dtype, N=len(refs),
+                T=dtype, Tidx=tf.int32)
+
+
 def global_index(b, ref, dim, axes, global_size=None):
     """int32 tensor broadcastable to `ref`: the global index of each element along `dim`.
 
