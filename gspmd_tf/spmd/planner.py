@@ -211,17 +211,29 @@ def cost(steps):
 def plan(src, dst, shape, dtype, mesh):
     """The cheapest exact steps from Layout `src` to Layout `dst` (no partial) for a
     global tensor of `shape` and `dtype`; a tuple of step records."""
-    sizes = tuple((name, int(size)) for name, size in zip(mesh.axis_names, mesh.shape))
-    # strings and handles have no fixed size: price them like 8-byte elements
-    return _plan(src, dst, tuple(int(n) for n in shape), dtype.size or 8, sizes)
+    # strings and handles have no fixed size: priced like 8-byte elements
+    return _plan(src, dst, tuple(shape), dtype.size or 8, mesh.axis_names, mesh.shape)
+
+
+def plan_estimate(src, dst, shape, dtype, mesh):
+    """cost(plan(...)).estimate(), cached: what the partitioner compares candidates by."""
+    if src == dst:
+        return 0.0
+    return _plan_estimate(src, dst, tuple(shape), dtype.size or 8, mesh.axis_names,
+                          mesh.shape)
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _plan(src, dst, shape, itemsize, sizes):
+def _plan_estimate(*key):
+    return cost(_plan(*key)).estimate()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _plan(src, dst, shape, itemsize, axis_names, mesh_shape):
     assert not dst.partial, dst
     if src == dst:
         return ()
-    space = _Space(shape, itemsize, dict(sizes), dst)
+    space = _Space(shape, itemsize, dict(zip(axis_names, mesh_shape)), dst)
     counter = itertools.count()
     start = (0.0, 0, 0)
     best = {src: start}
