@@ -75,7 +75,7 @@ def collectives(hlo_text):
                       line)
         if not m:
             continue
-        operands = [o.strip() for o in m.group(2).split(",")]
+        operands = [re.sub(r"/\*.*?\*/", "", o).strip() for o in m.group(2).split(",")]
         nbytes = sum(_bytes(shapes[o]) for o in operands if o in shapes)
         out.append((m.group(1), nbytes, _group_size(line)))
     return out
