@@ -45,6 +45,8 @@ RESHARDS = {
     "slice_before_gather": ((16, 32), ("data", None), (None, "model")),
     "reorder_then_gather": ((16, 32), (("data", "model"), None), ("model", None)),
     "both_axes_move_right": ((8, 16, 32), ("data", "model", None), (None, "data", "model")),
+    "xla_rematerializes": ((8, 16, 32), (("data", "model"), None, None),
+                           (None, "data", "model")),
 }
 
 # name -> (einsum equation, operand shapes, operand specs); the result is unconstrained
