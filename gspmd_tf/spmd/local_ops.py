@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from gspmd_tf.layout import ceil_div
-
 
 def replace_dim(shape, dim, size):
     """`shape` with dim `dim` set to `size`."""
@@ -64,7 +62,7 @@ def concat_dim(b, refs, dim):
                 T=dtype, Tidx=tf.int32)
 
 
-def global_index(b, ref, dim, axes, global_size=None):
+def global_index(b, ref, dim, axes):
     """int32 tensor broadcastable to `ref`: the global index of each element along `dim`.
 
     `axes` split `dim`; the local block of this device starts at shard_index * local size.
@@ -112,11 +110,6 @@ def identity_of(reduce_op, dtype):
         return np_dtype(-np.inf if reduce_op == "max" else np.inf)
     info = np.iinfo(np_dtype)
     return np_dtype(info.min if reduce_op == "max" else info.max)
-
-
-def local_size(n, k):
-    """Padded shard size of a dim of `n` split `k` ways."""
-    return ceil_div(n, k)
 
 
 def unary(b, op, x, dtype):

@@ -380,23 +380,24 @@ class _Space:
 def permute_pairs(mesh, src, dst):
     """(source, target) device pairs taking every device's shards of layout `dst` from a
     device holding them in layout `src` (same shard counts per dim); a device keeps its
-    own data where it can."""
-    ids = [int(d) for d in np.asarray(mesh.device_ids).ravel()]
+    own data where it can, the others pair up in mesh order (vectorised: meshes may have
+    thousands of devices)."""
+    ids = np.asarray(mesh.device_ids).ravel()
+    coords = np.indices(mesh.shape).reshape(len(mesh.shape), -1)  # per mesh position
 
-    def shards(layout, d):
-        return tuple(mesh.shard_index(d, axes) for axes in layout.dims)
+    def shard_key(layout):
+        key = np.zeros(ids.size, np.int64)
+        for axes in layout.dims:
+            for a in axes:
+                i = mesh.axis_index(a)
+                key = key * mesh.shape[i] + coords[i]
+        return key
 
-    holders = {}
-    for d in ids:
-        holders.setdefault(shards(src, d), []).append(d)
-    pairs, waiting = {}, []
-    for d in ids:
-        wanted = shards(dst, d)
-        if d in holders.get(wanted, ()):
-            holders[wanted].remove(d)
-            pairs[d] = d
-        else:
-            waiting.append((d, wanted))
-    for d, wanted in waiting:
-        pairs[d] = holders[wanted].pop(0)
-    return tuple((pairs[d], d) for d in ids)
+    have, want = shard_key(src), shard_key(dst)
+    position = np.arange(ids.size)
+    moving = position[have != want]
+    source = position.copy()
+    # holders and takers of each shard are equally many: pair them in order
+    source[moving[np.argsort(want[moving], kind="stable")]] = \
+        moving[np.argsort(have[moving], kind="stable")]
+    return tuple((int(ids[s]), int(ids[t])) for s, t in zip(source, position))
