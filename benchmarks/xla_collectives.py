@@ -11,7 +11,8 @@ one device (the sum over a tuple operand, as XLA's CPU all-to-all takes one arra
 peer), and its group size. Reshard cases compute `y = x * 2` constrained to the source
 sharding (so uneven source shardings are allowed), then constrain y to the target and
 reduce it (the reduction's scalar all-reduce is reported too; tests skip it by shape).
-tests/test_planner.py holds the results as constants.
+tests/test_planner.py holds the results as constants; benchmarks/reshard_plans.py prints
+gspmd-tf's side of the same cases (collective_cases.py).
 """
 
 import os
@@ -26,6 +27,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from collective_cases import DOTS, RESHARDS  # noqa: E402
+
 CASE = flags.DEFINE_string("case", "all", "case name, or 'all'")
 
 MESH = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
@@ -35,33 +38,6 @@ DTYPE_BYTES = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "pred": 1, "f64": 8, "s6
 
 def _sharded(spec):
     return NamedSharding(MESH, P(*spec))
-
-
-# name -> (global shape, source spec, target spec)
-RESHARDS = {
-    "two_axes_one_all_to_all": ((8, 16, 32), (None, ("data", "model"), None),
-                                (None, None, ("data", "model"))),
-    "uneven_all_to_all": ((6, 10), ("model", None), (None, "model")),
-    "slice_before_gather": ((16, 32), ("data", None), (None, "model")),
-    "reorder_then_gather": ((16, 32), (("data", "model"), None), ("model", None)),
-    "both_axes_move_right": ((8, 16, 32), ("data", "model", None), (None, "data", "model")),
-    "xla_rematerializes": ((8, 16, 32), (("data", "model"), None, None),
-                           (None, "data", "model")),
-}
-
-# name -> (einsum equation, operand shapes, operand specs); the result is unconstrained
-DOTS = {
-    "conflict_keep_larger_lhs": ("mk,kn->mn", ((512, 64), (64, 32)),
-                                 (("model", None), ("model", None))),
-    "conflict_keep_larger_rhs": ("mk,kn->mn", ((32, 64), (64, 512)),
-                                 ((None, "model"), (None, "model"))),
-    "batch_and_contracting_2d": ("bk,kn->bn", ((64, 128), (128, 32)),
-                                 (("data", "model"), ("model", None))),
-    "batched_matmul_batch_contracting": ("bmk,bkn->bmn", ((8, 16, 64), (8, 64, 32)),
-                                         (("data", None, "model"), ("data", "model", None))),
-    "partial_match_non_contracting": ("mk,kn->mn", ((64, 32), (32, 16)),
-                                      ((("data", "model"), None), (None, "model"))),
-}
 
 
 def collectives(hlo_text):
