@@ -140,6 +140,8 @@ def test_emit_plan_gives_exactly_the_target_shards(case, seed):
     ((2, 2, 2), (5, 6), L(("x",), ("y",)), L(("y",), ("x",))),         # swap: permute
     ((2, 4), (6, 5), L((), (), partial=("model",)), L(("model",), ())),  # reduce-scatter
     ((2, 4), (6, 5), L(("data",), (), partial=("model",), reduce_op="max"), L((), ())),
+    ((2, 4), (7, 5), L((), (), partial=("data", "model")), L(("model",), ())),
+    ((2, 2, 2), (5, 3), L((), ("z",), partial=("x", "y")), L(("y", "x"), ("z",))),
 ])
 def test_exact_on_chosen_cases(mesh_shape, shape, src, dst, rng):
     value = np.random.default_rng(0).integers(-100, 100, shape).astype(np.float32)
@@ -240,6 +242,15 @@ def test_cost_per_step_and_axes():
     assert c.collectives == 1 and c.steps == 2
     # a slower link on "data" makes the same plan dearer
     assert c.estimate(bandwidth={"data": 0.5}) > c.estimate()
+
+
+def test_partial_sum_reduce_scatters_what_the_target_splits_then_all_reduces_the_rest():
+    src = L((), (), partial=("data", "model"))
+    steps = plan(src, L(("model",), ()), (16, 32), tf.float32, XLA_MESH)
+    assert [type(s) for s in steps] == [planner.ReduceScatter, planner.AllReduce]
+    # 3/4 of 2048 bytes, then 2 * 1/2 of the 512 left, against 2 * 7/8 * 2048 at once
+    assert cost(steps).bytes == 1536 + 512 < cost((planner.AllReduce(("data", "model"), 2048,
+                                                                     8),)).bytes
 
 
 def test_plans_are_cached():

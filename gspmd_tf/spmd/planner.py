@@ -115,8 +115,9 @@ class CollectivePermute:
 
 @dataclass(frozen=True)
 class ReduceScatter:
-    """Sum (or reduce_op) the pending partial `axes`, keeping this device's chunk of
-    dim `dim` (the axes appended to the dim, in this order)."""
+    """Sum (or reduce_op) over the pending partial `axes`, keeping this device's chunk of
+    dim `dim` (the axes appended to the dim, in this order); other partial axes stay
+    pending."""
 
     dim: int
     axes: tuple
@@ -127,7 +128,8 @@ class ReduceScatter:
         """The layout after this step."""
         dims = list(layout.dims)
         dims[self.dim] = dims[self.dim] + self.axes
-        return Layout(tuple(dims))
+        rest = tuple(a for a in layout.partial if a not in self.axes)
+        return Layout(tuple(dims), rest, layout.reduce_op)
 
 
 @dataclass(frozen=True)
@@ -297,14 +299,19 @@ class _Space:
         partial = layout.partial
         if not partial:
             return
-        k = self.k(partial)
-        yield AllReduce(partial, self.nbytes(layout), k)
+        yield AllReduce(partial, self.nbytes(layout), self.k(partial))
+        # reduce-scatter the partial axes the target wants next in a dim (all of them, or
+        # some, the others reduced later on a smaller tensor)
         for d, (cd, td) in enumerate(zip(layout.dims, self.target.dims)):
-            extra = td[len(cd):len(cd) + len(partial)]
-            if td[:len(cd)] == cd and sorted(extra) == sorted(partial) \
-                    and self._nests(d, cd, extra):
-                padded = {d: self.k(extra) * self.local(d, cd + extra)}
-                yield ReduceScatter(d, extra, self.nbytes(layout, padded), k)
+            if td[:len(cd)] != cd:
+                continue
+            for m in range(len(cd) + 1, len(td) + 1):
+                extra = td[len(cd):m]
+                if extra[-1] not in partial:
+                    break
+                if self._nests(d, cd, extra):
+                    padded = {d: self.k(extra) * self.local(d, cd + extra)}
+                    yield ReduceScatter(d, extra, self.nbytes(layout, padded), self.k(extra))
 
     def _free(self, layout):
         used = set(layout.used_axes)
