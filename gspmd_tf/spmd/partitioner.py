@@ -22,6 +22,7 @@ from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.registry import op_def
+from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.dce import eliminate_dead_code
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.program import Local, ProgramBuilder
@@ -113,28 +114,51 @@ def _split_candidates(mesh, rule, dims_factors, layout):
 def _choose_factor_axes(mesh, rule, inputs, targets, node):
     """Mesh axes for every factor, each axis used once.
 
-    Variables come first (their shards cannot move). Then two orders are tried: the
-    result targets before the operands, or the operands' split reduced factors first
-    (compute a partial result and reduce-scatter it, rather than gather an operand);
-    the one that moves fewer bytes wins, the first on a tie.
+    Variables come first (their shards cannot move). Then a few greedy orders are tried
+    and the one whose reshards cost least (planner.cost of every operand's and result's
+    plan) wins, the first on a tie: the result targets before the operands; the operands'
+    split reduced factors first (compute a partial result and reduce-scatter it, rather
+    than gather an operand); the operands before the results; the operands largest first
+    (when operands' splits conflict, keep the larger one's: it is the costlier to move).
     """
     operands = [(dims, x) for dims, x in zip(rule.operands, inputs) if dims is not None]
     fixed = [(dims, x.layout) for dims, x in operands if x.dtype == tf.resource]
     results = [(dims, t) for dims, t in zip(rule.results, targets) if dims is not None]
-    others = [(dims, x.layout) for dims, x in operands if x.dtype != tf.resource]
+    movable = [(dims, x) for dims, x in operands if x.dtype != tf.resource]
+    others = [(dims, x.layout) for dims, x in movable]
     pinned = _assign(mesh, rule, fixed)
     # a variable's unsplit dims are as binding as its split ones
     pinned_factors = {f for dims, _ in fixed for fs in dims for f in fs}
     best = _assign(mesh, rule, results + others, start=pinned, pinned=pinned_factors)
-    if REDUCE in rule.factor_kinds and others:
+    if not others:
+        return best
+    best_cost = _reshard_cost(mesh, rule, best, inputs, targets, node)
+    if best_cost == 0:  # nothing moves: no candidate can do better
+        return best
+    largest_first = [(dims, x.layout) for dims, x in
+                     sorted(movable, key=lambda item: -_local_bytes(mesh, item[1]))]
+    candidates = []
+    if REDUCE in rule.factor_kinds:
         reduced = _assign(mesh, rule, others, kinds=(REDUCE,), start=pinned,
                           pinned=pinned_factors)
-        alternative = _assign(mesh, rule, results + others, start=reduced,
-                              pinned=pinned_factors)
-        if (alternative != best and _moved_bytes(mesh, rule, alternative, inputs, targets, node)
-                < _moved_bytes(mesh, rule, best, inputs, targets, node)):
-            best = alternative
+        candidates.append(_assign(mesh, rule, results + others, start=reduced,
+                                  pinned=pinned_factors))
+    candidates += [_assign(mesh, rule, others + results, start=pinned, pinned=pinned_factors),
+                   _assign(mesh, rule, largest_first + results, start=pinned,
+                           pinned=pinned_factors)]
+    tried = [best]
+    for chosen in candidates:
+        if chosen in tried:
+            continue
+        tried.append(chosen)
+        estimate = _reshard_cost(mesh, rule, chosen, inputs, targets, node)
+        if estimate < best_cost:
+            best, best_cost = chosen, estimate
     return best
+
+
+def _local_bytes(mesh, x):
+    return int(np.prod(x.layout.local_shape(mesh, x.shape), dtype=np.int64)) * (x.dtype.size or 8)
 
 
 def _assign(mesh, rule, sources, kinds=None, start=None, pinned=()):
@@ -155,25 +179,24 @@ def _assign(mesh, rule, sources, kinds=None, start=None, pinned=()):
     return chosen
 
 
-def _moved_bytes(mesh, rule, chosen, inputs, targets, node):
-    """Rough bytes a choice moves: each operand that must change layout, each result
-    that is partial or not in its target layout, counted at its local size."""
+def _reshard_cost(mesh, rule, chosen, inputs, targets, node):
+    """planner.Cost estimate of a choice: every operand resharded to its factors' axes,
+    every result (partial over the split REDUCE factors) resharded to its target."""
     def layout_of(dims, partial=()):
-        return Layout(tuple(tuple(a for f in fs for a in chosen[f]) for fs in dims), partial)
+        return Layout(tuple(tuple(a for f in fs for a in chosen[f]) for fs in dims), partial,
+                      rule.reduce_op)
 
-    def local_bytes(shape, layout, dtype):
-        return int(np.prod(layout.local_shape(mesh, shape), dtype=np.int64)) * dtype.size
-
-    total = 0
+    total = 0.0
     for dims, x in zip(rule.operands, inputs):
-        if dims is not None and layout_of(dims) != x.layout:
-            total += local_bytes(x.shape, x.layout, x.dtype)
+        if dims is not None:
+            total += planner.plan_estimate(x.layout, layout_of(dims), x.shape, x.dtype, mesh)
     partial = tuple(a for f, kind in enumerate(rule.factor_kinds) if kind == REDUCE
                     for a in chosen[f])
     for dims, target, shape, dtype in zip(rule.results, targets, node.out_shapes,
                                           node.out_dtypes):
-        if dims is not None and layout_of(dims, partial) != target:
-            total += local_bytes(shape, layout_of(dims), dtype)
+        if dims is not None:
+            total += planner.plan_estimate(layout_of(dims, partial), target, shape, dtype,
+                                           mesh)
     return total
 
 
