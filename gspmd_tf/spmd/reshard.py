@@ -92,7 +92,7 @@ def _permute_reordered_dims(b, x, target):
     for d in moved:
         index = _linear(mesh, coords, want[d])
         source_coords[:, [mesh.axis_index(a) for a in have[d]]] = _unravel(mesh, index, have[d])
-    sources = np.ravel_multi_index(source_coords.T, mesh.shape)
+    sources = mesh.device_ids[tuple(source_coords.T)]
     pairs = tuple((int(s), int(t)) for s, t in zip(sources, ids))  # fixed points too
     ref = _collective(b, "gt.Permute", x, b.shape_of(x.ref), pairs=pairs)
     for d in moved:
