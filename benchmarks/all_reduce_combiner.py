@@ -1,7 +1,7 @@
 """Training step time with the all-reduce combiner at several thresholds, side by side.
 
-    .venv/bin/python benchmarks/all_reduce_combiner.py --configs='64:16;16:128;4:512' \
-        --thresholds=0,65536,262144,1048576,16777216 --repeats=20
+    .venv/bin/python benchmarks/all_reduce_combiner.py --configs='64:16;16:128;4:512;2:1024' \
+        --thresholds=0,65536,262144,1048576,4194304 --repeats=20
 
 Each config LAYERS:WIDTH is an SGD step of a tanh MLP with LAYERS square WIDTH x WIDTH
 weights and biases, data-parallel over all 8 logical CPU devices (batch split, weights
@@ -30,10 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-CONFIGS = flags.DEFINE_string("configs", "64:16;16:128;4:512",
+CONFIGS = flags.DEFINE_string("configs", "64:16;16:128;4:512;2:1024",
                               "';'-separated LAYERS:WIDTH of the MLPs")
-THRESHOLDS = flags.DEFINE_string("thresholds", "0,65536,262144,1048576,16777216",
-                                 "comma-separated combiner thresholds in bytes (0: off)")
+THRESHOLDS = flags.DEFINE_string("thresholds", "0,65536,262144,1048576,4194304",
+                                 "comma-separated combiner thresholds in bytes (0: off): "
+                                 "the largest all-reduce merged")
 BATCH = flags.DEFINE_integer("batch", 64, "batch size (split over the 8 devices)")
 REPEATS = flags.DEFINE_integer("repeats", 20, "timed steps of each variant (interleaved)")
 WARMUP = flags.DEFINE_integer("warmup", 3, "untimed steps of each variant first")

@@ -43,9 +43,7 @@ def counts(low):
 @pytest.mark.parametrize("threshold, expected", [
     (None, 1),                     # default: every gradient and the loss in one
     ("0", 2 * LAYERS + 1),         # off
-    # one matrix and one bias fit: in backward order (loss, db7, dW7, db6, dW6, ...) the
-    # loss pairs with db7 and each dW_k with db_(k-1); dW0 is left alone
-    (str(4 * WIDTH * (WIDTH + 1)), LAYERS + 1),
+    (str(4 * WIDTH), LAYERS + 1),  # biases and the loss merge, matrices stay apart
 ])
 def test_training_step_values_and_all_reduce_counts(monkeypatch, threshold, expected):
     if threshold is not None:
@@ -141,12 +139,18 @@ def test_groups_by_key_readers_deferred_effects_flush():
 def test_the_threshold_bounds_each_member_and_the_sum():
     p = Program()
     x = p.add("gt.Input", index=0)
-    refs = [p.all_reduce(x) for _ in range(5)]  # 16 bytes each
-    big = p.add("gt.Input", index=1, shape=(100,))
-    refs.append(p.all_reduce(big))              # 400 bytes: never merged under 40
+    refs = [p.all_reduce(x) for _ in range(2 * combine.GROUP_FACTOR + 1)]  # 16 bytes each
+    big = p.add("gt.Input", index=1, shape=(5,))
+    refs.append(p.all_reduce(big))  # 20 bytes: above a threshold of 16, never merged
     p.graph.outputs = refs
-    # pairs fill 32 of 40 bytes; the fifth is left alone, and so is the large one
-    assert merged_groups(p.graph, threshold=40) == [[1, 2], [3, 4]]
+    # GROUP_FACTOR members fill a group; the last one is left alone
+    n = combine.GROUP_FACTOR
+    assert merged_groups(p.graph, threshold=16) == [list(range(1, n + 1)),
+                                                    list(range(n + 1, 2 * n + 1))]
+    # at 20 the large one joins too; a group then holds 20 * n // 16 of the small ones
+    per = 20 * n // 16
+    assert merged_groups(p.graph, threshold=20) == [
+        list(range(1, per + 1)), list(range(per + 1, 2 * n + 2)) + [big.node + 1]]
     assert merged_groups(p.graph, threshold=0) == []
     assert combine.combine_all_reduces(p.graph, threshold=0) is p.graph
 

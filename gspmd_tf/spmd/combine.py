@@ -5,9 +5,10 @@ the rendezvous of the group's devices, the ordering token), so a training step's
 small gradient all-reduces are latency-bound. As XLA's AllReduceCombiner does, gt.AllReduce
 nodes with the same axes, reduce op and dtype, none reading another's result, are merged:
 each operand flattened, one concat, one all-reduce, then each member's slice reshaped
-back. Only all-reduces of at most `threshold` bytes (combined, too) are merged: large
-ones are bandwidth-bound and the concat and slices would only add copies
-(benchmarks/all_reduce_combiner.py measures where it pays; see benchmarks/RESULTS.md).
+back. Only all-reduces of at most `threshold` bytes are merged, at most GROUP_FACTOR
+of the threshold's worth into one: large ones are bandwidth-bound, and the concat and
+slices would only add copies (benchmarks/all_reduce_combiner.py measures where it pays;
+see benchmarks/RESULTS.md, "All-reduce combiner").
 
 The pass schedules the program once, in order, with one open group per (axes, reduce
 op, dtype). A node that reads an open group's member (as data or control input, or
@@ -15,7 +16,7 @@ through such a node) is deferred when it is a pure TF op: it moves after the gro
 combined all-reduce. Any other such node (a stateful TF op, a collective, an op without
 outputs) first flushes the groups it depends on: their combined all-reduces are emitted
 there, then the deferred nodes that no open group holds back, then the node. A group is
-also flushed when the next member would pass the threshold, and at the end. Members'
+also flushed when the next member would pass the group's limit, and at the end. Members'
 operands never depend on their group (that dependence would have flushed it), stateful
 ops keep their order (tf.function orders them by creation), and every device runs the
 same schedule, so collectives stay matched. XLA checks reachability between candidates
@@ -35,14 +36,17 @@ from gspmd_tf.spmd.dce import has_effect
 from gspmd_tf.spmd.program import attr_value
 
 ALL_REDUCE = "gt.AllReduce"
-# Measured in benchmarks/all_reduce_combiner.py (RESULTS.md, "All-reduce combiner").
+# Measured in benchmarks/all_reduce_combiner.py (RESULTS.md, "All-reduce combiner"):
+# merging gradients of 64 KiB paid 2.7x, of 1 MiB nothing, of 4 MiB cost 17%.
 DEFAULT_THRESHOLD = 256 * 1024
+# a combined all-reduce carries at most this many thresholds' worth of bytes
+GROUP_FACTOR = 16
 _DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
 def threshold_bytes():
     """GSPMD_TF_ALL_REDUCE_COMBINE_BYTES when set (0 turns the combiner off), else
-    DEFAULT_THRESHOLD: the most bytes (per device) a combined all-reduce carries."""
+    DEFAULT_THRESHOLD: the largest all-reduce (operand bytes per device) combined."""
     text = os.environ.get("GSPMD_TF_ALL_REDUCE_COMBINE_BYTES")
     if text is None:
         return DEFAULT_THRESHOLD
@@ -121,7 +125,7 @@ def _schedule(graph, threshold):
             order.append(index)
             continue
         key = (tuple(node.params["axes"]), node.params["reduce_op"], node.out_dtypes[0])
-        if key in open_groups and open_groups[key].bytes + size > threshold:
+        if key in open_groups and open_groups[key].bytes + size > GROUP_FACTOR * threshold:
             flush({open_groups[key]})
         group = open_groups.setdefault(key, _Group(key))
         group.members.append(index)
