@@ -109,6 +109,7 @@ class Mesh:
         self.device_ids = device_ids
         # position_of[id]: the flat (row-major) mesh position of device id `id`
         self._position_of = np.argsort(device_ids.ravel(), kind="stable")
+        self._position_of.setflags(write=False)
         self.devices = devices
         self._groups = {}
 

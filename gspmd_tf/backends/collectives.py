@@ -20,6 +20,7 @@ from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import errors, ops
 from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
 
+from gspmd_tf.backends import base
 from gspmd_tf.errors import ShardingError
 
 MERGE_OPS = {"sum": "Add", "max": "Max", "min": "Min", "prod": "Mul"}
@@ -42,7 +43,7 @@ def carries(dtype):
 _KEY_BASE = 0x4753_0000
 _KEY_LIMIT = 1 << 31
 # the collectives that take group and instance keys (gt.Permute is point-to-point copies)
-KEYED = ("gt.AllReduce", "gt.AllGather", "gt.ReduceScatter", "gt.AllToAll")
+KEYED = (base.ALL_REDUCE, base.ALL_GATHER, base.REDUCE_SCATTER, base.ALL_TO_ALL)
 _lock = threading.Lock()
 _group_keys = {}    # (generation, members) -> group key
 _group_owner = {}   # group key -> (generation, members): TF binds a key to one device set

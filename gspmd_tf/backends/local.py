@@ -20,8 +20,6 @@ from tensorflow.python.framework import ops
 from gspmd_tf.backends import base, collectives
 from gspmd_tf.errors import ShardingError
 
-_COLLECTIVES = (base.ALL_REDUCE, base.ALL_GATHER, base.REDUCE_SCATTER, base.ALL_TO_ALL)
-
 
 # Generous: a call that waits this long is hung, not slow, on the meshes of one host.
 DEFAULT_TIMEOUT = 300.0
@@ -213,7 +211,7 @@ class _Lowering:
             return lambda d, ins: tf.constant(self.mesh.shard_index(d, p["axes"]), tf.int32)
         if node.op == base.PERMUTE:
             return _permute(p["pairs"])
-        if node.op in _COLLECTIVES:
+        if node.op in collectives.KEYED:
             return self._collective(node)
         if node.op.startswith("gt."):
             raise ShardingError(f"LocalBackend cannot lower {node.op} (node {node.name})")
