@@ -149,6 +149,7 @@ class _Rebuilt:
         self.ref = {}     # old Ref -> new Ref
         self.index = {}   # old node index -> new node index (for control inputs)
         self.names = {node.name for node in graph.nodes}
+        self.consts = {}  # (shape, bytes) -> Ref of an int32 Const
 
     def copy(self, i, node):
         node.inputs = [self.ref[r] for r in node.inputs]
@@ -157,21 +158,28 @@ class _Rebuilt:
         for k in range(len(node.out_shapes)):
             self.ref[Ref(i, k)] = Ref(self.index[i], k)
 
-    def add(self, name, op, inputs, shape, dtype, attrs=None, params=None):
-        """A new single-output node named `name` (made unique); its Ref."""
+    def add(self, name, op, inputs, shapes, dtype, attrs=None, params=None):
+        """A new node named `name` (made unique) with outputs of `shapes`; its Refs."""
         unique, k = name, 0
         while unique in self.names:
             k += 1
             unique = f"{name}_{k}"
         self.names.add(unique)
         node = Node(unique, op, inputs, {k: attr_value(v) for k, v in (attrs or {}).items()},
-                    [shape], [dtype], params=params)
-        return Ref(self.graph.add(node), 0)
+                    shapes, [dtype] * len(shapes), params=params)
+        index = self.graph.add(node)
+        return [Ref(index, k) for k in range(len(shapes))]
 
-    def const(self, name, value):
+    def const(self, value):
+        """An int32 constant, one node per value (TensorProtos are slow to build)."""
         value = np.asarray(value, np.int32)
-        return self.add(name, "Const", [], value.shape, tf.int32,
-                        attrs={"value": value, "dtype": tf.int32})
+        key = (value.shape, value.tobytes())
+        if key not in self.consts:
+            self.consts[key] = self.add(f"combined_all_reduce/const_{len(self.consts)}",
+                                        "Const", [],
+                                        [value.shape], tf.int32,
+                                        attrs={"value": value, "dtype": tf.int32})[0]
+        return self.consts[key]
 
     def combined(self, members):
         """The merged all-reduce of old nodes `members`, at the current position."""
@@ -179,34 +187,27 @@ class _Rebuilt:
         last = nodes[-1]
         dtype = last.out_dtypes[0]
         stem = f"{last.name}/combined"
-        flats, sizes = [], []
-        for j, node in enumerate(nodes):
-            shape = self.old.shape(node.inputs[0])
-            size = int(np.prod(shape, dtype=np.int64))
-            flats.append(self.add(f"{stem}/flat_{j}", "Reshape",
-                                  [self.ref[node.inputs[0]], self.const(f"{stem}/size_{j}",
-                                                                        [size])],
-                                  (size,), dtype, attrs={"T": dtype, "Tshape": tf.int32}))
-            sizes.append(size)
+        sizes = [int(np.prod(node.out_shapes[0], dtype=np.int64)) for node in nodes]
+        flats = [self.add(f"{stem}/flat_{j}", "Reshape",
+                          [self.ref[node.inputs[0]], self.const([size])], [(size,)], dtype,
+                          attrs={"T": dtype, "Tshape": tf.int32})[0]
+                 for j, (node, size) in enumerate(zip(nodes, sizes))]
         total = sum(sizes)
-        concat = self.add(f"{stem}/concat", "ConcatV2",
-                          flats + [self.const(f"{stem}/axis", 0)], (total,), dtype,
-                          attrs={"N": len(flats), "T": dtype, "Tidx": tf.int32})
-        reduced = self.add(stem, ALL_REDUCE, [concat], (total,), dtype,
-                           params=dict(last.params))
-        offset = 0
-        for j, (m, node, size) in enumerate(zip(members, nodes, sizes)):
-            piece = self.add(f"{stem}/slice_{j}", "Slice",
-                             [reduced, self.const(f"{stem}/begin_{j}", [offset]),
-                              self.const(f"{stem}/length_{j}", [size])],
-                             (size,), dtype, attrs={"T": dtype, "Index": tf.int32})
+        (concat,) = self.add(f"{stem}/concat", "ConcatV2", flats + [self.const(0)],
+                             [(total,)], dtype,
+                             attrs={"N": len(flats), "T": dtype, "Tidx": tf.int32})
+        (reduced,) = self.add(stem, ALL_REDUCE, [concat], [(total,)], dtype,
+                              params=dict(last.params))
+        pieces = self.add(f"{stem}/split", "SplitV",
+                          [reduced, self.const(sizes), self.const(0)],
+                          [(size,) for size in sizes], dtype,
+                          attrs={"num_split": len(sizes), "T": dtype, "Tlen": tf.int32})
+        for m, node, piece in zip(members, nodes, pieces):
             shape = node.out_shapes[0]
-            ref = self.add(f"{node.name}/split", "Reshape",
-                           [piece, self.const(f"{stem}/shape_{j}", shape)], shape, dtype,
-                           attrs={"T": dtype, "Tshape": tf.int32})
+            (ref,) = self.add(f"{node.name}/split", "Reshape", [piece, self.const(shape)],
+                              [shape], dtype, attrs={"T": dtype, "Tshape": tf.int32})
             self.ref[Ref(m, 0)] = ref
             self.index[m] = ref.node
-            offset += size
 
 
 def _rebuild(graph, order):
