@@ -274,15 +274,12 @@ def test_to_layout_of_an_explicit_device_list():
 
 
 def test_to_layout_computes_the_axis_order_on_many_axes():
-    # 12 axes: trying every order of the mesh axes (12! of them) would never finish
+    # 12 axes: trying every order of the mesh axes (12! of them) would not finish
     names = tuple("abcdefghijkl")
     ids = np.random.default_rng(1).permutation(1 << 12).reshape((2,) * 12)
     mesh = Mesh.abstract((2,) * 12, names, device_ids=ids)
     layout = Layout((("l", "a", "f"), (), ("c",), ("k", "b", "j", "d")))
-    sharding = Sharding.from_layout(mesh, layout)
-    start = time.perf_counter()
-    assert sharding.to_layout(mesh, 4) == layout
-    assert time.perf_counter() - start < 5  # not a benchmark: a hang guard
+    assert Sharding.from_layout(mesh, layout).to_layout(mesh, 4) == layout
 
 
 def test_size_one_axes_are_dropped():
