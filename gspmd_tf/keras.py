@@ -106,14 +106,14 @@ def _as_mesh(mesh, layout_map):
     if hasattr(mesh, "axis_names") and hasattr(mesh, "devices"):  # keras DeviceMesh
         from gspmd_tf.mesh import local_device_names
         local = {n.lower().split("device:")[-1]: n for n in local_device_names()}
-        names = []
-        for d in np.asarray(mesh.devices).reshape(-1):
+        names = np.empty(np.size(mesh.devices), dtype=object)
+        for i, d in enumerate(np.asarray(mesh.devices).reshape(-1)):
             key = str(d).lower().split("device:")[-1]
             if key not in local:
                 raise ShardingError(f"keras DeviceMesh device {d!r} is not a local device "
                                     f"of this process ({sorted(local.values())})")
-            names.append(local[key])
-        return Mesh(mesh.shape, mesh.axis_names, names)
+            names[i] = local[key]
+        return Mesh(names.reshape(tuple(mesh.shape)), mesh.axis_names)
     raise ShardingError(f"mesh must be a gt.Mesh or keras.distribution.DeviceMesh, got "
                         f"{type(mesh).__name__}")
 

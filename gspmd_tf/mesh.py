@@ -79,19 +79,38 @@ def local_device_names(device_type=None):
 
 
 class Mesh:
-    """An n-d array of devices with named axes.
+    """An n-d array of devices with named axes, like jax.sharding.Mesh(devices, names).
 
-    `device_ids` holds the device id at each mesh position; `devices[i]` is the TF device
-    name of device id i (None for an abstract mesh, which serves lowering and reports).
+    `Mesh(devices, axis_names)` takes an array (nested lists or np.ndarray) of TF device
+    names (or tf.config.LogicalDevice) in any order; its shape is the mesh shape.
+    Every device has a device id, the number XLA tile assignments use: the devices of the
+    mesh numbered 0..N-1 in this process's device order (so /device:CPU:k has id k on a
+    mesh of all local CPUs). `device_ids` holds the id at each mesh position (any
+    permutation of 0..N-1); `devices[i]` is the TF device name of device id i (None for an
+    abstract mesh, which serves lowering and reports).
     """
 
-    def __init__(self, shape, axis_names, devices=None):
-        shape, axis_names = _check_axes(shape, axis_names)
+    def __init__(self, devices, axis_names):
+        grid = np.asarray(_device_names(devices), dtype=object)
+        shape, axis_names = _check_axes(grid.shape, axis_names)
+        names = _check_devices(grid.ravel())
+        # ids follow the process's device order, whatever order the mesh lists them in
+        order = _local_order(names)
+        by_id = sorted(range(len(names)), key=lambda position: order[names[position]])
+        ids = np.empty(len(names), dtype=np.int64)
+        ids[by_id] = np.arange(len(names))
+        self._init(shape, axis_names, ids.reshape(shape), [names[p] for p in by_id])
+
+    def _init(self, shape, axis_names, device_ids, devices):
         self.shape = shape
         self.axis_names = axis_names
-        self.size = int(np.prod(shape, dtype=np.int64))
-        self.device_ids = np.arange(self.size, dtype=np.int64).reshape(shape)
-        self.devices = None if devices is None else _check_devices(devices, self.size)
+        self.size = int(device_ids.size)
+        device_ids.setflags(write=False)
+        self.device_ids = device_ids
+        # position_of[id]: the flat (row-major) mesh position of device id `id`
+        self._position_of = np.argsort(device_ids.ravel(), kind="stable")
+        self._position_of.setflags(write=False)
+        self.devices = devices
         self._groups = {}
 
     @classmethod
@@ -105,12 +124,28 @@ class Mesh:
                 f"mesh {tuple(shape)} needs {needed} devices but this process has "
                 f"{len(names)} ({', '.join(names)}); call gt.configure_cpu_devices({needed}) "
                 "before TensorFlow starts, or use a smaller mesh")
-        return cls(shape, axis_names, names[:needed])
+        return cls(np.array(names[:needed], dtype=object).reshape(shape), axis_names)
 
     @classmethod
-    def abstract(cls, shape, axis_names):
-        """A mesh with no devices: for lowering and reports only."""
-        return cls(shape, axis_names, None)
+    def abstract(cls, shape, axis_names, device_ids=None):
+        """A mesh with no devices: for lowering and reports only.
+
+        `device_ids` (optional, an int array of `shape` holding each of 0..N-1 once) gives
+        the device id at each position; row-major arange by default.
+        """
+        shape, axis_names = _check_axes(shape, axis_names)
+        size = int(np.prod(shape, dtype=np.int64))
+        if device_ids is None:
+            ids = np.arange(size, dtype=np.int64).reshape(shape)
+        else:
+            ids = np.array(device_ids, dtype=np.int64)
+            if ids.shape != shape or sorted(ids.ravel().tolist()) != list(range(size)):
+                raise ShardingError(
+                    f"abstract mesh {shape}: device_ids {_short_list(ids)} must be an array of "
+                    f"shape {shape} holding each id 0..{size - 1} once")
+        mesh = cls.__new__(cls)
+        mesh._init(shape, axis_names, ids, None)
+        return mesh
 
     @property
     def is_abstract(self):
@@ -138,7 +173,12 @@ class Mesh:
 
     def coords(self, device_id):
         """The device's index along every mesh axis."""
-        return tuple(int(c) for c in np.unravel_index(int(device_id), self.shape))
+        position = self._position_of[int(device_id)]
+        return tuple(int(c) for c in np.unravel_index(position, self.shape))
+
+    def positions(self):
+        """The flat (row-major) mesh position of every device id: positions()[id]."""
+        return self._position_of
 
     def shard_index(self, device_id, axes):
         """Linear index of the device along `axes`, the first axis major."""
@@ -164,10 +204,12 @@ class Mesh:
 
     def __eq__(self, other):
         return (isinstance(other, Mesh) and self.shape == other.shape
-                and self.axis_names == other.axis_names and self.devices == other.devices)
+                and self.axis_names == other.axis_names and self.devices == other.devices
+                and np.array_equal(self.device_ids, other.device_ids))
 
     def __hash__(self):
-        return hash((self.shape, self.axis_names, tuple(self.devices or ())))
+        return hash((self.shape, self.axis_names, tuple(self.devices or ()),
+                     self.device_ids.tobytes()))
 
     def __repr__(self):
         kind = "abstract " if self.is_abstract else ""
@@ -201,16 +243,46 @@ def _check_axes(shape, axis_names):
     return shape, axis_names
 
 
-def _check_devices(devices, size):
-    """The mesh's TF device names, each resolved to the one local logical device it
-    names; ShardingError when one is missing, ambiguous or listed twice."""
-    import tensorflow as tf  # late: configure_cpu_devices must run before TF starts
+def _device_names(devices):
+    """The device array (nested lists or an ndarray) as an object ndarray of names,
+    tf.config.LogicalDevice entries replaced by their names.
 
-    devices = list(np.asarray(devices, dtype=object).reshape(-1))
-    if len(devices) != size:
-        raise ShardingError(f"a mesh of {size} devices was given {len(devices)} device "
-                            "names: give one per mesh position")
-    local = [d.name for d in tf.config.list_logical_devices()]
+    ShardingError for numbers: device ids are derived, never given (Mesh.create and
+    Mesh.abstract build meshes from a shape).
+    """
+    try:
+        grid = np.array(_nested_names(devices), dtype=object)
+    except ValueError as e:  # ragged nesting
+        raise ShardingError(f"mesh devices: give a rectangular array of names ({e})") from None
+    if any(isinstance(d, numbers.Number) for d in grid.ravel()):
+        raise ShardingError(
+            f"gt.Mesh(devices, axis_names) takes an array of TF device names, got "
+            f"{_short_list(grid)}; for local devices 0..N-1 in row-major order use "
+            "gt.Mesh.create(shape, axis_names), for no devices gt.Mesh.abstract(shape, ...)")
+    return grid
+
+
+def _nested_names(devices):
+    """Nested lists of the entries of `devices`, each LogicalDevice replaced by its name
+    (a LogicalDevice is a namedtuple, which numpy would otherwise take apart)."""
+    if hasattr(devices, "device_type") and hasattr(devices, "name"):
+        return devices.name
+    if isinstance(devices, np.ndarray):
+        return _nested_names(devices.tolist())
+    if isinstance(devices, (list, tuple)):
+        return [_nested_names(d) for d in devices]
+    return devices
+
+
+def _short_list(array, limit=120):
+    text = str(np.asarray(array).tolist())
+    return text if len(text) <= limit else text[:limit] + "...]"
+
+
+def _check_devices(devices):
+    """The mesh's TF device names (a flat list), each resolved to the one local logical
+    device it names; ShardingError when one is missing, ambiguous or listed twice."""
+    local = _local_names()
     resolved = [_resolve_device(name, local) for name in devices]
     seen = {}
     for position, name in enumerate(resolved):
@@ -221,6 +293,20 @@ def _check_devices(devices, size):
                 "in every collective")
         seen[name] = position
     return resolved
+
+
+def _local_names():
+    """Full names of every logical device of this process, in TF's order."""
+    import tensorflow as tf  # late: configure_cpu_devices must run before TF starts
+
+    return [d.name for d in tf.config.list_logical_devices()]
+
+
+def _local_order(names):
+    """{name: rank} of `names` (resolved device names) in this process's device order:
+    the order that numbers a mesh's device ids."""
+    rank = {name: i for i, name in enumerate(_local_names())}
+    return {name: rank[name] for name in names}
 
 
 def _resolve_device(name, local):

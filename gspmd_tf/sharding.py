@@ -12,7 +12,6 @@ A sharding is one of
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import numpy as np
@@ -339,7 +338,8 @@ class Sharding:
 
         Accepts any tile assignment that is a transpose and reshape of mesh.device_ids:
         each tile dim is a run of consecutive axes of some order of the mesh axes, the
-        remaining axes form the replication dim. Size-1 mesh axes are never used.
+        remaining axes form the replication dim. Size-1 mesh axes are never used. The axis
+        order is computed directly (linear in the devices), not searched.
         A maximal sharding gives a replicated layout: gspmd-tf computes such a value on
         every device. Raises ShardingError, naming `what`, when the sharding is manual, does
         not fit `rank`, or uses a device order or device set that the mesh cannot express.
@@ -362,24 +362,15 @@ class Sharding:
             raise ShardingError(
                 f"{where}: it must use every device id of the mesh (0..{mesh.size - 1}) "
                 "exactly once; give a tile assignment over the mesh's devices")
-        sizes = dict(zip(mesh.axis_names, mesh.shape))
-        axes = [name for name in mesh.axis_names if sizes[name] > 1]
-        tried = set()
-        # Canonical replication groups are sorted, so the order of the leftover axes
-        # never matters: only the runs of axes assigned to the tile dims are tried.
-        for order in itertools.permutations(axes):
-            dims = _group(order, self.tile_shape, sizes)
-            if dims is None or dims in tried:
-                continue
-            tried.add(dims)
-            layout = Layout(dims)
-            if Sharding.from_layout(mesh, layout) == self:
-                return layout
-        raise ShardingError(
-            f"{where}: its device order is not a transpose of the mesh axes "
-            f"{mesh.axis_names} (device ids row-major); build the annotation from the mesh "
-            "(gt.mesh_split, Sharding.from_layout) or create a mesh whose axes give this "
-            "device order")
+        layout = _layout_of_tiles(self, mesh)
+        if layout is None:
+            raise ShardingError(
+                f"{where}: its device order is not a transpose of the mesh axes "
+                f"{mesh.axis_names} (over the mesh's device_ids); build the annotation from "
+                "the mesh (gt.mesh_split, Sharding.from_layout) or create a mesh whose "
+                "device array gives this order, e.g. gt.Mesh(devices, names) with the "
+                "devices placed as in the tile assignment")
+        return layout
 
     # ---- equality
 
@@ -395,22 +386,33 @@ class Sharding:
         return hash(self._key())
 
 
-def _group(order, tile_shape, sizes):
-    """Split `order` (mesh axes) into consecutive runs whose sizes are `tile_shape`.
+def _layout_of_tiles(sharding, mesh):
+    """The Layout of `mesh` whose sharding is tiled `sharding`, or None when none is.
 
-    Returns the runs as a tuple of tuples (leftover axes dropped), or None.
+    Computed from where each mesh axis varies, in time linear in the devices: an axis
+    splitting a tensor dim is constant within every replication group and changes along
+    exactly one tile dim; within that dim, the axis whose coordinate changes after more
+    steps is the more major one. The candidate is then checked by rebuilding it.
     """
-    dims, i = [], 0
-    for tiles in tile_shape:
-        run, size = [], 1
-        while size < tiles and i < len(order):
-            run.append(order[i])
-            size *= sizes[order[i]]
-            i += 1
-        if size != tiles:
+    tile_shape = tuple(sharding.tile_shape)
+    groups = sharding.tile_assignment.reshape(int(np.prod(tile_shape)), -1)
+    coords = np.stack(np.unravel_index(mesh.positions(), mesh.shape), axis=-1)[groups]
+    constant = (coords == coords[:, :1]).all(axis=(0, 1))
+    tile_coords = coords[:, 0].reshape(tile_shape + (len(mesh.shape),))
+    dims = [[] for _ in tile_shape]
+    for axis, size in enumerate(mesh.shape):
+        if size == 1 or not constant[axis]:
+            continue  # never used, or a replication axis
+        along = [d for d in range(len(tile_shape))
+                 if (np.diff(tile_coords[..., axis], axis=d) != 0).any()]
+        if len(along) != 1:
             return None
-        dims.append(tuple(run))
-    return tuple(dims)
+        d = along[0]
+        line = np.moveaxis(tile_coords[..., axis], d, 0).reshape(tile_shape[d], -1)[:, 0]
+        steps = int(np.argmax(line != line[0]))  # > 0: the axis changes along d
+        dims[d].append((-steps, mesh.axis_names[axis]))
+    layout = Layout(tuple(tuple(name for _, name in sorted(run)) for run in dims))
+    return layout if Sharding.from_layout(mesh, layout) == sharding else None
 
 
 def _as_proto(proto):

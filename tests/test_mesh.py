@@ -105,20 +105,62 @@ def test_numpy_sizes_and_the_largest_abstract_mesh_are_accepted():
     (["/device:CPU:0", "/device:CPU:99"], r"'/device:CPU:99' names no logical device"),
     (["/device:CPU:0", "/device:GPU:0"], r"'/device:GPU:0' names no logical device"),
     (["/device:CPU:0", "/job:localhost"], r"'/job:localhost' names 8 logical devices"),
-    (["/device:CPU:0"], r"a mesh of 2 devices was given 1 device names"),
-    (["/device:CPU:0", 3], r"3 is not a TF device name"),
+    (["/device:CPU:0"], r"mesh shape \(1,\) has 1 dims but 2 axis names"),
+    (["/device:CPU:0", 3], r"takes an array of TF device names"),
+    ([0, 1], r"for local devices 0..N-1 in row-major order use\s+gt.Mesh.create"),
+    (["/device:CPU:0", None], r"None is not a TF device name"),
 ])
 def test_mesh_devices_must_exist_once(devices, message):
     # a duplicated device used to be accepted and its first collective hung forever
+    names = ("a",) if len(devices) == 2 else ("a", "b")
     with pytest.raises(ShardingError, match=message):
-        Mesh((2,), ("a",), devices)
+        Mesh(devices, names)
 
 
 def test_mesh_devices_are_resolved_to_local_names():
-    mesh = Mesh((2,), ("a",), ["/cpu:1", "/job:localhost/replica:0/task:0/device:CPU:0"])
-    assert mesh.devices == ["/device:CPU:1", "/device:CPU:0"]
-    assert Mesh((2, 4), ("a", "b"), Mesh.create((2, 4), ("a", "b")).devices) == \
-        Mesh.create((2, 4), ("a", "b"))
+    mesh = Mesh(["/cpu:1", "/job:localhost/replica:0/task:0/device:CPU:0"], ("a",))
+    # ids follow the process's device order: CPU:0 is id 0 though listed second
+    assert mesh.devices == ["/device:CPU:0", "/device:CPU:1"]
+    np.testing.assert_array_equal(mesh.device_ids, [1, 0])
+    created = Mesh.create((2, 4), ("a", "b"))
+    assert Mesh(np.reshape(created.devices, (2, 4)), ("a", "b")) == created
+    assert Mesh([[tf.config.list_logical_devices("CPU")[i] for i in range(4 * r, 4 * r + 4)]
+                 for r in range(2)], ("a", "b")) == created
+
+
+# a device order no transpose of a 2x4 iota gives
+SHUFFLED = [[3, 1, 0, 2], [7, 5, 4, 6]]
+
+
+def shuffled_mesh(order=SHUFFLED, names=("data", "model")):
+    """A mesh whose position (i, j) holds /device:CPU:order[i][j]."""
+    cpus = Mesh.create((8,), ("x",)).devices
+    return Mesh([[cpus[k] for k in row] for row in order], names)
+
+
+def test_explicit_device_array_gives_device_ids_coords_and_groups():
+    mesh = shuffled_mesh()
+    np.testing.assert_array_equal(mesh.device_ids, SHUFFLED)
+    assert [tf.DeviceSpec.from_string(d).device_index for d in mesh.devices] == list(range(8))
+    assert mesh != Mesh.create((2, 4), ("data", "model"))
+    assert mesh == shuffled_mesh() and hash(mesh) == hash(shuffled_mesh())
+    for position, device in np.ndenumerate(mesh.device_ids):
+        assert mesh.coords(device) == position
+    assert mesh.shard_index(0, ("model",)) == 2 and mesh.shard_index(5, ("data", "model")) == 5
+    np.testing.assert_array_equal(mesh.groups(("model",)), SHUFFLED)
+    np.testing.assert_array_equal(mesh.groups(("data",)), np.transpose(SHUFFLED))
+    for axes in [("data",), ("model",), ("data", "model"), ("model", "data")]:
+        for row in mesh.groups(axes):
+            assert [mesh.shard_index(d, axes) for d in row] == list(range(len(row)))
+
+
+def test_abstract_mesh_with_device_ids():
+    mesh = Mesh.abstract((2, 4), ("data", "model"), device_ids=SHUFFLED)
+    assert mesh.is_abstract and mesh.coords(7) == (1, 0)
+    assert mesh != Mesh.abstract((2, 4), ("data", "model"))
+    for bad in ([[0, 1, 2, 3], [4, 5, 6, 6]], [[0, 1, 2, 3]], [[0, 1, 2, 3], [4, 5, 6, 8]]):
+        with pytest.raises(ShardingError, match="holding each id 0..7 once"):
+            Mesh.abstract((2, 4), ("data", "model"), device_ids=bad)
 
 
 @pytest.mark.parametrize("n, message", [

@@ -18,7 +18,11 @@ from gspmd_tf.sharding import Sharding
 
 OpSharding = xla_data_pb2.OpSharding
 MESHES = [Mesh.abstract((8,), ("x",)), Mesh.abstract((2, 4), ("data", "model")),
-          Mesh.abstract((2, 2, 2), ("a", "b", "c"))]
+          Mesh.abstract((2, 2, 2), ("a", "b", "c")),
+          # explicit device orders that no transpose of an iota gives
+          Mesh.abstract((2, 4), ("data", "model"), device_ids=[[3, 1, 0, 2], [7, 5, 4, 6]]),
+          Mesh.abstract((2, 3, 2), ("a", "b", "c"),
+                        device_ids=np.random.default_rng(0).permutation(12).reshape(2, 3, 2))]
 MESH = MESHES[1]
 
 TEXTS = [
@@ -262,6 +266,29 @@ def test_from_layout_examples():
 ])
 def test_to_layout_examples(text, dims):
     assert Sharding.parse(text).to_layout(MESH, len(dims)) == Layout(dims)
+
+
+def test_to_layout_of_an_explicit_device_list():
+    # the device list of a mesh made from that same device array: each tile dim one axis
+    mesh = Mesh.abstract((2, 4), ("data", "model"), device_ids=[[0, 2, 4, 6], [1, 3, 5, 7]])
+    sharding = Sharding.parse("{devices=[2,4]0,2,4,6,1,3,5,7}")
+    assert sharding.to_layout(mesh, 2) == Layout((("data",), ("model",)))
+    with pytest.raises(ShardingError, match="not a transpose of the mesh axes"):
+        sharding.to_layout(MESH, 2)  # the row-major mesh cannot express it
+    shuffled = Mesh.abstract((2, 4), ("data", "model"), device_ids=[[3, 1, 0, 2], [7, 5, 4, 6]])
+    assert Sharding.parse("{devices=[1,8]3,7,1,5,0,4,2,6}").to_layout(shuffled, 2) == \
+        Layout(((), ("model", "data")))
+    assert Sharding.parse("{devices=[4,1,2]3,7,1,5,0,4,2,6 last_tile_dim_replicate}") \
+        .to_layout(shuffled, 2) == Layout((("model",), ()))
+
+
+def test_to_layout_computes_the_axis_order_on_many_axes():
+    # 12 axes: trying every order of the mesh axes (12! of them) would not finish
+    names = tuple("abcdefghijkl")
+    ids = np.random.default_rng(1).permutation(1 << 12).reshape((2,) * 12)
+    mesh = Mesh.abstract((2,) * 12, names, device_ids=ids)
+    layout = Layout((("l", "a", "f"), (), ("c",), ("k", "b", "j", "d")))
+    assert Sharding.from_layout(mesh, layout).to_layout(mesh, 4) == layout
 
 
 def test_size_one_axes_are_dropped():

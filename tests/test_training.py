@@ -111,7 +111,7 @@ def test_weights_trained_on_one_mesh_evaluate_on_others_and_refuse_updates_there
     devices = mesh.devices
     for other in [gt.Mesh.create((4, 2), ("data", "model")),
                   gt.Mesh.create((8, 1), ("data", "model")),
-                  gt.Mesh((2, 4), ("data", "model"), devices[::-1])]:
+                  gt.Mesh(np.reshape(devices[::-1], (2, 4)), ("data", "model"))]:
         evaluate = gt.function(lambda t: loss_fn(variables, params["heads"], t), mesh=other,
                                in_shardings=(P("data"),))
         assert rel_err(evaluate(tokens).numpy(), want.numpy()) < TOL, other

@@ -216,7 +216,7 @@ def _other_meshes():
     devices = gt.Mesh.create((8,), ("x",)).devices
     return [gt.Mesh.create((4, 2), ("data", "model")),
             gt.Mesh.create((8, 1), ("data", "model")),
-            gt.Mesh((2, 4), ("data", "model"), devices[::-1])]
+            gt.Mesh(np.reshape(devices[::-1], (2, 4)), ("data", "model"))]
 
 
 @pytest.mark.parametrize("spec", [P("data", "model"), P("model"), P(None, ("data", "model"))])

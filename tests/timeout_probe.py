@@ -30,7 +30,7 @@ class MisgroupedMesh(gt.Mesh):
 
 
 mesh = gt.Mesh.create((2, 4), ("data", "model"))
-bad_mesh = MisgroupedMesh((2, 4), ("data", "model"), mesh.devices)
+bad_mesh = MisgroupedMesh(np.reshape(mesh.devices, (2, 4)), ("data", "model"))
 
 
 def step(x):

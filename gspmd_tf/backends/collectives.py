@@ -7,8 +7,11 @@ collectives and back in shard order after, so results follow mesh.groups(axes) r
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import hashlib
 import itertools
+import logging
 import threading
 import time
 
@@ -17,6 +20,7 @@ from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import errors, ops
 from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
 
+from gspmd_tf.backends import base
 from gspmd_tf.errors import ShardingError
 
 MERGE_OPS = {"sum": "Add", "max": "Max", "min": "Min", "prod": "Mul"}
@@ -34,29 +38,56 @@ def carries(dtype):
     return dtype in _NATIVE or dtype in _CARRIERS
 
 
-# Keys start far from tf.distribute's (which count up from small numbers), so both can
-# run collectives in one process without sharing a key.
+# Keys are int32 in [_KEY_BASE, _KEY_LIMIT), far from tf.distribute's (which count up
+# from small numbers), so both can run collectives in one process without sharing a key.
 _KEY_BASE = 0x4753_0000
+_KEY_LIMIT = 1 << 31
+# the collectives that take group and instance keys (gt.Permute is point-to-point copies)
+KEYED = (base.ALL_REDUCE, base.ALL_GATHER, base.REDUCE_SCATTER, base.ALL_TO_ALL)
 _lock = threading.Lock()
-_group_keys = {}
-_instance_keys = itertools.count(_KEY_BASE)
+_group_keys = {}    # (generation, members) -> group key
+_group_owner = {}   # group key -> (generation, members): TF binds a key to one device set
+_program_keys = {}  # program fingerprint -> (first instance key, lock of its calls)
+_instance_ranges = []  # sorted [first, end) instance key ranges handed out
 _tokens = {}
 _generation = 0
+log = logging.getLogger("gspmd_tf")
+
+
+def _hashed_key(parts, span=1):
+    """A key in [_KEY_BASE, _KEY_LIMIT - span] from a hash of `parts` that every process
+    computes alike (Python's hash() of strings differs between processes)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    room = _KEY_LIMIT - span - _KEY_BASE
+    if room <= 0:
+        raise ShardingError(f"a program with {span} collectives needs more collective "
+                            "instance keys than TF's int32 keys leave")
+    return _KEY_BASE + int.from_bytes(digest, "little") % room
 
 
 def group_key(device_names):
-    """The process-wide collective group key of a set of devices.
+    """The collective group key of a set of devices, within one generation.
 
-    TF binds a group key to one device set for the life of the process, so the same set
-    gets the same key and different sets get different keys, within one generation
-    (see retire_group_keys).
+    A hash of the generation and the sorted device names, so every process (every worker
+    of a multi-worker mesh) computes the same key for the same set whatever it built
+    before. TF binds a group key to one device set for the life of the process: a set
+    whose hash lands on another set's key takes the next free hash, with a warning (the
+    processes then agree only if they meet the two sets in the same order).
     """
     members = tuple(sorted(device_names))
     with _lock:
-        key = (_generation, members)
-        if key not in _group_keys:
-            _group_keys[key] = _KEY_BASE + len(_group_keys)
-        return _group_keys[key]
+        ident = (_generation, members)
+        if ident not in _group_keys:
+            key, attempt = _hashed_key(ident), 0
+            while key in _group_owner:
+                attempt += 1
+                key = _hashed_key(ident + (attempt,))
+            if attempt:
+                log.warning("gspmd_tf: the group key of devices %s collided with another "
+                            "device set's; it was moved, so processes that form these sets "
+                            "in another order will disagree on it", members)
+            _group_keys[ident], _group_owner[key] = key, ident
+        return _group_keys[ident]
 
 
 def generation():
@@ -77,10 +108,73 @@ def retire_group_keys():
         _generation += 1
 
 
-def next_instance_key():
-    """A process-wide unique collective instance key."""
+def program_fingerprint(program):
+    """A digest of an SPMD program's structure, the same in every process that builds it.
+
+    It covers every node's op, inputs, control inputs, local shapes, dtypes and gt.*
+    params, not node names or TF attrs: names and function-valued attrs carry counters
+    that differ between processes (__inference_f_123), and two programs alike but for
+    their attrs run the same collectives on the same shapes, so sharing keys (and a lock,
+    see ProgramKeys) is safe for them.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    for node in program.nodes:
+        digest.update(repr((
+            node.op, [tuple(r) for r in node.inputs], node.control_inputs,
+            node.out_shapes, [d.name for d in node.out_dtypes],
+            sorted(node.params.items()))).encode())
+    digest.update(repr([tuple(r) for r in program.outputs]).encode())
+    return digest.hexdigest()
+
+
+class ProgramKeys:
+    """The collective instance keys of one SPMD program and the lock its calls hold.
+
+    The i-th keyed collective of the program (in program order) has instance key
+    `first + i`, where `first` comes from the program's fingerprint: every process that
+    builds the program gives it the same keys, whatever else it compiled and in what
+    order. Programs with different fingerprints get disjoint key ranges in a process;
+    programs with the same fingerprint share the keys and one lock, so their calls never
+    overlap (a program's keys are fixed at trace time, and concurrent calls would mix up
+    their collectives).
+    """
+
+    def __init__(self, program):
+        names = [node.name for node in program.nodes if node.op in KEYED]
+        self.fingerprint = program_fingerprint(program)
+        self.first, self.lock = _program_range(self.fingerprint, len(names))
+        self._ordinal = {name: i for i, name in enumerate(names)}
+
+    def instance_key(self, node_name):
+        """The instance key of collective node `node_name`."""
+        return self.first + self._ordinal[node_name]
+
+
+def _program_range(fingerprint, count):
+    """(first instance key, lock) of the programs with this fingerprint: a range of
+    `count` keys from a hash of the fingerprint, moved (with a warning) only if it
+    overlaps a range another program of this process holds."""
     with _lock:
-        return next(_instance_keys)
+        if fingerprint not in _program_keys:
+            first, attempt = _hashed_key((fingerprint,), count), 0
+            while _overlaps(first, first + count):
+                attempt += 1
+                first = _hashed_key((fingerprint, attempt), count)
+            if attempt:
+                log.warning("gspmd_tf: the collective instance keys of a program collided "
+                            "with another program's; they were moved, so processes that "
+                            "build these programs in another order will disagree on them")
+            bisect.insort(_instance_ranges, (first, first + count))
+            _program_keys[fingerprint] = (first, threading.Lock())
+        return _program_keys[fingerprint]
+
+
+def _overlaps(first, end):
+    """Whether [first, end) meets a range already handed out."""
+    i = bisect.bisect_left(_instance_ranges, (first, first))
+    before = _instance_ranges[i - 1] if i else None
+    after = _instance_ranges[i] if i < len(_instance_ranges) else None
+    return (before is not None and before[1] > first) or (after is not None and after[0] < end)
 
 
 def ordering_token(device_name):

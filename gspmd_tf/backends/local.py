@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import threading
 
 import tensorflow as tf
 from tensorflow.python.eager import context, execute
@@ -24,8 +23,6 @@ from tensorflow.python.ops import control_flow_util_v2
 from gspmd_tf.backends import base, collectives
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import REGION_OPS
-
-_COLLECTIVES = (base.ALL_REDUCE, base.ALL_GATHER, base.REDUCE_SCATTER, base.ALL_TO_ALL)
 
 
 # Generous: a call that waits this long is hung, not slow, on the meshes of one host.
@@ -75,9 +72,10 @@ class LocalBackend(base.Backend):
         outputs[j][d]: shard of program.outputs[j], held in device d's memory (its
         `backing_device`; TF labels every output of a function call with the call's device
         in `.device`). `name` names the program in errors.
-        Calls of one compiled program are serialized: its collective instance keys are
-        fixed at trace time and concurrent calls would mix them up. A GradientTape does
-        not record the call.
+        Calls of one compiled program (and of programs with the same fingerprint, which
+        share its collective instance keys; see collectives.ProgramKeys) are serialized:
+        the keys are fixed at trace time and concurrent calls would mix them up. A
+        GradientTape does not record the call.
         """
         return _Compiled(self.mesh, program, self.collective_timeout, name)
 
@@ -96,12 +94,13 @@ class _Compiled:
         self.specs = [tf.TensorSpec(() if node.out_dtypes[0] == tf.resource
                                     else node.out_shapes[0], node.out_dtypes[0])
                       for node in self.inputs for _ in range(n)]
-        self.lock = threading.Lock()
+        self.keys = collectives.ProgramKeys(program)
+        self.lock = self.keys.lock
         self.what = name or "an SPMD program"
         self._trace()
 
     def _trace(self):
-        lowering = _Lowering(self.mesh)
+        lowering = _Lowering(self.mesh, self.keys)
         self.generation = collectives.generation()
 
         def spmd_program(*flat):
@@ -115,6 +114,20 @@ class _Compiled:
         self.function = concrete.inference_fn
         self.captures = list(concrete.captured_inputs)
         self.num_outputs = len(concrete.inference_fn.function_type.flat_outputs)
+
+    def collective_keys(self):
+        """[(node name, op, instance key, group keys)] of the program's keyed collectives,
+        in program order: the keys its next call runs with (group keys: one per group of
+        mesh.groups(axes), sorted; a group of one device runs no collective)."""
+        out = []
+        for node in self.program.nodes:
+            if node.op not in collectives.KEYED:
+                continue
+            rows = self.mesh.groups(tuple(node.params["axes"]))
+            groups = () if rows.shape[1] == 1 else tuple(sorted(
+                collectives.group_key([self.mesh.devices[d] for d in row]) for row in rows))
+            out.append((node.name, node.op, self.keys.instance_key(node.name), groups))
+        return out
 
     def __call__(self, shards):
         n = self.mesh.size
@@ -157,8 +170,9 @@ def _safe_name(name):
 class _Lowering:
     """Emits an SPMD program into the current (function) graph, once per device."""
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, keys):
         self.mesh = mesh
+        self.keys = keys
         self.devices = mesh.devices
         self.tokens = [collectives.ordering_token(name) for name in self.devices]
         self.args = None
@@ -201,7 +215,7 @@ class _Lowering:
             return lambda d, ins: tf.constant(self.mesh.shard_index(d, p["axes"]), tf.int32)
         if node.op == base.PERMUTE:
             return _permute(p["pairs"])
-        if node.op in _COLLECTIVES:
+        if node.op in collectives.KEYED:
             return self._collective(node)
         if node.op.startswith("gt."):
             raise ShardingError(f"LocalBackend cannot lower {node.op} (node {node.name})")
@@ -217,7 +231,7 @@ class _Lowering:
         row_of = {int(dev): [int(x) for x in row] for row in groups for dev in row}
         if not collectives.carries(node.out_dtypes[0]):
             return self._copy_collective(node, row_of)
-        instance_key = collectives.next_instance_key()
+        instance_key = self.keys.instance_key(node.name)
 
         def emit(d, ins):
             row = row_of[d]

@@ -416,8 +416,9 @@ def _first_writer(graph, ref):
 
 
 def _mesh_text(mesh):
-    """A mesh's shape and devices, for errors about two meshes with the same axes."""
-    names = [d.rsplit("device:", 1)[-1] for d in mesh.devices]
+    """A mesh's shape and devices (row-major positions), for errors about two meshes
+    with the same axes."""
+    names = [mesh.devices[i].rsplit("device:", 1)[-1] for i in mesh.device_ids.ravel()]
     return f"{mesh!r} (devices {', '.join(names)})"
 
 

@@ -18,7 +18,7 @@ from gspmd_tf.graph.ir import Graph, Ref
 _ALWAYS_KEPT = frozenset({"gt.Input"})  # program inputs keep their positions
 
 
-def _has_effect(node):
+def has_effect(node):
     """Whether a node must run even when nothing reads it: a program input, a TF op with
     no outputs (variable updates) or a stateful TF op (its state would change otherwise).
     gt.* collectives and shard indices are pure functions of their operands."""
@@ -41,7 +41,7 @@ def eliminate_dead_code(graph):
     nodes = graph.nodes
     live = [False] * len(nodes)
     stack = [ref.node for ref in graph.outputs]
-    stack += [i for i, node in enumerate(nodes) if _has_effect(node)]
+    stack += [i for i, node in enumerate(nodes) if has_effect(node)]
     while stack:
         i = stack.pop()
         if live[i]:

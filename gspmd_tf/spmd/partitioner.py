@@ -23,6 +23,7 @@ from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.registry import op_def
 from gspmd_tf.spmd import planner
+from gspmd_tf.spmd.combine import combine_all_reduces
 from gspmd_tf.spmd.dce import eliminate_dead_code
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.program import Local, ProgramBuilder
@@ -36,7 +37,8 @@ PROGRESS_EVERY = 10_000  # ops between two progress lines (log level INFO)
 
 @dataclass
 class SpmdProgram:
-    """The partitioned program (dead code eliminated) with its input/output layouts."""
+    """The partitioned program (dead code eliminated, small independent all-reduces
+    combined) with its input/output layouts."""
 
     graph: object
     input_layouts: list
@@ -271,7 +273,7 @@ class Partitioner:
             local = self.reshard(self.values[ref], layout)
             outputs.append(local)
             b.graph.outputs.append(local.ref)
-        return SpmdProgram(eliminate_dead_code(b.graph),
+        return SpmdProgram(combine_all_reduces(eliminate_dead_code(b.graph)),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops)
 
