@@ -79,3 +79,24 @@ def test_integer_mean_of_nothing_is_zero(spec):
     mesh = gt.Mesh.create((8,), ("a",))
     x = np.zeros((0, 3), np.int32)
     check_partitioned(lambda x: tf.reduce_mean(x, 0, keepdims=True), (x,), mesh, (spec,))
+
+
+def test_ops_with_empty_results_are_empty_constants():
+    """Grappler's rewrite of a multiplication by ones divides by the dims of the other
+    operand and dies (SIGFPE) when one is 0 and an empty constant counts as "ones"
+    (fuzzer, seed 31 #53: the gradient of a select of a min over a split empty tensor).
+    So no TF op with only empty results is emitted: each becomes an empty constant."""
+    mesh = gt.Mesh.create((2, 1), ("x", "y"))
+
+    def fn(x, cond, y):
+        with tf.GradientTape() as tape:
+            tape.watch([x, y])
+            z = tf.where(cond, tf.reduce_min(x, axis=2), y)
+            loss = tf.reduce_sum(tf.sin(z))
+        return [z] + tape.gradient(loss, [x, y])
+
+    args = (np.zeros((0, 1, 8), np.float32), np.array([True]), np.zeros((0, 1), np.float32))
+    low = check_partitioned(fn, args, mesh, (P("x"), P(), P()))
+    for node in low.program.graph.nodes:
+        if node.out_shapes and all(0 in s for s in node.out_shapes):
+            assert node.op in ("Const", "gt.Input"), node
