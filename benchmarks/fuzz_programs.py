@@ -827,11 +827,16 @@ def body_source(program):
                          f"{spec_source(op['hint'])})")
     outs = program["outputs"]
     if program["grad"]:
-        dtypes = {op["out"]: op["dtype"] for op in program["ops"]}
-        # sin: a plain sum can make the loss constant (sum of a softmax), whose gradient
-        # is rounding noise that no two summation orders agree on
-        losses = [f"tf.reduce_sum(tf.sin(tf.cast({o}, tf.float32)))" for o in outs
-                  if dtypes[o] in FLOATS]
+        ops = {op["out"]: op for op in program["ops"]}
+        # A weighted sum with fixed weights in [0.5, 1.5): the gradient flowing into the
+        # program is then exact (the weights), not a function of values that summation
+        # order rounds differently (sin(t) had cos(t) there, which turns t's rounding
+        # error eps*|t| into a relative error eps*|t*tan(t)| of every gradient); and
+        # unlike a plain sum it is never constant (a plain sum of a softmax is 1, whose
+        # gradient is rounding noise).
+        losses = [f"tf.reduce_sum(tf.cast({o}, tf.float32) * np.random.default_rng({k})"
+                  f".uniform(0.5, 1.5, {tuple(ops[o]['shape'])}).astype(np.float32))"
+                  for k, o in enumerate(outs) if ops[o]["dtype"] in FLOATS]
         lines.append(f"{indent}loss = " + " + ".join(losses))
         lines.append(f"    grads = tape.gradient(loss, [{', '.join(floats)}], "
                      "unconnected_gradients=tf.UnconnectedGradients.ZERO)")
