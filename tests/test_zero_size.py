@@ -97,3 +97,20 @@ def test_ops_with_empty_results_are_empty_constants():
     for node in low.program.graph.nodes:
         if node.out_shapes and all(0 in s for s in node.out_shapes):
             assert node.op in ("Const", "gt.Input"), node
+
+
+def test_equal_empty_constants_of_other_tensors_do_not_mix():
+    """Every empty local tensor of one shape is the same constant node; resharding one
+    must not return the reshard of another that shares the node (fuzzer, seed 40 #27:
+    a (1, 0, 0) result came back with the (3, 0, 0) shards of its operand)."""
+    mesh = gt.Mesh.create((4, 1), ("a", "b"))
+
+    def fn(x):
+        t = gt.mesh_split(tf.slice(x, [3, 4, 0], [-1, 0, 0]), mesh, P("a", None))
+        return tf.slice(tf.cast(t, tf.int32), [2, 0, 0], [1, 0, 0])
+
+    f = gt.function(fn, mesh=mesh, in_shardings=(P(),))
+    got = f(np.zeros((6, 4, 0), np.float32))
+    assert got.shape == (1, 0, 0)
+    local = got.layout.local_shape(mesh, (1, 0, 0))
+    assert [tuple(s.shape) for s in got.shards] == [local] * 4

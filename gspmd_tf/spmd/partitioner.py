@@ -202,8 +202,9 @@ class Partitioner:
         self.replicated_ops = []
 
     def reshard(self, local, layout):
-        """Cached reshard of a program tensor."""
-        key = (local.ref, layout)
+        """Cached reshard of a program tensor (keyed by all of it: equal constants are
+        one node, so one ref can hold tensors of other global shapes or layouts)."""
+        key = (local, layout)
         if key not in self._resharded:
             self._resharded[key] = reshard(self.b, local, layout)
         return self._resharded[key]
