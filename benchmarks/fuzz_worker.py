@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from fuzz_programs import output_precisions, source  # noqa: E402
+from fuzz_programs import loosest, output_precisions, source, watched  # noqa: E402
 
 # Relative error bound (norm of the error over norm of the value, finite entries) per
 # dtype: float32 as the test suite; half types only as loose as their precision forces.
@@ -69,7 +69,7 @@ def check_values(got, want, what, precision, scale=None):
                        f"(e.g. at {tuple(int(i) for i in where)}: {g[where]} vs {w[where]})")
 
 
-def check_output(got, want, spec, mesh, i, precision):
+def check_output(got, want, spec, mesh, what, precision):
     """Compare one ShardedTensor with the single-device value: the assembled value,
     every device's shard (replicas must agree) and the requested out_sharding."""
     from gspmd_tf.layout import Layout
@@ -78,9 +78,9 @@ def check_output(got, want, spec, mesh, i, precision):
 
     want = np.asarray(want)
     if tuple(got.shape) != want.shape or got.dtype.as_numpy_dtype != want.dtype:
-        raise Mismatch(f"output {i}: {got.shape} {got.dtype.name} != {want.shape} "
+        raise Mismatch(f"{what}: {got.shape} {got.dtype.name} != {want.shape} "
                        f"{want.dtype}")
-    check_values(got.numpy(), want, f"output {i}", precision)
+    check_values(got.numpy(), want, what, precision)
     finite = want[np.isfinite(want)] if want.dtype.kind == "f" or str(want.dtype) in \
         TOLERANCE else None
     scale = None if finite is None else np.linalg.norm(finite.astype(np.float64))
@@ -88,16 +88,16 @@ def check_output(got, want, spec, mesh, i, precision):
     for device, shard in enumerate(got.shards):
         value = np.asarray(shard.numpy())
         if value.shape != local:
-            raise Mismatch(f"output {i}: device {device} holds shape {value.shape}, "
+            raise Mismatch(f"{what}: device {device} holds shape {value.shape}, "
                            f"expected {local}")
         bounds = shard_bounds(mesh, got.layout, want.shape, device)
         valid = value[tuple(slice(0, b - a) for a, b in bounds)]
         check_values(valid, want[tuple(slice(a, b) for a, b in bounds)],
-                     f"output {i} on device {device}", precision, scale)
+                     f"{what} on device {device}", precision, scale)
     if spec is not None:
         expected = Layout.from_spec(mesh, PartitionSpec(*spec), want.ndim)
         if got.layout.dims != expected.dims:
-            raise Mismatch(f"output {i}: sharding {got.layout} but out_shardings asked "
+            raise Mismatch(f"{what}: sharding {got.layout} but out_shardings asked "
                            f"for {expected}")
 
 
@@ -111,38 +111,103 @@ def first_line(exc):
     return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
 
 
+def declared_shapes(program):
+    """The shapes TF's shape inference gives f's outputs (the generator mirrors it):
+    the outputs', then the gradients' (their inputs' shapes)."""
+    shapes = {op["out"]: op["shape"] for op in program["ops"]}
+    shapes.update({i["name"]: i["shape"] for i in program["inputs"]})
+    result = [tuple(shapes[o]) for o in program["outputs"]]
+    if program["grad"]:
+        result += [tuple(shapes[name]) for name in watched(program)]
+    return result
+
+
 def run_program(program, tf, gt):
-    """Run one program; returns (status, detail)."""
-    scope = {"np": np, "tf": tf, "gt": gt, "P": gt.P}
-    try:
-        exec(source(program), scope)  # noqa: S102 - the program is our own generated text
-        with tf.device("/device:CPU:0"):  # eagerly: no tracing cost for the reference
-            want = scope["f"](*[tf.convert_to_tensor(a) for a in scope["args"]])
+    """Run one program; returns (status, detail). A program with variables runs twice
+    (the second call sees the first one's updates) and its variables are compared
+    after both calls.
+
+    The reference is single-device TF run eagerly. Where TF contradicts itself the
+    program says nothing about gspmd-tf: a result whose shape is not the one TF's own
+    shape inference gives is a TF kernel bug (status invalid); and a partitioned result
+    that differs from the eager one but equals what single-device TF computes in graph
+    mode (a tf.function, as gspmd-tf runs) passes: it is what TF does."""
+    variables = [v["name"] for v in program.get("variables", ())]
+    calls = 2 if variables else 1
+    text = source(program)
+
+    def fresh_scope(partitioned):
+        """The program's names: its variables are gt.Variables if `partitioned`, else
+        tf.Variables."""
+        scope = {"np": np, "tf": tf, "gt": gt, "P": gt.P}
+
+        def make_variable(value, spec, name):
+            if partitioned:
+                return gt.Variable(value, scope["mesh"], spec, name=name)
+            return tf.Variable(value, name=name)
+        scope["make_variable"] = make_variable
+        exec(text, scope)  # noqa: S102 - the program is our own generated text
+        return scope
+
+    def reference(graph_mode):
+        """Single-device TF's outputs of every call, and its final variables."""
+        with tf.device("/device:CPU:0"):  # eagerly: no tracing cost
+            scope = fresh_scope(partitioned=False)
+            f = tf.function(scope["f"], autograph=False) if graph_mode else scope["f"]
+            outs = [f(*[tf.convert_to_tensor(a) for a in scope["args"]])
+                    for _ in range(calls)]
         # .numpy(), not np.asarray(tensor): a 0-d bfloat16 tensor's __array__ gives a scalar
-        want = [np.asarray(w.numpy()) for w in want]
+        return ([[np.asarray(w.numpy()) for w in call] for call in outs],
+                [scope[name].numpy() for name in variables])
+
+    try:
+        want = reference(graph_mode=False)
     except Exception as exc:  # noqa: BLE001 - any failure here is the generator's
         return "invalid", first_line(exc)
+    for i, (w, shape) in enumerate(zip(want[0][0], declared_shapes(program))):
+        if w.shape != shape:
+            return "invalid", (f"output {i}: single-device TF returned shape {w.shape}, its "
+                               f"shape inference says {shape}")
     try:
+        scope = fresh_scope(partitioned=True)
         fn = gt.function(scope["f"], mesh=scope["mesh"], in_shardings=scope["in_shardings"],
                          out_shardings=scope["out_shardings"])
-        got = fn(*scope["args"])
+        got = ([fn(*scope["args"]) for _ in range(calls)],
+               [scope[name].sharded() for name in variables])
     except Exception as exc:  # noqa: BLE001 - every exception of a valid program counts
         frames = traceback.extract_tb(exc.__traceback__)
         where = next((f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames)
                       if "gspmd_tf" in f.filename), "")
         return "error", first_line(exc) + (f" [{where}]" if where else "")
-    specs = scope["out_shardings"] or [None] * len(want)
     try:
-        if len(got) != len(want):
-            raise Mismatch(f"{len(got)} outputs, expected {len(want)}")
-        for i, (g, w, spec, precision) in enumerate(zip(got, want, specs,
-                                                        output_precisions(program))):
-            check_output(g, w, spec, scope["mesh"], i, precision)
+        compare(program, got, want, scope)
     except Mismatch as exc:
-        return "mismatch", str(exc)
+        try:
+            compare(program, got, reference(graph_mode=True), scope)
+        except Exception:  # noqa: BLE001 - the eager difference stands
+            return "mismatch", str(exc)
+        return "pass", "equals single-device TF in graph mode (eager TF differs)"
     except Exception as exc:  # noqa: BLE001 - e.g. reading a shard failed
         return "error", "reading the result: " + first_line(exc)
     return "pass", ""
+
+
+def compare(program, got, want, scope):
+    """Raise Mismatch unless the partitioned (outputs per call, variables) `got` equal
+    single-device TF's `want`."""
+    precisions = output_precisions(program)
+    calls = len(want[0])
+    for call, (g_outs, w_outs) in enumerate(zip(got[0], want[0])):
+        specs = scope["out_shardings"] or [None] * len(w_outs)
+        if len(g_outs) != len(w_outs):
+            raise Mismatch(f"{len(g_outs)} outputs, expected {len(w_outs)}")
+        for i, (g, w, spec, precision) in enumerate(zip(g_outs, w_outs, specs, precisions)):
+            what = f"output {i}" + (f" of call {call + 1}" if calls > 1 else "")
+            check_output(g, w, spec, scope["mesh"], what, precision)
+    variables = program.get("variables", ())
+    every = loosest(list(precisions) + [v["dtype"] for v in variables])
+    for v, g, w in zip(variables, got[1], want[1]):
+        check_output(g, w, None, scope["mesh"], f"variable {v['name']}", every)
 
 
 def main():
