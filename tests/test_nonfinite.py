@@ -76,6 +76,13 @@ SPLITS = {
 }
 
 
+# TF's float32 Softmax kernel on CPUs with oneDNN puts NaN in lane-dependent places of a
+# row holding NaN/+Inf ([0..14, nan] -> NaN at 0 and 15, 0 elsewhere; [0..15, nan] -> NaN
+# at 15 and 16), which no partition of the row can reproduce; its Eigen kernel (float64,
+# float16, or float32 without oneDNN) makes such a row NaN. That is the reference here.
+REFERENCES = {"softmax": lambda x: tf.cast(tf.nn.softmax(tf.cast(x, tf.float64)), x.dtype)}
+
+
 @pytest.mark.parametrize("n", [16, 13])
 @pytest.mark.parametrize("split", list(SPLITS))
 @pytest.mark.parametrize("op", list(OPS))
@@ -83,7 +90,7 @@ def test_nonfinite_values_match_single_device(op, split, n):
     shape, axes, spec = SPLITS[split]
     mesh = gt.Mesh.create(shape, axes)
     x = special_rows(n, np.random.default_rng(n))
-    check_partitioned(OPS[op], (x,), mesh, (spec,))
+    check_partitioned(OPS[op], (x,), mesh, (spec,), reference=REFERENCES.get(op))
 
 
 SEGMENT_LAYOUTS = {  # data, ids, result
