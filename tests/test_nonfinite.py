@@ -132,3 +132,22 @@ def test_segment_extrema_over_rows_split_in_two_dims(spec, caplog):
 
     check_partitioned(f, (data, ids), mesh, (spec, spec))
     assert "gathered first" in caplog.text
+
+
+@pytest.mark.parametrize("equation,x_shape,y_shape,x_spec,y_spec", [
+    ("abc,cd->", (6, 12, 1), (1, 2), P("b"), P()),            # fuzzer seed 42 #142
+    ("abc,cd->cda", (7, 4, 2), (2, 2), P(None, "b"), P()),     # fuzzer seed 42 #9
+    ("ab,bc->ac", (3, 5), (5, 4), P(None, "a"), P(None, "b")),  # contraction only
+    ("ab,cd->ad", (3, 13), (7, 2), P(None, ("a", "b")), P("b")),  # both own letters, uneven
+])
+def test_einsum_sums_letters_of_one_operand_first(equation, x_shape, y_shape, x_spec, y_spec):
+    """TF sums a letter of one operand out of it before contracting: Inf * (a + b) is
+    +-Inf where a split sum of products Inf * a + Inf * b is NaN."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    y = rng.standard_normal(y_shape).astype(np.float32)
+    y.flat[0], x.flat[-1] = -INF, INF
+    mesh = gt.Mesh.create((2, 4), ("a", "b"))
+    check_partitioned(lambda x, y: tf.einsum(equation, x, y), (x, y), mesh, (x_spec, y_spec))
+    check_partitioned(lambda x, y: tf.einsum(equation, x, y), (np.abs(x), y), mesh,
+                      (x_spec, y_spec))

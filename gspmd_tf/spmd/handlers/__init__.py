@@ -9,12 +9,13 @@ it (elementwise, dots, transposes, concat...).
 
 from gspmd_tf.spmd.handlers.basic import BASIC_HANDLERS, replay
 from gspmd_tf.spmd.handlers.conv import CONV_HANDLERS
+from gspmd_tf.spmd.handlers.einsum import EINSUM_HANDLERS
 from gspmd_tf.spmd.handlers.gather import GATHER_HANDLERS
 from gspmd_tf.spmd.handlers.grads import GRAD_HANDLERS
 from gspmd_tf.spmd.handlers.normalize import NORMALIZE_HANDLERS
 from gspmd_tf.spmd.handlers.segment import SEGMENT_HANDLERS
 
 HANDLERS = {**BASIC_HANDLERS, **GATHER_HANDLERS, **NORMALIZE_HANDLERS, **GRAD_HANDLERS,
-            **CONV_HANDLERS, **SEGMENT_HANDLERS}
+            **CONV_HANDLERS, **SEGMENT_HANDLERS, **EINSUM_HANDLERS}
 
 __all__ = ["HANDLERS", "replay"]
