@@ -428,3 +428,17 @@ def test_nhwc_conv_then_nchw_bias_add(spec):
     def reference(x, w, bias):
         return tf.nn.conv2d(x, w, 1, "SAME") + tf.reshape(bias, [4, 1, 1])
     check_partitioned(f, (x, w, bias), mesh, (spec, None, None), reference=reference)
+
+
+@pytest.mark.parametrize("spec,padding", [(P(None, None, "model", "data"), "SAME"),
+                                          (P(None, None, None, "data"), "VALID")])
+def test_one_strided_window_per_device(spec, padding):
+    """TF's oneDNN Conv2D computes wrong values for some strided dims with one window
+    (input (2, 3, 3, 1), filter (1, 3, 1, 1), strides [1, 1, 2, 1], VALID), a local shape
+    a split makes of a conv TF gets right (fuzzer, seed 43 #379); such a dim runs with
+    stride 1 on the window's extent."""
+    mesh = gt.Mesh.create((2, 2), ("data", "model"))
+    rng = np.random.default_rng(379)
+    x, w = randn(rng, 2, 3, 3, 2), randn(rng, 1, 3, 2, 3)
+    check_partitioned(lambda x, w: tf.nn.conv2d(x, w, [1, 2], padding), (x, w), mesh,
+                      (spec, None))
