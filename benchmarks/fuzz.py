@@ -7,7 +7,8 @@ a sharding rule (and a few without), on a random 1-D/2-D/3-D mesh of the 8 logic
 devices (size-1 axes included), with random PartitionSpecs on the inputs (several axes on
 one dim, uneven, size-1 and zero-size dims), NaN/Inf values, float16/bfloat16/float64/
 int32/bool tensors, gt.mesh_split hints on intermediates, out_shardings and sometimes a
-gradient. A worker subprocess (benchmarks/fuzz_worker.py) imports TF once per batch of
+gradient; some programs also read and update gt.Variables (run twice, the variables
+compared shard by shard with tf.Variables). A worker subprocess (benchmarks/fuzz_worker.py) imports TF once per batch of
 --batch programs and runs them one at a time, so the driver sees every crash (the worker
 dies) and hang (no answer within --timeout) and charges it to the program that was
 running; a crash is re-checked alone in a fresh worker and, when it only happens after

@@ -8,7 +8,8 @@ line per request on its stdout: {"id", "status", "detail", "seconds"} with statu
   pass      every output (and every device's shard of it) equals single-device TF
   mismatch  a value, shape, dtype, shard or output sharding differs
   error     the partitioned run raised (the program is valid: the reference ran)
-  invalid   single-device TF itself rejected the program (a generator bug, not gspmd-tf's)
+  invalid   single-device TF itself rejected the program (a generator bug, not gspmd-tf's),
+            or returned a shape its own shape inference contradicts (a TF kernel bug)
 
 TensorFlow is imported once per worker; C-level writes to stdout go to stderr, so the
 answer channel carries only answers. Crashes and hangs are seen by the parent.
