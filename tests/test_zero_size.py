@@ -114,3 +114,20 @@ def test_equal_empty_constants_of_other_tensors_do_not_mix():
     assert got.shape == (1, 0, 0)
     local = got.layout.local_shape(mesh, (1, 0, 0))
     assert [tuple(s.shape) for s in got.shards] == [local] * 4
+
+
+@pytest.mark.parametrize("spec", [P(None, None, "b"), P(None, "a", "b")])
+def test_conv_of_an_empty_dim_with_padding_is_zeros(spec):
+    """Explicit padding makes a result of an empty H (windows of padding only): zeros,
+    forward and through the gradients (fuzzer, seed 46 #505: a halo plan of n=0)."""
+    mesh = gt.Mesh.create((2, 4), ("a", "b"))
+    x = np.zeros((2, 0, 6, 12), np.float32)
+    w = np.random.default_rng(505).standard_normal((2, 3, 12, 3)).astype(np.float32)
+
+    def fn(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = tf.nn.conv2d(x, w, [2, 2], [[0, 0], [1, 1], [2, 0], [0, 0]])
+            loss = tf.reduce_sum(y * 3.0)
+        return [y] + tape.gradient(loss, [x, w])
+    check_partitioned(fn, (x, w), mesh, (spec, P()))

@@ -306,6 +306,8 @@ def _needs_mask(dp, fill_zero):
 def windowed_forward(ctx, operands, layouts):
     """Conv2D, DepthwiseConv2dNative, MaxPool, AvgPool with split spatial dims."""
     node = ctx.node
+    if node.op in _FILTERED and (0 in operands[0].shape or 0 in operands[1].shape):
+        return _no_products(ctx, layouts)
     y_layout = layouts[0]
     x0 = operands[0]
     geo = geometry(node, x0.shape, node.out_shapes[0],
@@ -333,6 +335,13 @@ def windowed_forward(ctx, operands, layouts):
     if node.op == "AvgPool":
         out = [_avg_counts(ctx, out[0], plans)]
     return out
+
+
+def _no_products(ctx, layouts):
+    """The result of a windowed op (or its gradient) with an operand or result of no
+    elements: sums of no products, zeros (windows over an empty dim read only padding)."""
+    dtype = ctx.node.out_dtypes[0]
+    return [ctx.b.const(np.zeros(local_shapes(ctx, layouts)[0], dtype.as_numpy_dtype), dtype)]
 
 
 def _one_window_unstrided(ctx, geo, ref, attrs, layouts):
@@ -387,6 +396,8 @@ def backprop_filter(ctx, operands, layouts):
     like the forward conv, dy local; the result is partial over the spatial axes."""
     node = ctx.node
     x0, dy = operands[0], operands[2]
+    if 0 in x0.shape or 0 in dy.shape:
+        return _no_products(ctx, layouts)
     geo = geometry(node, x0.shape, dy.shape, node.out_shapes[0][:2])
     sizes = local_shapes(ctx, layouts)[0]
     size_ref = ctx.b.const(np.asarray(sizes, np.int32))
@@ -456,6 +467,8 @@ def transposed(ctx, operands, layouts):
     the window operands (every forward window touching this device's block of the
     result), the local op with VALID padding, then this device's block sliced out."""
     node = ctx.node
+    if 0 in node.out_shapes[0] or any(0 in x.shape for x in operands if len(x.shape) == 4):
+        return _no_products(ctx, layouts)
     b = ctx.b
     shape_input, window_inputs, x_input = _TRANSPOSED[node.op]
     dx_shape = node.out_shapes[0]
