@@ -151,3 +151,22 @@ def test_einsum_sums_letters_of_one_operand_first(equation, x_shape, y_shape, x_
     check_partitioned(lambda x, y: tf.einsum(equation, x, y), (x, y), mesh, (x_spec, y_spec))
     check_partitioned(lambda x, y: tf.einsum(equation, x, y), (np.abs(x), y), mesh,
                       (x_spec, y_spec))
+
+
+def test_conv_filter_gradient_of_inf_read_only_by_real_windows():
+    """H = 6 over 4 shards (2, 2, 2, 0): the last shard's windows are padding, but its halo
+    held a neighbour's Inf; 0 * Inf made the filter gradient NaN where TF's is finite
+    (fuzzer, seed 46 #400). Elements no real window reads are masked."""
+    mesh = gt.Mesh.create((1, 4), ("x", "y"))
+    rng = np.random.default_rng(400)
+    x = rng.standard_normal((2, 6, 1, 1)).astype(np.float32)
+    x[0, 4, 0, 0] = INF
+    w = rng.standard_normal((3, 1, 1, 4)).astype(np.float32)
+
+    def fn(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = tf.nn.conv2d(x, w, 1, [[0, 0], [2, 0], [0, 2], [0, 0]])
+            loss = tf.reduce_sum(y * np.linspace(0.5, 1.5, 144).reshape(2, 6, 3, 4).astype(np.float32))
+        return tape.gradient(loss, w)
+    check_partitioned(fn, (x, w), mesh, (P(None, "y"), P()))

@@ -161,7 +161,7 @@ def _affine_start(b, axes, step, constant):
 
 def _mask_outside(b, ref, dim, start, n, fill):
     """Elements of `ref` along `dim` whose global index (start + position) is outside
-    [0, n) set to `fill`."""
+    [0, n) set to `fill` (start and n: python ints or int32 scalars)."""
     shape = b.shape_of(ref)
     bshape = [1] * len(shape)
     bshape[dim] = shape[dim]
@@ -172,7 +172,8 @@ def _mask_outside(b, ref, dim, start, n, fill):
         index = b.const((np.arange(shape[dim]) + start).astype(np.int32).reshape(bshape))
     low = b.op("GreaterEqual", [index, b.const(np.int32(0))], tuple(bshape), tf.bool,
                T=tf.int32)
-    high = b.op("Less", [index, b.const(np.int32(n))], tuple(bshape), tf.bool, T=tf.int32)
+    high = b.op("Less", [index, b.const(np.int32(n)) if isinstance(n, int) else n],
+                tuple(bshape), tf.bool, T=tf.int32)
     valid = b.op("LogicalAnd", [low, high], tuple(bshape), tf.bool)
     dtype = b.graph.dtype(ref)
     return b.op("SelectV2", [valid, ref, b.const(np.asarray(fill, dtype.as_numpy_dtype))],
@@ -410,7 +411,23 @@ def backprop_filter(ctx, operands, layouts):
     plans, attrs = _local_padding(node, plans)
     refs = masked_refs(ctx, [x, operands[1], dy])  # padding of x and dy -> zeros
     window = _extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim)
+    for dp in plans:
+        if dp.k > 1:
+            window = _mask_unread(b, window, dp)
     return replay(ctx, operands, layouts, attrs=attrs, refs=[window, size_ref, refs[2]])
+
+
+def _mask_unread(b, window, dp):
+    """The window of x with the elements no real window of this shard reads set to 0:
+    they meet only dy's padding (zeros), and 0 * Inf would be NaN (fuzzer, seed 46
+    #400: a shard of padding read its neighbour's Inf through the halo)."""
+    s, per = dp.s, dp.plan["out_shard"]
+    extent = (s.window - 1) * s.dilation + 1
+    real = [min(max(s.out - i * per, 0), per) for i in range(dp.k)]
+    read = [(r - 1) * s.stride + extent if r else 0 for r in real]
+    if min(read) >= b.shape_of(window)[s.x_dim]:
+        return window
+    return _mask_outside(b, window, s.x_dim, 0, _per_shard(b, dp.axes, read), 0)
 
 
 class _TransposedDim:
