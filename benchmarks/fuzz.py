@@ -7,7 +7,8 @@ a sharding rule (and a few without), on a random 1-D/2-D/3-D mesh of the 8 logic
 devices (size-1 axes included), with random PartitionSpecs on the inputs (several axes on
 one dim, uneven, size-1 and zero-size dims), NaN/Inf values, float16/bfloat16/float64/
 int32/bool tensors, gt.mesh_split hints on intermediates, out_shardings and sometimes a
-gradient. A worker subprocess (benchmarks/fuzz_worker.py) imports TF once per batch of
+gradient; some programs also read and update gt.Variables (run twice, the variables
+compared shard by shard with tf.Variables). A worker subprocess (benchmarks/fuzz_worker.py) imports TF once per batch of
 --batch programs and runs them one at a time, so the driver sees every crash (the worker
 dies) and hang (no answer within --timeout) and charges it to the program that was
 running; a crash is re-checked alone in a fresh worker and, when it only happens after
@@ -56,6 +57,8 @@ OPS = flags.DEFINE_string("ops", "2-12", "number of ops per program, MIN-MAX (sh
 FAMILIES = flags.DEFINE_list("families", ["all"], "op families to draw from: all or some of "
                              + ",".join(all_families()))
 GRAD = flags.DEFINE_float("grad_prob", 0.15, "fraction of programs that take a gradient")
+VARIABLES = flags.DEFINE_float("variable_prob", 0.1, "fraction of programs that read and "
+                               "update gt.Variables (run twice, variables compared)")
 ZERO = flags.DEFINE_float("zero_prob", 0.04, "chance of a zero-size dim in each drawn dim "
                           "(0: only slices empty a dim)")
 BATCH = flags.DEFINE_integer("batch", 100, "programs per worker process (one TF import)")
@@ -266,8 +269,12 @@ def signature(result):
 
 
 def dead_code_eliminated(program):
-    """Drop ops no output depends on and inputs nothing reads."""
-    needed = set(program["outputs"])
+    """Drop ops no output or variable update depends on, inputs nothing reads and
+    variables nothing reads or updates."""
+    if "updates" in program and not program["grad"]:  # a gradient step needs the gradient
+        program["updates"] = [u for u in program["updates"] if u["arg"]]
+    updates = program.get("updates", ())
+    needed = set(program["outputs"]) | {u["arg"] for u in updates if u["arg"]}
     kept = []
     for op in reversed(program["ops"]):
         if op["out"] in needed:
@@ -275,6 +282,11 @@ def dead_code_eliminated(program):
             needed.update(op["args"])
     program["ops"] = kept[::-1]
     program["inputs"] = [i for i in program["inputs"] if i["name"] in needed]
+    if "variables" in program:
+        used = {u["variable"] for u in updates} | {
+            v["name"] for v in program["variables"] for op in kept
+            if re.search(rf"\b{v['name']}\b", op["expr"])}
+        program["variables"] = [v for v in program["variables"] if v["name"] in used]
     return program
 
 
@@ -303,6 +315,9 @@ def promoted(program, k):
     for other in p["ops"]:
         other["args"] = [name if a == op["out"] else a for a in other["args"]]
     p["outputs"] = [name if o == op["out"] else o for o in p["outputs"]]
+    for update in p.get("updates", ()):
+        if update["arg"] == op["out"]:
+            update["arg"] = name
     if op["out"] in program["outputs"]:
         return None  # an input as an output tests nothing
     return dead_code_eliminated(p)
@@ -312,13 +327,17 @@ def candidates(program):
     """Smaller or simpler variants of a program, most aggressive first."""
     p = program
     if p["grad"]:
-        yield dict(copy.deepcopy(p), grad=False)
+        yield dead_code_eliminated(dict(copy.deepcopy(p), grad=False))
     for k, op in enumerate(p["ops"]):
         if [op["out"]] != p["outputs"]:
             yield with_outputs(p, [op["out"]])
     if len(p["outputs"]) > 1:
         for o in p["outputs"]:
             yield with_outputs(p, [x for x in p["outputs"] if x != o])
+    for k in range(len(p.get("updates", ()))):
+        c = copy.deepcopy(p)
+        del c["updates"][k]
+        yield dead_code_eliminated(c)
     for k in range(len(p["ops"])):
         c = promoted(p, k)
         if c is not None:
@@ -335,6 +354,12 @@ def candidates(program):
             c = copy.deepcopy(p)
             c["ops"][k]["hint"] = None
             yield c
+    for i, var in enumerate(p.get("variables", ())):
+        for d, entry in enumerate(var["spec"]):
+            if entry is not None:
+                c = copy.deepcopy(p)
+                c["variables"][i]["spec"][d] = None
+                yield c
     for i, inp in enumerate(p["inputs"]):
         if inp["special"]:
             c = copy.deepcopy(p)
@@ -466,7 +491,7 @@ def main(argv):
             raise app.UsageError(f"mesh {shape}: use at most 3 axes and 8 devices")
     indices = range(START.value, START.value + PROGRAMS.value)
     programs = {i: generate(SEED.value, i, (lo, hi), families, GRAD.value, meshes,
-                            ZERO.value)
+                            ZERO.value, VARIABLES.value)
                 for i in indices}
     print(f"fuzz: {len(programs)} programs, seed {SEED.value}, {JOBS.value} workers of "
           f"{BATCH.value} programs, load average {os.getloadavg()[0]:.2f}", flush=True)

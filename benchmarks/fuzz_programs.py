@@ -99,8 +99,10 @@ class Generator:
     """Builds one random program from a numpy Generator."""
 
     def __init__(self, rng, num_ops, families=None, grad_prob=0.15, meshes=None,
-                 zero_prob=0.04):
+                 zero_prob=0.04, variables=False):
         self.rng = rng
+        self.with_variables = variables  # read and update gt.Variables (see new_variable)
+        self.variables = []
         self.zero_prob = zero_prob  # chance of a 0 in each drawn dim
         self.num_ops = num_ops
         self.families = {k: v for k, v in FAMILIES.items()
@@ -214,6 +216,9 @@ class Generator:
 
     # ------------------------------------------------------------------ the program
     def program(self):
+        if self.with_variables:
+            for _ in range(int(self.rng.integers(1, 3))):
+                self.new_variable()
         for _ in range(50 * self.num_ops):
             if len(self.ops) >= self.num_ops:
                 break
@@ -223,6 +228,11 @@ class Generator:
             getattr(self, "op_" + family)()
         if not self.ops:
             self.op_unary()
+        float_inputs = [i["name"] for i in self.inputs
+                        if i["dtype"] in FLOATS and i["kind"] == "normal"]
+        float_variables = [v for v in self.variables if v["dtype"] in FLOATS]
+        grad = self.grad and bool(float_inputs or float_variables)
+        updates = [self.update(v, grad) for v in self.variables if self.chance(0.8)]
         last = self.ops[-1]["out"]
         unused = [op["out"] for op in self.ops[:-1] if op["out"] not in self.used]
         outputs = [last] + unused  # every result is used: no dead code
@@ -231,11 +241,46 @@ class Generator:
         if self.chance(0.3):
             out_shardings = [self.spec(by_name[n].rank) if self.chance(0.7) else None
                              for n in outputs]
-        float_inputs = [i["name"] for i in self.inputs
-                        if i["dtype"] in FLOATS and i["kind"] == "normal"]
-        grad = bool(float_inputs) and any(by_name[n].is_float for n in outputs) and self.grad
-        return {"mesh": self.mesh, "inputs": self.inputs, "ops": self.ops,
-                "outputs": outputs, "out_shardings": out_shardings, "grad": grad}
+        grad = grad and any(by_name[n].is_float for n in outputs)
+        program = {"mesh": self.mesh, "inputs": self.inputs, "ops": self.ops,
+                   "outputs": outputs, "out_shardings": out_shardings, "grad": grad}
+        if self.with_variables:
+            program["variables"] = self.variables
+            program["updates"] = [u for u in updates if grad or u["arg"]]  # steps need grad
+        return program
+
+    # ------------------------------------------------------------------ variables
+    def new_variable(self):
+        """A gt.Variable (tf.Variable on one device) of random shape, dtype and spec,
+        read inside f by a first op."""
+        name = f"v{len(self.variables)}"
+        shape = self.shape()
+        dtype = self.pick(["float32"] * 6 + ["float64", "int32"])
+        self.variables.append({"name": name, "shape": shape, "dtype": dtype,
+                               "seed": int(self.rng.integers(2 ** 31)),
+                               "spec": self.spec(len(shape))})
+        read = self.pick([f"tf.convert_to_tensor({name})", f"{name}.read_value()",
+                          f"tf.identity({name})"])
+        # its value after an update depends on summation order and may be NaN/Inf
+        self.emit(read, [], shape, dtype, rounded=True, nonfinite=True, family="variable")
+
+    def update(self, variable, grad):
+        """An update of `variable` at the end of f: assign/assign_add/assign_sub of a
+        program tensor of its shape and dtype, or (float, with a gradient) a gradient
+        step by assign_sub or by the fused ResourceApplyGradientDescent."""
+        kinds = ["assign", "assign_add", "assign_sub"]
+        if grad and variable["dtype"] in FLOATS:
+            kinds += ["sgd", "apply"] * 2
+        kind = self.pick(kinds)
+        arg = None
+        if kind not in ("sgd", "apply"):
+            same = [t for t in self.tensors
+                    if t.shape == variable["shape"] and t.dtype == variable["dtype"]]
+            t = self.pick(same) if same and self.chance(0.7) else \
+                self.new_input(variable["shape"], variable["dtype"])
+            self.used.add(t.name)
+            arg = t.name
+        return {"variable": variable["name"], "kind": kind, "arg": arg}
 
     # ------------------------------------------------------------------ op families
     def op_unary(self):
@@ -528,8 +573,16 @@ class Generator:
                   out_type, family="arg_reduce")
 
     def op_softmax(self):
-        x = self.float_operand(min_rank=1)
         fn = self.pick(["tf.nn.softmax", "tf.nn.log_softmax"])
+        # TF's float32/bfloat16 softmax (oneDNN) puts NaN in lane-dependent places of a row
+        # holding NaN/+Inf ([0..14, nan] -> NaN at 0 and 15, 0 elsewhere; [0..15, nan] ->
+        # NaN at 15 and 16): no defined value to compare with. Its float16/float64 kernel
+        # (Eigen) makes such rows NaN, as gspmd-tf does on a split row.
+        lanes = fn == "tf.nn.softmax"
+        x = self.operand(lambda t: t.is_float and t.rank >= 1 and not (
+            lanes and t.nonfinite and t.dtype in ("float32", "bfloat16")),
+            lambda: self.new_input(self.shape(int(self.rng.integers(1, 4))),
+                                   self.float_dtype(), specials=not lanes))
         axis = -1 if self.chance(0.7) else int(self.rng.integers(-x.rank, x.rank))
         self.emit(f"{fn}({{0}}, axis={axis})", [x], x.shape, x.dtype, rounded=True,
                   nonfinite=x.nonfinite or fn == "tf.nn.log_softmax" or x.dtype in HALF,
@@ -757,16 +810,19 @@ def _is_index(item):
 
 
 def generate(seed, index, ops=(2, 12), families=None, grad_prob=0.15, meshes=None,
-             zero_prob=0.04):
+             zero_prob=0.04, variable_prob=0.1):
     """Program number `index` of the run with `seed` (independent of every other).
 
     ops: (min, max) number of ops; families: op families to draw from (None: all);
     meshes: mesh shapes to draw from (None: MESHES); zero_prob: chance of a 0 in each
-    drawn dim (slices may still empty a dim)."""
+    drawn dim (slices may still empty a dim); variable_prob: chance that the program
+    reads and updates variables (drawn apart, so the other programs stay the same)."""
     rng = np.random.default_rng([seed, index])
+    variables = np.random.default_rng([seed, index, 1]).random() < variable_prob
     # short programs are cheaper and shrink faster; long ones still come up often
     num_ops = min(ops[1], ops[0] + int(rng.geometric(1 / (1 + (ops[1] - ops[0]) / 3))) - 1)
-    return Generator(rng, num_ops, families, grad_prob, meshes, zero_prob).program()
+    return Generator(rng, num_ops, families, grad_prob, meshes, zero_prob,
+                     variables).program()
 
 
 # ---------------------------------------------------------------------- rendering
@@ -804,7 +860,7 @@ def input_source(inp):
     return lines
 
 
-def _watched(program):
+def watched(program):
     """The inputs a gradient program differentiates with respect to."""
     return [i["name"] for i in program["inputs"]
             if i["dtype"] in FLOATS and i["kind"] == "normal"]
@@ -815,7 +871,7 @@ def body_source(program):
     names = [i["name"] for i in program["inputs"]]
     lines = [f"def f({', '.join(names)}):"]
     indent = "    "
-    floats = _watched(program)
+    floats = watched(program)
     if program["grad"]:
         lines.append(f"    with tf.GradientTape() as tape:")
         lines.append(f"        tape.watch([{', '.join(floats)}])")
@@ -826,19 +882,53 @@ def body_source(program):
             lines.append(f"{indent}{op['out']} = gt.mesh_split({op['out']}, mesh, "
                          f"{spec_source(op['hint'])})")
     outs = program["outputs"]
+    float_variables = [v["name"] for v in program.get("variables", ())
+                       if v["dtype"] in FLOATS]
     if program["grad"]:
-        dtypes = {op["out"]: op["dtype"] for op in program["ops"]}
-        # sin: a plain sum can make the loss constant (sum of a softmax), whose gradient
-        # is rounding noise that no two summation orders agree on
-        losses = [f"tf.reduce_sum(tf.sin(tf.cast({o}, tf.float32)))" for o in outs
-                  if dtypes[o] in FLOATS]
+        ops = {op["out"]: op for op in program["ops"]}
+        # A weighted sum with fixed weights in [0.5, 1.5): the gradient flowing into the
+        # program is then exact (the weights), not a function of values that summation
+        # order rounds differently (sin(t) had cos(t) there, which turns t's rounding
+        # error eps*|t| into a relative error eps*|t*tan(t)| of every gradient); and
+        # unlike a plain sum it is never constant (a plain sum of a softmax is 1, whose
+        # gradient is rounding noise).
+        losses = [f"tf.reduce_sum(tf.cast({o}, tf.float32) * np.random.default_rng({k})"
+                  f".uniform(0.5, 1.5, {tuple(ops[o]['shape'])}).astype(np.float32))"
+                  for k, o in enumerate(outs) if ops[o]["dtype"] in FLOATS]
         lines.append(f"{indent}loss = " + " + ".join(losses))
-        lines.append(f"    grads = tape.gradient(loss, [{', '.join(floats)}], "
+        lines.append(f"    grads = tape.gradient(loss, [{', '.join(floats + float_variables)}], "
                      "unconnected_gradients=tf.UnconnectedGradients.ZERO)")
+        for k, name in enumerate(float_variables):
+            lines.append(f"    g_{name} = tf.convert_to_tensor(grads[{len(floats) + k}])")
+        if float_variables:
+            lines.append(f"    grads = grads[:{len(floats)}]")
+    lines += [f"    {line}" for line in map(update_source, program.get("updates", ()))]
+    if program["grad"]:
         lines.append(f"    return [{', '.join(outs)}] + [tf.convert_to_tensor(g) for g in grads]")
     else:
         lines.append(f"    return [{', '.join(outs)}]")
     return lines
+
+
+def update_source(update):
+    """The statement of one variable update (see Generator.update)."""
+    v, kind, arg = update["variable"], update["kind"], update["arg"]
+    if kind == "sgd":
+        return f"{v}.assign_sub(0.1 * g_{v})"
+    if kind == "apply":
+        return (f"tf.raw_ops.ResourceApplyGradientDescent(var={v}.handle, "
+                f"alpha=tf.constant(0.1, {v}.dtype), delta=g_{v})")
+    return f"{v}.{kind}({arg})"
+
+
+def variable_source(variable):
+    """The line creating one variable by `make_variable(initial value, spec, name)`: a
+    tf.Variable for the single-device run, a gt.Variable for the partitioned one."""
+    shape, rng = tuple(variable["shape"]), f"np.random.default_rng({variable['seed']})"
+    value = (f"{rng}.integers(-4, 5, {shape})" if variable["dtype"] == "int32"
+             else f"{rng}.standard_normal({shape})")
+    return (f"{variable['name']} = make_variable(np.asarray({value}).astype(np."
+            f"{variable['dtype']}), {spec_source(variable['spec'])}, {variable['name']!r})")
 
 
 def output_precisions(program):
@@ -850,7 +940,7 @@ def output_precisions(program):
     result = [by_name[o] for o in program["outputs"]]
     if program["grad"]:
         every = loosest(list(by_name.values()) + ["float32"])  # the loss is float32
-        result += [every] * len(_watched(program))
+        result += [every] * len(watched(program))
     return result
 
 
@@ -861,6 +951,7 @@ def source(program):
     lines = [f"mesh = gt.Mesh.create({tuple(mesh['shape'])}, {tuple(mesh['axes'])})"]
     for inp in program["inputs"]:
         lines += input_source(inp)
+    lines += [variable_source(v) for v in program.get("variables", ())]
     lines += body_source(program)
     names = [i["name"] for i in program["inputs"]]
     lines.append(f"args = ({''.join(n + ', ' for n in names)})")
@@ -868,7 +959,7 @@ def source(program):
         spec_source(i["spec"]) + ", " for i in program["inputs"]) + ")")
     outs = program["out_shardings"]
     if outs is not None and program["grad"]:
-        outs = outs + [None] * len(_watched(program))
+        outs = outs + [None] * len(watched(program))
     lines.append("out_shardings = None" if outs is None else
                  "out_shardings = [" + ", ".join(spec_source(s) for s in outs) + "]")
     return "\n".join(lines) + "\n"
@@ -892,9 +983,31 @@ for i, (g, w) in enumerate(zip(got, want)):
 """
 
 
+VARIABLE_SNIPPET_TAIL = """\
+got = gt.function(f, mesh=mesh, in_shardings=in_shardings, out_shardings=out_shardings)
+got = [got(*args) for call in range(2)]  # the second call sees the updated variables
+for name in variables:
+    print(name, "max abs diff:", np.max(np.abs(globals()[name].numpy().astype(np.float64) - want_variables[name]), initial=0))
+for call in range(2):
+    for i, (g, w) in enumerate(zip(got[call], want[call])):
+        print("call", call, i, "max abs diff:", np.max(np.abs(g.numpy().astype(np.float64) - np.asarray(w, np.float64)), initial=0))
+"""
+
+
 def snippet(program):
     """A standalone reproducer: runs the program partitioned and on one device."""
-    return SNIPPET_HEAD + source(program) + SNIPPET_TAIL
+    if not program.get("variables"):
+        return SNIPPET_HEAD + source(program) + SNIPPET_TAIL
+    # the same source twice: with tf.Variables for single-device TF, then gt.Variables
+    names = [v["name"] for v in program["variables"]]
+    return (SNIPPET_HEAD + f"variables = {names}\n"
+            "make_variable = lambda value, spec, name: tf.Variable(value, name=name)\n"
+            + source(program)
+            + "want = [f(*[tf.convert_to_tensor(a) for a in args]) for call in range(2)]\n"
+            "want_variables = {name: globals()[name].numpy().astype(np.float64) "
+            "for name in variables}\n"
+            "make_variable = lambda value, spec, name: gt.Variable(value, mesh, spec, "
+            "name=name)\n" + source(program) + VARIABLE_SNIPPET_TAIL)
 
 
 def describe(program):
@@ -909,4 +1022,5 @@ def all_families():
     return list(FAMILIES)
 
 
-__all__ = ["generate", "source", "snippet", "describe", "all_families", "spec_source"]
+__all__ = ["generate", "source", "snippet", "describe", "all_families", "spec_source",
+           "watched", "output_precisions", "loosest"]

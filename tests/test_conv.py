@@ -410,3 +410,35 @@ def test_random_windowed_with_gradients(op, kernel, stride, padding, h, w, spec,
         return tape.gradient(loss, [x, f])
     low = check_partitioned(fn, (x, f), mesh, (spec, None))
     assert low.program.replicated_ops == []
+
+
+@pytest.mark.parametrize("spec", [P(), P(None, "model"), P("data", None, None, "model")])
+def test_nhwc_conv_then_nchw_bias_add(spec):
+    """A BiasAdd with data_format NCHW after an NHWC Conv2D adds the bias on dim 1. TF's
+    graph optimizer fuses the pair into one oneDNN op adding it on the last dim (wrong
+    values when the sizes agree, as here: 4 == 4), so the SPMD program must not contain
+    the pair (fuzzer, seed 12 #871). The reference is the same sum written as an Add."""
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+    rng = np.random.default_rng(871)
+    x, w, bias = randn(rng, 2, 4, 4, 3), randn(rng, 1, 1, 3, 4), randn(rng, 4)
+
+    def f(x, w, bias):
+        return tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), bias, data_format="NCHW")
+
+    def reference(x, w, bias):
+        return tf.nn.conv2d(x, w, 1, "SAME") + tf.reshape(bias, [4, 1, 1])
+    check_partitioned(f, (x, w, bias), mesh, (spec, None, None), reference=reference)
+
+
+@pytest.mark.parametrize("spec,padding", [(P(None, None, "model", "data"), "SAME"),
+                                          (P(None, None, None, "data"), "VALID")])
+def test_one_strided_window_per_device(spec, padding):
+    """TF's oneDNN Conv2D computes wrong values for some strided dims with one window
+    (input (2, 3, 3, 1), filter (1, 3, 1, 1), strides [1, 1, 2, 1], VALID), a local shape
+    a split makes of a conv TF gets right (fuzzer, seed 43 #379); such a dim runs with
+    stride 1 on the window's extent."""
+    mesh = gt.Mesh.create((2, 2), ("data", "model"))
+    rng = np.random.default_rng(379)
+    x, w = randn(rng, 2, 3, 3, 2), randn(rng, 1, 3, 2, 3)
+    check_partitioned(lambda x, w: tf.nn.conv2d(x, w, [1, 2], padding), (x, w), mesh,
+                      (spec, None))

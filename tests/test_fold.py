@@ -76,3 +76,18 @@ def test_value_shaped_op_on_arguments_still_needs_static_shapes():
 
     with pytest.raises(gt.ShardingError, match="'stitch'.*unknown dimensions"):
         imported(f, spec(4, dtype=tf.int32), spec(4, 3))
+
+
+@pytest.mark.parametrize("in_shape,target,want", [
+    ((0, 3), [0, -1], (0, 3)), ((2, 0, 3), [0, -1], (0, 6)), ((2, 0, 3), [-1, 0, 5], (1, 0, 5)),
+    ((0,), [2, -1], (2, 0))])
+def test_reshape_of_no_elements_gets_the_shape_tf_runs_with(in_shape, target, want):
+    """TF's shape inference leaves the -1 of a reshape of no elements unknown (it could be
+    anything); its kernel picks one (the gradient of a gather from an empty table
+    reshapes to [0, -1]). The import gives the kernel's shape."""
+    def f(x, shape):
+        return tf.reshape(x * 2.0, shape, name="out")
+
+    g = imported(lambda x: f(x, tf.constant(target) + 0), spec(*in_shape))
+    assert g.shape(g.ref("out")) == want
+    assert tf.reshape(tf.zeros(in_shape), target).shape == want

@@ -37,3 +37,19 @@ def test_programs_are_deterministic_per_seed():
     """Program i of a seed does not depend on how many programs are drawn."""
     assert generate(3, 17) == generate(3, 17)
     assert generate(3, 17) != generate(4, 17)
+
+
+def test_accuracy_rule_excuses_only_tf_rounding():
+    """A result off TF's by more than the tolerance passes only when it is no further from
+    the float64 program's value than TF's is (TF's float32 sum of terms that cancel)."""
+    import numpy as np
+    import pytest
+    from fuzz_worker import Mismatch, check_values
+
+    exact = np.array([-0.00628261361271143])
+    tf_sum, ours = np.float32([-0.0062847137]), np.float32([-0.0062828064])
+    with pytest.raises(Mismatch):
+        check_values(ours, tf_sum, "sum", "float32")
+    check_values(ours, tf_sum, "sum", "float32", exact=exact)
+    with pytest.raises(Mismatch):
+        check_values(np.float32([-0.0063]), tf_sum, "sum", "float32", exact=exact)

@@ -336,3 +336,28 @@ def test_eager_update_dtype_follows_tf_variable(mesh):
             var.assign(tf.fill([8], 1.5))
     np.testing.assert_array_equal(v.numpy(), plain.numpy())
     assert_replicas_equal(v)
+
+
+@pytest.mark.parametrize("shape,spec", [((2, 7, 1), P(None, None, "data")),
+                                        ((0, 12, 5), P(("data", "model"))),
+                                        ((1, 8), P("data", "model"))])
+def test_variable_split_on_a_dim_of_size_0_or_1(mesh, shape, spec):
+    """Such a dim holds the same on every device split or not; op rules give it no factor,
+    so it is kept unsplit (a variable cannot be resharded; reading it tried to gather the
+    handle: fuzzer, seed 41 #3 and #5)."""
+    value = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    v = gt.Variable(value, mesh, spec, name="thin")
+    r = tf.Variable(value)
+
+    def step(variable):
+        def f(x):
+            y = variable.read_value() * 2.0
+            variable.assign_add(x)
+            return y
+        return f
+    x = np.ones(shape, np.float32)
+    f = gt.function(step(v), mesh=mesh, in_shardings=(P(),))
+    for _ in range(2):
+        assert_close(f(x).numpy(), step(r)(x).numpy(), "read")
+    assert_close(v.numpy(), r.numpy(), "variable")
+    assert_replicas_equal(v)

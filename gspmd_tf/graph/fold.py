@@ -36,7 +36,8 @@ SMALL_FLOAT = 64  # floating results larger than their inputs fold only up to th
 
 # Ops whose output shapes depend on their input VALUES: TF's shape inference may leave
 # them unknown; the importer defers them (and their unknown-shaped consumers) to fold().
-VALUE_SHAPED = frozenset({"BroadcastGradientArgs", "DynamicStitch", "ListDiff"})
+# (A Reshape's too: TF's inference leaves the -1 of a reshape of no elements unknown.)
+VALUE_SHAPED = frozenset({"BroadcastGradientArgs", "DynamicStitch", "ListDiff", "Reshape"})
 
 
 def fold(graph):
@@ -194,9 +195,23 @@ def _make_const(node, value):
 
 def _infer_shapes(graph, index, node, values, unknown):
     """Shapes of a deferred node's outputs from TF's shape inference, with its constant
-    inputs given as constants (the others as placeholders of their static shapes)."""
+    inputs given as constants (the others as placeholders of their static shapes); when
+    every other input has no elements, from running the op on empty inputs (TF's
+    inference leaves e.g. the -1 of a reshape of no elements unknown, its kernel does
+    not)."""
     if any(ref in unknown for ref in node.inputs):
         return
+    consts = [_const_of(graph, ref, values) for ref in node.inputs]
+    if all(v is not None or (0 in graph.shape(ref) and graph.dtype(ref).is_numpy_compatible)
+           for v, ref in zip(consts, node.inputs)):
+        outs = _evaluate(graph, node, [
+            v if v is not None else np.zeros(graph.shape(ref), graph.dtype(ref).as_numpy_dtype)
+            for v, ref in zip(consts, node.inputs)])
+        if outs is not None:
+            for k, value in enumerate(outs):
+                node.out_shapes[k] = tuple(value.shape)
+                unknown.pop(Ref(index, k), None)
+            return
     g = tf.Graph()
     try:
         with g.as_default():

@@ -81,8 +81,13 @@ class Variable(_WholeValueCheckpoint):
         shape = tuple(int(s) for s in shape)
         super().__init__(trainable=trainable, name=name, shape=shape, dtype=dtype)
         self.mesh = mesh
-        self.layout = Layout.from_spec(mesh, spec or PartitionSpec(), len(shape),
-                                       f"variable {self.name!r}")
+        layout = Layout.from_spec(mesh, spec or PartitionSpec(), len(shape),
+                                  f"variable {self.name!r}")
+        # A dim of size 0 or 1 is the same on every device split or not (ceil(n/k) = n):
+        # kept unsplit, so that op rules, which give such dims no factor, use the shards
+        # in place (a variable's shards cannot be resharded).
+        self.layout = Layout(tuple(() if n <= 1 else axes
+                                   for n, axes in zip(shape, layout.dims)))
         pieces = (self._global_pieces(np.asarray(value)) if value is not None
                   else self._initial_pieces(initial_value))
         self.shard_variables = [None] * mesh.size

@@ -204,22 +204,27 @@ def _reshard_cost(mesh, rule, chosen, inputs, targets, node):
 
 def _keep_sub_factors_exact(mesh, rule, chosen):
     """In a dim made of several factors, a factor may be split only evenly, and a minor
-    factor only when every factor before it is split completely."""
-    for dims_list in list(rule.operands) + list(rule.results):
-        for fs in dims_list or ():
-            if len(fs) < 2:
-                continue
-            blocked = False
-            for f in fs:
-                size = rule.factor_sizes[f]
-                if blocked:
-                    chosen[f] = ()
+    factor only when every factor before it is split completely. Repeated until nothing
+    changes: unsplitting a factor in one tensor's dim can block a minor factor in another
+    tensor's (fuzzer, seed 46 #198: a reshape to [2, 24, 2, 2] kept a split it lost)."""
+    before = None
+    while before != chosen:
+        before = list(chosen)
+        for dims_list in list(rule.operands) + list(rule.results):
+            for fs in dims_list or ():
+                if len(fs) < 2:
                     continue
-                axes = chosen[f]
-                while axes and size % mesh.axes_size(axes) != 0:
-                    axes = axes[:-1]
-                chosen[f] = axes
-                blocked = mesh.axes_size(axes) != size
+                blocked = False
+                for f in fs:
+                    size = rule.factor_sizes[f]
+                    if blocked:
+                        chosen[f] = ()
+                        continue
+                    axes = chosen[f]
+                    while axes and size % mesh.axes_size(axes) != 0:
+                        axes = axes[:-1]
+                    chosen[f] = axes
+                    blocked = mesh.axes_size(axes) != size
 
 
 class Partitioner:
@@ -234,8 +239,9 @@ class Partitioner:
         self.replicated_ops = []
 
     def reshard(self, local, layout):
-        """Cached reshard of a program tensor."""
-        key = (local.ref, layout)
+        """Cached reshard of a program tensor (keyed by all of it: equal constants are
+        one node, so one ref can hold tensors of other global shapes or layouts)."""
+        key = (local, layout)
         if key not in self._resharded:
             self._resharded[key] = reshard(self.b, local, layout)
         return self._resharded[key]

@@ -48,6 +48,15 @@ def attr_value(value):
     raise TypeError(f"no AttrValue for {value!r}")
 
 
+def _all_empty(op, shapes, dtypes):
+    """Whether a TF op's results all have no elements (and plain dtypes), so that it can
+    be emitted as empty constants."""
+    return (bool(shapes) and op != "Const" and not op.startswith("gt.")
+            and all(0 in s for s in shapes)
+            and all(d.is_numpy_compatible and d not in (tf.resource, tf.variant, tf.string)
+                    for d in dtypes))
+
+
 class ProgramBuilder:
     """Appends nodes to the SPMD program; every method returns Refs of local tensors."""
 
@@ -60,6 +69,11 @@ class ProgramBuilder:
         self.memo = {}
 
     def _add(self, op, inputs, attrs, shapes, dtypes, params=None, name=None, regions=()):
+        if _all_empty(op, shapes, dtypes):
+            # No elements to compute: an empty constant. TF ops on empty tensors are
+            # fragile (grappler's Mul-by-ones rewrite divides by a zero dim: SIGFPE).
+            return [self.const(np.zeros(shape, dtype.as_numpy_dtype), dtype)
+                    for shape, dtype in zip(shapes, dtypes)]
         name = name or f"{op.replace('gt.', 'gt_')}_{len(self.graph.nodes)}"
         if name in self.graph._by_name:
             name = f"{name}_{len(self.graph.nodes)}"

@@ -141,5 +141,25 @@ def slicing(ctx, operands, layouts):
     return replay(ctx, operands, layouts, refs=refs)
 
 
+def bias_add(ctx, operands, layouts):
+    """BiasAdd: an NCHW one (channel not last) becomes an Add of the bias reshaped to
+    [C, 1, ...]. TF's graph optimizer fuses Conv2D -> BiasAdd into one oneDNN op that
+    adds the bias on the LAST dim whatever the data_format: silently wrong values, or an
+    AbortedError when the sizes differ (fuzzer, seed 12 #871); eager TF is right."""
+    x = operands[0]
+    if ctx.node.attr("data_format") != "NCHW" or len(x.shape) < 3:
+        return replay(ctx, operands, layouts)
+    b = ctx.b
+    dtype = ctx.node.out_dtypes[0]
+    refs = masked_refs(ctx, operands)
+    channels = operands[1].layout.local_shape(ctx.mesh, operands[1].shape)[0]
+    column = [channels] + [1] * (len(x.shape) - 2)
+    bias = b.op("Reshape", [refs[1], b.const(np.asarray(column, np.int32))], tuple(column),
+                dtype, T=dtype, Tshape=tf.int32)
+    return [b.op("AddV2", [refs[0], bias], local_shapes(ctx, layouts)[0], dtype,
+                 name=ctx.node.name, T=dtype)]
+
+
 declare("Reshape", rules.reshape, emit=with_local_shape_input(1))
 declare("Fill", rules.source, emit=with_local_shape_input(0))
+declare(["BiasAdd", "BiasAddV1"], rules.bias_add, emit=bias_add)

@@ -120,7 +120,7 @@ def _affine_start(b, axes, step, constant):
 
 def _mask_outside(b, ref, dim, start, n, fill):
     """Elements of `ref` along `dim` whose global index (start + position) is outside
-    [0, n) set to `fill`."""
+    [0, n) set to `fill` (start and n: python ints or int32 scalars)."""
     shape = b.shape_of(ref)
     bshape = [1] * len(shape)
     bshape[dim] = shape[dim]
@@ -131,7 +131,8 @@ def _mask_outside(b, ref, dim, start, n, fill):
         index = b.const((np.arange(shape[dim]) + start).astype(np.int32).reshape(bshape))
     low = b.op("GreaterEqual", [index, b.const(np.int32(0))], tuple(bshape), tf.bool,
                T=tf.int32)
-    high = b.op("Less", [index, b.const(np.int32(n))], tuple(bshape), tf.bool, T=tf.int32)
+    high = b.op("Less", [index, b.const(np.int32(n)) if isinstance(n, int) else n],
+                tuple(bshape), tf.bool, T=tf.int32)
     valid = b.op("LogicalAnd", [low, high], tuple(bshape), tf.bool)
     dtype = b.graph.dtype(ref)
     return b.op("SelectV2", [valid, ref, b.const(np.asarray(fill, dtype.as_numpy_dtype))],
@@ -262,11 +263,18 @@ def _needs_mask(dp, fill_zero):
 @op_family({"MaxPool": ("max", True), "AvgPool": ("avg", False)}, windowed.pool)
 def windowed_forward(ctx, operands, layouts):
     """Conv2D, DepthwiseConv2dNative, MaxPool, AvgPool with split spatial dims."""
+    node = ctx.node
     params = ctx.rule.params
+    if params.pooling is None and (0 in operands[0].shape or 0 in operands[1].shape):
+        return _no_products(ctx, layouts)
     y_layout = layouts[0]
     geo = params.geometry
     if not any(y_layout.dims[s.y_dim] for s in geo.spatial):
-        return replay(ctx, operands, layouts)
+        if node.attr("padding") != "VALID":
+            return replay(ctx, operands, layouts)
+        refs = masked_refs(ctx, operands)
+        refs[0], attrs = _one_window_unstrided(ctx, geo, refs[0], {}, layouts)
+        return replay(ctx, operands, layouts, attrs=attrs, refs=refs)
     b = ctx.b
     x, plans = _prepare_input(ctx, operands, 0, geo, lambda s: y_layout.dims[s.y_dim])
     plans, attrs = _local_padding(params.explicit_padding, plans)
@@ -279,10 +287,38 @@ def windowed_forward(ctx, operands, layouts):
             start = _affine_start(b, dp.axes, dp.plan["out_shard"] * dp.s.stride,
                                   -dp.s.pad_lo)
             window = _mask_outside(b, window, dp.s.x_dim, start, dp.s.n, fill)
+    window, attrs = _one_window_unstrided(ctx, geo, window, attrs, layouts)
     out = replay(ctx, operands, layouts, attrs=attrs, refs=[window] + refs[1:])
     if params.pooling == "avg":
         out = [_avg_counts(ctx, out[0], plans)]
     return out
+
+
+def _no_products(ctx, layouts):
+    """The result of a windowed op (or its gradient) with an operand or result of no
+    elements: sums of no products, zeros (windows over an empty dim read only padding)."""
+    dtype = ctx.node.out_dtypes[0]
+    return [ctx.b.const(np.zeros(local_shapes(ctx, layouts)[0], dtype.as_numpy_dtype), dtype)]
+
+
+def _one_window_unstrided(ctx, geo, ref, attrs, layouts):
+    """The local op's input and attrs with stride 1 on the dims that have one window
+    locally (and no padding of their own): the window's extent sliced out. Same values;
+    TF's oneDNN Conv2D computes wrong ones for some strided dims with one window (input
+    (2, 3, 3, 1), filter (1, 3, 1, 1), strides [1, 1, 2, 1], VALID: fuzzer seed 43 #379),
+    a shape a split can create where the global conv has none."""
+    out_shape = local_shapes(ctx, layouts)[0]
+    strides = list(ctx.node.attr("strides"))
+    pads = attrs.get("explicit_paddings") or [0] * 8
+    sizes = {}
+    for s in geo.spatial:
+        if out_shape[s.y_dim] == 1 and strides[s.x_dim] > 1 and not any(
+                pads[2 * s.x_dim:2 * s.x_dim + 2]):
+            sizes[s.x_dim] = (s.window - 1) * s.dilation + 1
+            strides[s.x_dim] = 1
+    if not sizes:
+        return ref, attrs
+    return _slice(ctx.b, ref, {}, sizes), dict(attrs, strides=strides)
 
 
 def _avg_counts(ctx, ref, plans):
@@ -319,7 +355,9 @@ def backprop_filter(ctx, operands, layouts):
     """Conv2DBackpropFilter(x, filter_sizes, dy) with split spatial dims: x windowed
     like the forward conv, dy local; the result is partial over the spatial axes."""
     params = ctx.rule.params
-    dy = operands[2]
+    x0, dy = operands[0], operands[2]
+    if 0 in x0.shape or 0 in dy.shape:
+        return _no_products(ctx, layouts)
     geo = params.geometry
     sizes = local_shapes(ctx, layouts)[0]
     size_ref = ctx.b.const(np.asarray(sizes, np.int32))
@@ -332,7 +370,23 @@ def backprop_filter(ctx, operands, layouts):
     plans, attrs = _local_padding(params.explicit_padding, plans)
     refs = masked_refs(ctx, [x, operands[1], dy])  # padding of x and dy -> zeros
     window = _extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim)
+    for dp in plans:
+        if dp.k > 1:
+            window = _mask_unread(b, window, dp)
     return replay(ctx, operands, layouts, attrs=attrs, refs=[window, size_ref, refs[2]])
+
+
+def _mask_unread(b, window, dp):
+    """The window of x with the elements no real window of this shard reads set to 0:
+    they meet only dy's padding (zeros), and 0 * Inf would be NaN (fuzzer, seed 46
+    #400: a shard of padding read its neighbour's Inf through the halo)."""
+    s, per = dp.s, dp.plan["out_shard"]
+    extent = (s.window - 1) * s.dilation + 1
+    real = [min(max(s.out - i * per, 0), per) for i in range(dp.k)]
+    read = [(r - 1) * s.stride + extent if r else 0 for r in real]
+    if min(read) >= b.shape_of(window)[s.x_dim]:
+        return window
+    return _mask_outside(b, window, s.x_dim, 0, _per_shard(b, dp.axes, read), 0)
 
 
 class _TransposedDim:
@@ -385,6 +439,8 @@ def transposed(ctx, operands, layouts):
     the window operands (every forward window touching this device's block of the
     result), the local op with VALID padding, then this device's block sliced out."""
     node = ctx.node
+    if 0 in node.out_shapes[0] or any(0 in x.shape for x in operands if len(x.shape) == 4):
+        return _no_products(ctx, layouts)
     b = ctx.b
     params = ctx.rule.params
     shape_input, window_inputs = params.shape_input, params.window_inputs

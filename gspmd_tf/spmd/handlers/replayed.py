@@ -41,8 +41,6 @@ declare("Bitcast", rules.bitcast, replay=True)  # the changed minor dim stays wh
 # the partitioner combines (its padding masked to the reduction's identity first)
 declare("MatMul", rules.matmul, replay=True)
 declare(["BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"], rules.batch_matmul, replay=True)
-declare("Einsum", rules.einsum, replay=True)
-declare(["BiasAdd", "BiasAddV1"], rules.bias_add, replay=True)
 declare("BiasAddGrad", rules.bias_add_grad, replay=True)
 declare({"Sum": "sum", "Max": "max", "Min": "min", "Prod": "prod", "All": "min",
          "Any": "max"}, rules.reduction, replay=True)

@@ -1,0 +1,63 @@
+"""Einsum: letters reduced out of one operand are summed before the contraction.
+
+TF's Einsum sums a letter found in one operand only (and not in the result) out of that
+operand first, then contracts: 'abc,cd->' is (sum_ab x0) . (sum_d x1). A local einsum
+over a shard of such a letter would instead leave a partial product, summed across the
+devices afterwards: x.a + x.b where one device computes x.(a + b). The two agree on
+finite values (up to rounding) but not with infinities: Inf * (a + b) is +-Inf where
+Inf * a + Inf * b is Inf - Inf = NaN when a and b differ in sign. So a split letter of
+one operand is summed out of it locally, all-reduced, and only then contracted, in TF's
+order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from gspmd_tf.layout import Layout
+from gspmd_tf.propagation import rules
+from gspmd_tf.propagation.rules import REDUCE
+from gspmd_tf.registry import declare
+from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
+from gspmd_tf.spmd.program import Local
+
+
+def einsum(ctx, operands, layouts):
+    """Einsum of two operands (see the module docstring); others are replayed."""
+    rule = ctx.rule
+    if len(operands) != 2:
+        return replay(ctx, operands, layouts)
+    refs = masked_refs(ctx, operands)
+    summed_axes = []
+    for i, x in enumerate(operands):
+        others = {f for fs in rule.operands[1 - i] for f in fs}
+        own = [d for d, fs in enumerate(rule.operands[i])
+               if len(fs) == 1 and rule.factor_kinds[fs[0]] == REDUCE and fs[0] not in others]
+        axes = tuple(a for d in own for a in x.layout.dims[d])
+        if axes:
+            refs[i] = _sum_out(ctx, x._replace(ref=refs[i]), own, axes)
+            summed_axes += axes
+    if not summed_axes:
+        return replay(ctx, operands, layouts)
+    ref = replay(ctx, operands, layouts, refs=refs)[0]
+    layout = layouts[0]
+    partial = tuple(a for a in layout.partial if a not in summed_axes)
+    return [Local(ref, Layout(layout.dims, partial, layout.reduce_op), ctx.node.out_shapes[0],
+                  ctx.node.out_dtypes[0])]
+
+
+def _sum_out(ctx, x, dims, axes):
+    """Local `x` summed over `dims` (kept, as size 1) and all-reduced over `axes`."""
+    b = ctx.b
+    local = b.shape_of(x.ref)
+    ref = b.op("Sum", [x.ref, b.const(np.asarray(dims, np.int32))],
+               tuple(1 if d in dims else n for d, n in enumerate(local)), x.dtype, T=x.dtype,
+               Tidx=tf.int32, keep_dims=True)
+    shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape))
+    layout_dims = tuple(() if d in dims else a for d, a in enumerate(x.layout.dims))
+    partial = Local(ref, Layout(layout_dims, axes, "sum"), shape, x.dtype)
+    return ctx.reshard(partial, Layout(layout_dims)).ref
+
+
+declare("Einsum", rules.einsum, emit=einsum)
