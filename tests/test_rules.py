@@ -289,6 +289,51 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
     ("StridedSliceGrad", lambda dy: tf.raw_ops.StridedSliceGrad(
         shape=[4, 6], begin=[0, 1], end=[4, 4], strides=[1, 1], dy=dy), [f32(4, 3)],
      "(_, _, _, _, [i, k])->([i, j]) {i=4, j=6, k=3} need_replication={j, k}"),
+    ("IdentityN", lambda a, b: tf.identity_n([a, b]), [f32(4, 6), f32(3)],
+     "([i, j], [k])->([i, j], [k]) {i=4, j=6, k=3}"),
+    # the split axis whole in the operand and in every piece
+    ("Split", lambda x: tf.split(x, 3, axis=1), [f32(4, 6)],
+     "(_, [i, j])->([i, k], [i, l], [i, m]) {i=4, j=6, k=2, l=2, m=2}"
+     " need_replication={j, k, l, m}"),
+    ("SplitV", lambda x: tf.split(x, [1, 5], axis=1), [f32(4, 6)],
+     "([i, j], _, _)->([i, 1], [i, k]) {i=4, j=6, k=5} need_replication={j, k}"),
+    # the stacked / unstacked dim whole
+    ("Pack", lambda a, b: tf.stack([a, b], axis=1), [f32(4, 6), f32(4, 6)],
+     "([i, j], [i, j])->([i, k, j]) {i=4, j=6, k=2} need_replication={k}"),
+    ("Unpack", lambda x: tf.unstack(x, axis=1), [f32(4, 3, 6)],
+     "([i, k, j])->([i, j], [i, j], [i, j]) {i=4, j=6, k=3} need_replication={k}"),
+    ("MatrixBandPart", lambda x: tf.linalg.band_part(x, 1, -1), [f32(2, 4, 6)],
+     "([i, j, l], _, _)->([i, k, m]) {i=2, j=4, k=4, l=6, m=6} need_replication={j, k, l, m}"),
+    ("TopKV2", lambda x: tf.math.top_k(x, 2), [f32(4, 6)],
+     "([i, j], _)->([i, k], [i, k]) {i=4, j=6, k=2} need_replication={j, k}"),
+    ("Cumsum", lambda x: tf.cumsum(x, 1), [f32(4, 6)],
+     "([i, j], _)->([i, k]) {i=4, j=6, k=6} need_replication={j, k}"),
+    ("Cumprod", lambda x: tf.math.cumprod(x, 0), [f32(4, 6)],
+     "([i, k], _)->([j, k]) {i=4, j=4, k=6} need_replication={i, j}"),
+    ("ClipByValue", lambda x: tf.raw_ops.ClipByValue(t=x, clip_value_min=-1.,
+                                                     clip_value_max=1.), [f32(4, 6)],
+     "([i, j], [], [])->([i, j]) {i=4, j=6}"),
+    # masks normalized: a new axis is a size-1 dim, the ellipsis' dims pass
+    ("StridedSlice", lambda x: x[:, None, ..., 1:3], [f32(4, 5, 6)],
+     "([i, j, k], _, _, _)->([i, 1, j, l]) {i=4, j=5, k=6, l=2} need_replication={k, l}"),
+    ("StridedSlice", lambda x: x[..., 2], [f32(4, 5, 6)],
+     "([i, j, k], _, _, _)->([i, j]) {i=4, j=5, k=6} need_replication={k}"),
+    # index batch dims pass (gather) or add up (scatter); the indexed dims whole
+    ("GatherNd", lambda p, i: tf.gather_nd(p, i), [f32(4, 5, 6), i32(3, 7, 2)],
+     "([l, m, n], [i, j, k])->([i, j, n]) {i=3, j=7, k=2, l=4, m=5, n=6}"
+     " need_replication={k, l, m}"),
+    ("ScatterNd", lambda i, u: tf.scatter_nd(i, u, [4, 5, 6]), [i32(3, 7, 2), f32(3, 7, 6)],
+     "([i, j, k], [i, j, n], _)->([l, m, n]) {i=3, j=7, k=2, l=4, m=5, n=6}"
+     " reduction={i, j} need_replication={k, l, m}"),
+    *[(op, raw(op), [f32(4, 5, 6), i32(3, 7, 2), f32(3, 7, 6)],
+       "([l, m, n], [i, j, k], [i, j, n])->([l, m, n]) {i=3, j=7, k=2, l=4, m=5, n=6}"
+       " reduction={i, j} need_replication={k, l, m}")
+      for op in ("TensorScatterAdd", "TensorScatterSub")],
+    # updates that overwrite: all of them on every device
+    ("TensorScatterUpdate", raw("TensorScatterUpdate"), [f32(4, 5, 6), i32(3, 7, 2),
+                                                         f32(3, 7, 6)],
+     "([l, m, n], [i, j, k], [i, j, n])->([l, m, n]) {i=3, j=7, k=2, l=4, m=5, n=6}"
+     " need_replication={i, j, k, l, m}"),
     *[(op, lambda d, s, op=op: getattr(tf.raw_ops, op)(data=d, segment_ids=s, num_segments=3),
        [f32(6, 4), i32(6)], f"([i, j], [i], _)->([k, j]) {{i=6, j=4, k=3}} reduction={{i}}"
        + ("" if reduce_op == "sum" else f" reduce={reduce_op}"))

@@ -115,14 +115,16 @@ def _fold_node(graph, index, node, values, unknown):
 
 
 def _shape_op(graph, node, unknown):
-    """Shape/ShapeN/Size/Rank of statically shaped tensors."""
-    if any(ref in unknown or graph.dtype(ref) in (tf.resource, tf.variant)
+    """Shape/ShapeN/Size/Rank of statically shaped tensors; VariableShape of a variable
+    handle (whose IR shape is its variable's)."""
+    if any(ref in unknown or (graph.dtype(ref) in (tf.resource, tf.variant)
+                              and node.op != "VariableShape")
            for ref in node.inputs):  # a handle's IR shape is not its TF shape
         return None
     dtype = node.attr("out_type", tf.int32)
     shapes = [graph.shape(ref) for ref in node.inputs]
     np_dtype = dtype.as_numpy_dtype
-    if node.op == "Shape":
+    if node.op in ("Shape", "VariableShape"):
         return [np.asarray(shapes[0], np_dtype).reshape(len(shapes[0]))]
     if node.op == "ShapeN":
         return [np.asarray(s, np_dtype).reshape(len(s)) for s in shapes]

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
-from gspmd_tf.propagation.rules import REDUCE, strided_slice_kept_dims
+from gspmd_tf.propagation.rules import REDUCE
 from gspmd_tf.registry import declare, op_def, op_family
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding
 from gspmd_tf.spmd.program import Local
@@ -133,10 +133,10 @@ def slicing(ctx, operands, layouts):
         refs[2] = ctx.b.const(size.astype(size.dtype))
     else:
         end = np.array(ctx.graph.const_value(node.inputs[2]))
-        kept = strided_slice_kept_dims(node, len(operands[0].shape))
-        for d in (kept[j] for j in split):
-            if d < len(end):  # dims past the spec's length are taken whole anyway
-                end[d] = local[d]
+        params = ctx.rule.params
+        for d in (params.kept[j] for j in split):
+            if params.spec[d] is not None:  # dims outside the spec are taken whole anyway
+                end[params.spec[d]] = local[d]
         refs[2] = ctx.b.const(end)
     return replay(ctx, operands, layouts, refs=refs)
 

@@ -1,4 +1,5 @@
-"""Handlers for lookups whose table dim is split: GatherV2 and OneHot."""
+"""Handlers for lookups whose table dim is split (GatherV2, OneHot) and for scatters
+whose index batch dims are split (ScatterNd, TensorScatterAdd/Sub)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import tensorflow as tf
 
 from gspmd_tf.propagation import rules
 from gspmd_tf.registry import op_family
-from gspmd_tf.spmd.handlers.basic import local_shapes, replay
+from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.local_ops import binary, cast, select, shard_offset
 
 
@@ -66,4 +67,32 @@ def one_hot(ctx, operands, layouts):
     local = local_shapes(ctx, layouts)[0][axis]
     refs = [_local_indices(ctx, operands[0], axes, local), ctx.b.const(np.int32(local)),
             operands[2].ref, operands[3].ref]
+    return replay(ctx, operands, layouts, refs=refs)
+
+
+@op_family({"ScatterNd": (0, rules.REDUCE)}, rules.scatter_nd)
+def scatter_nd(ctx, operands, layouts):
+    """ScatterNd into the local result shape. With the index batch dims split, each
+    device scatters its updates (padding rows masked to index 0, update 0): the partial
+    sums the partitioner adds up."""
+    refs = masked_refs(ctx, operands)
+    shape = local_shapes(ctx, layouts)[0]
+    refs[2] = ctx.b.const(np.asarray(shape, ctx.node.attr("Tindices").as_numpy_dtype))
+    return replay(ctx, operands, layouts, refs=refs)
+
+
+@op_family({"TensorScatterAdd": (1, rules.REDUCE), "TensorScatterSub": (1, rules.REDUCE)},
+           rules.scatter_nd)
+def tensor_scatter_add(ctx, operands, layouts):
+    """TensorScatterAdd/Sub with the index batch dims split: a partial sum, the tensor
+    written into counted once (by the first device of the split axes), each device's own
+    updates added (or subtracted) on every device."""
+    axes = ctx.split_reduce_axes()
+    if not axes:
+        return replay(ctx, operands, layouts)
+    b = ctx.b
+    refs = masked_refs(ctx, operands)
+    dtype = operands[0].dtype
+    first = binary(b, "Equal", b.shard_index(axes), b.const(np.int32(0)), tf.int32, tf.bool)
+    refs[0] = select(b, first, refs[0], b.const(np.zeros((), dtype.as_numpy_dtype)), dtype)
     return replay(ctx, operands, layouts, refs=refs)

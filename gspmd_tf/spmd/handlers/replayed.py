@@ -33,7 +33,8 @@ ResourceApplyProximalAdagrad ResourceApplyAddSign ResourceApplyPowerSign""".spli
 
 # elementwise (broadcasting from the right): each element of the result reads the same
 # element of every operand
-declare(UNARY + BINARY + ["AddN", "SelectV2"], rules.elementwise, replay=True)
+declare(UNARY + BINARY + ["AddN", "SelectV2", "ClipByValue"], rules.elementwise,
+        replay=True)
 declare("Select", rules.select_v1, replay=True)
 declare("Bitcast", rules.bitcast, replay=True)  # the changed minor dim stays whole
 
@@ -52,6 +53,21 @@ declare("Transpose", rules.transpose, replay=True)
 declare("ExpandDims", rules.squeeze_or_expand, replay=True)  # inserts a size-1 dim by index
 declare("ConcatV2", rules.concat, replay=True)
 declare(["Pad", "PadV2"], rules.same_rank_slicing, replay=True)
+declare("IdentityN", rules.identity_n, replay=True)
+declare({"Split": (1, 0), "SplitV": (0, 2)}, rules.split, replay=True)  # (value, axis)
+declare("Pack", rules.pack, replay=True)
+declare("Unpack", rules.unpack, replay=True)
+
+# ops along their last dims or one axis, which stay whole: each device runs the op on its
+# block of the other (batch) dims
+declare({"MatrixBandPart": 2, "TopKV2": 1}, rules.last_dims_whole, replay=True)
+declare(["Cumsum", "Cumprod"], rules.cumulative, replay=True)
+# the indexed params dims stay whole: a lookup per index row; the padding rows of a
+# split, uneven index batch dim are set to index 0 (TF's kernel refuses a bad index)
+declare("GatherNd", rules.gather_nd, replay=True, safe_padding={1: 0})
+# updates that overwrite: every device applies all of them (index batch dims whole) to
+# its block of the trailing dims
+declare({"TensorScatterUpdate": (1, rules.REPLICATE)}, rules.scatter_nd, replay=True)
 
 # variables: reads, assignments and fused optimizer updates are elementwise on the shard
 declare(VARIABLE_OPS, rules.variable_update, replay=True)
@@ -65,7 +81,8 @@ declare("CheckNumerics", safe_padding={0: 0})
 
 # ---------------------------------------------------------------- flags of ops in general
 # shape ops graph.fold turns into constants from their inputs' static shapes
-declare(["Shape", "ShapeN", "Size", "Rank"], fold=FOLD_SHAPE)
+# (VariableShape: a handle's IR shape is its variable's shape)
+declare(["Shape", "ShapeN", "Size", "Rank", "VariableShape"], fold=FOLD_SHAPE)
 # pure ops (no state, no randomness, value-determined results) graph.fold evaluates when
 # every input is a constant
 declare("""Pack Unpack ConcatV2 Concat ConcatOffset StridedSlice Slice Cast Bitcast
