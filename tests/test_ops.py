@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from util import check_partitioned, randn
+from util import assert_close, check_partitioned, randn
 
 P = gt.P
 
@@ -22,17 +22,25 @@ def rng():
     return np.random.default_rng(0)
 
 
+def weights(t, k):
+    """Fixed weights of the shape of `t`, different for each output k: a loss whose
+    gradient has no cancellation (a sum of squares of normalized values would have one)."""
+    index = tf.reshape(tf.range(tf.size(t)), tf.shape(t))
+    return tf.sin(tf.cast(index, t.dtype) * 0.37 + k)
+
+
 def with_gradient(fn):
     """fn's outputs, then the gradient of a weighted sum of them w.r.t. the float
-    inputs."""
+    inputs it depends on."""
     def step(*args):
         floats = [a for a in args if a.dtype.is_floating]
         with tf.GradientTape() as tape:
             tape.watch(floats)
             outs = tf.nest.flatten(fn(*args))
-            loss = tf.add_n([tf.reduce_sum(tf.square(o) * (k + 1.0)) for k, o in
-                             enumerate(outs) if o.dtype.is_floating])
-        return outs + tape.gradient(loss, floats)
+            loss = tf.add_n([tf.reduce_sum(o * weights(o, k)) for k, o in enumerate(outs)
+                             if o.dtype.is_floating])
+        grads = tape.gradient(loss, floats)
+        return outs + [g for g in grads if g is not None]
     return step
 
 
@@ -212,4 +220,86 @@ def test_variable_shape_of_a_split_variable(mesh, rng):
     f = gt.function(fn, mesh=mesh, in_shardings=(P("model"),))
     x = randn(rng, 60)
     np.testing.assert_allclose(f(x).numpy(), x.reshape(6, 10) * v.numpy(), rtol=1e-6)
+    assert f.lower(x).program.replicated_ops == []
+
+
+# ------------------------------------------------------------------ batch norm
+
+def batch_norm(training, data_format="NHWC", factor=1.0):
+    """FusedBatchNormV3 of x with scale, offset and running moments, named "bn"."""
+    def fn(x, scale, offset, mean, var):
+        outs = tf.raw_ops.FusedBatchNormV3(
+            x=x, scale=scale, offset=offset, mean=mean, variance=var, epsilon=1e-3,
+            exponential_avg_factor=factor, data_format=data_format, is_training=training,
+            name="bn")
+        return outs[:3]
+    return fn
+
+
+def bn_args(rng, shape, channel):
+    c = shape[channel]
+    return [randn(rng, *shape) * 2.0 + 0.5, randn(rng, c), randn(rng, c),
+            randn(rng, c), np.abs(randn(rng, c)) + 0.5]
+
+
+@pytest.mark.parametrize("training, factor", [(True, 1.0), (True, 0.3), (False, 1.0)],
+                         ids=["training", "training-blended", "inference"])
+@pytest.mark.parametrize("shape, spec", [
+    ((4, 6, 5, 8), P("data", None, None, "model")),   # batch split, channels split
+    ((5, 6, 5, 8), P("data", "model")),                # uneven batch, height split
+    ((4, 7, 6, 3), P(None, "data", "model")),          # spatial split, uneven
+], ids=["batch+channel", "batch+height", "spatial"])
+def test_fused_batch_norm(mesh, rng, training, factor, shape, spec):
+    """Values and gradients (FusedBatchNormGradV3) of x, scale and offset."""
+    check(batch_norm(training, factor=factor), bn_args(rng, shape, -1), mesh,
+          (spec, P(), P(), P(), P()), "bn")
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_fused_batch_norm_nchw(mesh, rng, training):
+    """NCHW: the channel is dim 1 (batch and width split, uneven width)."""
+    check(batch_norm(training, "NCHW"), bn_args(rng, (4, 3, 6, 5), 1), mesh,
+          (P("data", None, None, "model"), P(), P(), P(), P()), "bn")
+
+
+def conv_bn_step(v):
+    """One SGD step of conv -> FusedBatchNormV3 (training, running moments blended and
+    assigned, as tf_keras' fused BatchNormalization does) -> relu -> mean loss."""
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = tf.nn.conv2d(x, v["kernel"], 1, "SAME")
+            y, mean, var = tf.raw_ops.FusedBatchNormV3(
+                x=h, scale=v["gamma"], offset=v["beta"], mean=v["moving_mean"],
+                variance=v["moving_var"], epsilon=1e-3, exponential_avg_factor=0.1,
+                is_training=True)[:3]
+            loss = tf.reduce_mean(tf.nn.relu(y) * weights(y, 0))
+        trained = [v[n] for n in ("kernel", "gamma", "beta")]
+        for var_, g in zip(trained, tape.gradient(loss, trained)):
+            var_.assign_sub(0.5 * g)
+        v["moving_mean"].assign(mean)
+        v["moving_var"].assign(var)
+        return loss
+    return step
+
+
+@pytest.mark.parametrize("spec", [P("data"), P("data", "model"), P(None, None, None, "model")],
+                         ids=str)
+def test_conv_batch_norm_training_step(mesh, rng, spec):
+    """A ResNet-style conv + fused batch norm training step on a batch, height or channel
+    split: loss, trained weights and running moments equal one device's."""
+    init = {"kernel": randn(rng, 3, 3, 3, 8) * 0.3, "gamma": randn(rng, 8),
+            "beta": randn(rng, 8), "moving_mean": randn(rng, 8),
+            "moving_var": np.abs(randn(rng, 8)) + 0.5}
+    x = randn(rng, 4, 6, 6, 3)
+    with tf.device("/device:CPU:0"):
+        local = {n: tf.Variable(a) for n, a in init.items()}
+        want_loss = tf.function(conv_bn_step(local))(x).numpy()
+    channel = spec if len(spec) == 4 else P()
+    sharded = {n: gt.Variable(a, mesh, P(*channel[3:]) if a.ndim == 1 else
+                              P(None, None, None, *channel[3:]), name=n)
+               for n, a in init.items()}
+    f = gt.function(conv_bn_step(sharded), mesh=mesh, in_shardings=(spec,))
+    assert_close(f(x).numpy(), want_loss, "loss")
+    for n in init:
+        assert_close(sharded[n].numpy(), local[n].numpy(), n)
     assert f.lower(x).program.replicated_ops == []

@@ -334,6 +334,19 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
                                                          f32(3, 7, 6)],
      "([l, m, n], [i, j, k], [i, j, n])->([l, m, n]) {i=3, j=7, k=2, l=4, m=5, n=6}"
      " need_replication={i, j, k, l, m}"),
+    # every dim of x passes; the per-channel tensors share the channel factor (empty
+    # moments and the scratch reserve spaces have none)
+    ("FusedBatchNormV3", lambda x, c: tf.raw_ops.FusedBatchNormV3(
+        x=x, scale=c, offset=c, mean=c, variance=c, is_training=False)[:5],
+     [f32(2, 4, 4, 3), f32(3)],
+     "([i, j, k, l], [l], [l], [l], [l])->([i, j, k, l], [l], [l], [l], [l], [])"
+     " {i=2, j=4, k=4, l=3}"),
+    ("FusedBatchNormGradV3", lambda dy, x, c: tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=dy, x=x, scale=c, reserve_space_1=c, reserve_space_2=c,
+        reserve_space_3=tf.zeros(()), data_format="NCHW")[:3],
+     [f32(2, 3, 4, 4), f32(2, 3, 4, 4), f32(3)],
+     "([i, j, k, l], [i, j, k, l], [j], [j], [j], [])->([i, j, k, l], [j], [j], [1], [1])"
+     " {i=2, j=3, k=4, l=4}"),
     *[(op, lambda d, s, op=op: getattr(tf.raw_ops, op)(data=d, segment_ids=s, num_segments=3),
        [f32(6, 4), i32(6)], f"([i, j], [i], _)->([k, j]) {{i=6, j=4, k=3}} reduction={{i}}"
        + ("" if reduce_op == "sum" else f" reduce={reduce_op}"))

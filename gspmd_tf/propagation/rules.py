@@ -790,6 +790,34 @@ def scatter_nd(ctx, indices_input, batch_kind):
     return rule
 
 
+@dataclass(frozen=True)
+class BatchNormParams:
+    """OpRule.params of FusedBatchNormV3 and its gradient: the channel dim of x."""
+
+    channel: int
+
+
+def fused_batch_norm(ctx, x_input, channel_inputs):
+    """FusedBatchNormV3 (x, scale, offset, mean, variance) and FusedBatchNormGradV3 (dy,
+    x, scale, reserve_space_1/2/3): every dim of x passes (and of dy, y, dx); the per-
+    channel inputs (at `channel_inputs`; x at `x_input`) and results share the channel
+    factor. The handler combines the moments and
+    the gradient sums over split batch or spatial dims itself; empty per-channel inputs
+    (an unused mean) and the scratch reserve spaces have no factor."""
+    x = ctx.in_shapes[x_input]
+    fmt = ctx.node.attr("data_format") or "NHWC"
+    channel = 1 if fmt.startswith("NC") else len(x) - 1
+    rule = OpRule(params=BatchNormParams(channel))
+    dims = _passing(rule, x)
+
+    def of_channel(shape):
+        return (dims[channel],) if shape == (x[channel],) else tuple(() for _ in shape)
+    rule.operands = [dims if shape == x else of_channel(shape) if i in channel_inputs
+                     else tuple(() for _ in shape) for i, shape in enumerate(ctx.in_shapes)]
+    rule.results = [dims] + [of_channel(shape) for shape in ctx.out_shapes[1:]]
+    return rule
+
+
 def equation_rule(ctx, equation):
     """A fixed einsum equation over the op's first inputs (as many as it has terms); the
     other inputs are not data (a user's rule given as a string, gt.register_op)."""
