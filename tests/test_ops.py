@@ -303,3 +303,36 @@ def test_conv_batch_norm_training_step(mesh, rng, spec):
     for n in init:
         assert_close(sharded[n].numpy(), local[n].numpy(), n)
     assert f.lower(x).program.replicated_ops == []
+
+
+# ------------------------------------------------------------------ stateless RNG
+
+@pytest.mark.parametrize("draw", [
+    lambda shape, seed: tf.random.stateless_uniform(shape, seed, name="rng"),
+    lambda shape, seed: tf.random.stateless_normal(shape, seed, name="rng"),
+    lambda shape, seed: tf.random.stateless_truncated_normal(shape, seed, name="rng"),
+    lambda shape, seed: tf.cast(tf.random.stateless_uniform(
+        shape, seed, minval=0, maxval=10, dtype=tf.int32, name="rng"), tf.float32),
+    lambda shape, seed: tf.random.stateless_uniform(shape, seed, alg="philox", name="rng"),
+    lambda shape, seed: tf.raw_ops.StatelessRandomUniform(shape=shape, seed=seed,
+                                                          dtype=tf.float32, name="rng"),
+], ids=["uniform", "normal", "truncated", "int", "philox", "v1"])
+@pytest.mark.parametrize("shape", [(6, 8), (5, 7)], ids=str)
+def test_stateless_random(mesh, rng, draw, shape):
+    """Each device's shard is the single-device draw's slice."""
+    def fn(x, seed):
+        return x * draw(shape, seed)
+
+    low = check(fn, [randn(rng, *shape), np.array([3, 7], np.int32)], mesh,
+                (P("data", "model"), P()), "rng", gradient=False)
+    assert low.collectives() == [], low.report()
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (5, 7)], ids=str)
+def test_stateless_dropout(mesh, rng, shape):
+    """Dropout with a stateless mask: values and the gradient equal one device's."""
+    def fn(x, seed):
+        return tf.nn.experimental.stateless_dropout(x, 0.4, seed)
+
+    check(fn, [randn(rng, *shape), np.array([1, 2], np.int32)], mesh,
+          (P("data", "model"), P()), "rng", gradient=True)

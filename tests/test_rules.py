@@ -55,6 +55,7 @@ UNARY_ROWS = [(op, raw(op, **UNARY_ATTRS.get(op, {})),
 
 BROADCAST = "([i, 1, k], [j, k])->([i, j, k]) {i=4, j=5, k=6}"
 BITWISE = {"LogicalAnd": boolean, "LogicalOr": boolean, "BitwiseAnd": i32, "BitwiseOr": i32,
+           "LeftShift": i32, "RightShift": i32,
            "BitwiseXor": i32}
 BINARY_ROWS = [(op, raw(op), [BITWISE.get(op, f32)(4, 1, 6), BITWISE.get(op, f32)(5, 6)],
                 BROADCAST) for op in BINARY if not op.endswith("Grad")]
@@ -347,6 +348,24 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
      [f32(2, 3, 4, 4), f32(2, 3, 4, 4), f32(3)],
      "([i, j, k, l], [i, j, k, l], [j], [j], [j], [])->([i, j, k, l], [j], [j], [1], [1])"
      " {i=2, j=3, k=4, l=4}"),
+    # stateless random ops: a source (the whole draw, then each device's slice)
+    *[(op, lambda seed, op=op, extra=extra: getattr(tf.raw_ops, op)(
+        shape=[4, 6], **({"seed": seed} if "V2" not in op else
+                         {"key": tf.cast(seed[:1], tf.uint64),
+                          "counter": tf.cast(tf.concat([seed, seed], 0), tf.uint64),
+                          "alg": 1}), **extra),
+       [i32(2)], f"({', '.join(['_'] * n)})->([i, j]) {{i=4, j=6}}")
+      for op, extra, n in [
+          ("StatelessRandomUniform", {"dtype": tf.float32}, 2),
+          ("StatelessRandomNormal", {"dtype": tf.float32}, 2),
+          ("StatelessTruncatedNormal", {"dtype": tf.float32}, 2),
+          ("StatelessRandomUniformInt", {"minval": 0, "maxval": 5}, 4),
+          ("StatelessRandomUniformFullInt", {"dtype": tf.int32}, 2),
+          ("StatelessRandomUniformV2", {"dtype": tf.float32}, 4),
+          ("StatelessRandomNormalV2", {"dtype": tf.float32}, 4),
+          ("StatelessTruncatedNormalV2", {"dtype": tf.float32}, 4),
+          ("StatelessRandomUniformIntV2", {"minval": 0, "maxval": 5}, 6),
+          ("StatelessRandomUniformFullIntV2", {"dtype": tf.int32}, 4)]],
     *[(op, lambda d, s, op=op: getattr(tf.raw_ops, op)(data=d, segment_ids=s, num_segments=3),
        [f32(6, 4), i32(6)], f"([i, j], [i], _)->([k, j]) {{i=6, j=4, k=3}} reduction={{i}}"
        + ("" if reduce_op == "sum" else f" reduce={reduce_op}"))

@@ -80,12 +80,24 @@ def squeeze(ctx, operands, layouts):
                   attrs={"squeeze_dims": sorted(int(d) % len(shape) for d in dims)})
 
 
+# stateless random ops of a shape and a seed (key, counter, algorithm; bounds): the same
+# inputs give the same numbers, so every device draws the whole tensor and keeps its slice
+STATELESS_RANDOM = """StatelessRandomUniform StatelessRandomNormal StatelessTruncatedNormal
+StatelessRandomUniformInt StatelessRandomUniformFullInt StatelessRandomUniformV2
+StatelessRandomNormalV2 StatelessTruncatedNormalV2 StatelessRandomUniformIntV2
+StatelessRandomUniformFullIntV2""".split()
+
+
 @op_family("Const", rules.source)
-def const(ctx, operands, layouts):
-    """A constant: the whole value, then this device's slice of it."""
+@op_family(STATELESS_RANDOM, rules.source)
+def whole_then_sliced(ctx, operands, layouts):
+    """A constant, or a stateless random tensor: the whole value (its other inputs
+    replicated), then this device's slice of it (no communication). A random tensor's
+    slice is what the single-device program draws there, at the cost of drawing the
+    whole tensor on every device."""
     b = ctx.b
     node = ctx.node
-    ref = b.replay(node, [], [node.out_shapes[0]], node.out_dtypes)[0]
+    ref = b.replay(node, [x.ref for x in operands], [node.out_shapes[0]], node.out_dtypes)[0]
     whole = Local(ref, Layout.replicated(len(node.out_shapes[0])), node.out_shapes[0],
                   node.out_dtypes[0])
     return [ctx.reshard(whole, layouts[0]).ref]

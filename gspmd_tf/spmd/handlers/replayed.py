@@ -21,6 +21,7 @@ LeakyRelu""".split()
 BINARY = """Add AddV2 Sub Mul Div DivNoNan RealDiv FloorDiv FloorMod TruncateDiv TruncateMod
 Maximum Minimum Pow SquaredDifference Equal NotEqual Less LessEqual Greater GreaterEqual
 LogicalAnd LogicalOr Atan2 Xdivy Xlogy Xlog1py MulNoNan BitwiseAnd BitwiseOr BitwiseXor
+LeftShift RightShift
 ReluGrad Relu6Grad TanhGrad SigmoidGrad SoftplusGrad RsqrtGrad SqrtGrad EluGrad
 SeluGrad LeakyReluGrad ReciprocalGrad""".split()
 
@@ -95,3 +96,6 @@ InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff
 """.split(), fold=FOLD_VALUES)
 # naturally whole (scalars, shapes): no warning when they run replicated
 declare(["Shape", "Size", "Rank", "NoOp", "Range"], silent_replicated=True)
+# a random op's key and counter from its seed (a few scalars)
+declare(["StatelessRandomGetKeyCounter", "StatelessRandomGetAlg",
+         "StatelessRandomGetKeyCounterAlg"], silent_replicated=True)
