@@ -319,10 +319,11 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
      "([i, j, k], _, _, _)->([i, 1, j, l]) {i=4, j=5, k=6, l=2} need_replication={k, l}"),
     ("StridedSlice", lambda x: x[..., 2], [f32(4, 5, 6)],
      "([i, j, k], _, _, _)->([i, j]) {i=4, j=5, k=6} need_replication={k}"),
-    # index batch dims pass (gather) or add up (scatter); the indexed dims whole
+    # index batch dims pass (gather) or add up (scatter); the indexed dims are a masked
+    # lookup (gather) or whole (scatter)
     ("GatherNd", lambda p, i: tf.gather_nd(p, i), [f32(4, 5, 6), i32(3, 7, 2)],
      "([l, m, n], [i, j, k])->([i, j, n]) {i=3, j=7, k=2, l=4, m=5, n=6}"
-     " need_replication={k, l, m}"),
+     " reduction={l, m} need_replication={k}"),
     ("ScatterNd", lambda i, u: tf.scatter_nd(i, u, [4, 5, 6]), [i32(3, 7, 2), f32(3, 7, 6)],
      "([i, j, k], [i, j, n], _)->([l, m, n]) {i=3, j=7, k=2, l=4, m=5, n=6}"
      " reduction={i, j} need_replication={k, l, m}"),

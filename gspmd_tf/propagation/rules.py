@@ -746,25 +746,26 @@ def cumulative(ctx):
     return per_dim(ctx, {int(axis) % len(ctx.in_shapes[0])})
 
 
-def _nd_indexed(rule, indices, table, batch_kind):
+def _nd_indexed(rule, indices, table, batch_kind, indexed_kind=REPLICATE):
     """Dims of a GatherNd/ScatterNd's indices [B..., K] and of its indexed tensor: the
-    index batch dims B are factors of `batch_kind`, K and the K indexed dims of the
-    tensor whole, its trailing dims pass (shared with the slices). Returns (index dims,
-    tensor dims, batch dims, trailing dims)."""
+    index batch dims B are factors of `batch_kind`, K whole, the K indexed dims of the
+    tensor of `indexed_kind`, its trailing dims pass (shared with the slices). Returns
+    (index dims, tensor dims, batch dims, trailing dims)."""
     k = indices[-1]
     batch = tuple((rule.add_factor(n, batch_kind),) if n > 1 else () for n in indices[:-1])
     index_dims = batch + (_whole(rule, k),)
-    indexed = tuple(_whole(rule, n) for n in table[:k])
+    indexed = tuple((rule.add_factor(n, indexed_kind),) if n > 1 else () for n in table[:k])
     trailing = _passing(rule, table[k:])
     return index_dims, indexed + trailing, batch, trailing
 
 
 def gather_nd(ctx):
     """GatherNd params [P...], indices [B..., K] -> [B..., P[K:]]: index batch dims pass,
-    the K indexed params dims whole, the trailing params dims pass."""
+    the trailing params dims pass; the K indexed params dims are REDUCE (split: a masked
+    local lookup, partial results summed, as GatherV2's gathered dim)."""
     rule = OpRule()
     index_dims, params_dims, batch, trailing = _nd_indexed(
-        rule, ctx.in_shapes[1], ctx.in_shapes[0], PASS)
+        rule, ctx.in_shapes[1], ctx.in_shapes[0], PASS, REDUCE)
     rule.operands = [params_dims, index_dims]
     rule.results = [batch + trailing]
     return rule

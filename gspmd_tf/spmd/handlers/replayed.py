@@ -63,9 +63,6 @@ declare("Unpack", rules.unpack, replay=True)
 # block of the other (batch) dims
 declare({"MatrixBandPart": 2, "TopKV2": 1}, rules.last_dims_whole, replay=True)
 declare(["Cumsum", "Cumprod"], rules.cumulative, replay=True)
-# the indexed params dims stay whole: a lookup per index row; the padding rows of a
-# split, uneven index batch dim are set to index 0 (TF's kernel refuses a bad index)
-declare("GatherNd", rules.gather_nd, replay=True, safe_padding={1: 0})
 # updates that overwrite: every device applies all of them (index batch dims whole) to
 # its block of the trailing dims
 declare({"TensorScatterUpdate": (1, rules.REPLICATE)}, rules.scatter_nd, replay=True)
