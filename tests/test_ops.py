@@ -2,6 +2,9 @@
 values (even and uneven splits), gradients where TF has them, and that the op no longer
 runs replicated."""
 
+import logging
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -344,3 +347,42 @@ def test_stateless_dropout(mesh, rng, shape):
 
     check(fn, [randn(rng, *shape), np.array([1, 2], np.int32)], mesh,
           (P("data", "model"), P()), "rng", gradient=True)
+
+
+def test_keras_dropout_and_silu_train_model_split(mesh, rng):
+    """Keras 3: Dense(silu) -> Dropout -> Dense with model-split kernels, one epoch of
+    Adam: loss and weights equal one device's (the dropout mask is the single-device
+    one), and no op runs replicated (silu's IdentityN, the optimizer's IdentityN, the
+    dropout draw)."""
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("gt.keras needs Keras' TensorFlow backend")
+    x = randn(rng, 16, 12)
+    y = rng.integers(0, 3, (16,)).astype(np.int32)
+
+    def model():
+        keras.utils.set_random_seed(1)
+        m = keras.Sequential([keras.Input((12,)),
+                              keras.layers.Dense(16, activation="silu", name="d1"),
+                              keras.layers.Dropout(0.3, seed=5),
+                              keras.layers.Dense(3, name="d2")])
+        m.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return m
+    single, split = model(), model()
+    gt.keras.shard_model(split, mesh, layout_map={".*d1/kernel": P(None, "model"),
+                                                  ".*d2/kernel": P("model", None)})
+    replicated = []
+    handler = logging.Handler()
+    handler.emit = lambda record: replicated.append(record.getMessage())
+    logging.getLogger("gspmd_tf").addHandler(handler)
+    try:
+        want = single.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        got = split.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    finally:
+        logging.getLogger("gspmd_tf").removeHandler(handler)
+    assert_close(got.history["loss"], want.history["loss"], "loss")
+    for a, b in zip(split.weights, single.weights):
+        assert_close(a.numpy(), b.numpy(), a.path)
+    assert not [m for m in replicated if "replicated" in m], replicated
