@@ -236,13 +236,13 @@ def test_variable_shape_of_a_split_variable(mesh, rng):
 
 # ------------------------------------------------------------------ batch norm
 
-def batch_norm(training, data_format="NHWC", factor=1.0):
-    """FusedBatchNormV3 of x with scale, offset and running moments, named "bn"."""
+def batch_norm(training, data_format="NHWC", factor=1.0, op="FusedBatchNormV3"):
+    """FusedBatchNorm(V2, V3) of x with scale, offset and running moments, named "bn"."""
     def fn(x, scale, offset, mean, var):
-        outs = tf.raw_ops.FusedBatchNormV3(
+        blend = {} if op == "FusedBatchNorm" else {"exponential_avg_factor": factor}
+        outs = getattr(tf.raw_ops, op)(
             x=x, scale=scale, offset=offset, mean=mean, variance=var, epsilon=1e-3,
-            exponential_avg_factor=factor, data_format=data_format, is_training=training,
-            name="bn")
+            data_format=data_format, is_training=training, name="bn", **blend)
         return outs[:3]
     return fn
 
@@ -264,6 +264,14 @@ def test_fused_batch_norm(mesh, rng, training, factor, shape, spec):
     """Values and gradients (FusedBatchNormGradV3) of x, scale and offset."""
     check(batch_norm(training, factor=factor), bn_args(rng, shape, -1), mesh,
           (spec, P(), P(), P(), P()), "bn")
+
+
+@pytest.mark.parametrize("op", ["FusedBatchNorm", "FusedBatchNormV2"])
+def test_fused_batch_norm_older_versions(mesh, rng, op):
+    """FusedBatchNorm and V2 (TF1 graphs): the same handlers, no third reserve space."""
+    check(batch_norm(True, op=op, factor=0.5 if op != "FusedBatchNorm" else 1.0),
+          bn_args(rng, (5, 6, 5, 8), -1), mesh, (P("data", "model"), P(), P(), P(), P()),
+          "bn")
 
 
 @pytest.mark.parametrize("training", [True, False])

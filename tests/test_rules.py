@@ -349,6 +349,16 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
      [f32(2, 3, 4, 4), f32(2, 3, 4, 4), f32(3)],
      "([i, j, k, l], [i, j, k, l], [j], [j], [j], [])->([i, j, k, l], [j], [j], [1], [1])"
      " {i=2, j=3, k=4, l=4}"),
+    *[(op, lambda x, c, op=op: getattr(tf.raw_ops, op)(
+        x=x, scale=c, offset=c, mean=c, variance=c, is_training=False)[:5],
+       [f32(2, 4, 4, 3), f32(3)],
+       "([i, j, k, l], [l], [l], [l], [l])->([i, j, k, l], [l], [l], [l], [l])"
+       " {i=2, j=4, k=4, l=3}") for op in ("FusedBatchNorm", "FusedBatchNormV2")],
+    *[(op, lambda dy, x, c, op=op: getattr(tf.raw_ops, op)(
+        y_backprop=dy, x=x, scale=c, reserve_space_1=c, reserve_space_2=c)[:3],
+       [f32(2, 4, 4, 3), f32(2, 4, 4, 3), f32(3)],
+       "([i, j, k, l], [i, j, k, l], [l], [l], [l])->([i, j, k, l], [l], [l], [1], [1])"
+       " {i=2, j=4, k=4, l=3}") for op in ("FusedBatchNormGrad", "FusedBatchNormGradV2")],
     # stateless random ops: a source (the whole draw, then each device's slice)
     *[(op, lambda seed, op=op, extra=extra: getattr(tf.raw_ops, op)(
         shape=[4, 6], **({"seed": seed} if "V2" not in op else

@@ -1,4 +1,5 @@
-"""FusedBatchNormV3 and FusedBatchNormGradV3 with the batch or spatial dims split.
+"""FusedBatchNorm(V2, V3) and FusedBatchNormGrad(V2, V3) with the batch or spatial dims
+split.
 
 In training mode the per-channel moments (forward) and the sums of the gradient
 (backward) run over every dim but the channel. With those dims split, each device sums
@@ -36,7 +37,7 @@ class _Channels:
         self.channel_dims = (x.layout.dims[channel],)
         self.channels = x.shape[channel]
         self.count = int(np.prod([x.shape[d] for d in self.reduced]))
-        self.dtype = ctx.node.attr("U")
+        self.dtype = ctx.node.attr("U") or x.dtype  # (FusedBatchNorm: T only)
         local = self.b.shape_of(x.ref)
         self.bshape = tuple(n if d == channel else 1 for d, n in enumerate(local))
 
@@ -75,7 +76,8 @@ def _reduced_split(ctx, x):
     return any(x.layout.dims[d] for d in range(len(x.shape)) if d != ctx.rule.params.channel)
 
 
-@op_family({"FusedBatchNormV3": (0, (1, 2, 3, 4))}, rules.fused_batch_norm)
+@op_family(dict.fromkeys(["FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"],
+                         (0, (1, 2, 3, 4))), rules.fused_batch_norm)
 def fused_batch_norm(ctx, operands, layouts):
     """Training with split batch/spatial dims: global moments, then TF's inference-mode
     kernel on the local block. Outputs as TF's: the running mean and (unbiased) variance
@@ -96,17 +98,18 @@ def fused_batch_norm(ctx, operands, layouts):
                     node.out_dtypes, attrs={"is_training": False,
                                             "exponential_avg_factor": 1.0})
     unbiased = ch.scaled(var, ch.count / max(ch.count - 1, 1))
-    factor = node.attr("exponential_avg_factor")
+    factor = node.attr("exponential_avg_factor", 1.0)  # (FusedBatchNorm has none)
     running = []
     for batch, old in ((mean, mean_in), (unbiased, var_in)):
         if factor != 1.0:  # (1 - f) * running + f * batch
             batch = binary(b, "AddV2", ch.scaled(old.ref, 1.0 - factor),
                            ch.scaled(batch, factor), ch.dtype)
         running.append(ch.local(batch))
-    return [outs[0]] + running + [ch.local(mean), ch.local(var), outs[5]]
+    return [outs[0]] + running + [ch.local(mean), ch.local(var)] + outs[5:]
 
 
-@op_family({"FusedBatchNormGradV3": (1, (2, 3, 4))}, rules.fused_batch_norm)
+@op_family(dict.fromkeys(["FusedBatchNormGrad", "FusedBatchNormGradV2",
+                          "FusedBatchNormGradV3"], (1, (2, 3, 4))), rules.fused_batch_norm)
 def fused_batch_norm_grad(ctx, operands, layouts):
     """Split batch/spatial dims, in plain ops (TF's CPU kernel of the inference-mode
     gradient takes NHWC only): with r = rsqrt(var + eps) and x_hat = (x - mean) * r,
