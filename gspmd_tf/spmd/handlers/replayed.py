@@ -79,7 +79,7 @@ declare("CheckNumerics", safe_padding={0: 0})
 
 # ---------------------------------------------------------------- flags of ops in general
 # shape ops graph.fold turns into constants from their inputs' static shapes
-# (VariableShape: a handle's IR shape is its variable's shape)
+# (VariableShape: of the variable behind the handle, see fold._variable_shape)
 declare(["Shape", "ShapeN", "Size", "Rank", "VariableShape"], fold=FOLD_SHAPE)
 # pure ops (no state, no randomness, value-determined results) graph.fold evaluates when
 # every input is a constant
