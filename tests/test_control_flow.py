@@ -326,10 +326,9 @@ def test_dead_code_elimination_of_region_ops(mesh, xw):
 def test_keras_lstm_trains_data_parallel(mesh):
     """A Keras LSTM is a While (and its gradient a second one over TensorLists): one
     epoch of fit on the mesh, batch split over "data", equals one device; with its
-    kernels split over "model", the loop reads them whole and predict equals one device.
-    (Training with split kernels still fails: the gradient takes VariableShape of the
-    handle the loop hands through, an op without a rule, which refuses a sharded
-    variable.)"""
+    kernels split over "model", the loop reads them whole, and predict and one epoch of
+    fit equal one device (the gradient takes VariableShape of the handle the loop hands
+    through: folded to the variable's shape)."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     keras = pytest.importorskip("keras")
     if keras.backend.backend() != "tensorflow":
@@ -355,6 +354,10 @@ def test_keras_lstm_trains_data_parallel(mesh):
     split = model()
     gt.keras.shard_model(split, mesh, layout_map={".*lstm.*kernel": P(None, "model")})
     assert_close(split.predict(x, verbose=0), model().predict(x, verbose=0), "predict")
+    got = split.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    assert_close(got.history["loss"], want.history["loss"], "loss, split kernels")
+    for a, b in zip(split.weights, single.weights):
+        assert_close(a.numpy(), b.numpy(), a.path)
 
 
 def _region(op, value):

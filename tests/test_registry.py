@@ -40,10 +40,11 @@ def test_every_rule_has_an_emitter_or_a_declared_replay():
 
 def test_a_rule_without_emitter_or_replay_is_refused(own_table):
     with pytest.raises(gt.ShardingError, match="replay=True"):
-        gt.register_op("Cumsum", rule="ij->ij")
-    assert not registry.has_rule("Cumsum")  # nothing half-registered
+        gt.register_op("CumulativeLogsumexp", rule="ij->ij")
+    assert not registry.has_rule("CumulativeLogsumexp")  # nothing half-registered
     with pytest.raises(gt.ShardingError, match="not both"):
-        gt.register_op("Cumsum", rule="ij->ij", replay=True, emit=lambda *a: None)
+        gt.register_op("CumulativeLogsumexp", rule="ij->ij", replay=True,
+                       emit=lambda *a: None)
 
 
 def test_a_second_rule_needs_override(own_table):
@@ -53,39 +54,42 @@ def test_a_second_rule_needs_override(own_table):
     assert registry.op_def("MatMul").custom
 
 
-def cumsum_rule(ctx):
-    """Cumsum: the cumulative axis stays whole, every other dim passes (a user's rule)."""
+def cumulative_rule(ctx):
+    """CumulativeLogsumexp: the cumulative axis stays whole, every other dim passes (a
+    user's rule, as the built-in one of Cumsum)."""
     axis = int(ctx.const(1)) % len(ctx.in_shapes[0])
     return rules.per_dim(ctx, {axis})
 
 
-def cumsum(x):
-    return tf.math.cumsum(x, axis=1, exclusive=True, name="cumsum")
+def cumulative(x):
+    return tf.math.cumulative_logsumexp(x, axis=1, exclusive=True, name="cumulative")
 
 
-def test_cumsum_runs_replicated_without_a_rule(mesh, rng):
-    low = check_partitioned(cumsum, [randn(rng, 8, 6, 12)], mesh, (P("data", None, "model"),))
-    assert "cumsum" in low.program.replicated_ops
+def test_cumulative_logsumexp_runs_replicated_without_a_rule(mesh, rng):
+    low = check_partitioned(cumulative, [randn(rng, 8, 6, 12)], mesh,
+                            (P("data", None, "model"),))
+    assert "cumulative" in low.program.replicated_ops
 
 
-def test_registered_rule_partitions_cumsum(mesh, rng, own_table):
-    """A rule for Cumsum along a non-cumulative axis: the op runs on each device's block
-    (no longer replicated), values equal single-device TF, and nothing is gathered."""
-    gt.register_op("Cumsum", rule=cumsum_rule, replay=True)
+def test_registered_rule_partitions_the_op(mesh, rng, own_table):
+    """A rule for CumulativeLogsumexp along a non-cumulative axis: the op runs on each
+    device's block (no longer replicated), values equal single-device TF, and nothing
+    is gathered."""
+    gt.register_op("CumulativeLogsumexp", rule=cumulative_rule, replay=True)
     x = randn(rng, 8, 6, 12)
-    low = check_partitioned(cumsum, [x], mesh, (P("data", None, "model"),))
+    low = check_partitioned(cumulative, [x], mesh, (P("data", None, "model"),))
     assert low.program.replicated_ops == []
-    assert low.layout_of("cumsum").to_spec() == P("data", None, "model")
+    assert low.layout_of("cumulative").to_spec() == P("data", None, "model")
     assert low.collectives() == []
 
 
 def test_registered_rule_keeps_the_cumulative_axis_whole(mesh, rng, own_table):
     """Split along the cumulative axis, the input is gathered on that axis (REPLICATE),
     the op still partitioned along the other dims."""
-    gt.register_op("Cumsum", rule=cumsum_rule, replay=True)
-    low = check_partitioned(cumsum, [randn(rng, 8, 6, 12)], mesh, (P("data", "model"),))
+    gt.register_op("CumulativeLogsumexp", rule=cumulative_rule, replay=True)
+    low = check_partitioned(cumulative, [randn(rng, 8, 6, 12)], mesh, (P("data", "model"),))
     assert low.program.replicated_ops == []
-    assert low.layout_of("cumsum").to_spec() == P("data")
+    assert low.layout_of("cumulative").to_spec() == P("data")
 
 
 def test_einsum_string_rule_for_an_elementwise_op(mesh, rng, own_table):

@@ -55,6 +55,7 @@ UNARY_ROWS = [(op, raw(op, **UNARY_ATTRS.get(op, {})),
 
 BROADCAST = "([i, 1, k], [j, k])->([i, j, k]) {i=4, j=5, k=6}"
 BITWISE = {"LogicalAnd": boolean, "LogicalOr": boolean, "BitwiseAnd": i32, "BitwiseOr": i32,
+           "LeftShift": i32, "RightShift": i32,
            "BitwiseXor": i32}
 BINARY_ROWS = [(op, raw(op), [BITWISE.get(op, f32)(4, 1, 6), BITWISE.get(op, f32)(5, 6)],
                 BROADCAST) for op in BINARY if not op.endswith("Grad")]
@@ -289,6 +290,93 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
     ("StridedSliceGrad", lambda dy: tf.raw_ops.StridedSliceGrad(
         shape=[4, 6], begin=[0, 1], end=[4, 4], strides=[1, 1], dy=dy), [f32(4, 3)],
      "(_, _, _, _, [i, k])->([i, j]) {i=4, j=6, k=3} need_replication={j, k}"),
+    ("IdentityN", lambda a, b: tf.identity_n([a, b]), [f32(4, 6), f32(3)],
+     "([i, j], [k])->([i, j], [k]) {i=4, j=6, k=3}"),
+    # the split axis whole in the operand and in every piece
+    ("Split", lambda x: tf.split(x, 3, axis=1), [f32(4, 6)],
+     "(_, [i, j])->([i, k], [i, l], [i, m]) {i=4, j=6, k=2, l=2, m=2}"
+     " need_replication={j, k, l, m}"),
+    ("SplitV", lambda x: tf.split(x, [1, 5], axis=1), [f32(4, 6)],
+     "([i, j], _, _)->([i, 1], [i, k]) {i=4, j=6, k=5} need_replication={j, k}"),
+    # the stacked / unstacked dim whole
+    ("Pack", lambda a, b: tf.stack([a, b], axis=1), [f32(4, 6), f32(4, 6)],
+     "([i, j], [i, j])->([i, k, j]) {i=4, j=6, k=2} need_replication={k}"),
+    ("Unpack", lambda x: tf.unstack(x, axis=1), [f32(4, 3, 6)],
+     "([i, k, j])->([i, j], [i, j], [i, j]) {i=4, j=6, k=3} need_replication={k}"),
+    ("MatrixBandPart", lambda x: tf.linalg.band_part(x, 1, -1), [f32(2, 4, 6)],
+     "([i, j, l], _, _)->([i, k, m]) {i=2, j=4, k=4, l=6, m=6} need_replication={j, k, l, m}"),
+    ("TopKV2", lambda x: tf.math.top_k(x, 2), [f32(4, 6)],
+     "([i, j], _)->([i, k], [i, k]) {i=4, j=6, k=2} need_replication={j, k}"),
+    ("Cumsum", lambda x: tf.cumsum(x, 1), [f32(4, 6)],
+     "([i, j], _)->([i, k]) {i=4, j=6, k=6} need_replication={j, k}"),
+    ("Cumprod", lambda x: tf.math.cumprod(x, 0), [f32(4, 6)],
+     "([i, k], _)->([j, k]) {i=4, j=4, k=6} need_replication={i, j}"),
+    ("ClipByValue", lambda x: tf.raw_ops.ClipByValue(t=x, clip_value_min=-1.,
+                                                     clip_value_max=1.), [f32(4, 6)],
+     "([i, j], [], [])->([i, j]) {i=4, j=6}"),
+    # masks normalized: a new axis is a size-1 dim, the ellipsis' dims pass
+    ("StridedSlice", lambda x: x[:, None, ..., 1:3], [f32(4, 5, 6)],
+     "([i, j, k], _, _, _)->([i, 1, j, l]) {i=4, j=5, k=6, l=2} need_replication={k, l}"),
+    ("StridedSlice", lambda x: x[..., 2], [f32(4, 5, 6)],
+     "([i, j, k], _, _, _)->([i, j]) {i=4, j=5, k=6} need_replication={k}"),
+    # index batch dims pass (gather) or add up (scatter); the indexed dims are a masked
+    # lookup (gather) or whole (scatter)
+    ("GatherNd", lambda p, i: tf.gather_nd(p, i), [f32(4, 5, 6), i32(3, 7, 2)],
+     "([l, m, n], [i, j, k])->([i, j, n]) {i=3, j=7, k=2, l=4, m=5, n=6}"
+     " reduction={l, m} need_replication={k}"),
+    ("ScatterNd", lambda i, u: tf.scatter_nd(i, u, [4, 5, 6]), [i32(3, 7, 2), f32(3, 7, 6)],
+     "([i, j, k], [i, j, n], _)->([l, m, n]) {i=3, j=7, k=2, l=4, m=5, n=6}"
+     " reduction={i, j} need_replication={k, l, m}"),
+    *[(op, raw(op), [f32(4, 5, 6), i32(3, 7, 2), f32(3, 7, 6)],
+       "([l, m, n], [i, j, k], [i, j, n])->([l, m, n]) {i=3, j=7, k=2, l=4, m=5, n=6}"
+       " reduction={i, j} need_replication={k, l, m}")
+      for op in ("TensorScatterAdd", "TensorScatterSub")],
+    # updates that overwrite: all of them on every device
+    ("TensorScatterUpdate", raw("TensorScatterUpdate"), [f32(4, 5, 6), i32(3, 7, 2),
+                                                         f32(3, 7, 6)],
+     "([l, m, n], [i, j, k], [i, j, n])->([l, m, n]) {i=3, j=7, k=2, l=4, m=5, n=6}"
+     " need_replication={i, j, k, l, m}"),
+    # every dim of x passes; the per-channel tensors share the channel factor (empty
+    # moments and the scratch reserve spaces have none)
+    ("FusedBatchNormV3", lambda x, c: tf.raw_ops.FusedBatchNormV3(
+        x=x, scale=c, offset=c, mean=c, variance=c, is_training=False)[:5],
+     [f32(2, 4, 4, 3), f32(3)],
+     "([i, j, k, l], [l], [l], [l], [l])->([i, j, k, l], [l], [l], [l], [l], [])"
+     " {i=2, j=4, k=4, l=3}"),
+    ("FusedBatchNormGradV3", lambda dy, x, c: tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=dy, x=x, scale=c, reserve_space_1=c, reserve_space_2=c,
+        reserve_space_3=tf.zeros(()), data_format="NCHW")[:3],
+     [f32(2, 3, 4, 4), f32(2, 3, 4, 4), f32(3)],
+     "([i, j, k, l], [i, j, k, l], [j], [j], [j], [])->([i, j, k, l], [j], [j], [1], [1])"
+     " {i=2, j=3, k=4, l=4}"),
+    *[(op, lambda x, c, op=op: getattr(tf.raw_ops, op)(
+        x=x, scale=c, offset=c, mean=c, variance=c, is_training=False)[:5],
+       [f32(2, 4, 4, 3), f32(3)],
+       "([i, j, k, l], [l], [l], [l], [l])->([i, j, k, l], [l], [l], [l], [l])"
+       " {i=2, j=4, k=4, l=3}") for op in ("FusedBatchNorm", "FusedBatchNormV2")],
+    *[(op, lambda dy, x, c, op=op: getattr(tf.raw_ops, op)(
+        y_backprop=dy, x=x, scale=c, reserve_space_1=c, reserve_space_2=c)[:3],
+       [f32(2, 4, 4, 3), f32(2, 4, 4, 3), f32(3)],
+       "([i, j, k, l], [i, j, k, l], [l], [l], [l])->([i, j, k, l], [l], [l], [1], [1])"
+       " {i=2, j=4, k=4, l=3}") for op in ("FusedBatchNormGrad", "FusedBatchNormGradV2")],
+    # stateless random ops: a source (the whole draw, then each device's slice)
+    *[(op, lambda seed, op=op, extra=extra: getattr(tf.raw_ops, op)(
+        shape=[4, 6], **({"seed": seed} if "V2" not in op else
+                         {"key": tf.cast(seed[:1], tf.uint64),
+                          "counter": tf.cast(tf.concat([seed, seed], 0), tf.uint64),
+                          "alg": 1}), **extra),
+       [i32(2)], f"({', '.join(['_'] * n)})->([i, j]) {{i=4, j=6}}")
+      for op, extra, n in [
+          ("StatelessRandomUniform", {"dtype": tf.float32}, 2),
+          ("StatelessRandomNormal", {"dtype": tf.float32}, 2),
+          ("StatelessTruncatedNormal", {"dtype": tf.float32}, 2),
+          ("StatelessRandomUniformInt", {"minval": 0, "maxval": 5}, 4),
+          ("StatelessRandomUniformFullInt", {"dtype": tf.int32}, 2),
+          ("StatelessRandomUniformV2", {"dtype": tf.float32}, 4),
+          ("StatelessRandomNormalV2", {"dtype": tf.float32}, 4),
+          ("StatelessTruncatedNormalV2", {"dtype": tf.float32}, 4),
+          ("StatelessRandomUniformIntV2", {"minval": 0, "maxval": 5}, 6),
+          ("StatelessRandomUniformFullIntV2", {"dtype": tf.int32}, 4)]],
     *[(op, lambda d, s, op=op: getattr(tf.raw_ops, op)(data=d, segment_ids=s, num_segments=3),
        [f32(6, 4), i32(6)], f"([i, j], [i], _)->([k, j]) {{i=6, j=4, k=3}} reduction={{i}}"
        + ("" if reduce_op == "sum" else f" reduce={reduce_op}"))

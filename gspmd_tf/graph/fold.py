@@ -116,13 +116,17 @@ def _fold_node(graph, index, node, values, unknown):
 
 
 def _shape_op(graph, node, unknown):
-    """Shape/ShapeN/Size/Rank of statically shaped tensors."""
+    """Shape/ShapeN/Size/Rank of statically shaped tensors; VariableShape of a handle
+    that can be followed to its variable."""
+    dtype = node.attr("out_type", tf.int32)
+    np_dtype = dtype.as_numpy_dtype
+    if node.op == "VariableShape":
+        shape = _variable_shape(graph, node.inputs[0])
+        return None if shape is None else [np.asarray(shape, np_dtype).reshape(len(shape))]
     if any(ref in unknown or graph.dtype(ref) in (tf.resource, tf.variant)
            for ref in node.inputs):  # a handle's IR shape is not its TF shape
         return None
-    dtype = node.attr("out_type", tf.int32)
     shapes = [graph.shape(ref) for ref in node.inputs]
-    np_dtype = dtype.as_numpy_dtype
     if node.op == "Shape":
         return [np.asarray(shapes[0], np_dtype).reshape(len(shapes[0]))]
     if node.op == "ShapeN":
@@ -130,6 +134,26 @@ def _shape_op(graph, node, unknown):
     if node.op == "Size":
         return [np.asarray(np.prod(shapes[0], dtype=np.int64), np_dtype)]
     return [np.asarray(len(shapes[0]), np.int32)]  # Rank
+
+
+def _variable_shape(graph, ref):
+    """The shape of the variable behind handle `ref`, or None when it is not known: read
+    where the importer recorded it (an argument, a region parameter), following the
+    handle through Identity and through a While that hands it on unchanged (TF's loops
+    pass every handle they read through their body)."""
+    node = graph.nodes[ref.node]
+    if "var_shape" in node.params:
+        return node.params["var_shape"]
+    if node.op in ("Identity", "IdentityN"):
+        return _variable_shape(graph, node.inputs[ref.out if node.op == "IdentityN" else 0])
+    if node.op in ("While", "StatelessWhile"):
+        body = node.regions[1]
+        out = body.outputs[ref.out]
+        while body.nodes[out.node].op == "Identity":
+            out = body.nodes[out.node].inputs[0]
+        if out == body.inputs[ref.out]:
+            return _variable_shape(graph, node.inputs[ref.out])
+    return None
 
 
 def _evaluate(graph, node, inputs):

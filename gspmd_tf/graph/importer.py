@@ -129,7 +129,9 @@ class _Importer:
                 unknown = self.ir.unknown_shapes
                 defer = op_type in VALUE_SHAPED or (
                     unknown and any(ref in unknown for ref in inputs))
-                shapes = [_static_shape(t, name, bool(prefix), defer) for t in outs]
+                like = (self.ir.shape(inputs[0])
+                        if op_type in _SHAPE_OF_INPUT and inputs[0] not in unknown else None)
+                shapes = [_static_shape(t, name, bool(prefix), defer, like) for t in outs]
                 index = self.ir.add(Node(
                     name, op_type, inputs,
                     # Underscore attrs are TF's bookkeeping (shapes, colocation,
@@ -346,13 +348,25 @@ def _check_loop_shapes(op, name):
             "return the same shape (e.g. pad to the largest)")
 
 
-def _static_shape(tensor, name, nested, defer=False):
+# Scratch outputs TF's shape inference leaves without even a rank: their only reader is
+# the op's gradient, which on CPU ignores them; the CPU kernel makes them scalars.
+_SCRATCH_OUTPUTS = frozenset({("FusedBatchNormV3", 5)})
+# ops whose one output has the shape of their first input (the gradient tape's zeros for
+# an unused scratch output)
+_SHAPE_OF_INPUT = frozenset({"ZerosLike", "OnesLike", "Identity"})
+
+
+def _static_shape(tensor, name, nested, defer=False, like=None):
     """The shape of `tensor` (an output of IR node `name`, `nested` in an inlined
-    function) as a tuple of ints; None when unknown and `defer` (fold() resolves it)."""
+    function) as a tuple of ints; None when unknown and `defer` (fold() resolves it).
+    `like`: the IR shape of the op's input, for ops whose output has that shape."""
     shape = tensor.shape
     if shape.is_fully_defined():
         return tuple(shape.as_list())
-    if tensor.dtype in _HANDLE_DTYPES:
+    if like is not None and shape.is_compatible_with(like):
+        return like
+    if tensor.dtype in _HANDLE_DTYPES or (
+            shape.rank is None and (tensor.op.type, tensor.value_index) in _SCRATCH_OUTPUTS):
         return ()
     if defer:
         return None

@@ -407,20 +407,52 @@ def same_rank_slicing(ctx):
     return per_dim(ctx, changed_dims(ctx))
 
 
-def strided_slice_kept_dims(node, rank):
-    """For a StridedSlice(Grad) of a rank-`rank` tensor without ellipsis or new axes:
-    the dims its slice keeps (does not shrink away); None for other masks."""
-    if node.attr("ellipsis_mask") or node.attr("new_axis_mask"):
-        return None
+@dataclass(frozen=True)
+class SliceParams:
+    """OpRule.params of StridedSlice(Grad), its masks normalized: `kept` has, per dim of
+    the slice, the dim of the sliced tensor it is (None for a new axis); `spec` has, per
+    dim of the sliced tensor, its entry in begin/end/strides (None for a dim taken whole:
+    inside the ellipsis or past the spec)."""
+
+    kept: tuple
+    spec: tuple
+
+
+def strided_slice_params(node, rank, spec_len):
+    """StridedSlice(Grad)'s ellipsis, new-axis and shrink masks as SliceParams for a
+    sliced tensor of rank `rank` and a begin/end/strides spec of `spec_len` entries.
+
+    As TF reads the masks: the ellipsis stands for every dim the other entries do not
+    name (a spec without one has it implicitly at its end); a new-axis entry adds a
+    size-1 dim and names no input dim (a shrink bit on it is ignored); a shrink entry
+    names an input dim and removes it."""
+    ellipsis = node.attr("ellipsis_mask") or 0
+    new_axis = node.attr("new_axis_mask") or 0
     shrink = node.attr("shrink_axis_mask") or 0
-    return [d for d in range(rank) if not shrink >> d & 1]
+    naming = sum(1 for s in range(spec_len) if not (ellipsis | new_axis) >> s & 1)
+    kept, spec, dim = [], [None] * rank, 0
+    for s in range(spec_len):
+        if ellipsis >> s & 1:
+            kept += range(dim, dim + rank - naming)
+            dim += rank - naming
+            ellipsis = 0  # only the first ellipsis bit counts
+        elif new_axis >> s & 1:
+            kept.append(None)
+        elif dim < rank:
+            spec[dim] = s
+            if not shrink >> s & 1:
+                kept.append(dim)
+            dim += 1
+    kept += range(dim, rank)
+    return SliceParams(tuple(kept), tuple(spec))
 
 
 def _sliced_factors(rule, x, y, kept, strided):
-    """Dims of a tensor x and of its slice y (y dim j is x dim kept[j]): a kept dim of
-    unchanged size and stride 1 passes; dims sliced, strided or shrunk away stay whole."""
+    """Dims of a tensor x and of its slice y (y dim j is x dim kept[j], or a new axis
+    where that is None): a kept dim of unchanged size and stride 1 passes; dims sliced,
+    strided or shrunk away stay whole."""
     passing = {d: j for j, d in enumerate(kept)
-               if x[d] == y[j] and d not in strided and x[d] > 1}
+               if d is not None and x[d] == y[j] and d not in strided and x[d] > 1}
     dims_x, dims_y = [], [()] * len(y)
     for d, n in enumerate(x):
         kind = PASS if d in passing else REPLICATE
@@ -436,12 +468,12 @@ def _sliced_factors(rule, x, y, kept, strided):
 def strided_slice(ctx):
     """StridedSlice x -> y (see _sliced_factors)."""
     x = ctx.in_shapes[0]
-    kept = strided_slice_kept_dims(ctx.node, len(x))
-    strided = _strided_dims(ctx, 3)
-    if kept is None or strided is None:
+    params = strided_slice_params(ctx.node, len(x), ctx.in_shapes[1][0])
+    strided = _strided_dims(ctx, 3, params)
+    if strided is None:
         return None
-    rule = OpRule()
-    dims_x, dims_y = _sliced_factors(rule, x, ctx.out_shapes[0], kept, strided)
+    rule = OpRule(params=params)
+    dims_x, dims_y = _sliced_factors(rule, x, ctx.out_shapes[0], params.kept, strided)
     rule.operands = [dims_x, None, None, None]
     rule.results = [dims_y]
     return rule
@@ -583,23 +615,25 @@ def strided_slice_grad(ctx):
     """StridedSliceGrad: dy (the slice's shape) scattered into zeros of x's shape; the
     factors of the forward slice (see _sliced_factors)."""
     x = ctx.out_shapes[0]
-    kept = strided_slice_kept_dims(ctx.node, len(x))
-    strided = _strided_dims(ctx, 3)
-    if kept is None or strided is None or any(ctx.const(i) is None for i in (1, 2)):
+    params = strided_slice_params(ctx.node, len(x), ctx.in_shapes[1][0])
+    strided = _strided_dims(ctx, 3, params)
+    if strided is None or any(ctx.const(i) is None for i in (1, 2)):
         return None
-    rule = OpRule()
-    dims_x, dims_dy = _sliced_factors(rule, x, ctx.in_shapes[4], kept, strided)
+    rule = OpRule(params=params)
+    dims_x, dims_dy = _sliced_factors(rule, x, ctx.in_shapes[4], params.kept, strided)
     rule.operands = [None, None, None, None, dims_dy]
     rule.results = [dims_x]
     return rule
 
 
-def _strided_dims(ctx, i):
-    """Dims whose stride (constant input i of a StridedSlice(Grad)) is not 1, or None."""
+def _strided_dims(ctx, i, params):
+    """Dims of the sliced tensor whose stride (constant input i of a StridedSlice(Grad))
+    is not 1, or None."""
     strides = ctx.const(i)
     if strides is None:
         return None
-    return {d for d, s in enumerate(np.atleast_1d(strides)) if s != 1}
+    strides = np.atleast_1d(strides)
+    return {d for d, s in enumerate(params.spec) if s is not None and strides[s] != 1}
 
 
 def unsorted_segment(ctx, reduce_op):
@@ -626,6 +660,163 @@ def select_v1(ctx):
     letters = _letters(len(x))
     return einsum_rule(f"{letters[0]},{letters},{letters}->{letters}", ctx.in_shapes,
                        ctx.out_shapes[0])
+
+
+# ------------------------------------------------------- structure: several tensors
+# Ops that hand dims through between several operands or results (IdentityN, Split,
+# Pack...): a dim they cut, stack or index stays whole, every other dim passes.
+
+
+def _passing(rule, shape):
+    """A fresh PASS factor per dim of `shape` (none for size-1 dims)."""
+    return tuple((rule.add_factor(n),) if n > 1 else () for n in shape)
+
+
+def _whole(rule, n):
+    """The dims of a dim of size `n` that stays whole (a REPLICATE factor)."""
+    return (rule.add_factor(n, REPLICATE),) if n > 1 else ()
+
+
+def identity_n(ctx):
+    """IdentityN: each result is its operand."""
+    rule = OpRule()
+    for shape in ctx.in_shapes:
+        dims = _passing(rule, shape)
+        rule.operands.append(dims)
+        rule.results.append(dims)
+    return rule
+
+
+def split(ctx, value_input, axis_input):
+    """Split/SplitV: the split axis whole (in the operand and every piece); other dims
+    pass."""
+    axis = ctx.const(axis_input)
+    if axis is None:
+        return None
+    x = ctx.in_shapes[value_input]
+    axis = int(axis) % len(x)
+    rule = OpRule()
+    dims = list(_passing(rule, x[:axis] + (1,) + x[axis + 1:]))
+    dims[axis] = _whole(rule, x[axis])
+    rule.operands = _spread([tuple(dims)], (value_input,), len(ctx.in_shapes))
+    for shape in ctx.out_shapes:
+        dims[axis] = _whole(rule, shape[axis])
+        rule.results.append(tuple(dims))
+    return rule
+
+
+def pack(ctx):
+    """Pack (tf.stack): the new dim whole (each device holds every operand); the others
+    pass, shared by all operands."""
+    out = ctx.out_shapes[0]
+    axis = ctx.node.attr("axis") % len(out)
+    rule = OpRule()
+    dims = _passing(rule, out[:axis] + out[axis + 1:])
+    rule.operands = [dims] * len(ctx.in_shapes)
+    rule.results = [dims[:axis] + (_whole(rule, out[axis]),) + dims[axis:]]
+    return rule
+
+
+def unpack(ctx):
+    """Unpack (tf.unstack): the removed dim whole; the others pass, shared by all
+    results."""
+    x = ctx.in_shapes[0]
+    axis = ctx.node.attr("axis") % len(x)
+    rule = OpRule()
+    dims = _passing(rule, x[:axis] + x[axis + 1:])
+    rule.operands = [dims[:axis] + (_whole(rule, x[axis]),) + dims[axis:]]
+    rule.results = [dims] * len(ctx.out_shapes)
+    return rule
+
+
+def last_dims_whole(ctx, count):
+    """Ops that mix the last `count` dims (MatrixBandPart: 2, TopKV2: 1): those whole,
+    batch dims pass; every result (TopKV2's values and indices) shares the rule's."""
+    rank = len(ctx.in_shapes[0])
+    rule = per_dim(ctx, set(range(rank - count, rank)))
+    rule.results *= len(ctx.out_shapes)
+    return rule
+
+
+def cumulative(ctx):
+    """Cumsum/Cumprod along a constant axis: that axis whole, the others pass."""
+    axis = ctx.const(1)
+    if axis is None:
+        return None
+    return per_dim(ctx, {int(axis) % len(ctx.in_shapes[0])})
+
+
+def _nd_indexed(rule, indices, table, batch_kind, indexed_kind=REPLICATE):
+    """Dims of a GatherNd/ScatterNd's indices [B..., K] and of its indexed tensor: the
+    index batch dims B are factors of `batch_kind`, K whole, the K indexed dims of the
+    tensor of `indexed_kind`, its trailing dims pass (shared with the slices). Returns
+    (index dims, tensor dims, batch dims, trailing dims)."""
+    k = indices[-1]
+    batch = tuple((rule.add_factor(n, batch_kind),) if n > 1 else () for n in indices[:-1])
+    index_dims = batch + (_whole(rule, k),)
+    indexed = tuple((rule.add_factor(n, indexed_kind),) if n > 1 else () for n in table[:k])
+    trailing = _passing(rule, table[k:])
+    return index_dims, indexed + trailing, batch, trailing
+
+
+def gather_nd(ctx):
+    """GatherNd params [P...], indices [B..., K] -> [B..., P[K:]]: index batch dims pass,
+    the trailing params dims pass; the K indexed params dims are REDUCE (split: a masked
+    local lookup, partial results summed, as GatherV2's gathered dim)."""
+    rule = OpRule()
+    index_dims, params_dims, batch, trailing = _nd_indexed(
+        rule, ctx.in_shapes[1], ctx.in_shapes[0], PASS, REDUCE)
+    rule.operands = [params_dims, index_dims]
+    rule.results = [batch + trailing]
+    return rule
+
+
+def scatter_nd(ctx, indices_input, batch_kind):
+    """ScatterNd (indices, updates, shape) and TensorScatter* (tensor, indices, updates):
+    updates [B..., S[K:]] go to the K indexed dims of a result of shape S. The index batch
+    dims B are `batch_kind`: REDUCE where scattered sums add up (split: partial results),
+    REPLICATE where a later update overwrites an earlier one. The K indexed dims stay whole,
+    the trailing dims pass."""
+    rule = OpRule()
+    out = ctx.out_shapes[0]
+    index_dims, out_dims, batch, trailing = _nd_indexed(
+        rule, ctx.in_shapes[indices_input], out, batch_kind)
+    operands = [None] * len(ctx.in_shapes)
+    operands[indices_input] = index_dims
+    operands[indices_input + 1] = batch + trailing  # updates
+    if indices_input == 1:  # TensorScatter*: the tensor written into
+        operands[0] = out_dims
+    rule.operands = operands
+    rule.results = [out_dims]
+    return rule
+
+
+@dataclass(frozen=True)
+class BatchNormParams:
+    """OpRule.params of FusedBatchNormV3 and its gradient: the channel dim of x."""
+
+    channel: int
+
+
+def fused_batch_norm(ctx, x_input, channel_inputs):
+    """FusedBatchNormV3 (x, scale, offset, mean, variance) and FusedBatchNormGradV3 (dy,
+    x, scale, reserve_space_1/2/3): every dim of x passes (and of dy, y, dx); the per-
+    channel inputs (at `channel_inputs`; x at `x_input`) and results share the channel
+    factor. The handler combines the moments and
+    the gradient sums over split batch or spatial dims itself; empty per-channel inputs
+    (an unused mean) and the scratch reserve spaces have no factor."""
+    x = ctx.in_shapes[x_input]
+    fmt = ctx.node.attr("data_format") or "NHWC"
+    channel = 1 if fmt.startswith("NC") else len(x) - 1
+    rule = OpRule(params=BatchNormParams(channel))
+    dims = _passing(rule, x)
+
+    def of_channel(shape):
+        return (dims[channel],) if shape == (x[channel],) else tuple(() for _ in shape)
+    rule.operands = [dims if shape == x else of_channel(shape) if i in channel_inputs
+                     else tuple(() for _ in shape) for i, shape in enumerate(ctx.in_shapes)]
+    rule.results = [dims] + [of_channel(shape) for shape in ctx.out_shapes[1:]]
+    return rule
 
 
 def equation_rule(ctx, equation):

@@ -10,8 +10,8 @@ replayed on local shapes (`replay`) is exact. Importing this package loads them 
 """
 
 # every module declares its families when imported
-from gspmd_tf.spmd.handlers import (basic, conv, einsum, gather, grads,  # noqa: F401
-                                    normalize, replayed, segment)
+from gspmd_tf.spmd.handlers import (basic, batch_norm, conv, einsum, gather,  # noqa: F401
+                                    grads, normalize, replayed, segment)
 from gspmd_tf.spmd.handlers.basic import replay
 
 __all__ = ["replay"]

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
-from gspmd_tf.propagation.rules import REDUCE, strided_slice_kept_dims
+from gspmd_tf.propagation.rules import REDUCE
 from gspmd_tf.registry import declare, op_def, op_family
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding
 from gspmd_tf.spmd.program import Local
@@ -80,12 +80,24 @@ def squeeze(ctx, operands, layouts):
                   attrs={"squeeze_dims": sorted(int(d) % len(shape) for d in dims)})
 
 
+# stateless random ops of a shape and a seed (key, counter, algorithm; bounds): the same
+# inputs give the same numbers, so every device draws the whole tensor and keeps its slice
+STATELESS_RANDOM = """StatelessRandomUniform StatelessRandomNormal StatelessTruncatedNormal
+StatelessRandomUniformInt StatelessRandomUniformFullInt StatelessRandomUniformV2
+StatelessRandomNormalV2 StatelessTruncatedNormalV2 StatelessRandomUniformIntV2
+StatelessRandomUniformFullIntV2""".split()
+
+
 @op_family("Const", rules.source)
-def const(ctx, operands, layouts):
-    """A constant: the whole value, then this device's slice of it."""
+@op_family(STATELESS_RANDOM, rules.source)
+def whole_then_sliced(ctx, operands, layouts):
+    """A constant, or a stateless random tensor: the whole value (its other inputs
+    replicated), then this device's slice of it (no communication). A random tensor's
+    slice is what the single-device program draws there, at the cost of drawing the
+    whole tensor on every device."""
     b = ctx.b
     node = ctx.node
-    ref = b.replay(node, [], [node.out_shapes[0]], node.out_dtypes)[0]
+    ref = b.replay(node, [x.ref for x in operands], [node.out_shapes[0]], node.out_dtypes)[0]
     whole = Local(ref, Layout.replicated(len(node.out_shapes[0])), node.out_shapes[0],
                   node.out_dtypes[0])
     return [ctx.reshard(whole, layouts[0]).ref]
@@ -133,10 +145,10 @@ def slicing(ctx, operands, layouts):
         refs[2] = ctx.b.const(size.astype(size.dtype))
     else:
         end = np.array(ctx.graph.const_value(node.inputs[2]))
-        kept = strided_slice_kept_dims(node, len(operands[0].shape))
-        for d in (kept[j] for j in split):
-            if d < len(end):  # dims past the spec's length are taken whole anyway
-                end[d] = local[d]
+        params = ctx.rule.params
+        for d in (params.kept[j] for j in split):
+            if params.spec[d] is not None:  # dims outside the spec are taken whole anyway
+                end[params.spec[d]] = local[d]
         refs[2] = ctx.b.const(end)
     return replay(ctx, operands, layouts, refs=refs)
 

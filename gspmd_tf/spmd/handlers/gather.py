@@ -1,4 +1,5 @@
-"""Handlers for lookups whose table dim is split: GatherV2 and OneHot."""
+"""Handlers for lookups whose table dim is split (GatherV2, OneHot) and for scatters
+whose index batch dims are split (ScatterNd, TensorScatterAdd/Sub)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import tensorflow as tf
 
 from gspmd_tf.propagation import rules
 from gspmd_tf.registry import op_family
-from gspmd_tf.spmd.handlers.basic import local_shapes, replay
+from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.local_ops import binary, cast, select, shard_offset
 
 
@@ -54,6 +55,46 @@ def gather(ctx, operands, layouts):
     return [select(b, valid, out, b.const(np.zeros((), dtype.as_numpy_dtype)), dtype)]
 
 
+# safe_padding: the padding rows of a split, uneven index batch dim are set to index 0
+# (TF's kernel refuses a bad index)
+@op_family("GatherNd", rules.gather_nd, safe_padding={1: 0})
+def gather_nd(ctx, operands, layouts):
+    """GatherNd from params split on indexed dims: each device looks up the index rows
+    that fall in its block (shifted to local indices), zeros for the others; the
+    partitioner sums the partial results."""
+    params, indices = operands
+    k = indices.shape[-1]
+    split = [d for d in range(k) if params.layout.dims[d]]
+    if not split:
+        return replay(ctx, operands, layouts)
+    b = ctx.b
+    local = params.layout.local_shape(ctx.mesh, params.shape)
+    refs = masked_refs(ctx, operands)
+    itype = indices.dtype
+    np_itype = itype.as_numpy_dtype
+    offsets = [shard_offset(b, params.layout.dims[d], local[d]) if d in split
+               else b.const(np.int32(0)) for d in range(k)]
+    offset = b.op("Pack", offsets, (k,), tf.int32, N=k, T=tf.int32, axis=0)
+    if itype != tf.int32:
+        offset = cast(b, offset, tf.int32, itype)
+    shifted = binary(b, "Sub", refs[1], offset, itype)
+    inside = b.op("LogicalAnd", [
+        binary(b, "GreaterEqual", shifted, b.const(np.zeros((), np_itype)), itype, tf.bool),
+        binary(b, "Less", shifted, b.const(np.asarray(local[:k], np_itype)), itype,
+               tf.bool)], b.shape_of(shifted), tf.bool)
+    batch = b.shape_of(shifted)[:-1]
+    valid = b.op("All", [inside, b.const(np.int32(-1))], batch + (1,), tf.bool,
+                 Tidx=tf.int32, keep_dims=True)
+    safe = select(b, valid, shifted, b.const(np.zeros((), np_itype)), itype)
+    out = replay(ctx, operands, layouts, refs=[refs[0], safe])[0]
+    out_shape = local_shapes(ctx, layouts)[0]
+    mask_shape = batch + (1,) * (len(out_shape) - len(batch))
+    valid = b.op("Reshape", [valid, b.const(np.asarray(mask_shape, np.int32))], mask_shape,
+                 tf.bool, T=tf.bool, Tshape=tf.int32)
+    dtype = ctx.node.out_dtypes[0]
+    return [select(b, valid, out, b.const(np.zeros((), dtype.as_numpy_dtype)), dtype)]
+
+
 @op_family("OneHot", rules.one_hot)
 def one_hot(ctx, operands, layouts):
     """OneHot with the depth dim split: each device encodes its block of classes."""
@@ -66,4 +107,32 @@ def one_hot(ctx, operands, layouts):
     local = local_shapes(ctx, layouts)[0][axis]
     refs = [_local_indices(ctx, operands[0], axes, local), ctx.b.const(np.int32(local)),
             operands[2].ref, operands[3].ref]
+    return replay(ctx, operands, layouts, refs=refs)
+
+
+@op_family({"ScatterNd": (0, rules.REDUCE)}, rules.scatter_nd)
+def scatter_nd(ctx, operands, layouts):
+    """ScatterNd into the local result shape. With the index batch dims split, each
+    device scatters its updates (padding rows masked to index 0, update 0): the partial
+    sums the partitioner adds up."""
+    refs = masked_refs(ctx, operands)
+    shape = local_shapes(ctx, layouts)[0]
+    refs[2] = ctx.b.const(np.asarray(shape, ctx.node.attr("Tindices").as_numpy_dtype))
+    return replay(ctx, operands, layouts, refs=refs)
+
+
+@op_family({"TensorScatterAdd": (1, rules.REDUCE), "TensorScatterSub": (1, rules.REDUCE)},
+           rules.scatter_nd)
+def tensor_scatter_add(ctx, operands, layouts):
+    """TensorScatterAdd/Sub with the index batch dims split: a partial sum, the tensor
+    written into counted once (by the first device of the split axes), each device's own
+    updates added (or subtracted) on every device."""
+    axes = ctx.split_reduce_axes()
+    if not axes:
+        return replay(ctx, operands, layouts)
+    b = ctx.b
+    refs = masked_refs(ctx, operands)
+    dtype = operands[0].dtype
+    first = binary(b, "Equal", b.shard_index(axes), b.const(np.int32(0)), tf.int32, tf.bool)
+    refs[0] = select(b, first, refs[0], b.const(np.zeros((), dtype.as_numpy_dtype)), dtype)
     return replay(ctx, operands, layouts, refs=refs)

@@ -47,9 +47,10 @@ def strided_slice_grad(ctx, operands, layouts):
     dtype = _index_dtype(ctx, "Index")
     begin = np.array(ctx.graph.const_value(node.inputs[1]))
     end = np.array(ctx.graph.const_value(node.inputs[2]))
+    spec = ctx.rule.params.spec
     for d, axes in enumerate(layouts[0].dims):
-        if axes and d < len(end):
-            begin[d], end[d] = 0, shape[d]
+        if axes and spec[d] is not None:
+            begin[spec[d]], end[spec[d]] = 0, shape[d]
     refs[0] = ctx.b.const(np.asarray(shape, dtype))
     refs[1] = ctx.b.const(begin.astype(dtype))
     refs[2] = ctx.b.const(end.astype(dtype))

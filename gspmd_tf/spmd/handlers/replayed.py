@@ -21,6 +21,7 @@ LeakyRelu""".split()
 BINARY = """Add AddV2 Sub Mul Div DivNoNan RealDiv FloorDiv FloorMod TruncateDiv TruncateMod
 Maximum Minimum Pow SquaredDifference Equal NotEqual Less LessEqual Greater GreaterEqual
 LogicalAnd LogicalOr Atan2 Xdivy Xlogy Xlog1py MulNoNan BitwiseAnd BitwiseOr BitwiseXor
+LeftShift RightShift
 ReluGrad Relu6Grad TanhGrad SigmoidGrad SoftplusGrad RsqrtGrad SqrtGrad EluGrad
 SeluGrad LeakyReluGrad ReciprocalGrad""".split()
 
@@ -33,7 +34,8 @@ ResourceApplyProximalAdagrad ResourceApplyAddSign ResourceApplyPowerSign""".spli
 
 # elementwise (broadcasting from the right): each element of the result reads the same
 # element of every operand
-declare(UNARY + BINARY + ["AddN", "SelectV2"], rules.elementwise, replay=True)
+declare(UNARY + BINARY + ["AddN", "SelectV2", "ClipByValue"], rules.elementwise,
+        replay=True)
 declare("Select", rules.select_v1, replay=True)
 declare("Bitcast", rules.bitcast, replay=True)  # the changed minor dim stays whole
 
@@ -50,6 +52,18 @@ declare("Transpose", rules.transpose, replay=True)
 declare("ExpandDims", rules.squeeze_or_expand, replay=True)  # inserts a size-1 dim by index
 declare("ConcatV2", rules.concat, replay=True)
 declare(["Pad", "PadV2"], rules.same_rank_slicing, replay=True)
+declare("IdentityN", rules.identity_n, replay=True)
+declare({"Split": (1, 0), "SplitV": (0, 2)}, rules.split, replay=True)  # (value, axis)
+declare("Pack", rules.pack, replay=True)
+declare("Unpack", rules.unpack, replay=True)
+
+# ops along their last dims or one axis, which stay whole: each device runs the op on its
+# block of the other (batch) dims
+declare({"MatrixBandPart": 2, "TopKV2": 1}, rules.last_dims_whole, replay=True)
+declare(["Cumsum", "Cumprod"], rules.cumulative, replay=True)
+# updates that overwrite: every device applies all of them (index batch dims whole) to
+# its block of the trailing dims
+declare({"TensorScatterUpdate": (1, rules.REPLICATE)}, rules.scatter_nd, replay=True)
 
 # variables: reads, assignments and fused optimizer updates are elementwise on the shard
 declare(VARIABLE_OPS, rules.variable_update, replay=True)
@@ -63,7 +77,8 @@ declare("CheckNumerics", safe_padding={0: 0})
 
 # ---------------------------------------------------------------- flags of ops in general
 # shape ops graph.fold turns into constants from their inputs' static shapes
-declare(["Shape", "ShapeN", "Size", "Rank"], fold=FOLD_SHAPE)
+# (VariableShape: of the variable behind the handle, see fold._variable_shape)
+declare(["Shape", "ShapeN", "Size", "Rank", "VariableShape"], fold=FOLD_SHAPE)
 # pure ops (no state, no randomness, value-determined results) graph.fold evaluates when
 # every input is a constant
 declare("""Pack Unpack ConcatV2 Concat ConcatOffset StridedSlice Slice Cast Bitcast
@@ -76,3 +91,6 @@ InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff
 """.split(), fold=FOLD_VALUES)
 # naturally whole (scalars, shapes): no warning when they run replicated
 declare(["Shape", "Size", "Rank", "NoOp", "Range"], silent_replicated=True)
+# a random op's key and counter from its seed (a few scalars)
+declare(["StatelessRandomGetKeyCounter", "StatelessRandomGetAlg",
+         "StatelessRandomGetKeyCounterAlg"], silent_replicated=True)
