@@ -8,6 +8,10 @@ writes the core's int arrays directly, so no per-node Python list grows.
 
 import numpy as np
 
+# Priority layers (see csrc/propagation.pyx and docs/INTERNALS.md): XLA's aggressiveness
+# levels 0, 1 and 2, told apart by the rule's structure rather than by op type.
+PASS_THROUGH, ALL_OPS, BROADCAST = 0, 1, 2
+
 cdef class EncodedRule:
     """An OpRule flattened once for every node that shares it: the operand and result
     positions that take part, the factor ids of each of their dims, factor data."""
@@ -17,6 +21,7 @@ cdef class EncodedRule:
     cdef int[::1] dim_factors, dim_counts
     cdef long long[::1] sizes  # dim sizes may pass 2**31
     cdef signed char[::1] kinds
+    cdef unsigned char[::1] layers  # per slot (inputs then outputs)
 
     def __init__(self, rule):
         self.rule = rule
@@ -30,6 +35,26 @@ cdef class EncodedRule:
                                      np.int32)
         self.sizes = np.asarray(rule.factor_sizes, np.int64)
         self.kinds = np.asarray(rule.factor_kinds, np.int8)
+        self.layers = np.asarray(_slot_layers(rule, dims_lists, len(self.inputs)), np.uint8)
+
+
+def _slot_layers(rule, dims_lists, num_inputs):
+    """The priority layer of each slot of `rule`.
+
+    A pass-through op (XLA's aggressiveness 0: elementwise, transpose, reshape) has only
+    PASS factors and every result holds all of them; its slots take part from the first
+    layer, except an operand lacking some factor (one that broadcasts, as a bias or the
+    operand of BroadcastTo), which waits for the broadcast layer (XLA: a broadcast
+    propagates from aggressiveness 2). Every other op (dots, reductions, slices,
+    gathers...) takes part from the second layer."""
+    every = set(range(len(rule.factor_sizes)))
+    held = [{f for fs in dims for f in fs} for dims in dims_lists]
+    results = held[num_inputs:]
+    if not results or any(kind != 0 for kind in rule.factor_kinds) or \
+            any(factors != every for factors in results):
+        return [ALL_OPS] * len(held)
+    return [PASS_THROUGH if i >= num_inputs or factors == every else BROADCAST
+            for i, factors in enumerate(held)]
 
 
 cdef tuple _rule_key(list nodes, object node, list tensor_shape, long long[::1] base,
@@ -79,8 +104,9 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
     has_rule(op_type) says whether an op type has a rule builder; make_rule(index) builds
     the OpRule of node `index` (None: no rule). Returns (rules, ranks, tensor_base,
     slot_tensor, dim_factors, dim_counts, factor_size, factor_kind, op_slots, op_factors,
-    tensor_op_start, tensor_ops): `rules` per node (None for ops without a rule or with more than
-    `max_factors` factors), the rest int numpy arrays (see csrc/propagation.pyx).
+    tensor_op_start, tensor_ops, slot_layer, op_node): `rules` per node (None for ops without
+    a rule or with more than `max_factors` factors), the rest int numpy arrays (see
+    csrc/propagation.pyx; op_node[op] is the node index of core op `op`).
     """
     cdef Py_ssize_t n = len(nodes), i, k, s, d, f, op, num_tensors = 0
     cdef Py_ssize_t num_slots = 0, num_dims = 0, num_factors = 0, num_ops = 0, num_df = 0
@@ -137,12 +163,15 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
     factor_kind_a = np.empty(num_factors, np.int8)
     op_slots_a = np.empty(num_ops, np.int32)
     op_factors_a = np.empty(num_ops, np.int32)
+    slot_layer_a = np.empty(num_slots, np.uint8)
+    op_node_a = np.empty(num_ops, np.int32)
     cdef int[::1] slot_tensor = slot_tensor_a, slot_op = slot_op_a
     cdef int[::1] dim_counts = dim_counts_a
     cdef long long[::1] factor_size = factor_size_a
     cdef int[::1] dim_factors = dim_factors_a
     cdef signed char[::1] factor_kind = factor_kind_a
-    cdef int[::1] op_slots = op_slots_a, op_factors = op_factors_a
+    cdef int[::1] op_slots = op_slots_a, op_factors = op_factors_a, op_node = op_node_a
+    cdef unsigned char[::1] slot_layer = slot_layer_a
     cdef Py_ssize_t ns, e = 0
     cdef tuple r
     s = d = f = op = 0
@@ -151,6 +180,8 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
             continue
         enc = encs[enc_of[i]]
         inputs = <list>nodes[i].inputs
+        for k in range(enc.layers.shape[0]):
+            slot_layer[s + k] = enc.layers[k]
         for k in enc.inputs:
             r = <tuple>inputs[k]
             slot_tensor[s] = base[<Py_ssize_t>r[0]] + <Py_ssize_t>r[1]
@@ -160,6 +191,7 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
             slot_tensor[s] = base[i] + k
             slot_op[s] = op
             s += 1
+        op_node[op] = i
         op_slots[op] = len(enc.inputs) + len(enc.outputs)
         for k in range(enc.dim_counts.shape[0]):
             dim_counts[d] = enc.dim_counts[k]
@@ -177,7 +209,7 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
     tensor_op_start_a, tensor_ops_a = _users(slot_tensor, slot_op, num_tensors)
     return (rules, np.asarray(ranks, np.int32), np.asarray(base), slot_tensor_a,
             dim_factors_a, dim_counts_a, factor_size_a, factor_kind_a, op_slots_a,
-            op_factors_a, tensor_op_start_a, tensor_ops_a)
+            op_factors_a, tensor_op_start_a, tensor_ops_a, slot_layer_a, op_node_a)
 
 
 cdef tuple _users(int[::1] slot_tensor, int[::1] slot_op, Py_ssize_t num_tensors):
