@@ -13,7 +13,8 @@ The Python driver (gspmd_tf/propagation/propagate.py) encodes the graph:
   users     tensor_op_start/tensor_ops: the ops that read or write each tensor
   layers    slot_layer[s]: the first priority layer in which slot s takes part
   origins   origin_slot[dim, k], origin_layer[dim, k]: the slot whose tensor offered axis k
-            of that dim row and the layer it was added in (-1: a seed's or none)
+            of that dim row and the layer it was added in (written when the core appends
+            the axis; undefined for seeds' axes and past naxes)
 
 One step on an op: each factor takes the most-split candidate that the op's tensors offer
 (a candidate extending another wins; of two incompatible ones the larger split wins, the
@@ -207,13 +208,15 @@ cdef class _Propagator:
                 if k > self.naxes[td]:
                     self.naxes[td] = k
                     changed = True
-                    self._mark_users(t)
+                    self._mark_users(t, op)
         return changed
 
-    cdef void _mark_users(self, int t) noexcept nogil:
+    cdef void _mark_users(self, int t, int op) noexcept nogil:
+        """Mark the ops of tensor t but `op`, which has just made its step."""
         cdef int i
         for i in range(self.tensor_op_start[t], self.tensor_op_start[t + 1]):
-            self.dirty[self.tensor_ops[i]] = 1
+            if self.tensor_ops[i] != op:
+                self.dirty[self.tensor_ops[i]] = 1
 
     cdef bint _step(self, int op) noexcept nogil:
         self._collect(op)
@@ -221,12 +224,12 @@ cdef class _Propagator:
         return self._project(op)
 
     cdef void _mark_layer(self, int layer) noexcept nogil:
-        """Mark the ops that gain a slot in `layer` (all ops in the first layer); the
-        others are at their fixed point until a tensor of theirs changes."""
+        """Mark the ops that gain a slot in `layer`; the others are at their fixed point
+        until a tensor of theirs changes."""
         cdef int op, s
         for op in range(self.slot_start.shape[0] - 1):
             for s in range(self.slot_start[op], self.slot_start[op + 1]):
-                if self.slot_layer[s] == layer or layer == 0:
+                if self.slot_layer[s] == layer:
                     self.dirty[op] = 1
                     break
 
@@ -277,3 +280,41 @@ def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
     p.slot_layer, p.origin_slot, p.origin_layer = slot_layer, origin_slot, origin_layer
     p.dirty = np.zeros(len(slot_start) - 1, dtype=np.uint8)
     return p.run(num_layers, max_sweeps)
+
+
+def trace_axis(int t, int axis, const unsigned char[::1] fixed, const int[::1] rank,
+               const int[::1] dim_start, const signed char[:, ::1] axes, const signed char[::1] naxes,
+               const int[:, ::1] origin_slot, const signed char[:, ::1] origin_layer,
+               const int[::1] slot_tensor):
+    """Follow mesh axis `axis` of tensor t back to the fixed tensor it came from.
+
+    Returns (tensors, dims, slots, layers) as int arrays, one entry per tensor on the way,
+    t first and the seed last: tensor tensors[i] holds the axis on dim dims[i] and took it
+    from slot slots[i] (the seed's entries are -1) in layer layers[i]. Each hop goes to a
+    tensor that held the axis earlier, so the walk ends at a seed.
+    """
+    out_t, out_d, out_s, out_l = [], [], [], []
+    cdef int row, k, d, slot
+    while True:
+        row = -1
+        for d in range(rank[t]):
+            for k in range(naxes[dim_start[t] + d]):
+                if axes[dim_start[t] + d, k] == axis:
+                    row = dim_start[t] + d
+                    break
+            if row >= 0:
+                break
+        if row < 0:
+            raise ValueError(f"tensor {t} does not hold mesh axis {axis}")
+        out_t.append(t)
+        out_d.append(row - dim_start[t])
+        if fixed[t]:
+            out_s.append(-1)
+            out_l.append(-1)
+            break
+        slot = origin_slot[row, k]
+        out_s.append(slot)
+        out_l.append(origin_layer[row, k])
+        t = slot_tensor[slot]
+    return (np.asarray(out_t, np.int64), np.asarray(out_d, np.int64),
+            np.asarray(out_s, np.int64), np.asarray(out_l, np.int64))

@@ -16,10 +16,12 @@ except 13e, which checks the tie between equally split operands.
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import given, strategies as st
 
 import gspmd_tf as gt
 from gspmd_tf.layout import Layout
-from gspmd_tf.propagation.propagate import propagate
+from gspmd_tf.propagation.propagate import encode, propagate, run
+from test_random_graphs import build, programs
 from util import check_partitioned, randn
 
 P = gt.P
@@ -108,6 +110,24 @@ def test_layers_choose_what_xla_chooses(name):
         one_layer = single.layout(low.graph.ref(tensor))
         assert (one_layer != got) == (tensor in single_differs), \
             f"{tensor}: one layer gives {one_layer.to_spec()!r}, layers {got.to_spec()!r}"
+
+
+@given(programs(), st.booleans())
+def test_result_is_a_fixed_point(program, layered):
+    """Running the core again from its result, every op revisited, changes nothing (the
+    core skips re-running an op just after its own step: that step is idempotent)."""
+    mesh_shape, axes, shape, steps, params, in_spec, _, hint_specs = program
+    mesh = gt.Mesh.abstract(mesh_shape, axes)
+    rng = np.random.default_rng(0)
+    fn, extras = build(mesh, steps, params, hint_specs, shape, rng)
+    low = gt.function(fn, mesh=mesh, in_shardings=(in_spec,) + (None,) * len(extras)).lower(
+        spec(*shape), *(spec(*e.shape) for e in extras))
+    encoded = encode(low.graph, mesh, _seeds(low), layered)
+    run(encoded)
+    axes_after, naxes_after = encoded.axes.copy(), encoded.naxes.copy()
+    run(encoded)
+    np.testing.assert_array_equal(encoded.naxes, naxes_after)
+    np.testing.assert_array_equal(encoded.axes, axes_after)
 
 
 def test_layered_broadcast_values():

@@ -37,8 +37,9 @@ class _LazyLayouts:
     """layouts[node][out] decoded from the core's arrays on first use."""
 
     def __init__(self, graph, names, tensor_base, dim_start, axes, naxes):
-        self._graph, self._names = graph, names
-        self._base, self._dim_start, self._axes, self._naxes = tensor_base, dim_start, axes, naxes
+        self._graph, self._names, self._axes = graph, names, axes
+        self._arrays = (tensor_base, dim_start, naxes)
+        self._lists = None  # the arrays as lists (faster to index), made on first use
         self._cache = {}
 
     def __len__(self):
@@ -46,12 +47,15 @@ class _LazyLayouts:
 
     def __getitem__(self, index):
         if index not in self._cache:
+            if self._lists is None:
+                self._lists = [a.tolist() for a in self._arrays]
+            base, dim_start, naxes = self._lists
             outs = []
             for k in range(len(self._graph.nodes[index].out_shapes)):
-                t = self._base[index] + k
-                rows = range(self._dim_start[t], self._dim_start[t + 1])
+                t = base[index] + k
+                rows = range(dim_start[t], dim_start[t + 1])
                 outs.append(Layout(tuple(
-                    tuple(self._names[a] for a in self._axes[r, :self._naxes[r]])
+                    tuple(self._names[a] for a in self._axes[r, :naxes[r]])
                     for r in rows)))
             self._cache[index] = outs
         return self._cache[index]
@@ -93,7 +97,8 @@ def propagate(graph, mesh, seeds, layered=True):
 class Encoded:
     """The graph, its rules and seeds as the core's flat arrays (see
     csrc/propagation.pyx for their meaning); `rules` holds each node's OpRule,
-    `op_node` the node of each core op."""
+    `op_node` the node of each core op, `tensor_base` the first tensor id of each node,
+    `dim_start` the first dim row of each tensor (one more entry than tensors)."""
 
     def __init__(self, rules, tensor_base, dim_start, axes, naxes, op_node, core_args):
         self.rules = rules
@@ -121,14 +126,13 @@ def encode(graph, mesh, seeds, layered=True):
             gc.enable()
     if not layered:
         slot_layer[:] = 0
-    base = tensor_base.tolist()
     dim_start = _offsets(rank)
     axes = np.full((max(int(dim_start[-1]), 1), MAX_AXES), -1, np.int8)
     naxes = np.zeros(len(axes), np.int8)
     fixed = np.zeros(len(rank), np.uint8)
     axis_id = {name: i for i, name in enumerate(mesh.axis_names)}
     for ref, layout in seeds.items():
-        t = base[ref.node] + ref.out
+        t = int(tensor_base[ref.node]) + ref.out
         for d, names in enumerate(layout.dims):
             axes[dim_start[t] + d, :len(names)] = [axis_id[n] for n in names]
             naxes[dim_start[t] + d] = len(names)
@@ -138,9 +142,10 @@ def encode(graph, mesh, seeds, layered=True):
                  np.asarray(mesh.shape, np.int32), _offsets(op_slots), _offsets(op_factors),
                  slot_tensor, _offsets(rank[slot_tensor]), _offsets(dim_counts), dim_factors,
                  factor_size, factor_kind, tensor_op_start, tensor_ops, slot_layer,
-                 len(LAYERS) if layered else 1, np.full(axes.shape, -1, np.int32),
-                 np.full(axes.shape, -1, np.int8))
-    return Encoded(rules, base, dim_start.tolist(), axes, naxes, op_node, core_args)
+                 len(LAYERS) if layered else 1,
+                 # origins: written by the core for every axis it appends, read for those only
+                 np.empty(axes.shape, np.int32), np.empty(axes.shape, np.int8))
+    return Encoded(rules, tensor_base, dim_start, axes, naxes, op_node, core_args)
 
 
 def _warn_size1_splits(graph, ref, layout):
@@ -175,7 +180,7 @@ def decode(graph, mesh, encoded, sweeps):
     """The Propagation of an encoded graph after `run` (layouts and origins decoded
     lazily)."""
     layouts = _LazyLayouts(graph, mesh.axis_names, encoded.tensor_base, encoded.dim_start,
-                           encoded.axes, encoded.naxes.tolist())
+                           encoded.axes, encoded.naxes)
     return Propagation(layouts, encoded.rules, sweeps, _Origins(graph, mesh, encoded))
 
 
@@ -193,25 +198,42 @@ class Hop:
     tensor: str
 
 
-@dataclass(frozen=True)
 class Origin:
     """Why dim `dim` of `tensor` is split over mesh axis `axis`: the user sharding of
     tensor `seed` (`seed_kind`: "argument 0", "annotation", "out_shardings[0]",
-    "captured variable" or "user sharding") and the hops that carried it here, seed
-    first (none when `tensor` is the seed)."""
+    "captured variable" or "user sharding") and the `hops` (Hop records) that carried
+    it here, seed first (none when `tensor` is the seed). The hops are decoded on first
+    use: a chain may run the length of the graph."""
 
-    tensor: str
-    dim: int
-    axis: str
-    seed: str
-    seed_kind: str
-    hops: tuple
+    __slots__ = ("tensor", "dim", "axis", "seed", "seed_kind", "num_hops", "_decode", "_hops")
+
+    def __init__(self, tensor, dim, axis, seed, seed_kind, num_hops, decode_hops):
+        self.tensor, self.dim, self.axis = tensor, dim, axis
+        self.seed, self.seed_kind, self.num_hops = seed, seed_kind, num_hops
+        self._decode, self._hops = decode_hops, None
+
+    @property
+    def hops(self):
+        """The Hops from the seed to the tensor (a tuple)."""
+        if self._hops is None:
+            self._hops = self._decode()
+        return self._hops
 
     def __str__(self):
-        path = "".join(f" -> {h.op_type} {h.op!r} ({h.direction}, {h.layer}) -> {h.tensor!r}"
-                       for h in self.hops)
+        """One line, e.g. dim 1 of 'relu' split over 'model': argument 1 'w1' -> MatMul 'h'
+        (forward, all ops) -> 'h' -> Relu 'relu' (forward, all ops) -> 'relu'; a long
+        chain shows its first and last three hops."""
+        hops = list(self.hops)
+        if len(hops) > 6:
+            hops = hops[:3] + [f" -> ... {len(hops) - 6} more hops ..."] + hops[-3:]
+        path = "".join(h if isinstance(h, str) else
+                       f" -> {h.op_type} {h.op!r} ({h.direction}, {h.layer}) -> {h.tensor!r}"
+                       for h in hops)
         return (f"dim {self.dim} of {self.tensor!r} split over {self.axis!r}: "
                 f"{self.seed_kind} {self.seed!r}{path}")
+
+    def __repr__(self):
+        return f"<Origin {self}>"
 
 
 class _Origins:
@@ -219,57 +241,51 @@ class _Origins:
     asks about)."""
 
     def __init__(self, graph, mesh, encoded):
-        (_, _, self._fixed, self._axes, self._naxes, _, self._slot_start, _,
-         self._slot_tensor, *_, self._origin_slot, self._origin_layer) = encoded.core_args
+        (self._rank, self._dim_start, self._fixed, self._axes, self._naxes, _,
+         self._slot_start, _, self._slot_tensor, *_, self._origin_slot,
+         self._origin_layer) = encoded.core_args
         self._graph, self._names = graph, mesh.axis_names
-        self._base = np.asarray(encoded.tensor_base, np.int64)
-        self._dim_start, self._op_node = encoded.dim_start, encoded.op_node
+        self._base, self._op_node = encoded.tensor_base, encoded.op_node
         self._seed_kinds = None
 
     def of(self, tensor):
         """The Origins of `tensor` (a Ref or a name)."""
+        ref = self._graph.ref(tensor) if isinstance(tensor, str) else tensor
+        t = int(self._base[ref.node]) + ref.out
+        start = self._dim_start[t]
+        return tuple(self._trace(t, int(self._axes[row, k]))
+                     for row in range(start, start + self._rank[t])
+                     for k in range(self._naxes[row]))
+
+    def _trace(self, t, axis):
+        """The Origin of mesh axis `axis` of tensor t."""
+        tensors, dims, slots, layers = _propagation.trace_axis(
+            t, axis, self._fixed, self._rank, self._dim_start, self._axes, self._naxes,
+            self._origin_slot, self._origin_layer, self._slot_tensor)
+        name = self._graph.tensor_name
+        seed = self._ref(tensors[-1:])[0]
+        return Origin(name(self._ref(tensors[:1])[0]), int(dims[0]), self._names[axis],
+                      name(seed), self._kind_of(seed), len(tensors) - 1,
+                      lambda: self._hops(tensors, slots, layers))
+
+    def _hops(self, tensors, slots, layers):
+        """Hop records from the walk of trace_axis (reversed: seed first)."""
         graph = self._graph
-        ref = graph.ref(tensor) if isinstance(tensor, str) else tensor
-        t = self._tensor(ref)
-        origins = []
-        for d, row in enumerate(range(self._dim_start[t], self._dim_start[t + 1])):
-            for k in range(self._naxes[row]):
-                origins.append(self._trace(t, d, int(self._axes[row, k])))
-        return tuple(origins)
+        nodes = graph.nodes
+        ops = np.searchsorted(self._slot_start, slots[:-1], side="right") - 1
+        op_nodes = self._op_node[ops].tolist()
+        refs = self._ref(tensors)
+        names = [graph.tensor_name(ref) for ref in refs]
+        return tuple(
+            Hop(names[i + 1], nodes[op_nodes[i]].name, nodes[op_nodes[i]].op,
+                "forward" if refs[i].node == op_nodes[i] else "backward",
+                LAYERS[layers[i]], names[i])
+            for i in reversed(range(len(op_nodes))))
 
-    def _trace(self, t, dim, axis):
-        """Follow mesh axis `axis` of tensor t back to the seed it came from."""
-        graph, hops, target = self._graph, [], t
-        while not self._fixed[t]:
-            row, k = self._find(t, axis)
-            slot = int(self._origin_slot[row, k])
-            op = int(np.searchsorted(self._slot_start, slot, side="right")) - 1
-            node = int(self._op_node[op])
-            source = int(self._slot_tensor[slot])
-            ref = self._ref(t)
-            hops.append(Hop(graph.tensor_name(self._ref(source)), graph.nodes[node].name,
-                            graph.nodes[node].op,
-                            "forward" if ref.node == node else "backward",
-                            LAYERS[self._origin_layer[row, k]], graph.tensor_name(ref)))
-            t = source
-        seed = self._ref(t)
-        return Origin(graph.tensor_name(self._ref(target)), dim, self._names[axis],
-                      graph.tensor_name(seed), self._kind_of(seed), tuple(reversed(hops)))
-
-    def _find(self, t, axis):
-        """The dim row and position of mesh axis `axis` in tensor t."""
-        for row in range(self._dim_start[t], self._dim_start[t + 1]):
-            for k in range(self._naxes[row]):
-                if self._axes[row, k] == axis:
-                    return row, k
-        raise AssertionError(f"tensor {t} lost axis {axis}")  # axes are only appended
-
-    def _tensor(self, ref):
-        return int(self._base[ref.node]) + ref.out
-
-    def _ref(self, t):
-        node = int(np.searchsorted(self._base, t, side="right")) - 1
-        return Ref(node, t - int(self._base[node]))
+    def _ref(self, tensors):
+        """Refs of an array of tensor ids."""
+        nodes = np.searchsorted(self._base, tensors, side="right") - 1
+        return [Ref(n, o) for n, o in zip(nodes.tolist(), (tensors - self._base[nodes]).tolist())]
 
     def _kind_of(self, ref):
         """What kind of user sharding the seed `ref` is."""
