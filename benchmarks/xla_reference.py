@@ -201,6 +201,13 @@ def reshape_tie(x, c):
     return _t("d", lambda: r + c)
 
 
+def size1_hint(x):
+    """Case 14: a hint splits a size-1 dim (x is [1, D])."""
+    m = _t("m", lambda: x * 2)
+    h = _t("h", lambda: _wsc(m, "data", "model"))
+    return _t("r", lambda: jnp.tanh(h))
+
+
 @dataclasses.dataclass
 class Case:
     """A function and, per argument, (shape, dtype, PartitionSpec or None)."""
@@ -246,6 +253,7 @@ CASES = [
          [((B, 4, D), F, P(None, None, "model")), ((B, D), F, P("model", None))]),
     Case("13e_reshape_tie", reshape_tie,
          [((B, 4, D // 4), F, P(None, "model", None)), ((B, D), F, P("model", None))]),
+    Case("14_size1_hint", size1_hint, [((1, D), F, None)]),
 ]
 
 
