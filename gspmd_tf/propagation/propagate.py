@@ -22,7 +22,7 @@ import numpy as np
 from gspmd_tf import _encode, _propagation
 from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
-from gspmd_tf.propagation.rules import RULES, rule_for
+from gspmd_tf.registry import has_rule, rule_for
 
 log = logging.getLogger("gspmd_tf")
 
@@ -119,7 +119,7 @@ def encode(graph, mesh, seeds, layered=True):
         (rules, rank, tensor_base, slot_tensor, dim_factors, dim_counts, factor_size,
          factor_kind, op_slots, op_factors, tensor_op_start, tensor_ops, slot_layer,
          op_node) = _encode.encode_rules(
-            graph.nodes, RULES.__contains__, lambda i: rule_for(graph, graph.nodes[i]),
+            graph.nodes, has_rule, lambda i: rule_for(graph, graph.nodes[i]),
             MAX_FACTORS)
     finally:
         if gc_was_enabled:

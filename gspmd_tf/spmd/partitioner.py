@@ -2,8 +2,9 @@
 
 For every op, in graph order: pick the mesh axes of each factor of its rule (the result's
 target layout decides the factors it has, the operands' layouts the reduced ones), reshard
-the operands to match, emit the local op through the op's handler, and reshard each
-result to the layout propagation chose for it. Ops without a rule run replicated.
+the operands to match, emit the local op through the handler the op registry gives it
+(or replay it, where the registry declares that exact), and reshard each result to the
+layout propagation chose for it. Ops without a rule run replicated.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
+from gspmd_tf.registry import op_def
 from gspmd_tf.spmd.dce import eliminate_dead_code
-from gspmd_tf.spmd.handlers import HANDLERS, replay
+from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.program import Local, ProgramBuilder
 from gspmd_tf.spmd.reshard import reshard
 
@@ -226,7 +228,8 @@ class Partitioner:
             if rule is None:
                 results = self._replicated(ctx)
             else:
-                results = self._by_rule(ctx, HANDLERS.get(node.op, replay))
+                entry = op_def(node.op)
+                results = self._by_rule(ctx, replay if entry.replay else entry.emit)
             for k, (local, target) in enumerate(zip(results, targets)):
                 self.values[Ref(index, k)] = self.reshard(local, target)
         outputs = []
@@ -250,7 +253,7 @@ class Partitioner:
     def _replicated(self, ctx):
         """No rule: gather the inputs, run the op whole on every device."""
         node = ctx.node
-        if node.op not in _SILENT_REPLICATED:
+        if not op_def(node.op).silent_replicated:
             log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
                         "(inputs gathered)", node.name, node.op)
             self.replicated_ops.append(node.name)
@@ -265,9 +268,6 @@ class Partitioner:
         return [Local(ref, Layout.replicated(len(shape)), shape, dtype)
                 for ref, shape, dtype in zip(refs, node.out_shapes, node.out_dtypes)]
 
-
-# ops that are naturally whole (scalars, shapes): no warning when they run replicated
-_SILENT_REPLICATED = frozenset({"Shape", "Size", "Rank", "NoOp", "Range"})
 
 
 def partition(graph, mesh, propagation, output_layouts):
