@@ -188,7 +188,7 @@ def decode(graph, mesh, encoded, sweeps):
 class Hop:
     """One op a mesh axis went through: `tensor` took it from `source` at op `op` (a
     node name), `direction` "forward" (into a result) or "backward" (into an operand),
-    in priority layer `layer` (one of LAYERS)."""
+    while priority layer `layer` ran (one of LAYERS)."""
 
     source: str
     op: str
