@@ -54,8 +54,8 @@ def _slot_layers(rule, dims_lists, num_inputs):
     every = set(range(len(rule.factor_sizes)))
     held = [{f for fs in dims for f in fs} for dims in dims_lists]
     results = held[num_inputs:]
-    if not results or any(kind != 0 for kind in rule.factor_kinds) or \
-            any(factors != every for factors in results):
+    only_pass = all(kind == 0 for kind in rule.factor_kinds)  # 0: PASS
+    if not results or not only_pass or any(factors != every for factors in results):
         return [ALL_OPS] * len(held)
     return [PASS_THROUGH if i >= num_inputs or factors == every else BROADCAST
             for i, factors in enumerate(held)]
