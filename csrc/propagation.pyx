@@ -18,7 +18,8 @@ The Python driver (gspmd_tf/propagation/propagate.py) encodes the graph:
 
 One step on an op: each factor takes the most-split candidate that the op's tensors offer
 (a candidate extending another wins; of two incompatible ones the larger split wins, the
-first seen on a tie); an axis goes to one factor only; then every tensor that is not
+first seen on a tie); an axis goes to one factor only among the factors of each tensor
+(the larger split first, the earlier slot's on a tie); then every tensor that is not
 fixed (annotated) has each dim extended to its factors' axes where its current axes are a
 prefix of them and the axes are free in that tensor. Axes only ever get appended, so the
 loop ends; ops are revisited while a tensor of theirs changed, alternating forward and
@@ -74,6 +75,8 @@ cdef class _Propagator:
     cdef int cand_n[MAX_FACTORS]
     cdef int cand_src[MAX_FACTORS]
     cdef long long cand_size[MAX_FACTORS]
+    # the candidates after _resolve: how many of each factor's axes it keeps
+    cdef int res_n[MAX_FACTORS]
 
     cdef void _offer(self, int f, const signed char* ax, int n, int s) noexcept nogil:
         """Merge candidate `ax` for factor f, offered by slot s (which holds all of `ax`)."""
@@ -135,42 +138,55 @@ cdef class _Propagator:
                     if p != fsize:
                         break
 
-    cdef void _resolve(self, int op) noexcept nogil:
-        """Give each axis to one factor only: larger splits first, then the candidate of
-        the earlier slot (as XLA prefers the first of equally specific operands)."""
+    cdef bint _resolve(self, int op, unsigned long long among) noexcept nogil:
+        """Give each axis to one of the factors in bit set `among` only (res_n[f]: how
+        many of cand[f] factor f keeps): larger splits first, then the candidate of the
+        earlier slot (as XLA prefers the first of equally specific operands). Returns
+        whether some factor lost axes."""
         cdef int nfac = self.factor_start[op + 1] - self.factor_start[op]
-        cdef int done[MAX_FACTORS]
+        cdef unsigned long long done = ~among
         cdef long long used = 0
-        cdef int i, f, best, k
-        for f in range(nfac):
-            done[f] = 0
-        for i in range(nfac):
+        cdef int f, best, k
+        cdef bint cut = False
+        while True:
             best = -1
             for f in range(nfac):
-                if not done[f] and (best < 0 or self.cand_size[f] > self.cand_size[best] or (
+                if not (done >> f) & 1 and (best < 0 or self.cand_size[f] > self.cand_size[best] or (
                         self.cand_size[f] == self.cand_size[best]
                         and self.cand_src[f] < self.cand_src[best])):
                     best = f
-            done[best] = 1
+            if best < 0:
+                return cut
+            done |= 1ULL << best
+            self.res_n[best] = self.cand_n[best]
             for k in range(self.cand_n[best]):
                 if used & (1LL << self.cand[best][k]):
-                    self.cand_n[best] = k
+                    self.res_n[best] = k
+                    cut = True
                     break
                 used |= 1LL << self.cand[best][k]
-            self.cand_size[best] = _size(&self.cand[best][0], self.cand_n[best],
-                                         &self.axis_size[0])
 
-    cdef bint _project(self, int op) noexcept nogil:
-        """Extend the op's unfixed tensors to the chosen factor axes."""
+    cdef bint _project(self, int op, bint cut) noexcept nogil:
+        """Extend the op's unfixed tensors to the chosen factor axes. Where the op-wide
+        choice cut a factor's axes (`cut`), each tensor's factors are chosen among
+        themselves: an axis that went to a factor the tensor lacks stays free for it (as
+        XLA infers a dot operand from the result alone)."""
         cdef int s, t, d, sd, j, nf, f, k, n, td, d2, fb = self.factor_start[op]
         cdef signed char new[MAX_AXES]
         cdef int new_src[MAX_AXES]
         cdef long long other, p, asz
+        cdef unsigned long long held
         cdef bint changed = False
         for s in range(self.slot_start[op], self.slot_start[op + 1]):
             t = self.slot_tensor[s]
             if self.fixed[t] or self.slot_layer[s] > self.layer:
                 continue
+            if cut:
+                held = 0
+                for sd in range(self.slot_dim_start[s], self.slot_dim_start[s] + self.rank[t]):
+                    for j in range(self.dim_factor_start[sd], self.dim_factor_start[sd + 1]):
+                        held |= 1ULL << self.dim_factors[j]
+                self._resolve(op, held)
             for d in range(self.rank[t]):
                 sd = self.slot_dim_start[s] + d
                 nf = self.dim_factor_start[sd + 1] - self.dim_factor_start[sd]
@@ -180,7 +196,7 @@ cdef class _Propagator:
                 for j in range(nf):
                     f = self.dim_factors[self.dim_factor_start[sd] + j]
                     p = 1
-                    for k in range(self.cand_n[f]):
+                    for k in range(self.res_n[f]):
                         asz = self.axis_size[self.cand[f][k]]
                         # in a dim of several factors each is split evenly
                         if n == MAX_AXES or (nf > 1 and self.factor_size[fb + f] % (p * asz)):
@@ -219,9 +235,10 @@ cdef class _Propagator:
                 self.dirty[self.tensor_ops[i]] = 1
 
     cdef bint _step(self, int op) noexcept nogil:
+        cdef int nfac = self.factor_start[op + 1] - self.factor_start[op]
         self._collect(op)
-        self._resolve(op)
-        return self._project(op)
+        return self._project(op, self._resolve(
+            op, ~0ULL if nfac == 64 else (1ULL << nfac) - 1))
 
     cdef void _mark_layer(self, int layer) noexcept nogil:
         """Mark the ops that gain a slot in `layer`; the others are at their fixed point

@@ -76,13 +76,13 @@ CASES = {
         (spec(B), spec(B, 16), spec(16, D)),
         {"c": P(), "b": P(None, "model"), "y": P(None, "model"), "d": P(None, "model")},
         {"b", "d"}),
-    # XLA also splits w P(None, "model") (from y); here the dot gives "model" to one
-    # factor only, the operand's, so w stays replicated (docs/INTERNALS.md, Propagation)
+    # w takes y's split although the dot's operand x holds "model" on another factor
     "13c_elementwise_before_dot": (
         elementwise_before_dot, (P("model"), None, P(None, "model")),
         (spec(B, 16), spec(16, D), spec(B, D)),
-        {"y": P(None, "model"), "r": P(None, "model"), "d": P(None, "model")},
-        {"y", "r", "d"}),
+        {"w": P(None, "model"), "y": P(None, "model"), "r": P(None, "model"),
+         "d": P(None, "model")},
+        {"w", "y", "r", "d"}),
     "13d_elementwise_before_reduce": (
         elementwise_before_reduce, (P(None, None, "model"), P("model")),
         (spec(B, 4, D), spec(B, D)), {"s": P("model"), "d": P("model")}, {"s", "d"}),
