@@ -16,7 +16,9 @@ from gspmd_tf.runtime.lowered import Collective, Lowered
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable
 from gspmd_tf.sharding import Sharding
+from gspmd_tf.visualize import visualize_sharding
 
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
-           "Variable", "function", "keras", "mesh_split", "register_op"]
+           "Variable", "function", "keras", "mesh_split", "register_op",
+           "visualize_sharding"]

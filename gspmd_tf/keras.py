@@ -39,7 +39,7 @@ from gspmd_tf.runtime.function import function as _gt_function
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable
 
-__all__ = ["shard_model", "layout_of"]
+__all__ = ["shard_model", "layout_of", "lowered"]
 
 
 # --------------------------------------------------------------------------- layout map
@@ -192,6 +192,7 @@ class _MeshModel:
         self.rules = rules
         self.batch_spec = batch_spec
         self.functions = {}  # (kind, structure) -> gt.Function
+        self.last_batch = {}  # kind -> (gt.Function, TensorSpecs) of its last step
         self.warned = False
 
     # ---------------------------------------------------------------- variables
@@ -279,11 +280,12 @@ class _MeshModel:
 
     # ---------------------------------------------------------------- steps
     def _spec_for(self, leaf):
+        """batch_spec cut to the leaf's rank: labels of rank 1 split their batch dim."""
         rank = len(getattr(leaf, "shape", np.shape(leaf)))
-        return self.batch_spec if rank >= len(self.batch_spec) else PartitionSpec()
+        return PartitionSpec(*self.batch_spec[:rank])
 
-    def run(self, kind, data):
-        """One train/test/predict step on a host batch; returns host values."""
+    def step(self, kind, data):
+        """(gt.Function of the `kind` step for this batch structure, the batch leaves)."""
         flat = tf.nest.flatten(data)
         present = [i for i, leaf in enumerate(flat) if leaf is not None]
         leaves = [flat[i] for i in present]
@@ -295,6 +297,14 @@ class _MeshModel:
             fn = self._make(kind, data, len(flat), present,
                             tuple(self._spec_for(leaf) for leaf in leaves))
             self.functions[key] = fn
+        return fn, leaves
+
+    def run(self, kind, data):
+        """One train/test/predict step on a host batch; returns host values."""
+        fn, leaves = self.step(kind, data)
+        # what the step was called with, for gt.keras.lowered
+        self.last_batch[kind] = (fn, [tf.TensorSpec(_shape_of(leaf), _dtype_of(leaf))
+                                      for leaf in leaves])
         return _to_host(fn(*leaves))
 
     def _make(self, kind, template, size, present, in_shardings):
@@ -341,6 +351,39 @@ class _MeshModel:
         if len(outputs) == 1:
             return outputs[0]
         return tf.nest.map_structure(lambda *xs: tf.concat(xs, axis=0), *outputs)
+
+
+def _shape_of(leaf):
+    return tuple(leaf.shape) if hasattr(leaf, "shape") else np.shape(leaf)
+
+
+def _dtype_of(leaf):
+    dtype = getattr(leaf, "dtype", None)
+    return tf.as_dtype(dtype if dtype is not None else np.asarray(leaf).dtype)
+
+
+def lowered(model, kind="train", data=None):
+    """The gt.Lowered of a shard_model model's `kind` step ("train", "test" or
+    "predict"): its report(), collectives(), memory(), input/output shardings.
+
+    data: a batch as fit/evaluate/predict would pass it (e.g. `(x, y)` for "train"),
+    lowered without running it (the model, optimizer and metrics are built first);
+    without it, the step of the last batch that ran.
+    """
+    state = getattr(model, "_gt_keras", None)
+    if state is None:
+        raise ShardingError(f"model {getattr(model, 'name', model)!r} is not sharded: call "
+                            "gt.keras.shard_model(model, mesh, layout_map) first")
+    if kind not in ("train", "test", "predict"):
+        raise ShardingError(f"kind {kind!r}: use 'train', 'test' or 'predict'")
+    if data is not None:
+        fn, leaves = state.step(kind, data)
+        return fn.lower(*leaves)
+    if kind not in state.last_batch:
+        raise ShardingError(f"model {model.name!r} has run no {kind} step yet: pass a "
+                            f"batch, gt.keras.lowered(model, {kind!r}, data=(x, y))")
+    fn, specs = state.last_batch[kind]
+    return fn.lower(*specs)
 
 
 def _to_host(tree):
@@ -390,8 +433,8 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
       keras.distribution.LayoutMap: an exact key first, else re.fullmatch of every key;
       a path matching two keys is a ShardingError. Unmatched variables are replicated;
       a key matching no variable gives a warning listing the replicated variables.
-    batch_spec: how every batch leaf (x, y, sample_weight) is split; leaves of lower
-      rank than the spec are replicated.
+    batch_spec: how every batch leaf (x, y, sample_weight) is split; a leaf of lower
+      rank takes the spec's first entries (labels of rank 1 split their batch dim).
 
     Afterwards every model variable, optimizer variable (the optimizer is built for the
     trainable variables if it is not yet; a slot variable takes the spec of its model

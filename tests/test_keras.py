@@ -146,6 +146,9 @@ def test_every_variable_is_sharded_and_devices_hold_shards(adam_run):
     assert gt.keras.layout_of(model.optimizer.iterations) == P()
     logits = model.get_layer("dense_logits").kernel
     assert gt.keras.layout_of(logits) == P("model")
+    view = gt.visualize_sharding(logits)  # the Keras variable's blocks
+    assert [devices for row in view.cells for _, devices in row] == \
+        [(0, 4), (1, 5), (2, 6), (3, 7)]
     for v in model.metrics_variables:
         assert gt.keras.layout_of(v) == P()
 
@@ -264,3 +267,66 @@ def test_bad_layouts_name_the_variable(mesh):
                                            ".*hidden.*": P()})
     with pytest.raises(gt.ShardingError, match="unknown mesh axis 'modle'"):
         gt.keras.shard_model(model, mesh, {"dense_hidden/kernel": P(None, "modle")})
+
+
+def test_lowered_train_step_is_public(adam_run, mesh):
+    _, sharded, _, _ = adam_run
+    low = gt.keras.lowered(sharded, "train")  # the step fit ran last
+    x_sharding, y_sharding = low.input_shardings[:2]
+    assert x_sharding == gt.Sharding.from_spec(mesh, P("data"), 2)
+    assert y_sharding == gt.Sharding.from_spec(mesh, P("data"), 1)  # labels split too
+    assert low.collectives() and "all-reduce" in low.report()
+    memory = low.memory()
+    # every model, optimizer and metric variable enters as this device's shard
+    shards = sum(v._value.shard_bytes()[0] for v in _all_variables(sharded))
+    assert memory.variables == shards
+    with pytest.raises(gt.ShardingError, match="use 'train', 'test' or 'predict'"):
+        gt.keras.lowered(sharded, "fit")
+
+
+def test_lowered_before_running_and_labels_split_by_a_longer_batch_spec(mesh):
+    ref, sharded = _twins(lambda: _mlp("mlp_batch_spec"))
+    gt.keras.shard_model(sharded, mesh, {".*/d1/kernel": P(None, "model")},
+                         batch_spec=P("data", None))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 12)).astype(np.float32)
+    y = rng.integers(0, CLASSES, 16).astype(np.int32)
+    with pytest.raises(gt.ShardingError, match="has run no train step yet"):
+        gt.keras.lowered(sharded, "train")
+    low = gt.keras.lowered(sharded, "train", data=(x[:BATCH], y[:BATCH]))
+    assert low.input_shardings[1] == gt.Sharding.from_spec(mesh, P("data"), 1)
+    predict = gt.keras.lowered(sharded, "predict", data=(x[:BATCH],))
+    assert predict.output_shardings[0].tile_shape[0] == 2  # batch still split by 'data'
+    want_losses, _ = _fit(ref, x, y, epochs=1)
+    got_losses, _ = _fit(sharded, x, y, epochs=1)
+    _close(got_losses, want_losses, "per-batch losses")
+    assert gt.keras.lowered(sharded, "train").input_shardings == low.input_shardings
+
+
+def test_keras_layers_inside_gt_function_point_to_shard_model(mesh):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8, name="d")])
+    x = np.random.default_rng(0).standard_normal((8, 12)).astype(np.float32)
+    want = model(x).numpy()
+    call = gt.function(lambda t: model(t), mesh=mesh, in_shardings=(P("data"),))
+    with pytest.raises(gt.ShardingError, match=r"gt\.keras\.shard_model"):
+        call(x)
+    gt.keras.shard_model(model, mesh, {".*/d/kernel": P(None, "model")})
+    call = gt.function(lambda t: model(t), mesh=mesh, in_shardings=(P("data"),))
+    got = call(x)
+    assert got.spec == P("data", "model")
+    _close(got.numpy(), want, "sharded model called in gt.function")
+
+
+def test_export_of_a_sharded_model_serves_on_one_device(mesh, tmp_path):
+    ref, sharded = _twins(lambda: _mlp("mlp_export"))
+    gt.keras.shard_model(sharded, mesh, {".*/d1/kernel": P(None, "model"),
+                                         ".*/d2/kernel": P("model", None)})
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 12)).astype(np.float32)
+    y = rng.integers(0, CLASSES, 8).astype(np.int32)
+    for model in (ref, sharded):  # weights that moved on the mesh are what is exported
+        model.train_on_batch(x, y)
+    sharded.export(str(tmp_path / "served"), verbose=False)
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    _close(served.serve(x).numpy(), ref.predict_on_batch(x), "exported model")

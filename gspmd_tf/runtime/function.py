@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import re
+import sys
+import time
 import types
 
 import numpy as np
@@ -23,6 +26,8 @@ from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.partitioner import partition
 from gspmd_tf.spmd.regions import reads_only
+
+log = logging.getLogger("gspmd_tf")
 
 
 def _local_backend(collective_timeout):
@@ -220,8 +225,11 @@ class Function:
         return self._keyword_functions[key]
 
     def _build(self, arguments, specs, entries, committed):
+        started = time.perf_counter()
         concrete = self._trace(arguments, specs)
         graph = import_graph(concrete)
+        log.info("gspmd_tf: %s traced: %d ops (%.1f s)", self.name, len(graph.nodes),
+                 time.perf_counter() - started)
         mesh = self.mesh
         seeds = {}
         for i, (ref, spec) in enumerate(zip(graph.inputs, specs)):
@@ -236,8 +244,12 @@ class Function:
         self._seed_annotations(graph, seeds)
         out_layouts = self._seed_outputs(graph, seeds)
         propagation = propagate(graph, mesh, seeds)
+        log.info("gspmd_tf: %s propagated from %d annotations (%.1f s)", self.name,
+                 len(seeds), time.perf_counter() - started)
         out_layouts = [l or propagation.layout(r) for l, r in zip(out_layouts, graph.outputs)]
         program = partition(graph, mesh, propagation, out_layouts)
+        log.info("gspmd_tf: %s partitioned: %d ops in the SPMD program (%.1f s)", self.name,
+                 len(program.graph.nodes), time.perf_counter() - started)
         lowered = Lowered(mesh, graph, propagation, program, len(specs), set(seeds),
                           self._backend_factory, name=f"gt.function {self.name!r}")
         lowered.structured_outputs = concrete.structured_outputs
@@ -358,6 +370,13 @@ class Function:
         return split_value(np.asarray(value), self.mesh, layout)
 
 
+# Keras keeps a layer's weights in plain tf.Variables, which _captured_variable refuses
+_KERAS_HINT = (". A Keras layer or model called inside gt.function brings its own "
+               "tf.Variables: call gt.keras.shard_model(model, mesh, layout_map) on it "
+               "first (it backs the variables by gt.Variables; then model.fit/predict, or "
+               "calling the model inside gt.function, run partitioned)")
+
+
 def _captured_variable(graph, ref, handle):
     """The gt.Variable behind a captured resource; plain tf.Variables are refused."""
     variable = variable_of_handle(handle)
@@ -365,7 +384,7 @@ def _captured_variable(graph, ref, handle):
         raise ShardingError(
             f"the function captures a tf.Variable ({graph.tensor_name(ref)!r}) that is not a "
             "gt.Variable; create it with gt.Variable(value, mesh=..., spec=...) so that "
-            "each device holds its shard")
+            "each device holds its shard" + _KERAS_HINT * ("keras" in sys.modules))
     return variable
 
 

@@ -101,8 +101,31 @@ class Lowered:
                        and not self.propagation.layouts[i][k].is_replicated)
         return annotated, inferred
 
-    def report(self):
-        """A readable table: every tensor's sharding, then the collectives and bytes."""
+    def memory(self):
+        """Bytes each device holds (gspmd_tf.runtime.memory.Memory: arguments, variable
+        shards, outputs and an estimated peak), read from the program's local shapes."""
+        from gspmd_tf.runtime.memory import program_memory
+        return program_memory(self)
+
+    def report(self, format="text", path=None):
+        """A readable table: every tensor's sharding, then the collectives and bytes.
+
+        format="html" gives one self-contained HTML page (op graph colored by sharding,
+        collectives, per-device memory, tensors); with `path` the report is also written
+        to that file."""
+        if format not in ("text", "html"):
+            raise ShardingError(f"report format {format!r}: use 'text' or 'html'")
+        if format == "html":
+            from gspmd_tf.runtime.html_report import render_html
+            text = render_html(self)
+        else:
+            text = self._text_report()
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
+
+    def _text_report(self):
         lines = [f"mesh {self.mesh!r}", "",
                  f"{'tensor':40s} {'op':24s} {'shape':18s} sharding"]
         for i, node in enumerate(self.graph.nodes):

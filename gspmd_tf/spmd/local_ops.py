@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from gspmd_tf.layout import ceil_div
-
 
 def replace_dim(shape, dim, size):
     """`shape` with dim `dim` set to `size`."""
@@ -52,7 +50,19 @@ def pad_dim(b, ref, dim, extra):
                 b.graph.dtype(ref), T=b.graph.dtype(ref), Tpaddings=tf.int32)
 
 
-def global_index(b, ref, dim, axes, global_size=None):
+def concat_dim(b, refs, dim):
+    """The local tensors `refs` (None entries skipped) concatenated along `dim`."""
+    refs = [r for r in refs if r is not None]
+    if len(refs) == 1:
+        return refs[0]
+    shapes = [b.shape_of(r) for r in refs]
+    dtype = b.graph.dtype(refs[0])
+    shape = replace_dim(shapes[0], dim, sum(s[dim] for s in shapes))
+    return b.op("ConcatV2", refs + [b.const(np.int32(dim))], shape, dtype, N=len(refs),
+                T=dtype, Tidx=tf.int32)
+
+
+def global_index(b, ref, dim, axes):
     """int32 tensor broadcastable to `ref`: the global index of each element along `dim`.
 
     `axes` split `dim`; the local block of this device starts at shard_index * local size.
@@ -100,11 +110,6 @@ def identity_of(reduce_op, dtype):
         return np_dtype(-np.inf if reduce_op == "max" else np.inf)
     info = np.iinfo(np_dtype)
     return np_dtype(info.min if reduce_op == "max" else info.max)
-
-
-def local_size(n, k):
-    """Padded shard size of a dim of `n` split `k` ways."""
-    return ceil_div(n, k)
 
 
 def unary(b, op, x, dtype):

@@ -22,6 +22,7 @@ from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.registry import op_def
+from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.dce import eliminate_dead_code
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.program import Local, ProgramBuilder
@@ -29,6 +30,8 @@ from gspmd_tf.spmd.regions import read_variables_whole
 from gspmd_tf.spmd.reshard import reshard
 
 log = logging.getLogger("gspmd_tf")
+_NAMES_SHOWN = 10  # op names a grouped replicated-op warning lists
+PROGRESS_EVERY = 10_000  # ops between two progress lines (log level INFO)
 
 
 @dataclass
@@ -111,28 +114,51 @@ def _split_candidates(mesh, rule, dims_factors, layout):
 def _choose_factor_axes(mesh, rule, inputs, targets, node):
     """Mesh axes for every factor, each axis used once.
 
-    Variables come first (their shards cannot move). Then two orders are tried: the
-    result targets before the operands, or the operands' split reduced factors first
-    (compute a partial result and reduce-scatter it, rather than gather an operand);
-    the one that moves fewer bytes wins, the first on a tie.
+    Variables come first (their shards cannot move). Then a few greedy orders are tried
+    and the one whose reshards cost least (planner.cost of every operand's and result's
+    plan) wins, the first on a tie: the result targets before the operands; the operands'
+    split reduced factors first (compute a partial result and reduce-scatter it, rather
+    than gather an operand); the operands before the results; the operands largest first
+    (when operands' splits conflict, keep the larger one's: it is the costlier to move).
     """
     operands = [(dims, x) for dims, x in zip(rule.operands, inputs) if dims is not None]
     fixed = [(dims, x.layout) for dims, x in operands if x.dtype == tf.resource]
     results = [(dims, t) for dims, t in zip(rule.results, targets) if dims is not None]
-    others = [(dims, x.layout) for dims, x in operands if x.dtype != tf.resource]
+    movable = [(dims, x) for dims, x in operands if x.dtype != tf.resource]
+    others = [(dims, x.layout) for dims, x in movable]
     pinned = _assign(mesh, rule, fixed)
     # a variable's unsplit dims are as binding as its split ones
     pinned_factors = {f for dims, _ in fixed for fs in dims for f in fs}
     best = _assign(mesh, rule, results + others, start=pinned, pinned=pinned_factors)
-    if REDUCE in rule.factor_kinds and others:
+    if not others:
+        return best
+    best_cost = _reshard_cost(mesh, rule, best, inputs, targets, node)
+    if best_cost == 0:  # nothing moves: no candidate can do better
+        return best
+    largest_first = [(dims, x.layout) for dims, x in
+                     sorted(movable, key=lambda item: -_local_bytes(mesh, item[1]))]
+    candidates = []
+    if REDUCE in rule.factor_kinds:
         reduced = _assign(mesh, rule, others, kinds=(REDUCE,), start=pinned,
                           pinned=pinned_factors)
-        alternative = _assign(mesh, rule, results + others, start=reduced,
-                              pinned=pinned_factors)
-        if (alternative != best and _moved_bytes(mesh, rule, alternative, inputs, targets, node)
-                < _moved_bytes(mesh, rule, best, inputs, targets, node)):
-            best = alternative
+        candidates.append(_assign(mesh, rule, results + others, start=reduced,
+                                  pinned=pinned_factors))
+    candidates += [_assign(mesh, rule, others + results, start=pinned, pinned=pinned_factors),
+                   _assign(mesh, rule, largest_first + results, start=pinned,
+                           pinned=pinned_factors)]
+    tried = [best]
+    for chosen in candidates:
+        if chosen in tried:
+            continue
+        tried.append(chosen)
+        estimate = _reshard_cost(mesh, rule, chosen, inputs, targets, node)
+        if estimate < best_cost:
+            best, best_cost = chosen, estimate
     return best
+
+
+def _local_bytes(mesh, x):
+    return int(np.prod(x.layout.local_shape(mesh, x.shape), dtype=np.int64)) * (x.dtype.size or 8)
 
 
 def _assign(mesh, rule, sources, kinds=None, start=None, pinned=()):
@@ -153,25 +179,24 @@ def _assign(mesh, rule, sources, kinds=None, start=None, pinned=()):
     return chosen
 
 
-def _moved_bytes(mesh, rule, chosen, inputs, targets, node):
-    """Rough bytes a choice moves: each operand that must change layout, each result
-    that is partial or not in its target layout, counted at its local size."""
+def _reshard_cost(mesh, rule, chosen, inputs, targets, node):
+    """planner.Cost estimate of a choice: every operand resharded to its factors' axes,
+    every result (partial over the split REDUCE factors) resharded to its target."""
     def layout_of(dims, partial=()):
-        return Layout(tuple(tuple(a for f in fs for a in chosen[f]) for fs in dims), partial)
+        return Layout(tuple(tuple(a for f in fs for a in chosen[f]) for fs in dims), partial,
+                      rule.reduce_op)
 
-    def local_bytes(shape, layout, dtype):
-        return int(np.prod(layout.local_shape(mesh, shape), dtype=np.int64)) * dtype.size
-
-    total = 0
+    total = 0.0
     for dims, x in zip(rule.operands, inputs):
-        if dims is not None and layout_of(dims) != x.layout:
-            total += local_bytes(x.shape, x.layout, x.dtype)
+        if dims is not None:
+            total += planner.plan_estimate(x.layout, layout_of(dims), x.shape, x.dtype, mesh)
     partial = tuple(a for f, kind in enumerate(rule.factor_kinds) if kind == REDUCE
                     for a in chosen[f])
     for dims, target, shape, dtype in zip(rule.results, targets, node.out_shapes,
                                           node.out_dtypes):
-        if dims is not None and layout_of(dims, partial) != target:
-            total += local_bytes(shape, layout_of(dims), dtype)
+        if dims is not None:
+            total += planner.plan_estimate(layout_of(dims, partial), target, shape, dtype,
+                                           mesh)
     return total
 
 
@@ -218,6 +243,8 @@ class Partitioner:
         graph, b = self.graph, self.b
         input_index = {ref.node: i for i, ref in enumerate(graph.inputs)}
         for index, node in enumerate(graph.nodes):
+            if index and index % PROGRESS_EVERY == 0:
+                log.info("gspmd_tf: partitioned %d of %d ops", index, len(graph.nodes))
             targets = self.propagation.layouts[index]
             if index in input_index:
                 layout = targets[0]
@@ -238,6 +265,7 @@ class Partitioner:
                 # device's shard whatever layout propagation gave it: never resharded
                 self.values[Ref(index, k)] = (local if local.dtype == tf.resource
                                               else self.reshard(local, target))
+        self._warn_replicated()
         outputs = []
         for ref, layout in zip(graph.outputs, output_layouts):
             local = self.reshard(self.values[ref], layout)
@@ -246,6 +274,30 @@ class Partitioner:
         return SpmdProgram(eliminate_dead_code(b.graph),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops)
+
+    def _warn_replicated(self):
+        """One warning per op type that ran replicated, with the count and the names (an
+        RNN's hundreds of cells give one line, not hundreds)."""
+        by_type = {}
+        for name in self.replicated_ops:
+            node = self.graph.nodes[self.graph.node_index(name)]
+            by_type.setdefault((bool(node.regions), node.op), []).append(name)
+        for (control_flow, op), names in by_type.items():
+            shown = ", ".join(names[:_NAMES_SHOWN]) + (
+                f", ... ({len(names) - _NAMES_SHOWN} more)" if len(names) > _NAMES_SHOWN else "")
+            if control_flow and len(names) == 1:
+                log.warning("gspmd_tf: control-flow op %s (%s) runs replicated: its operands "
+                            "are gathered and its bodies run whole on every device", shown, op)
+            elif control_flow:
+                log.warning("gspmd_tf: %d control-flow ops (%s) run replicated: their operands "
+                            "are gathered and their bodies run whole on every device: %s",
+                            len(names), op, shown)
+            elif len(names) == 1:
+                log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
+                            "(inputs gathered)", shown, op)
+            else:
+                log.warning("gspmd_tf: %d ops (%s) have no partitioning rule; they run "
+                            "replicated (inputs gathered): %s", len(names), op, shown)
 
     def _by_rule(self, ctx, emit):
         layouts = ctx.result_layouts()
@@ -260,14 +312,8 @@ class Partitioner:
         """No rule: gather the inputs, run the op whole on every device (a control-flow
         op with its regions, which then hold no collectives)."""
         node = ctx.node
-        if node.regions:
-            log.warning("gspmd_tf: control-flow op %s (%s) runs replicated: its operands are "
-                        "gathered and its bodies run whole on every device", node.name,
-                        node.op)
-            self.replicated_ops.append(node.name)
-        elif not op_def(node.op).silent_replicated:
-            log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
-                        "(inputs gathered)", node.name, node.op)
+        if node.regions or not op_def(node.op).silent_replicated:
+            # warned once per op type when the program is done (_warn_replicated)
             self.replicated_ops.append(node.name)
         operands, through = ctx.inputs, {}
         if node.regions:  # bodies that only read sharded variables take their values

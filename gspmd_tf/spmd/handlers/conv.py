@@ -50,8 +50,9 @@ from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import windowed
 from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
-from gspmd_tf.spmd.local_ops import identity_of, mask_padding, replace_dim, static_slice_dim
+from gspmd_tf.spmd.local_ops import identity_of, mask_padding, replace_dim
 from gspmd_tf.spmd.program import Local
+from gspmd_tf.spmd.reshard import exchange_halo
 
 
 # ------------------------------------------------------------------------ local pieces
@@ -66,49 +67,6 @@ def _pad(b, ref, dim, lo, hi):
     dtype = b.graph.dtype(ref)
     return b.op("Pad", [ref, b.const(paddings)], replace_dim(shape, dim, shape[dim] + lo + hi),
                 dtype, T=dtype, Tpaddings=tf.int32)
-
-
-def _concat(b, refs, dim):
-    refs = [r for r in refs if r is not None]
-    if len(refs) == 1:
-        return refs[0]
-    shapes = [b.shape_of(r) for r in refs]
-    dtype = b.graph.dtype(refs[0])
-    shape = replace_dim(shapes[0], dim, sum(s[dim] for s in shapes))
-    return b.op("ConcatV2", refs + [b.const(np.int32(dim))], shape, dtype, N=len(refs),
-                T=dtype, Tidx=tf.int32)
-
-
-def _shift_pairs(mesh, axes, step):
-    """(source, target) pairs: every device of a group sends to the device `step` shard
-    indices further along `axes` (devices with no source receive zeros)."""
-    groups = mesh.groups(axes)
-    k = groups.shape[1]
-    if step > 0:
-        src, dst = groups[:, :k - step], groups[:, step:]
-    else:
-        src, dst = groups[:, -step:], groups[:, :k + step]
-    return tuple((int(s), int(t)) for s, t in zip(src.ravel(), dst.ravel()))
-
-
-def _exchange(b, ref, dim, axes, halo_lo, halo_hi):
-    """[last halo_lo elements of the shards before | own block | first halo_hi elements
-    of the shards after]: one collective-permute per neighbour block each way (one
-    each way unless a halo is longer than a block)."""
-    own = b.shape_of(ref)[dim]
-    dtype = b.graph.dtype(ref)
-    left, right = [], []
-    for hop in range(1, -(-halo_lo // own) + 1):
-        size = min(own, halo_lo - (hop - 1) * own)
-        send = static_slice_dim(b, ref, dim, own - size, size)
-        left.insert(0, b.collective("gt.Permute", send, b.shape_of(send), dtype,
-                                    pairs=_shift_pairs(b.mesh, axes, hop)))
-    for hop in range(1, -(-halo_hi // own) + 1):
-        size = min(own, halo_hi - (hop - 1) * own)
-        send = static_slice_dim(b, ref, dim, 0, size)
-        right.append(b.collective("gt.Permute", send, b.shape_of(send), dtype,
-                                  pairs=_shift_pairs(b.mesh, axes, -hop)))
-    return _concat(b, left + [ref] + right, dim)
 
 
 def _halos_worth_it(plan, k):
@@ -233,7 +191,7 @@ def _extend_and_slice_uncached(b, ref, dims_plans, dim_of):
         p = dp.plan
         d = dim_of(dp)
         if dp.split:
-            ref = _exchange(b, ref, d, dp.axes, p["halo_lo"], p["halo_hi"])
+            ref = exchange_halo(b, ref, d, dp.axes, p["halo_lo"], p["halo_hi"])
             ref = _pad(b, ref, d, p["ext_lo"] - p["halo_lo"], p["ext_hi"] - p["halo_hi"])
         else:
             ref = _pad(b, ref, d, p["ext_lo"], p["ext_hi"])

@@ -1,0 +1,29 @@
+"""Reshard and dot cases compared with XLA (shared by xla_collectives.py, which runs under
+JAX, and reshard_plans.py, which runs gspmd-tf). Specs are PartitionSpec entries on a 2x4
+("data", "model") mesh; tensors are float32."""
+
+# name -> (global shape, source spec, target spec)
+RESHARDS = {
+    "two_axes_one_all_to_all": ((8, 16, 32), (None, ("data", "model"), None),
+                                (None, None, ("data", "model"))),
+    "uneven_all_to_all": ((6, 10), ("model", None), (None, "model")),
+    "slice_before_gather": ((16, 32), ("data", None), (None, "model")),
+    "reorder_then_gather": ((16, 32), (("data", "model"), None), ("model", None)),
+    "both_axes_move_right": ((8, 16, 32), ("data", "model", None), (None, "data", "model")),
+    "xla_rematerializes": ((8, 16, 32), (("data", "model"), None, None),
+                           (None, "data", "model")),
+}
+
+# name -> (einsum equation, operand shapes, operand specs); the result is unconstrained
+DOTS = {
+    "conflict_keep_larger_lhs": ("mk,kn->mn", ((512, 64), (64, 32)),
+                                 (("model", None), ("model", None))),
+    "conflict_keep_larger_rhs": ("mk,kn->mn", ((32, 64), (64, 512)),
+                                 ((None, "model"), (None, "model"))),
+    "batch_and_contracting_2d": ("bk,kn->bn", ((64, 128), (128, 32)),
+                                 (("data", "model"), ("model", None))),
+    "batched_matmul_batch_contracting": ("bmk,bkn->bmn", ((8, 16, 64), (8, 64, 32)),
+                                         (("data", None, "model"), ("data", "model", None))),
+    "partial_match_non_contracting": ("mk,kn->mn", ((64, 32), (32, 16)),
+                                      ((("data", "model"), None), (None, "model"))),
+}

@@ -1,0 +1,70 @@
+"""gspmd-tf's collectives for the reshard and dot cases XLA is compared on.
+
+    .venv/bin/python benchmarks/reshard_plans.py [--case=NAME]
+
+The cases are in benchmarks/collective_cases.py; XLA's side comes from
+benchmarks/xla_collectives.py (run under JAX). Reshards print the planner's steps,
+each collective as (kind, operand bytes per device, group size) and the bytes the
+planner's cost model says each device moves; dots are lowered by gt.function on an
+abstract 2x4 mesh with the result left to propagation, like XLA's.
+"""
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gspmd_tf as gt  # noqa: E402
+from gspmd_tf.layout import Layout  # noqa: E402
+from gspmd_tf.spmd import planner  # noqa: E402
+
+from collective_cases import DOTS, RESHARDS  # noqa: E402
+
+CASE = flags.DEFINE_string("case", "all", "case name, or 'all'")
+
+MESH = gt.Mesh.abstract((2, 4), ("data", "model"))
+KIND = {planner.AllGather: "all-gather", planner.AllToAll: "all-to-all",
+        planner.CollectivePermute: "collective-permute",
+        planner.ReduceScatter: "reduce-scatter", planner.AllReduce: "all-reduce"}
+
+
+def reshard_case(shape, src, dst):
+    """(steps, [(kind, operand bytes, group)], moved bytes) of the planner's plan."""
+    layouts = [Layout.from_spec(MESH, spec, len(shape)) for spec in (src, dst)]
+    steps = planner.plan(*layouts, shape, tf.float32, MESH)
+    found = [(KIND[type(s)], s.bytes_in, s.group) for s in steps if type(s) in KIND]
+    return steps, found, planner.cost(steps).bytes
+
+
+def dot_case(equation, shapes, specs):
+    """([(kind, operand bytes, group)], result spec) of a lowered einsum."""
+    f = gt.function(lambda a, b: tf.einsum(equation, a, b), mesh=MESH,
+                    in_shardings=tuple(gt.P(*s) for s in specs))
+    low = f.lower(*[tf.TensorSpec(s, tf.float32) for s in shapes])
+    found = [(c.kind, c.bytes, 1 if c.kind == "collective-permute" else len(c.groups[0]))
+             for c in low.collectives()]
+    return found, low.program.output_layouts[0].to_spec()
+
+
+def main(argv):
+    del argv
+    logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
+    for name, (shape, src, dst) in RESHARDS.items():
+        if CASE.value in ("all", name):
+            steps, found, moved = reshard_case(shape, src, dst)
+            print(f"{name}: {shape} {gt.P(*src)} -> {gt.P(*dst)}")
+            print(f"    {[type(s).__name__ for s in steps]}")
+            print(f"    {found}  moved bytes per device {moved}")
+    for name, (equation, shapes, specs) in DOTS.items():
+        if CASE.value in ("all", name):
+            found, out = dot_case(equation, shapes, specs)
+            print(f"{name}: {equation} {shapes} {[gt.P(*s) for s in specs]} -> {out!r}")
+            print(f"    {found}  total operand bytes {sum(b for _, b, _ in found)}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,410 @@
+"""The reshard planner: which steps move a tensor from one layout to another, and their cost.
+
+`plan(src, dst, shape, dtype, mesh)` returns a tuple of typed steps (LocalSlice,
+CollectivePermute, AllToAll, AllGather, ReduceScatter, AllReduce) that turn the shards of
+`src` into the shards of `dst`; `cost(steps)` prices them (bytes each device moves, per
+group of mesh axes, plus a latency term per collective); spmd/reshard.py emits them. The
+planner is pure (no TF, no builder) and cached, so the partitioner can price candidate
+layouts cheaply.
+
+Search: Dijkstra over layouts, from `src` to `dst`, with moves that each keep every shard
+exact, uneven dims included (see `nests`): slice axes into a dim locally, gather a dim's
+minor axes, all-to-all a dim's minor axes onto another dim (one collective over several
+axes when they move together), collective-permute to a layout with the same shard counts,
+reduce-scatter or all-reduce pending partial sums. The cheapest sequence wins; among equal
+costs, fewer collectives, then fewer steps. Shrinking moves cost nothing, so the search
+slices before it gathers (the order of Shardy's collective inserter: slice, permute,
+all-to-all, all-gather), which also keeps the gathered tensors small.
+
+Uneven dims: a dim of n split k ways has shards of ceil(n / k) elements, shard i holding
+[i * ceil(n/k), (i + 1) * ceil(n/k)) of the global dim and arbitrary padding past n.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from gspmd_tf.layout import Layout, ceil_div
+
+# Latency of one collective, in bytes of bandwidth it is worth: a tie-breaker that prefers
+# fewer collectives for small tensors (no effect once tensors are much larger).
+LATENCY_BYTES = 1024
+
+
+def nests(n, k_outer, k_inner):
+    """True when splitting each of the k_outer shards of a dim of n further into k_inner
+    gives exactly its k_outer * k_inner shards (always for an unsplit dim: pad, then split).
+    Examples: n=7 split 2 then 2: the shards of 4 cut in two are the 4-way shards of 2;
+    n=10 split 2 then 4: the shards of 5 are not four 8-way shards of 2."""
+    return k_outer == 1 or ceil_div(n, k_outer) == k_inner * ceil_div(n, k_outer * k_inner)
+
+
+# ------------------------------------------------------------------------ steps
+
+@dataclass(frozen=True)
+class LocalSlice:
+    """Split dim `dim` further over `axes` (appended, minor) by a local dynamic slice,
+    padding the dim first when it is shorter than the slices."""
+
+    dim: int
+    axes: tuple
+    bytes_in: int = 0
+    group: int = 1
+
+    def apply(self, layout):
+        """The layout after this step."""
+        return _set_dims(layout, {self.dim: layout.dims[self.dim] + self.axes})
+
+
+@dataclass(frozen=True)
+class AllGather:
+    """Gather the minor `axes` of dim `dim` (uneven dims gathered whole are unpadded)."""
+
+    dim: int
+    axes: tuple
+    bytes_in: int = 0
+    group: int = 1
+
+    def apply(self, layout):
+        """The layout after this step."""
+        cd = layout.dims[self.dim]
+        return _set_dims(layout, {self.dim: cd[:len(cd) - len(self.axes)]})
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """Move the minor `axes` of dim `concat_dim` to the end of dim `split_dim`: one
+    all-to-all over the group of `axes` (the split dim padded first when uneven)."""
+
+    axes: tuple
+    concat_dim: int
+    split_dim: int
+    bytes_in: int = 0
+    group: int = 1
+
+    def apply(self, layout):
+        """The layout after this step."""
+        cd = layout.dims[self.concat_dim]
+        return _set_dims(layout, {self.concat_dim: cd[:len(cd) - len(self.axes)],
+                                  self.split_dim: layout.dims[self.split_dim] + self.axes})
+
+
+@dataclass(frozen=True)
+class CollectivePermute:
+    """Every device takes the shard it needs from one other device: dims get new axes with
+    the same shard counts (`dims` holds (dim, axes) pairs)."""
+
+    dims: tuple
+    bytes_in: int = 0
+    group: int = 1
+
+    @property
+    def axes(self):
+        """Mesh axes whose coordinates change hands."""
+        return tuple(sorted({a for _, axes in self.dims for a in axes}))
+
+    def apply(self, layout):
+        """The layout after this step."""
+        return _set_dims(layout, dict(self.dims))
+
+
+@dataclass(frozen=True)
+class ReduceScatter:
+    """Sum (or reduce_op) over the pending partial `axes`, keeping this device's chunk of
+    dim `dim` (the axes appended to the dim, in this order); other partial axes stay
+    pending."""
+
+    dim: int
+    axes: tuple
+    bytes_in: int = 0
+    group: int = 1
+
+    def apply(self, layout):
+        """The layout after this step."""
+        dims = list(layout.dims)
+        dims[self.dim] = dims[self.dim] + self.axes
+        rest = tuple(a for a in layout.partial if a not in self.axes)
+        return Layout(tuple(dims), rest, layout.reduce_op)
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """Reduce the pending partial `axes`."""
+
+    axes: tuple
+    bytes_in: int = 0
+    group: int = 1
+
+    def apply(self, layout):
+        """The layout after this step."""
+        return Layout(layout.dims)
+
+
+def _set_dims(layout, new):
+    dims = tuple(new.get(d, axes) for d, axes in enumerate(layout.dims))
+    return Layout(dims, layout.partial, layout.reduce_op)
+
+
+# ------------------------------------------------------------------------ cost
+
+@dataclass(frozen=True)
+class Cost:
+    """What a plan costs one device: bytes it moves, per group of mesh axes the
+    collective runs over, and the number of collectives (a latency term)."""
+
+    bytes_by_axes: tuple   # ((axes, bytes), ...), one entry per collective
+    collectives: int
+    steps: int
+
+    @property
+    def bytes(self):
+        """Total bytes moved per device."""
+        return sum(b for _, b in self.bytes_by_axes)
+
+    def estimate(self, latency_bytes=LATENCY_BYTES, bandwidth=None):
+        """One number to compare plans: bytes over each group's bandwidth (relative
+        to 1; `bandwidth` maps a mesh axis to its relative bandwidth and a group runs at
+        its slowest axis) plus `latency_bytes` per collective."""
+        total = 0.0
+        for axes, moved in self.bytes_by_axes:
+            speed = min((bandwidth or {}).get(a, 1.0) for a in axes) if axes else 1.0
+            total += moved / speed
+        return total + latency_bytes * self.collectives
+
+    def __add__(self, other):
+        return Cost(self.bytes_by_axes + other.bytes_by_axes,
+                    self.collectives + other.collectives, self.steps + other.steps)
+
+
+ZERO = Cost((), 0, 0)
+
+
+def step_cost(step):
+    """Bytes one step moves per device (ring algorithms; `bytes_in` is its operand)."""
+    k, size = step.group, step.bytes_in
+    if isinstance(step, LocalSlice):
+        return Cost((), 0, 1)
+    if isinstance(step, AllGather):
+        moved = (k - 1) * size
+    elif isinstance(step, AllReduce):
+        moved = 2 * (k - 1) * size // k
+    elif isinstance(step, CollectivePermute):
+        moved = size
+    else:  # all-to-all, reduce-scatter: all but one k-th of the operand leaves
+        moved = (k - 1) * size // k
+    return Cost(((tuple(step.axes), moved),), 1, 1)
+
+
+def cost(steps):
+    """The Cost of a plan (a tuple of steps)."""
+    total = ZERO
+    for step in steps:
+        total = total + step_cost(step)
+    return total
+
+
+# ------------------------------------------------------------------------ search
+
+def plan(src, dst, shape, dtype, mesh):
+    """The cheapest exact steps from Layout `src` to Layout `dst` (no partial) for a
+    global tensor of `shape` and `dtype`; a tuple of step records."""
+    # strings and handles have no fixed size: priced like 8-byte elements
+    return _plan(src, dst, tuple(shape), dtype.size or 8, mesh.axis_names, mesh.shape)
+
+
+def plan_estimate(src, dst, shape, dtype, mesh):
+    """cost(plan(...)).estimate(), cached: what the partitioner compares candidates by."""
+    if src == dst:
+        return 0.0
+    return _plan_estimate(src, dst, tuple(shape), dtype.size or 8, mesh.axis_names,
+                          mesh.shape)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _plan_estimate(*key):
+    return cost(_plan(*key)).estimate()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _plan(src, dst, shape, itemsize, axis_names, mesh_shape):
+    assert not dst.partial, dst
+    if src == dst:
+        return ()
+    space = _Space(shape, itemsize, dict(zip(axis_names, mesh_shape)), dst)
+    counter = itertools.count()
+    start = (0.0, 0, 0)
+    best = {src: start}
+    heap = [(start, next(counter), src, ())]
+    while heap:
+        key, _, layout, steps = heapq.heappop(heap)
+        if layout == dst:
+            return steps
+        if best.get(layout, key) < key:
+            continue
+        for step in space.moves(layout):
+            c = step_cost(step)
+            new_key = (key[0] + c.estimate(), key[1] + c.collectives, key[2] + c.steps)
+            nxt = step.apply(layout)
+            if nxt not in best or new_key < best[nxt]:
+                best[nxt] = new_key
+                heapq.heappush(heap, (new_key, next(counter), nxt, steps + (step,)))
+    raise AssertionError(f"no reshard plan from {src} to {dst}")  # gather-all always works
+
+
+class _Space:
+    """The moves allowed from a layout toward the target, each exact."""
+
+    def __init__(self, shape, itemsize, sizes, target):
+        self.shape = shape
+        self.itemsize = itemsize
+        self.sizes = sizes
+        self.target = target
+
+    def k(self, axes):
+        """Devices along `axes`."""
+        out = 1
+        for a in axes:
+            out *= self.sizes[a]
+        return out
+
+    def local(self, dim, axes):
+        """Shard size of `dim` split over `axes`."""
+        return ceil_div(self.shape[dim], self.k(axes))
+
+    def nbytes(self, layout, padded=None):
+        """Local bytes of a tensor in `layout` (dims in `padded` at a given size)."""
+        total = self.itemsize
+        for d, axes in enumerate(layout.dims):
+            total *= (padded or {}).get(d, self.local(d, axes))
+        return total
+
+    def moves(self, layout):
+        """Every exact step from `layout`."""
+        yield from self._partial_moves(layout)
+        yield from self._slices(layout)
+        yield from self._gathers(layout)
+        yield from self._all_to_alls(layout)
+        if not layout.partial:
+            yield from self._permutes(layout)
+
+    def _nests(self, dim, outer, inner):
+        return nests(self.shape[dim], self.k(outer), self.k(inner))
+
+    def _partial_moves(self, layout):
+        partial = layout.partial
+        if not partial:
+            return
+        yield AllReduce(partial, self.nbytes(layout), self.k(partial))
+        # reduce-scatter the partial axes the target wants next in a dim (all of them, or
+        # some, the others reduced later on a smaller tensor)
+        for d, (cd, td) in enumerate(zip(layout.dims, self.target.dims)):
+            if td[:len(cd)] != cd:
+                continue
+            for m in range(len(cd) + 1, len(td) + 1):
+                extra = td[len(cd):m]
+                if extra[-1] not in partial:
+                    break
+                if self._nests(d, cd, extra):
+                    padded = {d: self.k(extra) * self.local(d, cd + extra)}
+                    yield ReduceScatter(d, extra, self.nbytes(layout, padded), self.k(extra))
+
+    def _free(self, layout):
+        used = set(layout.used_axes)
+        return {a for a, s in self.sizes.items() if s > 1 and a not in used}
+
+    def _slices(self, layout):
+        free = self._free(layout)
+        for d, (cd, td) in enumerate(zip(layout.dims, self.target.dims)):
+            if td[:len(cd)] != cd:
+                continue
+            for m in range(len(cd) + 1, len(td) + 1):
+                added = td[len(cd):m]
+                if not free.issuperset(added):
+                    break
+                if self._nests(d, cd, added):
+                    yield LocalSlice(d, added)
+
+    def _gathers(self, layout):
+        for d, cd in enumerate(layout.dims):
+            for j in range(len(cd)):
+                if self._nests(d, cd[:j], cd[j:]):
+                    yield AllGather(d, cd[j:], self.nbytes(layout), self.k(cd[j:]))
+
+    def _all_to_alls(self, layout):
+        dims = layout.dims
+        for d1, cd1 in enumerate(dims):
+            for j in range(len(cd1)):
+                moved = cd1[j:]
+                if not self._nests(d1, cd1[:j], moved):
+                    continue
+                for d2, c2 in enumerate(dims):
+                    if d2 == d1 or self.target.dims[d2][:len(c2) + len(moved)] != c2 + moved:
+                        continue
+                    if not self._nests(d2, c2, moved):
+                        continue
+                    k = self.k(moved)
+                    padded = {d2: k * self.local(d2, c2 + moved)}
+                    yield AllToAll(moved, d1, d2, self.nbytes(layout, padded), k)
+
+    def _permutes(self, layout):
+        dims, target = layout.dims, self.target.dims
+        swaps = {}
+        for d, (cd, td) in enumerate(zip(dims, target)):
+            if cd == td:
+                continue
+            # in-dim reorder: the axes the target wants first, in its order (then a gather
+            # of the others, instead of gathering the whole dim)
+            lead = []
+            for a in td:
+                if a not in cd:
+                    break
+                lead.append(a)
+            reordered = tuple(lead) + tuple(a for a in cd if a not in lead)
+            if reordered != cd and lead:
+                yield self._permute(layout, ((d, reordered),))
+            if self.k(cd) == self.k(td):
+                swaps[d] = td
+        candidates = [{d: td} for d, td in swaps.items()]
+        if len(swaps) > 1:
+            candidates.append(swaps)
+        for change in candidates:
+            new = [change.get(d, cd) for d, cd in enumerate(dims)]
+            flat = [a for axes in new for a in axes]
+            if len(flat) == len(set(flat)):
+                yield self._permute(layout, tuple(change.items()))
+
+    def _permute(self, layout, change):
+        axes = {a for _, new in change for a in new} | {a for d, _ in change
+                                                        for a in layout.dims[d]}
+        return CollectivePermute(tuple(change), self.nbytes(layout), self.k(axes))
+
+
+def permute_pairs(mesh, src, dst):
+    """(source, target) device pairs taking every device's shards of layout `dst` from a
+    device holding them in layout `src` (same shard counts per dim); a device keeps its
+    own data where it can, the others pair up in mesh order (vectorised: meshes may have
+    thousands of devices)."""
+    ids = np.asarray(mesh.device_ids).ravel()
+    coords = np.indices(mesh.shape).reshape(len(mesh.shape), -1)  # per mesh position
+
+    def shard_key(layout):
+        key = np.zeros(ids.size, np.int64)
+        for axes in layout.dims:
+            for a in axes:
+                i = mesh.axis_index(a)
+                key = key * mesh.shape[i] + coords[i]
+        return key
+
+    have, want = shard_key(src), shard_key(dst)
+    position = np.arange(ids.size)
+    moving = position[have != want]
+    source = position.copy()
+    # holders and takers of each shard are equally many: pair them in order
+    source[moving[np.argsort(want[moving], kind="stable")]] = \
+        moving[np.argsort(have[moving], kind="stable")]
+    return tuple((int(ids[s]), int(ids[t])) for s, t in zip(source, position))

@@ -1,0 +1,107 @@
+"""`python -m gspmd_tf inspect`: a SavedModel made here, lowered by the CLI in a subprocess."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gspmd_tf as gt
+from gspmd_tf.cli import lower_saved_model, parse_shape_flags, parse_spec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Dense(tf.Module):
+    def __init__(self):
+        super().__init__()
+        self.kernel = tf.Variable(np.ones((16, 8), np.float32), name="dense/kernel")
+
+    @tf.function(input_signature=[tf.TensorSpec([32, 16], tf.float32, name="x")])
+    def serve(self, x):
+        return {"y": tf.reduce_sum(tf.nn.relu(x @ self.kernel), axis=1)}
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("saved") / "dense")
+    module = _Dense()
+    tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
+    return path
+
+
+def _inspect(*args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.run([sys.executable, "-m", "gspmd_tf", "inspect", *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_spec_syntax():
+    assert parse_spec("data,None") == gt.P("data", None)
+    assert parse_spec("data+model,-") == gt.P(("data", "model"), None)
+    assert parse_spec("") == gt.P()
+
+
+def test_inspect_prints_report_collectives_and_memory(saved_model, tmp_path):
+    html = tmp_path / "report.html"
+    run = _inspect(saved_model, "--mesh=2x4", "--axes=data,model", "--shard=x=data",
+                   "--shard", "dense/kernel=None,model", f"--html={html}")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    kernel = next(l for l in lines if l.strip().startswith("dense/kernel "))
+    assert "P(None, 'model')" in kernel
+    matmul = next(l for l in lines if " MatMul " in l)
+    assert matmul.rstrip().endswith("P('data', 'model')")
+    # the row sum over the split 'model' dim needs one all-reduce of a [16] f32 shard
+    collective = next(l for l in lines if l.startswith("all-reduce"))
+    assert "(16,)" in collective and " 64 " in collective
+    assert "1 collectives, 64 bytes per device" in run.stdout
+    memory = dict(l.split()[:2] for l in lines[lines.index(next(
+        l for l in lines if l.startswith("per-device memory"))) + 1:][:4])
+    assert memory["arguments"] == str(16 * 16 * 4) and memory["variables"] == str(16 * 2 * 4)
+    assert memory["outputs"] == str(16 * 4)
+    assert html.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_inspect_names_what_is_wrong(saved_model):
+    run = _inspect(saved_model, "--mesh=2x4", "--axes=data,model", "--shard=kernel=model")
+    assert run.returncode == 2
+    assert "['kernel'] match no input or variable" in run.stderr
+    assert "'dense/kernel'" in run.stderr and "'x'" in run.stderr
+
+
+def test_lowered_in_process_matches_the_cli(saved_model):
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    lowered = lower_saved_model(saved_model, mesh, {"x": gt.P(None, "model")})
+    assert lowered.input_shardings[0] == gt.Sharding.from_spec(mesh, gt.P(None, "model"), 2)
+    assert lowered.memory().variables == 16 * 8 * 4  # unmatched variables stay whole
+    with pytest.raises(gt.ShardingError, match="no signature 'train'"):
+        lower_saved_model(saved_model, mesh, {}, "train")
+
+
+class _AnyBatch(_Dense):
+    @tf.function(input_signature=[tf.TensorSpec([None, 16], tf.float32, name="x")])
+    def serve(self, x):
+        return {"y": tf.nn.relu(x @ self.kernel)}
+
+
+def test_unknown_batch_dims_take_the_given_shape(tmp_path):
+    module = _AnyBatch()
+    path = str(tmp_path / "any_batch")
+    tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    rules = {"x": gt.P("data"), "dense/kernel": gt.P(None, "model")}
+    with pytest.raises(gt.ShardingError, match=r"shape \(None, 16\): give its size, e.g. "
+                                               r"--shape x=32,16"):
+        lower_saved_model(path, mesh, rules)
+    lowered = lower_saved_model(path, mesh, rules, shapes=parse_shape_flags(["x=64,16"]))
+    relu = next(n.name for n in lowered.graph.nodes if n.op == "Relu")
+    assert lowered.graph.shape(lowered.graph.ref(relu)) == (64, 8)
+    assert lowered.layout_of(relu).to_spec() == gt.P("data", "model")
+    assert lowered.memory().variables == 16 * 2 * 4  # the kernel is still found by name
+    with pytest.raises(gt.ShardingError, match="signature 'serving_default' takes 'x'"):
+        lower_saved_model(path, mesh, rules, shapes={"x": (64, 3)})
+    with pytest.raises(gt.ShardingError, match=r"\['z'\] are not inputs"):
+        lower_saved_model(path, mesh, rules, shapes={"x": (64, 16), "z": (1,)})
