@@ -21,8 +21,8 @@ inferred, so the shardings must travel the length of the graph.
 
 gspmd_tf.propagation.propagate.propagate() is encode() (rule look-up, built once per
 distinct rule, and the per-node loop in Cython, csrc/encode.pyx), run() (the Cython
-fixpoint, csrc/propagation.pyx) and decode() (layouts are decoded on first use); each
-stage is timed on its own:
+fixpoint in priority layers, recording every axis's origin, csrc/propagation.pyx) and
+decode() (layouts and origins are decoded on first use); each stage is timed on its own:
 
     encode   rule look-up + array building
     core     the Cython fixpoint (propagate_arrays)
@@ -30,7 +30,8 @@ stage is timed on its own:
 
 The core is then re-run --core_repeats times on fresh copies of the captured arrays
 (median reported). --rules_alone also times rule_for() over all nodes by itself (no
-cache), for comparison.
+cache), for comparison. --nolayered runs every op in one layer. Last, the origin of the
+last tensor's "model" split is traced back to the first weight (not in the table).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ SEED_EVERY = flags.DEFINE_integer("seed_every", 0,
                                   "also annotate every K-th weight (0: only the first)")
 CORE_REPEATS = flags.DEFINE_integer("core_repeats", 5, "extra timed runs of the core alone")
 RULES_ALONE = flags.DEFINE_bool("rules_alone", True, "also time rule_for() over all nodes")
+LAYERED = flags.DEFINE_bool("layered", True, "propagate in priority layers")
 NO_GC = flags.DEFINE_bool("disable_gc", False,
                           "turn Python's cyclic GC off while timing (to see its share)")
 
@@ -142,7 +144,7 @@ def main(argv):
     gc.collect()
     clock = lambda: (time.perf_counter(), time.process_time())
     t0 = clock()
-    encoded = encode(graph, mesh, seeds)
+    encoded = encode(graph, mesh, seeds, LAYERED.value)
     t1 = clock()
     core_args = [a.copy() if isinstance(a, np.ndarray) else a for a in encoded.core_args]
     t2 = clock()  # the copy (kept for the re-runs below) is not timed
@@ -189,6 +191,13 @@ def main(argv):
     target = "met" if total <= 2.0 else "NOT met"
     print(f"\npropagate() target (<= 2 s end to end for {n} nodes): {target} ({total:.3f} s); "
           f"load average at end {os.getloadavg()[0]:.2f}")
+    t0 = time.perf_counter()
+    model = [o for o in result.origin(last) if o.axis == "model"][0]
+    traced = time.perf_counter() - t0
+    hops = model.hops
+    print(f"origin of the last tensor's 'model' split: {model.seed_kind} {model.seed!r}, "
+          f"{len(hops)} hops; traced in {traced:.3f} s, hops decoded in "
+          f"{time.perf_counter() - t0 - traced:.3f} s")
 
 
 if __name__ == "__main__":

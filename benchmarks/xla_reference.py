@@ -169,6 +169,45 @@ def uneven(x, w):
     return _t("y", lambda: xs @ ws)
 
 
+def broadcast_priority(a, c):
+    """Case 13a: a broadcast operand competes with an elementwise one (priority layers)."""
+    b = _t("b", lambda: jnp.broadcast_to(a[:, None], (B, D)))
+    return _t("d", lambda: b + c)
+
+
+def broadcast_after_dot(a, c, w):
+    """Case 13b: a broadcast operand competes with a dot's result."""
+    b = _t("b", lambda: jnp.broadcast_to(a[:, None], (B, D)))
+    y = _t("y", lambda: c @ w)
+    return _t("d", lambda: b + y)
+
+
+def elementwise_before_dot(x, w, c):
+    """Case 13c: the dot's operand and an elementwise user disagree."""
+    y = _t("y", lambda: x @ w)
+    r = _t("r", lambda: jnp.tanh(y))
+    return _t("d", lambda: r + c)
+
+
+def elementwise_before_reduce(x, c):
+    """Case 13d: the reduction's operand and an elementwise user disagree."""
+    s = _t("s", lambda: jnp.sum(x, axis=1))
+    return _t("d", lambda: s + c)
+
+
+def reshape_tie(x, c):
+    """Case 13e: equally split operands of an add: the first one wins."""
+    r = _t("r", lambda: x.reshape(B, D))
+    return _t("d", lambda: r + c)
+
+
+def size1_hint(x):
+    """Case 14: a hint splits a size-1 dim (x is [1, D])."""
+    m = _t("m", lambda: x * 2)
+    h = _t("h", lambda: _wsc(m, "data", "model"))
+    return _t("r", lambda: jnp.tanh(h))
+
+
 @dataclasses.dataclass
 class Case:
     """A function and, per argument, (shape, dtype, PartitionSpec or None)."""
@@ -204,6 +243,17 @@ CASES = [
     Case("11_cross_entropy", cross_entropy,
          [((B, V), F, P("data", "model")), ((B,), I, P("data"))]),
     Case("12_uneven", uneven, [((6, 10), F, None), ((10, 12), F, None)]),
+    Case("13a_broadcast_priority", broadcast_priority,
+         [((B,), F, P("model")), ((B, D), F, P(None, "model"))]),
+    Case("13b_broadcast_after_dot", broadcast_after_dot,
+         [((B,), F, P("model")), ((B, 16), F, None), ((16, D), F, P(None, "model"))]),
+    Case("13c_elementwise_before_dot", elementwise_before_dot,
+         [((B, 16), F, P("model", None)), ((16, D), F, None), ((B, D), F, P(None, "model"))]),
+    Case("13d_elementwise_before_reduce", elementwise_before_reduce,
+         [((B, 4, D), F, P(None, None, "model")), ((B, D), F, P("model", None))]),
+    Case("13e_reshape_tie", reshape_tie,
+         [((B, 4, D // 4), F, P(None, "model", None)), ((B, D), F, P("model", None))]),
+    Case("14_size1_hint", size1_hint, [((1, D), F, None)]),
 ]
 
 

@@ -11,14 +11,25 @@ The Python driver (gspmd_tf/propagation/propagate.py) encodes the graph:
   slot dims sd: factor ids (op-local) dim_factors[dim_factor_start[sd]:dim_factor_start[sd+1]]
   factors   factor_size[f], factor_kind[f] (0 pass, 1 reduce, 2 replicate)
   users     tensor_op_start/tensor_ops: the ops that read or write each tensor
+  layers    slot_layer[s]: the first priority layer in which slot s takes part
+  origins   origin_slot[dim, k], origin_layer[dim, k]: the slot whose tensor offered axis k
+            of that dim row and the layer it was added in (written when the core appends
+            the axis; undefined for seeds' axes and past naxes)
 
 One step on an op: each factor takes the most-split candidate that the op's tensors offer
 (a candidate extending another wins; of two incompatible ones the larger split wins, the
-first seen on a tie); an axis goes to one factor only; then every tensor that is not
+first seen on a tie); an axis goes to one factor only among the factors of each tensor
+(the larger split first, the earlier slot's on a tie); then every tensor that is not
 fixed (annotated) has each dim extended to its factors' axes where its current axes are a
 prefix of them and the axes are free in that tensor. Axes only ever get appended, so the
 loop ends; ops are revisited while a tensor of theirs changed, alternating forward and
 backward sweeps.
+
+Priority layers (XLA's aggressiveness levels, Shardy's op priorities): the loop above
+runs once per layer L = 0, 1, ..., each to a fixed point before the next; in layer L an op
+sees and extends only its slots with slot_layer <= L (the others are as if absent), so
+what an earlier layer decided is there before a later layer's slots can compete with it.
+Every appended axis records the slot it came from and the layer (the origins).
 """
 
 import numpy as np
@@ -55,14 +66,20 @@ cdef class _Propagator:
     cdef int[::1] axis_size
     cdef signed char[:, ::1] axes
     cdef signed char[::1] naxes, factor_kind
-    cdef unsigned char[::1] fixed, dirty
-    # per-op scratch: the chosen axes of each factor
+    cdef unsigned char[::1] fixed, dirty, slot_layer
+    cdef int[:, ::1] origin_slot
+    cdef signed char[:, ::1] origin_layer
+    cdef int layer  # the layer being run
+    # per-op scratch: the chosen axes of each factor and the slot that offered them
     cdef signed char cand[MAX_FACTORS][MAX_AXES]
     cdef int cand_n[MAX_FACTORS]
+    cdef int cand_src[MAX_FACTORS]
     cdef long long cand_size[MAX_FACTORS]
+    # the candidates after _resolve: how many of each factor's axes it keeps
+    cdef int res_n[MAX_FACTORS]
 
-    cdef void _offer(self, int f, const signed char* ax, int n) noexcept nogil:
-        """Merge candidate `ax` for factor f."""
+    cdef void _offer(self, int f, const signed char* ax, int n, int s) noexcept nogil:
+        """Merge candidate `ax` for factor f, offered by slot s (which holds all of `ax`)."""
         cdef long long size
         if n == 0:
             return
@@ -77,6 +94,7 @@ cdef class _Propagator:
         for k in range(n):
             self.cand[f][k] = ax[k]
         self.cand_n[f] = n
+        self.cand_src[f] = s
         self.cand_size[f] = _size(ax, n, &self.axis_size[0])
 
     cdef void _collect(self, int op) noexcept nogil:
@@ -87,7 +105,10 @@ cdef class _Propagator:
         for f in range(self.factor_start[op + 1] - fb):
             self.cand_n[f] = 0
             self.cand_size[f] = 1
+            self.cand_src[f] = 0x7fffffff
         for s in range(self.slot_start[op], self.slot_start[op + 1]):
+            if self.slot_layer[s] > self.layer:
+                continue
             t = self.slot_tensor[s]
             for d in range(self.rank[t]):
                 sd = self.slot_dim_start[s] + d
@@ -113,42 +134,59 @@ cdef class _Propagator:
                             p *= asz
                             k += 1
                     if self.factor_kind[fb + f] != REPLICATE:
-                        self._offer(f, ax + start, k - start)
+                        self._offer(f, ax + start, k - start, s)
                     if p != fsize:
                         break
 
-    cdef void _resolve(self, int op) noexcept nogil:
-        """Give each axis to one factor only: larger splits first."""
+    cdef bint _resolve(self, int op, unsigned long long among) noexcept nogil:
+        """Give each axis to one of the factors in bit set `among` only (res_n[f]: how
+        many of cand[f] factor f keeps): larger splits first, then the candidate of the
+        earlier slot (as XLA prefers the first of equally specific operands). Returns
+        whether some factor lost axes."""
         cdef int nfac = self.factor_start[op + 1] - self.factor_start[op]
-        cdef int done[MAX_FACTORS]
+        cdef unsigned long long done = ~among
         cdef long long used = 0
-        cdef int i, f, best, k
-        for f in range(nfac):
-            done[f] = 0
-        for i in range(nfac):
+        cdef int f, best, k
+        cdef bint cut = False
+        while True:
             best = -1
             for f in range(nfac):
-                if not done[f] and (best < 0 or self.cand_size[f] > self.cand_size[best]):
+                if not (done >> f) & 1 and (best < 0 or self.cand_size[f] > self.cand_size[best] or (
+                        self.cand_size[f] == self.cand_size[best]
+                        and self.cand_src[f] < self.cand_src[best])):
                     best = f
-            done[best] = 1
+            if best < 0:
+                return cut
+            done |= 1ULL << best
+            self.res_n[best] = self.cand_n[best]
             for k in range(self.cand_n[best]):
                 if used & (1LL << self.cand[best][k]):
-                    self.cand_n[best] = k
+                    self.res_n[best] = k
+                    cut = True
                     break
                 used |= 1LL << self.cand[best][k]
-            self.cand_size[best] = _size(&self.cand[best][0], self.cand_n[best],
-                                         &self.axis_size[0])
 
-    cdef bint _project(self, int op) noexcept nogil:
-        """Extend the op's unfixed tensors to the chosen factor axes."""
+    cdef bint _project(self, int op, bint cut) noexcept nogil:
+        """Extend the op's unfixed tensors to the chosen factor axes. Where the op-wide
+        choice cut a factor's axes (`cut`), each tensor's factors are chosen among
+        themselves: an axis that went to a factor the tensor lacks stays free for it (as
+        XLA infers a dot operand from the result alone)."""
         cdef int s, t, d, sd, j, nf, f, k, n, td, d2, fb = self.factor_start[op]
         cdef signed char new[MAX_AXES]
+        cdef int new_src[MAX_AXES]
         cdef long long other, p, asz
+        cdef unsigned long long held
         cdef bint changed = False
         for s in range(self.slot_start[op], self.slot_start[op + 1]):
             t = self.slot_tensor[s]
-            if self.fixed[t]:
+            if self.fixed[t] or self.slot_layer[s] > self.layer:
                 continue
+            if cut:
+                held = 0
+                for sd in range(self.slot_dim_start[s], self.slot_dim_start[s] + self.rank[t]):
+                    for j in range(self.dim_factor_start[sd], self.dim_factor_start[sd + 1]):
+                        held |= 1ULL << self.dim_factors[j]
+                self._resolve(op, held)
             for d in range(self.rank[t]):
                 sd = self.slot_dim_start[s] + d
                 nf = self.dim_factor_start[sd + 1] - self.dim_factor_start[sd]
@@ -158,13 +196,14 @@ cdef class _Propagator:
                 for j in range(nf):
                     f = self.dim_factors[self.dim_factor_start[sd] + j]
                     p = 1
-                    for k in range(self.cand_n[f]):
+                    for k in range(self.res_n[f]):
                         asz = self.axis_size[self.cand[f][k]]
                         # in a dim of several factors each is split evenly
                         if n == MAX_AXES or (nf > 1 and self.factor_size[fb + f] % (p * asz)):
                             break
                         p *= asz
                         new[n] = self.cand[f][k]
+                        new_src[n] = self.cand_src[f]
                         n += 1
                     if p != self.factor_size[fb + f]:
                         break
@@ -179,51 +218,73 @@ cdef class _Propagator:
                 k = self.naxes[td]
                 while k < n and not (other & (1LL << new[k])):
                     self.axes[td, k] = new[k]
+                    self.origin_slot[td, k] = new_src[k]
+                    self.origin_layer[td, k] = self.layer
                     k += 1
                 if k > self.naxes[td]:
                     self.naxes[td] = k
                     changed = True
-                    self._mark_users(t)
+                    self._mark_users(t, op)
         return changed
 
-    cdef void _mark_users(self, int t) noexcept nogil:
+    cdef void _mark_users(self, int t, int op) noexcept nogil:
+        """Mark the ops of tensor t but `op`, which has just made its step."""
         cdef int i
         for i in range(self.tensor_op_start[t], self.tensor_op_start[t + 1]):
-            self.dirty[self.tensor_ops[i]] = 1
+            if self.tensor_ops[i] != op:
+                self.dirty[self.tensor_ops[i]] = 1
 
     cdef bint _step(self, int op) noexcept nogil:
+        cdef int nfac = self.factor_start[op + 1] - self.factor_start[op]
         self._collect(op)
-        self._resolve(op)
-        return self._project(op)
+        return self._project(op, self._resolve(
+            op, ~0ULL if nfac == 64 else (1ULL << nfac) - 1))
 
-    def run(self, int max_sweeps):
-        """Sweep forward and backward until nothing changes; returns the sweep count."""
+    cdef void _mark_layer(self, int layer) noexcept nogil:
+        """Mark the ops that gain a slot in `layer`; the others are at their fixed point
+        until a tensor of theirs changes."""
+        cdef int op, s
+        for op in range(self.slot_start.shape[0] - 1):
+            for s in range(self.slot_start[op], self.slot_start[op + 1]):
+                if self.slot_layer[s] == layer:
+                    self.dirty[op] = 1
+                    break
+
+    def run(self, int num_layers, int max_sweeps):
+        """Run each layer to its fixed point (sweeping forward and backward until nothing
+        changes); returns the total sweep count."""
         cdef int num_ops = self.slot_start.shape[0] - 1
-        cdef int sweep = 0, i, op
-        cdef bint changed = True
+        cdef int sweep = 0, i, op, start, layer
+        cdef bint changed
         with nogil:
-            while changed and sweep < max_sweeps:
-                changed = False
-                for i in range(num_ops):
-                    op = i if sweep % 2 == 0 else num_ops - 1 - i
-                    if self.dirty[op]:
-                        self.dirty[op] = 0
-                        if self._step(op):
-                            changed = True
-                sweep += 1
+            for layer in range(num_layers):
+                self.layer = layer
+                self._mark_layer(layer)
+                changed = True
+                start = sweep
+                while changed and sweep < max_sweeps:
+                    changed = False
+                    for i in range(num_ops):
+                        op = i if (sweep - start) % 2 == 0 else num_ops - 1 - i
+                        if self.dirty[op]:
+                            self.dirty[op] = 0
+                            if self._step(op):
+                                changed = True
+                    sweep += 1
         return sweep
 
 
 def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
                      factor_start, slot_tensor, slot_dim_start, dim_factor_start,
                      dim_factors, factor_size, factor_kind, tensor_op_start, tensor_ops,
+                     slot_layer, int num_layers, origin_slot, origin_layer,
                      int max_sweeps=1000):
-    """Run propagation in place on `axes`/`naxes`; returns the number of sweeps.
+    """Run propagation in place on `axes`/`naxes` (and the origins); returns the number
+    of sweeps over all layers.
 
-    Arrays are int32 except factor_size (int64), axes, naxes, factor_kind (int8) and
-    fixed (uint8); see the
-    module docstring for their meaning. An op may have at most 64 factors and a dim at
-    most 4 axes.
+    Arrays are int32 except factor_size (int64), axes, naxes, factor_kind, origin_layer
+    (int8) and fixed, slot_layer (uint8); see the module docstring for their meaning. An
+    op may have at most 64 factors and a dim at most 4 axes.
     """
     cdef _Propagator p = _Propagator()
     p.rank, p.dim_start, p.fixed = rank, dim_start, fixed
@@ -233,5 +294,44 @@ def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
     p.dim_factor_start, p.dim_factors = dim_factor_start, dim_factors
     p.factor_size, p.factor_kind = factor_size, factor_kind
     p.tensor_op_start, p.tensor_ops = tensor_op_start, tensor_ops
-    p.dirty = np.ones(len(slot_start) - 1, dtype=np.uint8)
-    return p.run(max_sweeps)
+    p.slot_layer, p.origin_slot, p.origin_layer = slot_layer, origin_slot, origin_layer
+    p.dirty = np.zeros(len(slot_start) - 1, dtype=np.uint8)
+    return p.run(num_layers, max_sweeps)
+
+
+def trace_axis(int t, int axis, const unsigned char[::1] fixed, const int[::1] rank,
+               const int[::1] dim_start, const signed char[:, ::1] axes, const signed char[::1] naxes,
+               const int[:, ::1] origin_slot, const signed char[:, ::1] origin_layer,
+               const int[::1] slot_tensor):
+    """Follow mesh axis `axis` of tensor t back to the fixed tensor it came from.
+
+    Returns (tensors, dims, slots, layers) as int arrays, one entry per tensor on the way,
+    t first and the seed last: tensor tensors[i] holds the axis on dim dims[i] and took it
+    from slot slots[i] (the seed's entries are -1) in layer layers[i]. Each hop goes to a
+    tensor that held the axis earlier, so the walk ends at a seed.
+    """
+    out_t, out_d, out_s, out_l = [], [], [], []
+    cdef int row, k, d, slot
+    while True:
+        row = -1
+        for d in range(rank[t]):
+            for k in range(naxes[dim_start[t] + d]):
+                if axes[dim_start[t] + d, k] == axis:
+                    row = dim_start[t] + d
+                    break
+            if row >= 0:
+                break
+        if row < 0:
+            raise ValueError(f"tensor {t} does not hold mesh axis {axis}")
+        out_t.append(t)
+        out_d.append(row - dim_start[t])
+        if fixed[t]:
+            out_s.append(-1)
+            out_l.append(-1)
+            break
+        slot = origin_slot[row, k]
+        out_s.append(slot)
+        out_l.append(origin_layer[row, k])
+        t = slot_tensor[slot]
+    return (np.asarray(out_t, np.int64), np.asarray(out_d, np.int64),
+            np.asarray(out_s, np.int64), np.asarray(out_l, np.int64))

@@ -1,4 +1,5 @@
-"""The propagation encoder shares one rule among nodes with equal rule keys, and only them."""
+"""The propagation encoder: one rule shared among nodes with equal rule keys, and only
+them; every op's slots."""
 
 import numpy as np
 import tensorflow as tf
@@ -6,7 +7,8 @@ from tensorflow.core.framework import attr_value_pb2
 
 import gspmd_tf as gt
 from gspmd_tf.graph.ir import Graph, Node, Ref
-from gspmd_tf.propagation.propagate import encode
+from gspmd_tf.layout import Layout
+from gspmd_tf.propagation.propagate import encode, run
 from gspmd_tf.registry import rule_for
 
 
@@ -36,3 +38,22 @@ def test_each_node_gets_its_own_rule():
     assert len(rules[three].operands) == 3
     for index, node in enumerate(g.nodes):
         assert rules[index] == rule_for(g, node), node.name
+
+
+def test_slots_of_many_operand_ops():
+    """More slots than the encoder first makes room for (AddN of four operands, five
+    slots a node): every op's slots are its operands then its result, in node order."""
+    g = Graph()
+    f32 = tf.float32
+    x = Ref(g.add(Node("x", "Placeholder", (), {}, [(4,)], [f32])), 0)
+    g.inputs.append(x)
+    for i in range(40):
+        x = Ref(g.add(Node(f"sum{i}", "AddN", (x, x, x, x), {}, [(4,)], [f32])), 0)
+    g.outputs.append(x)
+    mesh = gt.Mesh.abstract((2,), ("x",))
+    encoded = encode(g, mesh, {g.inputs[0]: Layout.from_spec(mesh, gt.P("x"), 1)})
+    slot_start, slot_tensor = encoded.core_args[6], encoded.core_args[8]
+    assert slot_start.tolist() == list(range(0, 5 * 40 + 1, 5))
+    assert slot_tensor.tolist() == [t for i in range(40) for t in (i, i, i, i, i + 1)]
+    run(encoded)
+    assert all(encoded.naxes[:41] == 1)  # the split reached every sum

@@ -269,11 +269,10 @@ XLA_DOTS = {
     # all-gather of the smaller rhs (2048); result P("model")
     "conflict_keep_larger_lhs": ("mk,kn->mn", ((512, 64), (64, 32)),
                                  (P("model", None), P("model", None)), None, 2048),
-    # all-gather of the smaller lhs (2048); result P(None, "model"): our propagation makes
-    # this result replicated (k and n tie for "model" and k comes first), so XLA's result
-    # sharding is given here; see test_conflicting_splits_keep_the_larger_operands
+    # all-gather of the smaller lhs (2048); result P(None, "model") (propagation chooses it
+    # too; see test_conflicting_splits_keep_the_larger_operands)
     "conflict_keep_larger_rhs": ("mk,kn->mn", ((32, 64), (64, 512)),
-                                 (P(None, "model"), P(None, "model")), (P(None, "model"),), 2048),
+                                 (P(None, "model"), P(None, "model")), None, 2048),
     # all-reduce of the partial result (4096); result P("data")
     "batch_and_contracting_2d": ("bk,kn->bn", ((64, 128), (128, 32)),
                                  (P("data", "model"), P("model", None)), None, 4096),
@@ -302,13 +301,13 @@ def test_dot_moves_no_more_bytes_than_xla(name):
 
 
 def test_conflicting_splits_keep_the_larger_operands():
-    # propagation gives the result no split (see XLA_DOTS); of the choices left, keeping
-    # the larger rhs's split and gathering the small lhs and the result beats moving the
-    # rhs to a contracting split (all-to-all) and all-reducing the partial result
+    # k and n tie for "model"; the result holds only n, so propagation splits it there, as
+    # XLA does; keeping the larger rhs's split and gathering the small lhs beats moving
+    # the rhs to a contracting split (all-to-all) and all-reducing the partial result
     equation, shapes, specs, _, _ = XLA_DOTS["conflict_keep_larger_rhs"]
     low = lower_einsum(equation, shapes, specs)
-    assert [(c.kind, c.bytes) for c in low.collectives()] == [
-        ("all-gather", 32 * 16 * 4), ("all-gather", 32 * 128 * 4)]
+    assert low.output_shardings[0] == gt.Sharding.from_spec(XLA_MESH, P(None, "model"), 2)
+    assert [(c.kind, c.bytes) for c in low.collectives()] == [("all-gather", 32 * 16 * 4)]
 
 
 @pytest.mark.parametrize("name", ["conflict_keep_larger_lhs", "conflict_keep_larger_rhs",

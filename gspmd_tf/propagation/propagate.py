@@ -4,31 +4,42 @@ Priority, highest first: (1) user annotations are fixed and never changed; (2) r
 extend every other tensor, one op at a time, adding mesh axes to dims but never removing
 them: an op gives each of its factors the most-split candidate its tensors offer, and
 a tensor dim takes its factors' axes when its current axes are a prefix of them.
-Sweeps alternate forward and backward over the graph until nothing changes. Tensors left
-without axes are replicated.
+Sweeps alternate forward and backward over the graph until nothing changes. (3) This
+runs in priority layers (LAYERS), each to its fixed point before the next: pass-through
+ops first, then all ops, then broadcasting operands, as XLA's aggressiveness levels.
+Tensors left without axes are replicated. Every propagated axis remembers where it came
+from (Propagation.origin).
 """
 
 from __future__ import annotations
 
 import gc
+import logging
+from dataclasses import dataclass
 
 import numpy as np
 
 from gspmd_tf import _encode, _propagation
+from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.registry import has_rule, rule_for
+
+log = logging.getLogger("gspmd_tf")
 
 # the core's limits (csrc/propagation.pyx): axes per dim, factors per op
 MAX_AXES = 4
 MAX_FACTORS = 64
+# the priority layers, in the order they run (ids as csrc/encode.pyx assigns them)
+LAYERS = ("pass-through", "all ops", "broadcast")
 
 
 class _LazyLayouts:
     """layouts[node][out] decoded from the core's arrays on first use."""
 
     def __init__(self, graph, names, tensor_base, dim_start, axes, naxes):
-        self._graph, self._names = graph, names
-        self._base, self._dim_start, self._axes, self._naxes = tensor_base, dim_start, axes, naxes
+        self._graph, self._names, self._axes = graph, names, axes
+        self._arrays = (tensor_base, dim_start, naxes)
+        self._lists = None  # the arrays as lists (faster to index), made on first use
         self._cache = {}
 
     def __len__(self):
@@ -36,84 +47,120 @@ class _LazyLayouts:
 
     def __getitem__(self, index):
         if index not in self._cache:
+            if self._lists is None:
+                self._lists = [a.tolist() for a in self._arrays]
+            base, dim_start, naxes = self._lists
             outs = []
             for k in range(len(self._graph.nodes[index].out_shapes)):
-                t = self._base[index] + k
-                rows = range(self._dim_start[t], self._dim_start[t + 1])
+                t = base[index] + k
+                rows = range(dim_start[t], dim_start[t + 1])
                 outs.append(Layout(tuple(
-                    tuple(self._names[a] for a in self._axes[r, :self._naxes[r]])
+                    tuple(self._names[a] for a in self._axes[r, :naxes[r]])
                     for r in rows)))
             self._cache[index] = outs
         return self._cache[index]
 
 
 class Propagation:
-    """Result: a Layout per tensor (layouts[node][out]) and the rule of every node."""
+    """Result: a Layout per tensor (layouts[node][out]), the rule of every node, and
+    where each tensor's sharding came from (origin)."""
 
-    def __init__(self, layouts, rules, sweeps):
+    def __init__(self, layouts, rules, sweeps, origins):
         self.layouts = layouts
         self.rules = rules
         self.sweeps = sweeps
+        self._origins = origins
 
     def layout(self, ref):
         """Layout of tensor `ref`."""
         return self.layouts[ref.node][ref.out]
 
+    def origin(self, tensor):
+        """Where the sharding of `tensor` (a Ref, or a name "op" / "op:k") came from: an
+        Origin per mesh axis splitting one of its dims, in dim order (empty when the
+        tensor is replicated)."""
+        return self._origins.of(tensor)
 
-def propagate(graph, mesh, seeds):
+
+def propagate(graph, mesh, seeds, layered=True):
     """Give every tensor of `graph` a Layout on `mesh`.
 
-    `seeds` maps Refs to the Layouts users asked for; those are fixed. Returns a
-    Propagation with the layouts and the OpRule of every node (None: no rule).
+    `seeds` maps Refs to the Layouts users asked for; those are fixed. With `layered`
+    False all ops take part from the start, in one layer (for comparison). Returns a
+    Propagation with the layouts, the OpRule of every node (None: no rule) and origins.
     """
-    encoded = encode(graph, mesh, seeds)
+    encoded = encode(graph, mesh, seeds, layered)
     sweeps = run(encoded)
     return decode(graph, mesh, encoded, sweeps)
 
 
 class Encoded:
     """The graph, its rules and seeds as the core's flat arrays (see
-    csrc/propagation.pyx for their meaning); `rules` holds each node's OpRule."""
+    csrc/propagation.pyx for their meaning); `rules` holds each node's OpRule,
+    `op_node` the node of each core op, `tensor_base` the first tensor id of each node,
+    `dim_start` the first dim row of each tensor (one more entry than tensors)."""
 
-    def __init__(self, rules, tensor_base, dim_start, axes, naxes, core_args):
+    def __init__(self, rules, tensor_base, dim_start, axes, naxes, op_node, core_args):
         self.rules = rules
         self.tensor_base = tensor_base
         self.dim_start = dim_start
         self.axes = axes
         self.naxes = naxes
+        self.op_node = op_node
         self.core_args = core_args
 
 
-def encode(graph, mesh, seeds):
-    """Encode `graph`, its rules and the fixed `seeds` for the core."""
+def encode(graph, mesh, seeds, layered=True):
+    """Encode `graph`, its rules and the fixed `seeds` for the core (one layer for all
+    ops unless `layered`)."""
     gc_was_enabled = gc.isenabled()
     gc.disable()  # the encoder allocates a few objects per op; collections would dominate
     try:
         (rules, rank, tensor_base, slot_tensor, dim_factors, dim_counts, factor_size,
-         factor_kind, op_slots, op_factors, tensor_op_start,
-         tensor_ops) = _encode.encode_rules(
+         factor_kind, op_slots, op_factors, tensor_op_start, tensor_ops, slot_layer,
+         op_node) = _encode.encode_rules(
             graph.nodes, has_rule, lambda i: rule_for(graph, graph.nodes[i]),
             MAX_FACTORS)
     finally:
         if gc_was_enabled:
             gc.enable()
-    base = tensor_base.tolist()
+    if not layered:
+        slot_layer[:] = 0
     dim_start = _offsets(rank)
     axes = np.full((max(int(dim_start[-1]), 1), MAX_AXES), -1, np.int8)
     naxes = np.zeros(len(axes), np.int8)
     fixed = np.zeros(len(rank), np.uint8)
     axis_id = {name: i for i, name in enumerate(mesh.axis_names)}
     for ref, layout in seeds.items():
-        t = base[ref.node] + ref.out
+        t = int(tensor_base[ref.node]) + ref.out
         for d, names in enumerate(layout.dims):
             axes[dim_start[t] + d, :len(names)] = [axis_id[n] for n in names]
             naxes[dim_start[t] + d] = len(names)
         fixed[t] = 1
+        _warn_size1_splits(graph, ref, layout)
     core_args = (rank, dim_start[:-1].copy(), fixed, axes, naxes,
                  np.asarray(mesh.shape, np.int32), _offsets(op_slots), _offsets(op_factors),
                  slot_tensor, _offsets(rank[slot_tensor]), _offsets(dim_counts), dim_factors,
-                 factor_size, factor_kind, tensor_op_start, tensor_ops)
-    return Encoded(rules, base, dim_start.tolist(), axes, naxes, core_args)
+                 factor_size, factor_kind, tensor_op_start, tensor_ops, slot_layer,
+                 len(LAYERS) if layered else 1,
+                 # origins: written by the core for every axis it appends, read for those only
+                 np.empty(axes.shape, np.int32), np.empty(axes.shape, np.int8))
+    return Encoded(rules, tensor_base, dim_start, axes, naxes, op_node, core_args)
+
+
+def _warn_size1_splits(graph, ref, layout):
+    """Say so when a user sharding splits a size-1 dim. The tensor keeps the split
+    exactly (as XLA does: one device holds the element, the others padding), but rules
+    give size-1 dims no factor, so no other tensor inherits it."""
+    shape = graph.shape(ref)
+    for d, names in enumerate(layout.dims):
+        if names and shape[d] == 1:
+            log.warning(
+                "gspmd_tf: tensor %r: dim %d has size 1 but its sharding splits it over "
+                "mesh axis %s; the tensor keeps this split (one device holds the element, "
+                "the others padding), but propagation does not carry a split of a size-1 "
+                "dim to other tensors; leave the dim unsplit (None) to avoid a reshard "
+                "there", graph.tensor_name(ref), d, " and ".join(repr(n) for n in names))
 
 
 def _offsets(counts):
@@ -130,7 +177,126 @@ def run(encoded):
 
 
 def decode(graph, mesh, encoded, sweeps):
-    """The Propagation of an encoded graph after `run` (layouts decoded lazily)."""
+    """The Propagation of an encoded graph after `run` (layouts and origins decoded
+    lazily)."""
     layouts = _LazyLayouts(graph, mesh.axis_names, encoded.tensor_base, encoded.dim_start,
-                           encoded.axes, encoded.naxes.tolist())
-    return Propagation(layouts, encoded.rules, sweeps)
+                           encoded.axes, encoded.naxes)
+    return Propagation(layouts, encoded.rules, sweeps, _Origins(graph, mesh, encoded))
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One op a mesh axis went through: `tensor` took it from `source` at op `op` (a
+    node name), `direction` "forward" (into a result) or "backward" (into an operand),
+    while priority layer `layer` ran (one of LAYERS)."""
+
+    source: str
+    op: str
+    op_type: str
+    direction: str
+    layer: str
+    tensor: str
+
+
+class Origin:
+    """Why dim `dim` of `tensor` is split over mesh axis `axis`: the user sharding of
+    tensor `seed` (`seed_kind`: "argument 0", "annotation", "out_shardings[0]",
+    "captured variable" or "user sharding") and the `hops` (Hop records) that carried
+    it here, seed first (none when `tensor` is the seed). The hops are decoded on first
+    use: a chain may run the length of the graph."""
+
+    __slots__ = ("tensor", "dim", "axis", "seed", "seed_kind", "num_hops", "_decode", "_hops")
+
+    def __init__(self, tensor, dim, axis, seed, seed_kind, num_hops, decode_hops):
+        self.tensor, self.dim, self.axis = tensor, dim, axis
+        self.seed, self.seed_kind, self.num_hops = seed, seed_kind, num_hops
+        self._decode, self._hops = decode_hops, None
+
+    @property
+    def hops(self):
+        """The Hops from the seed to the tensor (a tuple)."""
+        if self._hops is None:
+            self._hops = self._decode()
+        return self._hops
+
+    def __str__(self):
+        """One line, e.g. dim 1 of 'relu' split over 'model': argument 1 'w1' -> MatMul 'h'
+        (forward, all ops) -> 'h' -> Relu 'relu' (forward, all ops) -> 'relu'; a long
+        chain shows its first and last three hops."""
+        hops = list(self.hops)
+        if len(hops) > 6:
+            hops = hops[:3] + [f" -> ... {len(hops) - 6} more hops ..."] + hops[-3:]
+        path = "".join(h if isinstance(h, str) else
+                       f" -> {h.op_type} {h.op!r} ({h.direction}, {h.layer}) -> {h.tensor!r}"
+                       for h in hops)
+        return (f"dim {self.dim} of {self.tensor!r} split over {self.axis!r}: "
+                f"{self.seed_kind} {self.seed!r}{path}")
+
+    def __repr__(self):
+        return f"<Origin {self}>"
+
+
+class _Origins:
+    """Decodes the core's origin arrays on demand (nothing is done for tensors nobody
+    asks about)."""
+
+    def __init__(self, graph, mesh, encoded):
+        (self._rank, self._dim_start, self._fixed, self._axes, self._naxes, _,
+         self._slot_start, _, self._slot_tensor, *_, self._origin_slot,
+         self._origin_layer) = encoded.core_args
+        self._graph, self._names = graph, mesh.axis_names
+        self._base, self._op_node = encoded.tensor_base, encoded.op_node
+        self._seed_kinds = None
+
+    def of(self, tensor):
+        """The Origins of `tensor` (a Ref or a name)."""
+        ref = self._graph.ref(tensor) if isinstance(tensor, str) else tensor
+        t = int(self._base[ref.node]) + ref.out
+        start = self._dim_start[t]
+        return tuple(self._trace(t, int(self._axes[row, k]))
+                     for row in range(start, start + self._rank[t])
+                     for k in range(self._naxes[row]))
+
+    def _trace(self, t, axis):
+        """The Origin of mesh axis `axis` of tensor t."""
+        tensors, dims, slots, layers = _propagation.trace_axis(
+            t, axis, self._fixed, self._rank, self._dim_start, self._axes, self._naxes,
+            self._origin_slot, self._origin_layer, self._slot_tensor)
+        name = self._graph.tensor_name
+        seed = self._ref(tensors[-1:])[0]
+        return Origin(name(self._ref(tensors[:1])[0]), int(dims[0]), self._names[axis],
+                      name(seed), self._kind_of(seed), len(tensors) - 1,
+                      lambda: self._hops(tensors, slots, layers))
+
+    def _hops(self, tensors, slots, layers):
+        """Hop records from the walk of trace_axis (reversed: seed first)."""
+        graph = self._graph
+        nodes = graph.nodes
+        ops = np.searchsorted(self._slot_start, slots[:-1], side="right") - 1
+        op_nodes = self._op_node[ops].tolist()
+        refs = self._ref(tensors)
+        names = [graph.tensor_name(ref) for ref in refs]
+        return tuple(
+            Hop(names[i + 1], nodes[op_nodes[i]].name, nodes[op_nodes[i]].op,
+                "forward" if refs[i].node == op_nodes[i] else "backward",
+                LAYERS[layers[i]], names[i])
+            for i in reversed(range(len(op_nodes))))
+
+    def _ref(self, tensors):
+        """Refs of an array of tensor ids."""
+        nodes = np.searchsorted(self._base, tensors, side="right") - 1
+        return [Ref(n, o) for n, o in zip(nodes.tolist(), (tensors - self._base[nodes]).tolist())]
+
+    def _kind_of(self, ref):
+        """What kind of user sharding the seed `ref` is."""
+        if self._seed_kinds is None:
+            graph, kinds = self._graph, {}
+            first_capture = len(graph.inputs) - len(graph.captures)
+            for j, out in enumerate(graph.outputs):
+                kinds[out] = f"out_shardings[{j}]"
+            for i, arg in enumerate(graph.inputs):
+                kinds[arg] = "captured variable" if i >= first_capture else f"argument {i}"
+            for annotated in graph.annotations:
+                kinds[annotated] = "annotation"
+            self._seed_kinds = kinds
+        return self._seed_kinds.get(ref, "user sharding")
