@@ -12,10 +12,11 @@ from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh, P, PartitionSpec
 from gspmd_tf.runtime.function import Function, function
 from gspmd_tf.runtime.lowered import Collective, Lowered
+from gspmd_tf.runtime.lowering import lower
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable
 from gspmd_tf.sharding import Sharding
 
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
-           "Variable", "function", "keras", "mesh_split"]
+           "Variable", "function", "keras", "lower", "mesh_split"]

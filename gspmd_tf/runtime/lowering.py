@@ -1,0 +1,226 @@
+"""gt.lower: import, propagate and partition a traced program (the stages after tracing).
+
+gt.function traces its Python function once per input signature and hands the trace to
+`lower_graph`; `lower` is the same path for a program the caller has already traced (a
+ConcreteFunction or an imported Graph) or for a Python function and example arguments.
+"""
+
+from __future__ import annotations
+
+import time
+
+import tensorflow as tf
+
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.importer import import_graph
+from gspmd_tf.graph.ir import Graph
+from gspmd_tf.layout import Layout
+from gspmd_tf.mesh import Mesh, PartitionSpec
+from gspmd_tf.propagation.propagate import propagate
+from gspmd_tf.runtime.lowered import Lowered
+from gspmd_tf.runtime.variables import variable_of_handle
+from gspmd_tf.spmd.partitioner import partition
+
+
+def lower(fn, mesh, in_shardings=None, out_shardings=None, *, args=None, backend=None,
+          collective_timeout=None):
+    """Lower `fn` over `mesh` without running it: a gt.Lowered (shardings, collectives,
+    report(), compile()).
+
+    `fn` is one of
+      - a tf ConcreteFunction (`tf.function(f).get_concrete_function(*specs)`): its flat
+        tensor arguments are the program's inputs;
+      - a Graph of gspmd_tf.graph (already imported): its `inputs` before its captures;
+      - a Python function or tf.function, traced on `args` (values or tf.TensorSpec, in
+        the order of its parameters), exactly as `gt.function(fn, ...).lower(*args)`.
+    in_shardings: one entry per input (a PartitionSpec, a gt.Sharding, or None to infer);
+    out_shardings: one per flat output, likewise. `backend` / `collective_timeout` as in
+    gt.function (used by compile()). The returned object's `stage_seconds` gives the wall
+    time of import, propagate and partition.
+    """
+    from gspmd_tf.runtime.function import Function, local_backend
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(f"gt.lower needs a gt.Mesh, got {mesh!r}: build one with "
+                            "gt.Mesh.create(shape, axis_names) or gt.Mesh.abstract(...)")
+    if backend is not None and collective_timeout is not None:
+        raise ValueError("collective_timeout applies to the default backend: give it to "
+                         "your backend instead")
+    backend = backend or local_backend(collective_timeout)
+    traced = isinstance(fn, (Graph, tf.types.experimental.ConcreteFunction))
+    if not traced:
+        if args is None:
+            raise ShardingError(f"gt.lower({fn!r}): give args=(...) (values or "
+                                "tf.TensorSpec) to trace the function on, or pass a "
+                                "ConcreteFunction")
+        return Function(fn, mesh, in_shardings, out_shardings, backend).lower(*args)
+    if args is not None:
+        raise ShardingError("gt.lower: args are for a Python function; a ConcreteFunction "
+                            "or Graph is already traced")
+    start = time.perf_counter()
+    graph = fn if isinstance(fn, Graph) else import_graph(fn)
+    import_seconds = time.perf_counter() - start
+    count = len(graph.inputs) - len(graph.captures)
+    if in_shardings is None:
+        in_shardings = [None] * count
+    check_entries("in_shardings", in_shardings, "argument")
+    if len(in_shardings) != count:
+        raise ShardingError(f"gt.lower: the program has {count} inputs but in_shardings "
+                            f"has {len(in_shardings)} entries: give one per flat input "
+                            "(None to infer)")
+    name = getattr(fn, "name", None) or "program"
+    name = name.decode() if isinstance(name, bytes) else name
+    lowered = lower_graph(graph, mesh, in_shardings, [None] * count, out_shardings,
+                          backend, name, caller="gt.lower")
+    lowered.stage_seconds["import"] = import_seconds
+    if not isinstance(fn, Graph):
+        lowered.structured_outputs = fn.structured_outputs
+    return lowered
+
+
+def lower_graph(graph, mesh, entries, committed, out_shardings, backend_factory, name,
+                caller="gt.function"):
+    """Propagate and partition an imported graph: a Lowered.
+
+    entries: the in_shardings entry of each flat (non-captured) input; committed: the
+    layout such an input already has (a ShardedTensor's), used where its entry is None.
+    Captured gt.Variables enter in their own layouts. `name` (the function's) is used in
+    errors; the program is called "`caller` 'name'".
+    """
+    start = time.perf_counter()
+    seeds = {}
+    for i, ref in enumerate(graph.inputs[:len(entries)]):
+        what = f"argument {i} ({graph.tensor_name(ref)})"
+        layout = spec_layout(mesh, entries[i], len(graph.shape(ref)), what) or committed[i]
+        if layout is not None:
+            seeds[ref] = layout
+    for ref, value in zip(graph.inputs[len(entries):], graph.captures):
+        if graph.dtype(ref) == tf.resource:
+            seeds[ref] = _variable_layout(mesh, graph, ref, _captured_variable(graph, ref, value),
+                                          name)
+    _seed_annotations(mesh, graph, seeds)
+    out_layouts = _seed_outputs(mesh, graph, seeds, out_shardings, name)
+    propagation = propagate(graph, mesh, seeds)
+    propagated = time.perf_counter()
+    out_layouts = [l or propagation.layout(r) for l, r in zip(out_layouts, graph.outputs)]
+    program = partition(graph, mesh, propagation, out_layouts)
+    lowered = Lowered(mesh, graph, propagation, program, len(entries), set(seeds),
+                      backend_factory, name=f"{caller} {name!r}")
+    lowered.stage_seconds.update(propagate=propagated - start,
+                                 partition=time.perf_counter() - propagated)
+    return lowered
+
+
+def spec_layout(mesh, entry, rank, what):
+    """An in/out sharding entry as a Layout (None stays None)."""
+    from gspmd_tf.sharding import Sharding
+    if entry is None:
+        return None
+    if isinstance(entry, Sharding):
+        return entry.to_layout(mesh, rank, what)
+    if isinstance(entry, (PartitionSpec, tuple, list)):
+        return Layout.from_spec(mesh, PartitionSpec(*entry), rank, what)
+    raise ShardingError(f"{what}: expected a PartitionSpec, gt.Sharding or None, got {entry!r}")
+
+
+def check_entries(kind, entries, per):
+    """in/out_shardings must be a sequence with one entry per argument / flat output."""
+    if entries is not None and (isinstance(entries, PartitionSpec)
+                                or not isinstance(entries, (tuple, list))):
+        raise ShardingError(
+            f"{kind}={entries!r}: give a tuple with one entry per {per}, e.g. "
+            f"{kind}=(P('data'),) for one")
+
+
+def _variable_layout(mesh, graph, ref, variable, name):
+    """The layout captured gt.Variable `variable` enters the program with: its own on
+    its own mesh. From another mesh it is read-only (updates would have to reach
+    shards this program does not hold): its value enters resharded to its spec on
+    this mesh, or replicated where this mesh lacks the spec's axes."""
+    if variable.mesh == mesh:
+        return variable.layout
+    writer = _first_writer(graph, ref)
+    if writer is not None:
+        raise ShardingError(
+            f"{name} updates variable {variable.name!r} ({writer.op} "
+            f"{writer.name!r}) but runs on {_mesh_text(mesh)} while the variable "
+            f"lives on {_mesh_text(variable.mesh)}: run the function on the "
+            "variable's mesh, or make the variable on this mesh (e.g. gt.Variable("
+            "v.numpy(), mesh, spec)); reading a variable of another mesh works")
+    try:
+        return Layout.from_spec(mesh, variable.spec, len(variable.shape))
+    except ShardingError:
+        return Layout.replicated(len(variable.shape))
+
+
+def _seed_annotations(mesh, graph, seeds):
+    from gspmd_tf.sharding import Sharding
+    for ref, proto in graph.annotations.items():
+        tensor = graph.tensor_name(ref)
+        layout = Sharding.from_proto(proto).to_layout(
+            mesh, len(graph.shape(ref)), f"tensor {tensor!r}")
+        _add_seed(graph, seeds, ref, layout, f"annotation on {tensor!r}")
+
+
+def _seed_outputs(mesh, graph, seeds, out_shardings, name):
+    if out_shardings is None:
+        return [None] * len(graph.outputs)
+    check_entries("out_shardings", out_shardings, "flat output")
+    if len(out_shardings) != len(graph.outputs):
+        raise ShardingError(
+            f"{name} has {len(graph.outputs)} outputs but out_shardings has "
+            f"{len(out_shardings)} entries: give one per flat output")
+    layouts = []
+    for i, (ref, entry) in enumerate(zip(graph.outputs, out_shardings)):
+        layout = spec_layout(mesh, entry, len(graph.shape(ref)), f"output {i}")
+        if layout is not None:
+            _add_seed(graph, seeds, ref, layout, f"out_shardings[{i}]")
+        layouts.append(layout)
+    return layouts
+
+
+def _captured_variable(graph, ref, handle):
+    """The gt.Variable behind a captured resource; plain tf.Variables are refused."""
+    variable = variable_of_handle(handle)
+    if variable is None:
+        raise ShardingError(
+            f"the function captures a tf.Variable ({graph.tensor_name(ref)!r}) that is not a "
+            "gt.Variable; create it with gt.Variable(value, mesh=..., spec=...) so that "
+            "each device holds its shard")
+    return variable
+
+
+# ops that only read the variable behind their resource input
+_READ_ONLY = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather",
+                        "ResourceGatherNd"})
+
+
+def _first_writer(graph, ref):
+    """The first node that may update the variable of resource `ref` (anything but a
+    known read, through Identity), or None."""
+    users = graph.consumers()
+    pending = [ref.node]
+    while pending:
+        for user, _ in users[pending.pop()]:
+            node = graph.nodes[user]
+            if node.op == "Identity":
+                pending.append(user)
+            elif node.op not in _READ_ONLY:
+                return node
+    return None
+
+
+def _mesh_text(mesh):
+    """A mesh's shape and devices, for errors about two meshes with the same axes."""
+    names = [d.rsplit("device:", 1)[-1] for d in mesh.devices]
+    return f"{mesh!r} (devices {', '.join(names)})"
+
+
+def _add_seed(graph, seeds, ref, layout, what):
+    """Record a user sharding; two different ones on one tensor cannot both hold."""
+    old = seeds.get(ref)
+    if old is not None and old != layout:
+        raise ShardingError(
+            f"tensor {graph.tensor_name(ref)!r} has two shardings that cannot both hold: "
+            f"{old.to_spec()!r} and {layout.to_spec()!r} ({what}); remove one of them or "
+            "annotate a copy (tf.identity) instead")
+    seeds[ref] = layout
