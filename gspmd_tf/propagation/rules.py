@@ -36,6 +36,15 @@ class OpRule:
     results: list = field(default_factory=list)
     reduce_op: str = "sum"
 
+    def key(self):
+        """A hashable value, equal for rules that are equal (for memoising what depends
+        only on the rule, such as the partitioner's decisions)."""
+        def tensors(all_dims):
+            return tuple(None if dims is None else tuple(tuple(fs) for fs in dims)
+                         for dims in all_dims)
+        return (tuple(self.factor_sizes), tuple(self.factor_kinds), tensors(self.operands),
+                tensors(self.results), self.reduce_op)
+
     def add_factor(self, size, kind=PASS):
         """A new factor; returns its id."""
         self.factor_sizes.append(int(size))
