@@ -26,7 +26,10 @@ on an abstract mesh (gt.Mesh.abstract: no devices, nothing runs). Two sweeps:
      shapes (8: 2x4, 64: 8x8, 512: 16x32, 2048: 32x64); --devices= (empty) skips it.
 Each cell is the median of --repeats runs after one untimed warm-up run. Stage times are
 wall-clock; "total CPU ms" is the process CPU time of the whole lowering (less sensitive
-to other load on a shared machine than wall time). Model sizes default to ones every mesh axis
+to other load on a shared machine than wall time). gt.lower pauses Python's garbage
+collector (see docs/INTERNALS.md); "GC after ms" is the full collection run right after
+each lowering (gc.collect()), not in the total: an upper bound on what the paused
+collections cost later. Model sizes default to ones every mesh axis
 divides (d_model 1024 = 64 heads x 16, d_ff 4096, vocab 32768, batch 64), so the same
 program splits evenly on every mesh.
 """
@@ -116,8 +119,11 @@ def lower_once(program, mesh):
     lowered = gt.lower(concrete, mesh, in_shardings, out_shardings)
     t1 = time.perf_counter()
     c1 = time.process_time()
+    # gt.lower pauses Python's GC; the collection its garbage triggers later is timed here
+    gc.collect()
+    t2 = time.perf_counter()
     nodes = lowered.program.graph.nodes
-    return {**lowered.stage_seconds, "total": t1 - t0, "cpu": c1 - c0,
+    return {**lowered.stage_seconds, "total": t1 - t0, "cpu": c1 - c0, "gc": t2 - t1,
             "ops": len(lowered.graph.nodes), "program_ops": len(nodes),
             "collectives": sum(1 for n in nodes if n.op in COLLECTIVES),
             "sweeps": lowered.propagation.sweeps}
@@ -141,22 +147,24 @@ def measure(program, meshes, repeats):
     out = []
     for mesh_runs in runs:
         r = {k: statistics.median(run[k] for run in mesh_runs)
-             for k in ("import", "propagate", "partition", "total", "cpu")}
+             for k in ("import", "propagate", "partition", "total", "cpu", "gc")}
         r.update({k: mesh_runs[0][k] for k in ("ops", "program_ops", "collectives", "sweeps")})
         out.append(r)
     return out
 
 
 HEADER = ("| {first} | traced ops | SPMD ops | collectives | import ms | propagate ms "
-          "| partition ms | total ms | total CPU ms | CPU µs/op | (trace s, not in total) |")
-RULE = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+          "| partition ms | total ms | total CPU ms | CPU µs/op | GC after ms "
+          "| (trace s, not in total) |")
+RULE = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 
 
 def row(first, r, trace_s):
     return (f"| {first} | {r['ops']} | {r['program_ops']} | {r['collectives']} "
             f"| {r['import'] * 1e3:.1f} | {r['propagate'] * 1e3:.1f} "
             f"| {r['partition'] * 1e3:.1f} | {r['total'] * 1e3:.1f} "
-            f"| {r['cpu'] * 1e3:.1f} | {r['cpu'] / r['ops'] * 1e6:.0f} | {trace_s} |")
+            f"| {r['cpu'] * 1e3:.1f} | {r['cpu'] / r['ops'] * 1e6:.0f} | {r['gc'] * 1e3:.1f} "
+            f"| {trace_s} |")
 
 
 def main(argv):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-import time
 import types
 
 import numpy as np
@@ -13,10 +12,9 @@ import tensorflow as tf
 from tensorflow.python.eager import record
 
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.graph.importer import import_graph
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.runtime.arguments import Arguments, is_static, signature_of
-from gspmd_tf.runtime.lowering import check_entries, lower_graph
+from gspmd_tf.runtime.lowering import check_entries, lower_traced
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
 from gspmd_tf.runtime.variables import variable_of_handle
 
@@ -199,15 +197,8 @@ class Function:
         return self._keyword_functions[key]
 
     def _build(self, arguments, specs, entries, committed):
-        concrete = self._trace(arguments, specs)
-        start = time.perf_counter()
-        graph = import_graph(concrete)
-        imported = time.perf_counter()
-        lowered = lower_graph(graph, self.mesh, entries, committed, self.out_shardings,
-                              self._backend_factory, self.name)
-        lowered.stage_seconds["import"] = imported - start
-        lowered.structured_outputs = concrete.structured_outputs
-        return lowered
+        return lower_traced(self._trace(arguments, specs), self.mesh, entries, committed,
+                            self.out_shardings, self._backend_factory, self.name)
 
     # ----------------------------------------------------------------- running
     def __call__(self, *args, **kwargs):

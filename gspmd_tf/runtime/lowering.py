@@ -1,12 +1,13 @@
 """gt.lower: import, propagate and partition a traced program (the stages after tracing).
 
 gt.function traces its Python function once per input signature and hands the trace to
-`lower_graph`; `lower` is the same path for a program the caller has already traced (a
+`lower_traced`; `lower` is the same path for a program the caller has already traced (a
 ConcreteFunction or an imported Graph) or for a Python function and example arguments.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 
 import tensorflow as tf
@@ -56,61 +57,77 @@ def lower(fn, mesh, in_shardings=None, out_shardings=None, *, args=None, backend
     if args is not None:
         raise ShardingError("gt.lower: args are for a Python function; a ConcreteFunction "
                             "or Graph is already traced")
-    start = time.perf_counter()
-    graph = fn if isinstance(fn, Graph) else import_graph(fn)
-    import_seconds = time.perf_counter() - start
-    count = len(graph.inputs) - len(graph.captures)
-    if in_shardings is None:
-        in_shardings = [None] * count
     check_entries("in_shardings", in_shardings, "argument")
-    if len(in_shardings) != count:
-        raise ShardingError(f"gt.lower: the program has {count} inputs but in_shardings "
-                            f"has {len(in_shardings)} entries: give one per flat input "
-                            "(None to infer)")
     name = getattr(fn, "name", None) or "program"
     name = name.decode() if isinstance(name, bytes) else name
-    lowered = lower_graph(graph, mesh, in_shardings, [None] * count, out_shardings,
-                          backend, name, caller="gt.lower")
-    lowered.stage_seconds["import"] = import_seconds
-    if not isinstance(fn, Graph):
-        lowered.structured_outputs = fn.structured_outputs
-    return lowered
+    return lower_traced(fn, mesh, in_shardings, None, out_shardings, backend, name,
+                        caller="gt.lower")
 
 
-def lower_graph(graph, mesh, entries, committed, out_shardings, backend_factory, name,
-                caller="gt.function"):
-    """Propagate and partition an imported graph: a Lowered.
+def lower_traced(traced, mesh, entries, committed, out_shardings, backend_factory, name,
+                 caller="gt.function"):
+    """Import (unless `traced` is already a Graph), propagate and partition: a Lowered.
 
-    entries: the in_shardings entry of each flat (non-captured) input; committed: the
-    layout such an input already has (a ShardedTensor's), used where its entry is None.
-    Captured gt.Variables enter in their own layouts. `name` (the function's) is used in
-    errors; the program is called "`caller` 'name'".
+    entries: the in_shardings entry of each flat (non-captured) input (None: all None);
+    committed: the layout such an input already has (a ShardedTensor's), used where its
+    entry is None (None: no input has one). Captured gt.Variables enter in their own
+    layouts. `name` (the function's) is used in errors; the program is called
+    "`caller` 'name'".
     """
+    # Lowering allocates several objects per op; with TF's hundreds of thousands of live
+    # objects every garbage collection this triggers walks them all, which doubled the
+    # time of a large program. Its garbage is freed by reference counting; any cycles
+    # wait for the next collection.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _lower_traced(traced, mesh, entries, committed, out_shardings,
+                             backend_factory, name, caller)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_factory, name,
+                  caller):
     start = time.perf_counter()
+    graph = traced if isinstance(traced, Graph) else import_graph(traced)
+    imported = time.perf_counter()
+    count = len(graph.inputs) - len(graph.captures)
+    entries = [None] * count if entries is None else entries
+    committed = [None] * count if committed is None else committed
+    if len(entries) != count:
+        raise ShardingError(f"{caller} {name!r}: the program has {count} inputs but "
+                            f"in_shardings has {len(entries)} entries: give one per flat "
+                            "input (None to infer)")
     seeds = {}
-    for i, ref in enumerate(graph.inputs[:len(entries)]):
-        what = f"argument {i} ({graph.tensor_name(ref)})"
-        layout = spec_layout(mesh, entries[i], len(graph.shape(ref)), what) or committed[i]
+    spec_layouts = _SpecLayouts(mesh)
+    for i, ref in enumerate(graph.inputs[:count]):
+        layout = spec_layouts(entries[i], len(graph.shape(ref)),
+                         lambda: f"argument {i} ({graph.tensor_name(ref)})") or committed[i]
         if layout is not None:
             seeds[ref] = layout
-    for ref, value in zip(graph.inputs[len(entries):], graph.captures):
+    for ref, value in zip(graph.inputs[count:], graph.captures):
         if graph.dtype(ref) == tf.resource:
             seeds[ref] = _variable_layout(mesh, graph, ref, _captured_variable(graph, ref, value),
                                           name)
     _seed_annotations(mesh, graph, seeds)
-    out_layouts = _seed_outputs(mesh, graph, seeds, out_shardings, name)
+    out_layouts = _seed_outputs(spec_layouts, graph, seeds, out_shardings, name)
     propagation = propagate(graph, mesh, seeds)
     propagated = time.perf_counter()
     out_layouts = [l or propagation.layout(r) for l, r in zip(out_layouts, graph.outputs)]
     program = partition(graph, mesh, propagation, out_layouts)
-    lowered = Lowered(mesh, graph, propagation, program, len(entries), set(seeds),
-                      backend_factory, name=f"{caller} {name!r}")
-    lowered.stage_seconds.update(propagate=propagated - start,
-                                 partition=time.perf_counter() - propagated)
+    lowered = Lowered(mesh, graph, propagation, program, count, set(seeds), backend_factory,
+                      name=f"{caller} {name!r}")
+    lowered.stage_seconds.update({"import": imported - start,
+                                  "propagate": propagated - imported,
+                                  "partition": time.perf_counter() - propagated})
+    if not isinstance(traced, Graph):
+        lowered.structured_outputs = traced.structured_outputs
     return lowered
 
 
-def spec_layout(mesh, entry, rank, what):
+def _spec_layout(mesh, entry, rank, what):
     """An in/out sharding entry as a Layout (None stays None)."""
     from gspmd_tf.sharding import Sharding
     if entry is None:
@@ -120,6 +137,25 @@ def spec_layout(mesh, entry, rank, what):
     if isinstance(entry, (PartitionSpec, tuple, list)):
         return Layout.from_spec(mesh, PartitionSpec(*entry), rank, what)
     raise ShardingError(f"{what}: expected a PartitionSpec, gt.Sharding or None, got {entry!r}")
+
+
+class _SpecLayouts:
+    """_spec_layout memoised by (entry, rank): a stack of layers repeats a few specs
+    thousands of times. `what()` names the tensor, for errors."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self._memo = {}
+
+    def __call__(self, entry, rank, what):
+        try:
+            key = (entry, rank)
+            return self._memo[key]
+        except KeyError:
+            layout = self._memo[key] = _spec_layout(self.mesh, entry, rank, what())
+            return layout
+        except TypeError:  # an unhashable entry (a list)
+            return _spec_layout(self.mesh, entry, rank, what())
 
 
 def check_entries(kind, entries, per):
@@ -161,7 +197,7 @@ def _seed_annotations(mesh, graph, seeds):
         _add_seed(graph, seeds, ref, layout, f"annotation on {tensor!r}")
 
 
-def _seed_outputs(mesh, graph, seeds, out_shardings, name):
+def _seed_outputs(spec_layouts, graph, seeds, out_shardings, name):
     if out_shardings is None:
         return [None] * len(graph.outputs)
     check_entries("out_shardings", out_shardings, "flat output")
@@ -171,7 +207,7 @@ def _seed_outputs(mesh, graph, seeds, out_shardings, name):
             f"{len(out_shardings)} entries: give one per flat output")
     layouts = []
     for i, (ref, entry) in enumerate(zip(graph.outputs, out_shardings)):
-        layout = spec_layout(mesh, entry, len(graph.shape(ref)), f"output {i}")
+        layout = spec_layouts(entry, len(graph.shape(ref)), lambda: f"output {i}")
         if layout is not None:
             _add_seed(graph, seeds, ref, layout, f"out_shardings[{i}]")
         layouts.append(layout)

@@ -8,7 +8,6 @@ result to the layout propagation chose for it. Ops without a rule run replicated
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 
@@ -87,7 +86,7 @@ class OpContext:
 
     def local_shape(self, layout, k=0):
         """Local shape of result k under `layout`."""
-        return layout.local_shape(self.mesh, self.node.out_shapes[k])
+        return self.p.local_shape(layout, self.node.out_shapes[k])
 
 
 class Decision:
@@ -223,6 +222,7 @@ class Partitioner:
         self._resharded = {}
         self._decisions = {}
         self._rule_keys = {}
+        self._local_shapes = {}
         self.replicated_ops = []
 
     def decide(self, rule, inputs, targets, node):
@@ -242,8 +242,19 @@ class Partitioner:
                 _choose_factor_axes(self.b.mesh, rule, inputs, targets, node))
         return decision
 
+    def local_shape(self, layout, shape):
+        """Local shape of a tensor of global `shape` under `layout` (cached: repeated
+        layers ask for the same few)."""
+        key = (layout.dims, shape)
+        local = self._local_shapes.get(key)
+        if local is None:
+            local = self._local_shapes[key] = layout.local_shape(self.b.mesh, shape)
+        return local
+
     def reshard(self, local, layout):
         """Cached reshard of a program tensor."""
+        if local.layout == layout:  # most requests: no lookup, no hashing of layouts
+            return local
         key = (local.ref, layout)
         if key not in self._resharded:
             self._resharded[key] = reshard(self.b, local, layout)
@@ -313,14 +324,4 @@ _SILENT_REPLICATED = frozenset({"Shape", "Size", "Rank", "NoOp", "Range"})
 
 def partition(graph, mesh, propagation, output_layouts):
     """The SPMD program of `graph` (see Partitioner)."""
-    # Partitioning allocates several objects per op; with TF's hundreds of thousands of
-    # live objects, the garbage collections this triggers would double its time (as in
-    # the importer and the propagation encoder). Its garbage is freed by reference
-    # counting; any cycles wait for the next collection.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return Partitioner(graph, mesh, propagation).run(output_layouts)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    return Partitioner(graph, mesh, propagation).run(output_layouts)
