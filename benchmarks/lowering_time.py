@@ -27,9 +27,9 @@ on an abstract mesh (gt.Mesh.abstract: no devices, nothing runs). Two sweeps:
 Each cell is the median of --repeats runs after one untimed warm-up run. Stage times are
 wall-clock; "total CPU ms" is the process CPU time of the whole lowering (less sensitive
 to other load on a shared machine than wall time). gt.lower pauses Python's garbage
-collector (see docs/INTERNALS.md); "GC after ms" is the full collection run right after
-each lowering (gc.collect()), not in the total: an upper bound on what the paused
-collections cost later. Model sizes default to ones every mesh axis
+collector (see docs/INTERNALS.md); "GC after ms" is a full collection run right after
+each lowering (gc.collect()), not in the total; --no_gc_pause lowers with the collector
+running, as before the pause, to compare both. Model sizes default to ones every mesh axis
 divides (d_model 1024 = 64 heads x 16, d_ff 4096, vocab 32768, batch 64), so the same
 program splits evenly on every mesh.
 """
@@ -43,6 +43,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,6 +66,9 @@ SEQ = flags.DEFINE_integer("seq", 128, "sequence length")
 BATCH = flags.DEFINE_integer("batch", 64, "batch size")
 NO_GC = flags.DEFINE_bool("disable_gc", False,
                           "turn Python's cyclic GC off while timing (to see its share)")
+NO_PAUSE = flags.DEFINE_bool("no_gc_pause", False,
+                             "keep Python's GC running inside gt.lower (which pauses it), "
+                             "to measure what the pause saves")
 
 MESHES = {8: (2, 4), 64: (8, 8), 512: (16, 32), 2048: (32, 64)}
 FFN_WEIGHT_SPECS = ((None, "model"), ("model",), ("model",), ())  # W1, b1, W2, b2
@@ -113,14 +117,21 @@ def lower_once(program, mesh):
     import gspmd_tf as gt
     from gspmd_tf.spmd.program import COLLECTIVES
 
+    from gspmd_tf.runtime import lowering
+
     concrete, in_shardings, out_shardings = program
+    if NO_PAUSE.value:  # gt.lower's gc.disable() becomes a no-op (the importer and the
+        lowering.gc = types.SimpleNamespace(  # encoder still pause it on their own)
+            isenabled=gc.isenabled, disable=lambda: None, enable=gc.enable)
     c0 = time.process_time()
     t0 = time.perf_counter()
-    lowered = gt.lower(concrete, mesh, in_shardings, out_shardings)
+    try:
+        lowered = gt.lower(concrete, mesh, in_shardings, out_shardings)
+    finally:
+        lowering.gc = gc
     t1 = time.perf_counter()
     c1 = time.process_time()
-    # gt.lower pauses Python's GC; the collection its garbage triggers later is timed here
-    gc.collect()
+    gc.collect()  # a full collection after each lowering, timed on its own
     t2 = time.perf_counter()
     nodes = lowered.program.graph.nodes
     return {**lowered.stage_seconds, "total": t1 - t0, "cpu": c1 - c0, "gc": t2 - t1,
@@ -181,7 +192,8 @@ def main(argv):
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, "
           f"python {platform.python_version()}; load average at start "
           f"{os.getloadavg()[0]:.2f}; median of {REPEATS.value} repeats; "
-          f"Python GC {'off' if NO_GC.value else 'on'} while timing; model "
+          f"Python GC {'off' if NO_GC.value else 'on'} while timing"
+          f"{', not paused inside gt.lower' if NO_PAUSE.value else ''}; model "
           f"{MODEL.value} {base}\n")
 
     print(f"## layer sweep, abstract mesh 2x4 (data, model)\n")
