@@ -90,6 +90,7 @@ def lower_traced(traced, mesh, entries, committed, out_shardings, backend_factor
 
 def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_factory, name,
                   caller):
+    """lower_traced with the garbage collector paused."""
     start = time.perf_counter()
     graph = traced if isinstance(traced, Graph) else import_graph(traced)
     imported = time.perf_counter()
@@ -109,8 +110,8 @@ def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_facto
             seeds[ref] = layout
     for ref, value in zip(graph.inputs[count:], graph.captures):
         if graph.dtype(ref) == tf.resource:
-            seeds[ref] = _variable_layout(mesh, graph, ref, _captured_variable(graph, ref, value),
-                                          name)
+            variable = _captured_variable(graph, ref, value)
+            seeds[ref] = _variable_layout(mesh, graph, ref, variable, name)
     _seed_annotations(mesh, graph, seeds)
     out_layouts = _seed_outputs(spec_layouts, graph, seeds, out_shardings, name)
     propagation = propagate(graph, mesh, seeds)

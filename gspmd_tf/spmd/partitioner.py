@@ -48,7 +48,8 @@ class OpContext:
         self.rule = rule
         self.targets = targets
         self.inputs = [partitioner.values[r] for r in self.node.inputs]
-        self.decision = partitioner.decide(rule, self.inputs, targets, self.node) if rule else None
+        self.decision = (partitioner.decide(rule, self.inputs, targets, self.node)
+                         if rule else None)
         self.factor_axes = self.decision.factor_axes if rule else None
 
     def reshard(self, local, layout):
