@@ -24,6 +24,9 @@ import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("GSPMD_TF_COLLECTIVE_TIMEOUT", "20")
+# TF's own kernels as the reference (oneDNN's softmax of NaN/Inf rows depends on the CPU:
+# see tests/conftest.py)
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -107,7 +107,7 @@ def main(argv):
     from gspmd_tf import _propagation
     from gspmd_tf.layout import Layout
     from gspmd_tf.propagation.propagate import decode, encode, run
-    from gspmd_tf.propagation.rules import rule_for
+    from gspmd_tf.registry import rule_for
 
     shape = tuple(int(s) for s in MESH.value.split(","))
     mesh = gt.Mesh.abstract(shape, ("data", "model"))

@@ -10,6 +10,7 @@ from gspmd_tf.annotations import mesh_split
 from gspmd_tf.devices import configure_cpu_devices
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh, P, PartitionSpec
+from gspmd_tf.registry import register_op
 from gspmd_tf.runtime.function import Function, function
 from gspmd_tf.runtime.lowered import Collective, Lowered
 from gspmd_tf.runtime.lowering import lower
@@ -19,4 +20,4 @@ from gspmd_tf.sharding import Sharding
 
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
-           "Variable", "function", "keras", "lower", "mesh_split"]
+           "Variable", "function", "keras", "lower", "mesh_split", "register_op"]

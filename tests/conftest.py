@@ -8,6 +8,10 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Backends read this: a collective that cannot complete fails instead of hanging.
 os.environ.setdefault("GSPMD_TF_COLLECTIVE_TIMEOUT", "60")
+# The single-device reference is TF's own kernels. oneDNN's float32 softmax (on by default
+# for x86) depends on the CPU's vector width for NaN/Inf rows: on AVX-512 a row with one
+# NaN gives [nan, 0, ..., 0, nan] where TF's kernel, float64 and log_softmax give NaN.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

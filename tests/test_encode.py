@@ -7,7 +7,7 @@ from tensorflow.core.framework import attr_value_pb2
 import gspmd_tf as gt
 from gspmd_tf.graph.ir import Graph, Node, Ref
 from gspmd_tf.propagation.propagate import encode
-from gspmd_tf.propagation.rules import rule_for
+from gspmd_tf.registry import rule_for
 
 
 def _graph():

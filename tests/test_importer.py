@@ -30,7 +30,8 @@ def producer(graph, ref):
 
 
 def check_well_formed(graph):
-    """Topological order, wiring in range, shapes as int tuples, unique names."""
+    """Topological order, wiring in range, shapes as int tuples, unique names; the same
+    in every region, with one parameter per region operand."""
     assert len({n.name for n in graph.nodes}) == len(graph.nodes)
     for i, n in enumerate(graph.nodes):
         assert all(ref.node < i and ref.out < len(graph.nodes[ref.node].out_shapes)
@@ -39,6 +40,9 @@ def check_well_formed(graph):
         assert len(n.out_shapes) == len(n.out_dtypes)
         assert all(isinstance(d, int) for s in n.out_shapes for d in s)
         assert not any(k.startswith("_") for k in n.attrs), n
+        for region in n.regions:
+            check_well_formed(region)
+            assert len(region.inputs) == len(n.region_operands()), n
     assert not {"NoOp", "PartitionedCall", "StatefulPartitionedCall"} & set(ops_of(graph))
 
 
@@ -235,7 +239,10 @@ def test_functional_control_flow_is_kept_whole():
     loop = next(n for n in g.nodes if "While" in n.op)
     # loop counter, maximum iterations, i, y
     assert loop.out_shapes == [(), (), (), (2, 2)]
-    assert loop.attr("body") is not None
+    cond, body = loop.regions  # the bodies, imported as regions, not inlined
+    assert [body.shape(r) for r in body.outputs] == loop.out_shapes
+    assert [n.op for n in body.nodes if n.op == "Mul"] == ["Mul"]
+    assert "Mul" not in ops_of(g)
 
 
 def test_unknown_dim_raises_naming_the_tensor():

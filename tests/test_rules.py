@@ -1,4 +1,4 @@
-"""The sharding rule of every op type in RULES, checked in its printed (Shardy) form.
+"""The sharding rule of every op type with a rule in the op registry, checked in its printed (Shardy) form.
 
 Each row traces a tiny TF function holding the op, imports it and prints rule_for of the
 op's node. The expected texts say what the rule must be: letters are factors in order of
@@ -13,7 +13,9 @@ from tensorflow.python.framework import op_def_registry
 
 import gspmd_tf as gt
 from gspmd_tf.graph import import_graph
-from gspmd_tf.propagation.rules import BINARY, RULES, UNARY, einsum_rule, rule_for
+from gspmd_tf.propagation.rules import einsum_rule
+from gspmd_tf.registry import ops_with_rules, rule_for
+from gspmd_tf.spmd.handlers.replayed import BINARY, UNARY
 from util import check_partitioned
 
 
@@ -49,7 +51,7 @@ UNARY_ATTRS = {"Cast": {"DstT": tf.int32}, "CheckNumerics": {"message": "m"},
                "EnsureShape": {"shape": [4, 6]}}
 UNARY_ROWS = [(op, raw(op, **UNARY_ATTRS.get(op, {})),
                [boolean(4, 6) if op == "LogicalNot" else f32(4, 6)], SAME_2D)
-              for op in UNARY if op != "XlaSharding"]
+              for op in UNARY + ["EnsureShape"]]
 
 BROADCAST = "([i, 1, k], [j, k])->([i, j, k]) {i=4, j=5, k=6}"
 BITWISE = {"LogicalAnd": boolean, "LogicalOr": boolean, "BitwiseAnd": i32, "BitwiseOr": i32,
@@ -106,10 +108,10 @@ VARIABLE_ROWS = [(op, with_variables(op), [f32(4, 6)], text + " {i=4, j=6}")
                  for op, text in VARIABLE_EXPECTED.items()]
 
 
-def read(shape):
+def read(shape, batch_dims=0):
     variable = tf.Variable(tf.zeros(shape))
     return lambda i: tf.raw_ops.ResourceGather(resource=variable.handle, indices=i,
-                                               dtype=tf.float32)
+                                               dtype=tf.float32, batch_dims=batch_dims)
 
 
 def conv(op_type, x, w, y, **attrs):
@@ -271,6 +273,12 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
      "([i, j], [k], _)->([i, k]) {i=10, j=6, k=5} reduction={j}"),
     ("ResourceGather", read((10, 6)), [i32(4)],
      "([i, j], [k])->([k, j]) {i=10, j=6, k=4} reduction={i}"),
+    # batch_dims: the leading dims of table and indices are one factor (a parallel gather)
+    ("GatherV2", lambda t, i: tf.gather(t, i, axis=2, batch_dims=1),
+     [f32(6, 5, 7, 8), i32(6, 3)],
+     "([i, j, k, l], [i, m], _)->([i, j, m, l]) {i=6, j=5, k=7, l=8, m=3} reduction={k}"),
+    ("ResourceGather", read((6, 7, 8), batch_dims=1), [i32(6, 3)],
+     "([i, j, k], [i, l])->([i, l, k]) {i=6, j=7, k=8, l=3} reduction={j}"),
     ("OneHot", lambda i: tf.one_hot(i, 5), [i32(4)], "([i], _, _, _)->([i, j]) {i=4, j=5}"),
     ("Const", lambda x: x + tf.constant(np.ones((4, 6), np.float32)), [f32(4, 6)],
      "()->([i, j]) {i=4, j=6}"),
@@ -296,7 +304,7 @@ def test_rule_of_op(op_type, fn, specs, expected):
 
 
 def test_every_op_with_a_rule_has_a_row():
-    assert sorted(set(RULES) - {row[0] for row in ROWS}) == []
+    assert sorted(set(ops_with_rules()) - {row[0] for row in ROWS}) == []
 
 
 def test_printed_form_of_a_long_rule():

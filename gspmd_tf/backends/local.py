@@ -3,7 +3,8 @@
 One tf.function holds the whole program for every device: each node is emitted once per
 device under tf.device, gt.* collectives become TF collective ops (see collectives.py),
 gt.Permute becomes point-to-point copies, and TF's multi-device function runtime runs the
-per-device parts concurrently.
+per-device parts concurrently. A control-flow op (a node with regions) is re-created on
+each device with TF functions built from its regions.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import threading
 import tensorflow as tf
 from tensorflow.python.eager import context, execute
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import ops
+from tensorflow.python.ops import control_flow_util_v2
 
 from gspmd_tf.backends import base, collectives
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import REGION_OPS
 
 _COLLECTIVES = (base.ALL_REDUCE, base.ALL_GATHER, base.REDUCE_SCATTER, base.ALL_TO_ALL)
 
@@ -201,6 +205,8 @@ class _Lowering:
             return self._collective(node)
         if node.op.startswith("gt."):
             raise ShardingError(f"LocalBackend cannot lower {node.op} (node {node.name})")
+        if node.regions:
+            return _region_op(node, self.devices)
         return _tf_op(node, self.devices)
 
     def _collective(self, node):
@@ -370,3 +376,69 @@ def _permute(pairs):
             return tf.identity(ins[0][source_of[d]])
         return tf.zeros_like(ins[0][d])
     return emit
+
+
+def _region_op(node, devices):
+    """Emitter of a control-flow op (a node with regions): the TF op re-created on device
+    d, each of its function attrs naming a TF function built from its region for d.
+
+    The regions run whole: they hold TF ops only, no gt.* ops (see docs/INTERNALS.md,
+    "Regions")."""
+    attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
+    name = _safe_name(node.name)
+
+    def emit(d, ins):
+        functions = iter([_region_function(region, devices[d], f"{name}_region{k}_d{d}")
+                          for k, region in enumerate(node.regions)])
+        op_attrs = dict(attrs)
+        for attr in REGION_OPS[node.op][0]:
+            if attrs[attr].HasField("list"):  # list(func): one region per function
+                count = len(attrs[attr].list.func)
+                op_attrs[attr] = attr_value_pb2.AttrValue(
+                    list=attr_value_pb2.AttrValue.ListValue(func=[
+                        attr_value_pb2.NameAttrList(name=next(functions))
+                        for _ in range(count)]))
+            else:
+                op_attrs[attr] = attr_value_pb2.AttrValue(
+                    func=attr_value_pb2.NameAttrList(name=next(functions)))
+        return ops.get_default_graph()._create_op_internal(
+            node.op, [x[d] for x in ins], dtypes=node.out_dtypes, attrs=op_attrs,
+            name=f"{name}_d{d}")
+    return emit
+
+
+def _region_function(region, device, name):
+    """Builds a TF function running the Graph `region` whole on `device`, adds it to the
+    current graph's library, and returns its (unique) name."""
+    signature = [tf.TensorSpec(() if node.out_dtypes[0] in (tf.resource, tf.variant)
+                               else node.out_shapes[0], node.out_dtypes[0])
+                 for node in (region.nodes[ref.node] for ref in region.inputs)]
+
+    def body(*args):
+        with tf.device(device):
+            return _lower_region(region, args, device)
+    # unique: every traced program registers its functions in one eager context
+    graph = func_graph_module.func_graph_from_py_func(
+        f"{name}_{ops.uid()}", body, None, None, signature=signature,
+        add_control_dependencies=True)
+    return control_flow_util_v2.create_new_tf_function(graph)
+
+
+def _lower_region(region, args, device):
+    """Emits the nodes of `region` on `device` into the current graph, its inputs bound
+    to the tensors `args`; returns the tensors of its outputs."""
+    bound = {ref.node: arg for ref, arg in zip(region.inputs, args)}
+    values, op_of = [], []  # per node: its output tensors; its tf.Operation
+    for index, node in enumerate(region.nodes):
+        if index in bound:
+            values.append([bound[index]])
+            op_of.append(bound[index].op)
+            continue
+        emit = _region_op(node, [device]) if node.regions else _tf_op(node, [device])
+        with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
+            result = emit(0, [[values[ref.node][ref.out]] for ref in node.inputs])
+        outs = result.outputs if isinstance(result, ops.Operation) else [result]
+        _set_shapes(node, outs)
+        values.append(outs)
+        op_of.append(result if isinstance(result, ops.Operation) else result.op)
+    return [values[ref.node][ref.out] for ref in region.outputs]

@@ -8,8 +8,8 @@ arithmetic out of the partitioner (where it would run replicated, without a rule
 
 `fold(graph)` rewrites the IR in place:
   - Shape/ShapeN/Size/Rank of any tensor become constants (every shape is static);
-  - pure ops (FOLDABLE) whose inputs are all constants, and whose result is small, are
-    evaluated with TF (eagerly, on the CPU) and become constants;
+  - pure ops (declared fold=FOLD_VALUES in the op registry) whose inputs are all
+    constants, and whose result is small, are evaluated with TF (eagerly, on the CPU) and become constants;
   - tensors the importer left with an unknown shape (outputs of VALUE_SHAPED ops, whose
     shape depends on input values, and their consumers) get the shape of their folded
     value, or else the shape TF's shape inference gives once the inputs are constants;
@@ -29,6 +29,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Node, Ref
+from gspmd_tf.registry import FOLD_SHAPE, FOLD_VALUES, op_def
 
 MAX_ELEMENTS = 100_000  # no folded constant is larger
 SMALL_FLOAT = 64  # floating results larger than their inputs fold only up to this size
@@ -36,19 +37,6 @@ SMALL_FLOAT = 64  # floating results larger than their inputs fold only up to th
 # Ops whose output shapes depend on their input VALUES: TF's shape inference may leave
 # them unknown; the importer defers them (and their unknown-shaped consumers) to fold().
 VALUE_SHAPED = frozenset({"BroadcastGradientArgs", "DynamicStitch", "ListDiff"})
-
-SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
-
-# Pure ops (no state, no randomness, value-determined results) folded on constants.
-FOLDABLE = frozenset("""
-Pack Unpack ConcatV2 Concat ConcatOffset StridedSlice Slice Cast Bitcast
-Add AddV2 Sub Mul Div RealDiv FloorDiv FloorMod TruncateDiv TruncateMod Maximum Minimum
-Neg Abs Sign Square Range Reshape Prod Sum Max Min Mean All Any
-Fill GatherV2 Gather GatherNd DynamicStitch Identity IdentityN Snapshot StopGradient
-ExpandDims Squeeze Transpose ReverseV2 Equal NotEqual Less LessEqual Greater GreaterEqual
-LogicalAnd LogicalOr LogicalNot Select SelectV2 ZerosLike OnesLike Tile BroadcastTo
-InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff
-""".split())
 
 
 def fold(graph):
@@ -98,10 +86,10 @@ def _const_of(graph, ref, values):
 
 def _fold_node(graph, index, node, values, unknown):
     """The constant outputs of `node` (list of np.ndarray), or None when it stays."""
-    op = node.op
-    if op in SHAPE_OPS:
+    folds = op_def(node.op).fold
+    if folds == FOLD_SHAPE:
         return _shape_op(graph, node, unknown)
-    if op not in FOLDABLE or not node.inputs:
+    if folds != FOLD_VALUES or not node.inputs:
         return None
     shapes_known = all((index, k) not in unknown for k in range(len(node.out_shapes)))
     if shapes_known:

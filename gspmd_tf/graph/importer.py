@@ -8,6 +8,11 @@ handle data), so TF's shape inference gives every inlined tensor its shape at th
 site. Annotations are read from `_XlaSharding` attrs and XlaSharding ops, in the traced
 graph and in inlined bodies alike. Call ops and NoOps add no node (control edges on them
 are re-routed); every other op, Identity included, becomes one node.
+
+Control-flow ops (While, If, Case and their Stateless forms) are not inlined: their bodies
+are imported the same way, each into a Graph of its own (a region of the op's node), fed
+with placeholders of the op's operand shapes; the placeholders are the region's inputs and
+the body's returned tensors its outputs.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from tensorflow.python.ops import handle_data_util
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.fold import VALUE_SHAPED, fold
-from gspmd_tf.graph.ir import Graph, Node, Ref
+from gspmd_tf.graph.ir import REGION_OPS, Graph, Node, Ref
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 # Handles: their shape is () whatever they point to, and TF may leave it unknown.
@@ -73,11 +78,11 @@ def import_graph(fn, inputs=None, outputs=None) -> Graph:
 class _Importer:
     """Walks a graph and the bodies of the functions it calls, appending IR nodes."""
 
-    def __init__(self, root):
+    def __init__(self, root, bodies=None):
         self.root = root  # where the function library lives
         self.ir = Graph()
         self.ir.unknown_shapes = {}  # Ref -> tf.TensorShape, left to fold() to resolve
-        self.bodies = {}  # (function name, feeds) -> _Body
+        self.bodies = {} if bodies is None else bodies  # (function name, feeds) -> _Body
 
     def run(self, graph, inputs, outputs):
         """Imports `graph`; returns the IR and the Refs of `inputs` and `outputs`."""
@@ -116,6 +121,10 @@ class _Importer:
                                                 inputs, deps)
             else:
                 outs = op.outputs
+                regions = ()
+                if op_type in REGION_OPS:
+                    _check_loop_shapes(op, name)
+                    regions = self.regions(op, name, inputs)
                 # shapes that depend on values (of constants, once folded): see fold.py
                 unknown = self.ir.unknown_shapes
                 defer = op_type in VALUE_SHAPED or (
@@ -129,7 +138,7 @@ class _Importer:
                     attrs={k: v for k, v in node_def.attr.items() if k[0] != "_"},
                     out_shapes=[s or () for s in shapes],
                     out_dtypes=[t.dtype for t in outs],
-                    control_inputs=deps))
+                    control_inputs=deps, regions=regions))
                 for k, shape in enumerate(shapes):
                     if shape is None:
                         unknown[Ref(index, k)] = outs[k].shape
@@ -138,14 +147,18 @@ class _Importer:
             self.annotate(op, node_def, outs)
         return refs, control
 
-    def inline(self, op, callee, name, inputs, deps):
-        """Inlines the call `op` under `name/`; returns its output Refs and control."""
-        feeds = tuple(_feed(t, self.ir.shape(ref)) for t, ref in zip(op.inputs, inputs))
+    def body(self, callee, feeds):
+        """The _Body of function `callee` fed with `feeds` (imported once per feeds)."""
         key = (callee, tuple((dtype, shape, data and data.SerializeToString())
                              for dtype, shape, data in feeds))
         if key not in self.bodies:
             self.bodies[key] = _Body.of_function(self.root, callee, feeds)
-        body = self.bodies[key]
+        return self.bodies[key]
+
+    def inline(self, op, callee, name, inputs, deps):
+        """Inlines the call `op` under `name/`; returns its output Refs and control."""
+        feeds = tuple(_feed(t, self.ir.shape(ref)) for t, ref in zip(op.inputs, inputs))
+        body = self.body(callee, feeds)
         bound = {arg.op: ref for arg, ref in zip(body.args, inputs)}
         refs, control = self.walk(body.graph, name + "/", bound, deps)
         outs = [refs[t.op][t.value_index] for t in body.outputs]
@@ -155,6 +168,43 @@ class _Importer:
         # for functions with control outputs, i.e. every tf.function).
         waits = [i for c in body.control_outputs for i in control[c]]
         return outs, list(dict.fromkeys(waits))
+
+    def regions(self, op, name, inputs):
+        """The bodies of control-flow op `op` (IR node `name`, input Refs `inputs`) as
+        region Graphs, in REGION_OPS order, named `name/<attr>/...`."""
+        attr_names, first = REGION_OPS[op.type]
+        feeds = []
+        for t, ref in list(zip(op.inputs, inputs))[first:]:
+            if ref in self.ir.unknown_shapes:
+                raise ShardingError(
+                    f"op '{name}' ({op.type}) takes '{t.name}', whose shape depends on "
+                    "values gspmd-tf cannot fold to constants; give that tensor a static "
+                    "shape (e.g. tf.ensure_shape) before the control-flow op")
+            feeds.append(_feed(t, self.ir.shape(ref)))
+        feeds = tuple(feeds)
+        regions = []
+        for attr in attr_names:
+            value = op.node_def.attr[attr]
+            if value.HasField("list"):  # Case's branches: one region per function
+                labelled = [(f"{attr}_{k}", f.name) for k, f in enumerate(value.list.func)]
+            else:
+                labelled = [(attr, value.func.name)]
+            for label, callee in labelled:
+                regions.append(self.region(self.body(callee, feeds), f"{name}/{label}/"))
+        return regions
+
+    def region(self, body, prefix):
+        """`body` imported into a Graph of its own (names prefixed by `prefix`): its
+        argument placeholders are the Graph's inputs, its returned tensors its outputs."""
+        child = _Importer(self.root, self.bodies)
+        refs, _ = child.walk(body.graph, prefix, {}, [])
+        region = child.ir
+        region.inputs = [refs[arg.op][0] for arg in body.args]
+        region.outputs = [refs[t.op][t.value_index] for t in body.outputs]
+        for arg, ref in zip(body.args, region.inputs):
+            if arg.dtype == tf.resource:
+                _record_variable(arg, region.nodes[ref.node])
+        return fold(region)
 
     def annotate(self, op, node_def, outs):
         """Records the sharding `op` carries (if any) on its output tensors `outs`."""
@@ -204,7 +254,7 @@ class _Body:
             for name, (dtype, shape, handle_data) in zip(arg_names, feeds):
                 op_name = name.split(":")[0]
                 arg = tf.compat.v1.placeholder(dtype, shape, name=op_name)
-                if handle_data is not None:  # the variable's shape, for ReadVariableOp
+                if handle_data is not None:  # for ReadVariableOp, TensorListGetItem...
                     handle_data_util.set_handle_data(arg, handle_data)
                 self.args.append(arg)
                 for key in (name, "^" + op_name):
@@ -235,9 +285,10 @@ class _Body:
 def _feed(tensor, shape):
     """(dtype, shape, handle data or None) of a placeholder standing for `tensor`."""
     handle_data = None
-    if tensor.dtype == tf.resource:
-        # A handle is a scalar to TF (the IR gives it its variable's shape instead);
-        # the variable's shape travels in the handle data.
+    if tensor.dtype in _HANDLE_DTYPES:
+        # A handle is a scalar to TF (the IR gives a variable's handle its variable's
+        # shape instead); the variable's shape, or a TensorList's element shape, travels
+        # in the handle data.
         shape = ()
         handle_data = handle_data_util.get_resource_handle_data(tensor)
         if not handle_data.is_set:
@@ -271,6 +322,28 @@ def _topological(graph):
                 stack.pop()
                 order.append((op,) + edges[op])
     return order
+
+
+def _check_loop_shapes(op, name):
+    """ShardingError when an output of control-flow op `op` (IR node `name`) has a shape
+    TF leaves unknown: a loop-carried value whose shape changes between iterations, or
+    branches returning different shapes."""
+    for t in op.outputs:
+        if t.dtype in _HANDLE_DTYPES or t.shape.is_fully_defined():
+            continue
+        label = f"{name}:{t.value_index}"
+        if "While" in op.type:
+            raise ShardingError(
+                f"loop '{name}' ({op.type}) carries '{label}' with shape {t.shape}: its shape "
+                "may change between iterations (relaxed by shape_invariants, or not "
+                "inferable by TF); gspmd-tf needs every loop-carried value to keep one "
+                "static shape: drop the shape_invariants and keep the shape fixed (e.g. "
+                "preallocate the full size and write into it, or collect values in a "
+                "tf.TensorArray)")
+        raise ShardingError(
+            f"op '{name}' ({op.type}) returns '{label}' with shape {t.shape}: its branches "
+            "return different shapes; gspmd-tf needs static shapes: make every branch "
+            "return the same shape (e.g. pad to the largest)")
 
 
 def _static_shape(tensor, name, nested, defer=False):

@@ -9,18 +9,34 @@ import numpy as np
 Ref = namedtuple("Ref", "node out")
 Ref.__doc__ = "A tensor: output `out` of the node at index `node`."
 
+# Control-flow ops whose bodies are regions: op type -> (the function attrs holding the
+# bodies, in region order; the position of the first op input passed to the bodies).
+# A list(func) attr (Case's branches) gives one region per function.
+REGION_OPS = {
+    "While": (("cond", "body"), 0),
+    "StatelessWhile": (("cond", "body"), 0),
+    "If": (("then_branch", "else_branch"), 1),
+    "StatelessIf": (("then_branch", "else_branch"), 1),
+    "Case": (("branches",), 1),
+    "StatelessCase": (("branches",), 1),
+}
+
 
 class Node:
     """One op: TF op type and attrs (to re-create it), inputs, output shapes and dtypes.
 
     `params` holds python values for gspmd-tf's own ops (gt.*) in SPMD programs.
+    `regions` holds the bodies of a control-flow op (REGION_OPS) as Graphs, in the order
+    REGION_OPS gives (While: cond, body; If: then, else; Case: one per branch); each
+    region's inputs are its parameters, fed by `region_operands()`, and its outputs its
+    results (see docs/INTERNALS.md, "Regions").
     """
 
     __slots__ = ("name", "op", "inputs", "control_inputs", "attrs", "out_shapes",
-                 "out_dtypes", "params")
+                 "out_dtypes", "params", "regions")
 
     def __init__(self, name, op, inputs=(), attrs=None, out_shapes=(), out_dtypes=(),
-                 control_inputs=(), params=None):
+                 control_inputs=(), params=None, regions=()):
         self.name = name
         self.op = op
         self.inputs = list(inputs)
@@ -29,6 +45,12 @@ class Node:
         self.out_shapes = [tuple(s) for s in out_shapes]
         self.out_dtypes = list(out_dtypes)
         self.params = dict(params or {})
+        self.regions = list(regions)
+
+    def region_operands(self):
+        """The inputs passed to every region's parameters, in order (While: all of them;
+        If/Case: all but the predicate or branch index)."""
+        return self.inputs[REGION_OPS[self.op][1]:] if self.regions else []
 
     def attr(self, name, default=None):
         """The TF attr `name` decoded to a python value (default when absent)."""
@@ -79,6 +101,8 @@ class Graph:
     holds the captured values (same order as the tail of `inputs`); `annotations` maps a
     tensor to the gt.Sharding a user asked for. `aliases` maps names ("op:k") of tensors
     that have no node of their own (outputs of inlined function calls) to their Ref.
+    A region (a body of a control-flow op, Node.regions) is a Graph whose inputs are its
+    parameters (Placeholder nodes) and whose outputs are its results.
     """
 
     def __init__(self):

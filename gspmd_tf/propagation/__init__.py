@@ -1,4 +1,3 @@
-"""Sharding propagation: op rules (rules.py, windowed.py) and the driver (propagate.py)."""
-
-# rules first: it registers the windowed rules, which import it back
-from gspmd_tf.propagation import rules  # noqa: F401
+"""Sharding propagation: rule builders (rules.py, windowed.py) and the driver
+(propagate.py). Which builder serves which op type is the op registry's
+(gspmd_tf/registry.py)."""

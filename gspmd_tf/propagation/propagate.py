@@ -16,7 +16,7 @@ import numpy as np
 
 from gspmd_tf import _encode, _propagation
 from gspmd_tf.layout import Layout
-from gspmd_tf.propagation.rules import RULES, rule_for
+from gspmd_tf.registry import has_rule, rule_for
 
 # the core's limits (csrc/propagation.pyx): axes per dim, factors per op
 MAX_AXES = 4
@@ -92,7 +92,7 @@ def encode(graph, mesh, seeds):
         (rules, rank, tensor_base, slot_tensor, dim_factors, dim_counts, factor_size,
          factor_kind, op_slots, op_factors, tensor_op_start,
          tensor_ops) = _encode.encode_rules(
-            graph.nodes, RULES.__contains__, lambda i: rule_for(graph, graph.nodes[i]),
+            graph.nodes, has_rule, lambda i: rule_for(graph, graph.nodes[i]),
             MAX_FACTORS)
     finally:
         if gc_was_enabled:

@@ -1,9 +1,11 @@
 """Sharding rules: for each op type, how operand and result dims map to factors.
 
 A rule is data (an OpRule): the op's factors (sizes and kinds) and, for every operand and
-result, the factors each of its dims is made of, major to minor. Propagation and the
-generic partitioner read only OpRules; the table RULES at the bottom says which rule
-builder serves each op type, with its parameters. A new op is one table entry.
+result, the factors each of its dims is made of, major to minor, plus typed parameters
+its emitter needs (`params`). Propagation and the generic partitioner read only OpRules.
+This module holds the rule builders; which builder serves each op type, with which
+parameters, is the op registry's (gspmd_tf/registry.py). Windowed ops' builders are in
+windowed.py.
 
 Factor kinds:
   PASS         the same index in every tensor that has it (may be split anywhere)
@@ -28,6 +30,9 @@ class OpRule:
     operands[i] is None for an input that is not a data tensor (a shape, an axis list);
     otherwise a tuple with, per dim, a tuple of factor ids (empty for a size-1 dim that
     broadcasts). `reduce_op` says how REDUCE factors combine (sum, max, min, prod).
+    `params` is a typed record of what the op's emitter needs that the rule already
+    worked out (a windowed op's geometry, a gather's axis...), or None; it is not part
+    of the printed form.
     """
 
     factor_sizes: list = field(default_factory=list)
@@ -35,10 +40,12 @@ class OpRule:
     operands: list = field(default_factory=list)
     results: list = field(default_factory=list)
     reduce_op: str = "sum"
+    params: object = None
 
     def key(self):
-        """A hashable value, equal for rules that are equal (for memoising what depends
-        only on the rule, such as the partitioner's decisions)."""
+        """A hashable value, equal for rules with the same factors, dims and reduce op
+        (`params` left out): for memoising what depends only on those, such as the
+        partitioner's choice of factor axes."""
         def tensors(all_dims):
             return tuple(None if dims is None else tuple(tuple(fs) for fs in dims)
                          for dims in all_dims)
@@ -134,8 +141,8 @@ def _letters(n, offset=0):
 
 
 # ----------------------------------------------------------------------------- builders
-# Each builder takes a RuleContext (and table parameters) and returns an OpRule or None
-# (None: no rule for this instance; the op then runs replicated).
+# Each builder takes a RuleContext (and its parameters from the op registry) and returns
+# an OpRule or None (None: no rule for this instance; the op then runs replicated).
 
 
 def elementwise(ctx, data_inputs=None):
@@ -211,6 +218,13 @@ def bias_add(ctx):
                        ctx.out_shapes[0])
 
 
+@dataclass(frozen=True)
+class ReductionParams:
+    """OpRule.params of a reduction (Sum, Mean, ArgMax...): its reduced dims, sorted."""
+
+    axes: tuple
+
+
 def _axes(ctx, i, rank):
     value = ctx.const(i)
     if value is None:
@@ -234,6 +248,7 @@ def reduction(ctx, reduce_op):
             if shape[d] > 1:
                 rule.factor_kinds[rule.operands[0][d][0]] = REDUCE
     rule.operands.append(None)
+    rule.params = ReductionParams(tuple(axes))
     return rule
 
 
@@ -247,6 +262,7 @@ def arg_reduction(ctx):
     out = "".join(l for d, l in enumerate(letters) if d not in axes)
     rule = einsum_rule(f"{letters}->{out}", [shape], ctx.out_shapes[0], "arg")
     rule.operands.append(None)
+    rule.params = ReductionParams(tuple(axes))
     return rule
 
 
@@ -441,28 +457,39 @@ def strided_slice(ctx):
     return rule
 
 
-def gather_axis(ctx):
-    """The gathered table dim of GatherV2 (its axis input) or ResourceGather (dim 0);
-    None when not a constant."""
-    if ctx.node.op == "ResourceGather":
-        return 0
-    axis = ctx.const(2)
-    return None if axis is None else int(axis) % len(ctx.in_shapes[0])
+@dataclass(frozen=True)
+class GatherParams:
+    """OpRule.params of GatherV2/ResourceGather: the gathered table dim, and how many
+    leading dims table and indices share (batch_dims)."""
+
+    axis: int
+    batch_dims: int
 
 
 def gather(ctx):
     """GatherV2/ResourceGather: indices dims and the table's other dims pass; the gathered
-    table dim is REDUCE (masked local lookup, then all-reduce of the partial result)."""
+    table dim is REDUCE (masked local lookup, then all-reduce of the partial result).
+    The first batch_dims dims of table and indices are one PASS factor each, shared with
+    the result: a parallel gather, each device looking up its own batch, as XLA does."""
     table, indices = ctx.in_shapes[0], ctx.in_shapes[1]
-    axis = gather_axis(ctx)
     batch_dims = ctx.node.attr("batch_dims") or 0
-    if axis is None or batch_dims:
+    if batch_dims < 0:
+        batch_dims += len(indices)
+    if ctx.node.op == "ResourceGather":  # gathers the first dim after the batch
+        axis = batch_dims
+    else:
+        axis = ctx.const(2)
+        if axis is None:
+            return None
+        axis = int(axis) % len(table)
+    if not 0 <= batch_dims <= min(axis, len(indices)):
         return None
     t = _letters(len(table))
-    ind = _letters(len(indices), len(table))
-    out = t[:axis] + ind + t[axis + 1:]
+    ind = t[:batch_dims] + _letters(len(indices) - batch_dims, len(table))
+    out = t[:axis] + ind[batch_dims:] + t[axis + 1:]
     rule = einsum_rule(f"{t},{ind}->{out}", [table, indices], ctx.out_shapes[0])
     rule.operands += [None] * (len(ctx.in_shapes) - 2)
+    rule.params = GatherParams(axis, batch_dims)
     return rule
 
 
@@ -524,7 +551,7 @@ def squeeze_or_expand(ctx):
 
 
 # ------------------------------------------------------------------ gradient-side ops
-# Ops TF's gradient code emits (besides elementwise *Grad ops, which are in BINARY).
+# Ops TF's gradient code emits (besides elementwise *Grad ops, served by elementwise).
 
 
 def bias_add_grad(ctx):
@@ -611,90 +638,10 @@ def select_v1(ctx):
                        ctx.out_shapes[0])
 
 
-# ----------------------------------------------------------------------------- the table
-
-UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
-Floor Identity Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike Reciprocal
-Relu Relu6 Rint Round Rsqrt Selu Sigmoid Sign Sin Sinh Softplus Softsign Sqrt Square Tan
-Tanh ZerosLike Cast StopGradient PreventGradient Snapshot CheckNumerics LeakyRelu
-XlaSharding EnsureShape""".split()
-
-BINARY = """Add AddV2 Sub Mul Div DivNoNan RealDiv FloorDiv FloorMod TruncateDiv TruncateMod
-Maximum Minimum Pow SquaredDifference Equal NotEqual Less LessEqual Greater GreaterEqual
-LogicalAnd LogicalOr Atan2 Xdivy Xlogy Xlog1py MulNoNan BitwiseAnd BitwiseOr BitwiseXor
-ReluGrad Relu6Grad TanhGrad SigmoidGrad SoftplusGrad RsqrtGrad SqrtGrad EluGrad
-SeluGrad LeakyReluGrad ReciprocalGrad""".split()
-
-VARIABLE_OPS = """ReadVariableOp AssignVariableOp AssignAddVariableOp AssignSubVariableOp
-ResourceApplyGradientDescent ResourceApplyMomentum ResourceApplyKerasMomentum
-ResourceApplyAdam ResourceApplyAdamWithAmsgrad ResourceApplyAdagrad ResourceApplyAdagradV2
-ResourceApplyRMSProp ResourceApplyCenteredRMSProp ResourceApplyAdadelta ResourceApplyAdaMax
-ResourceApplyFtrl ResourceApplyFtrlV2 ResourceApplyProximalGradientDescent
-ResourceApplyProximalAdagrad ResourceApplyAddSign ResourceApplyPowerSign""".split()
-
-RULES = {
-    **{op: (elementwise,) for op in UNARY + BINARY},
-    "AddN": (elementwise,),
-    "Bitcast": (bitcast,),
-    "Select": (select_v1,),
-    "SelectV2": (elementwise,),
-    "MatMul": (matmul,),
-    "BatchMatMul": (batch_matmul,),
-    "BatchMatMulV2": (batch_matmul,),
-    "BatchMatMulV3": (batch_matmul,),
-    "Einsum": (einsum,),
-    "BiasAdd": (bias_add,),
-    "BiasAddV1": (bias_add,),
-    "Sum": (reduction, "sum"),
-    "Mean": (reduction, "sum"),
-    "Max": (reduction, "max"),
-    "Min": (reduction, "min"),
-    "Prod": (reduction, "prod"),
-    "All": (reduction, "min"),
-    "Any": (reduction, "max"),
-    "ArgMax": (arg_reduction,),
-    "ArgMin": (arg_reduction,),
-    "Softmax": (last_dim_normalizer,),
-    "LogSoftmax": (last_dim_normalizer,),
-    "SparseSoftmaxCrossEntropyWithLogits": (cross_entropy, True),
-    "SoftmaxCrossEntropyWithLogits": (cross_entropy, False),
-    "Transpose": (transpose,),
-    "Reshape": (reshape,),
-    "ExpandDims": (squeeze_or_expand,),
-    "Squeeze": (squeeze_or_expand,),
-    "ConcatV2": (concat,),
-    "Slice": (same_rank_slicing,),
-    "StridedSlice": (strided_slice,),
-    "Pad": (same_rank_slicing,),
-    "PadV2": (same_rank_slicing,),
-    "Tile": (tile,),
-    "GatherV2": (gather,),
-    "ResourceGather": (gather,),
-    "OneHot": (one_hot,),
-    "Const": (source,),
-    **{op: (variable_update,) for op in VARIABLE_OPS},
-    "Fill": (source,),
-    # gradient-side ops (see the builders above)
-    "BiasAddGrad": (bias_add_grad,),
-    "BroadcastTo": (broadcast_to,),
-    "StridedSliceGrad": (strided_slice_grad,),
-    "UnsortedSegmentSum": (unsorted_segment, "sum"),
-    "UnsortedSegmentMax": (unsorted_segment, "max"),
-    "UnsortedSegmentMin": (unsorted_segment, "min"),
-    "UnsortedSegmentProd": (unsorted_segment, "prod"),
-}
-
-# windowed ops (convolutions, pooling and their gradients) live in windowed.py, which
-# builds on this module's OpRule
-from gspmd_tf.propagation.windowed import WINDOWED_RULES  # noqa: E402
-
-RULES.update(WINDOWED_RULES)
-
-
-def rule_for(graph, node):
-    """The OpRule of `node`, or None when its op type has no rule (runs replicated)."""
-    entry = RULES.get(node.op)
-    if entry is None:
-        return None
-    builder, *params = entry
-    return builder(RuleContext(graph, node), *params)
+def equation_rule(ctx, equation):
+    """A fixed einsum equation over the op's first inputs (as many as it has terms); the
+    other inputs are not data (a user's rule given as a string, gt.register_op)."""
+    n = equation.split("->")[0].count(",") + 1
+    rule = einsum_rule(equation, ctx.in_shapes[:n], ctx.out_shapes[0])
+    rule.operands += [None] * (len(ctx.in_shapes) - n)
+    return rule

@@ -15,11 +15,16 @@ channels] (or channels first), windows over the spatial dims, an output y. Facto
   depthwise    channels PASS, the output channel dim made of (channel, multiplier)
   pooling      channels PASS (ksize/strides 1 there, else no rule)
   pool grads   the spatial factor spans x, y, dy and dx
+
+Every rule carries a WindowedParams (OpRule.params): the geometry and layout its emitter
+needs. The op types these builders serve, with their parameters, are declared beside the
+emitters (gspmd_tf/spmd/handlers/conv.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from gspmd_tf.propagation.rules import PASS, REDUCE, REPLICATE, OpRule
 
@@ -51,6 +56,29 @@ class Geometry:
     @property
     def spatial_dims(self):
         return tuple(s.x_dim for s in self.spatial)
+
+
+@dataclass(frozen=True)
+class WindowedParams:
+    """What a windowed op's emitter needs, worked out once by its rule (OpRule.params).
+
+    geometry          the forward geometry
+    pooling           None (a convolution), "max" (pads with -inf) or "avg" (divides by
+                      the in-bounds count of each window)
+    explicit_padding  the op takes per-dim explicit padding: its unsplit spatial dims
+                      keep their own padding
+    window_inputs     the inputs read through windows (halo exchange): x, or a
+                      transposed op's dy (and y)
+    forward_input     the forward input x a MaxPoolGrad also reads, else None
+    shape_input       the input holding the result's shape (gradients), else None
+    """
+
+    geometry: Geometry
+    pooling: Optional[str]
+    explicit_padding: bool
+    window_inputs: tuple
+    forward_input: Optional[int]
+    shape_input: Optional[int]
 
 
 def _padding(node, n, window, stride, dilation, dim, data_format):
@@ -175,8 +203,12 @@ def conv_family(ctx, x_at, w_at, y_at, reduced, depthwise):
           tuple(f for f in (c, o) if f is not None) if depthwise else o)
     _filter_spatial(b, wd, w)
     tensors = {x_at: xd, w_at: wd, y_at: yd}
-    return b.done({at: dims for at, dims in tensors.items() if at != "out"},
+    rule = b.done({at: dims for at, dims in tensors.items() if at != "out"},
                   [tensors["out"]])
+    shape_input = next((i for i in range(len(ctx.in_shapes)) if i not in tensors), None)
+    rule.params = WindowedParams(geo, None, True, (y_at,) if x_at == "out" else (x_at,),
+                                 None, shape_input)
+    return rule
 
 
 def _batch_and_channels(b, shape, geo, *tensors_dims):
@@ -187,8 +219,10 @@ def _batch_and_channels(b, shape, geo, *tensors_dims):
             b.put(dims, d, f)
 
 
-def pool(ctx):
-    """MaxPool/AvgPool: batch and channels pass, spatial dims shared by x and y."""
+def pool(ctx, pooling, explicit_padding):
+    """MaxPool/AvgPool: batch and channels pass, spatial dims shared by x and y.
+    `pooling` ("max" or "avg") and `explicit_padding` (whether the op takes per-dim
+    explicit padding) go to the emitter in WindowedParams."""
     x = ctx.in_shapes[0]
     y = ctx.out_shapes[0]
     geo = geometry(ctx.node, x, y)
@@ -198,7 +232,9 @@ def pool(ctx):
     xd, yd = b.tensor(x), b.tensor(y)
     _batch_and_channels(b, x, geo, xd, yd)
     _spatial_factors(b, geo, xd, yd)
-    return b.done({0: xd}, [yd])
+    rule = b.done({0: xd}, [yd])
+    rule.params = WindowedParams(geo, pooling, explicit_padding, (0,), None, None)
+    return rule
 
 
 def max_pool_grad(ctx):
@@ -212,7 +248,9 @@ def max_pool_grad(ctx):
     xd, yd, dyd, dxd = b.tensor(x), b.tensor(y), b.tensor(dy), b.tensor(x)
     _batch_and_channels(b, x, geo, xd, yd, dyd, dxd)
     _spatial_factors(b, geo, (xd, dxd), (yd, dyd))
-    return b.done({0: xd, 1: yd, 2: dyd}, [dxd])
+    rule = b.done({0: xd, 1: yd, 2: dyd}, [dxd])
+    rule.params = WindowedParams(geo, "max", True, (1, 2), 0, None)
+    return rule
 
 
 def avg_pool_grad(ctx):
@@ -227,19 +265,7 @@ def avg_pool_grad(ctx):
     dyd, dxd = b.tensor(dy), b.tensor(dx)
     _batch_and_channels(b, dx, geo, dyd, dxd)
     _spatial_factors(b, geo, dxd, dyd)
-    return b.done({1: dyd}, [dxd])
+    rule = b.done({1: dyd}, [dxd])
+    rule.params = WindowedParams(geo, "avg", False, (1,), None, 0)
+    return rule
 
-
-WINDOWED_RULES = {
-    # conv_family parameters: x, w, y positions, reduced parts, depthwise
-    "Conv2D": (conv_family, 0, 1, "out", ("C",), False),
-    "DepthwiseConv2dNative": (conv_family, 0, 1, "out", (), True),
-    "Conv2DBackpropInput": (conv_family, "out", 1, 2, ("O",), False),
-    "Conv2DBackpropFilter": (conv_family, 0, "out", 2, ("batch",), False),
-    "DepthwiseConv2dNativeBackpropInput": (conv_family, "out", 1, 2, ("O",), True),
-    "DepthwiseConv2dNativeBackpropFilter": (conv_family, 0, "out", 2, ("batch",), True),
-    "MaxPool": (pool,),
-    "AvgPool": (pool,),
-    "MaxPoolGrad": (max_pool_grad,),
-    "AvgPoolGrad": (avg_pool_grad,),
-}

@@ -14,13 +14,14 @@ import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.importer import import_graph
-from gspmd_tf.graph.ir import Graph
+from gspmd_tf.graph.ir import Graph, Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.propagation.propagate import propagate
 from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.partitioner import partition
+from gspmd_tf.spmd.regions import reads_only
 
 
 def lower(fn, mesh, in_shardings=None, out_shardings=None, *, args=None, backend=None,
@@ -233,14 +234,21 @@ _READ_ONLY = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather",
 
 def _first_writer(graph, ref):
     """The first node that may update the variable of resource `ref` (anything but a
-    known read, through Identity), or None."""
+    known read, through Identity and control-flow ops whose bodies only read it), or
+    None."""
     users = graph.consumers()
-    pending = [ref.node]
+    pending = [ref]
     while pending:
-        for user, _ in users[pending.pop()]:
+        ref = pending.pop()
+        for user, pos in users[ref.node]:
             node = graph.nodes[user]
+            if node.inputs[pos] != ref:
+                continue
             if node.op == "Identity":
-                pending.append(user)
+                pending.append(Ref(user, 0))
+            elif node.regions and reads_only(node, pos):
+                if "While" in node.op:  # the loop hands the handle on as its output pos
+                    pending.append(Ref(user, pos))
             elif node.op not in _READ_ONLY:
                 return node
     return None

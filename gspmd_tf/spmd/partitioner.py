@@ -2,8 +2,11 @@
 
 For every op, in graph order: pick the mesh axes of each factor of its rule (the result's
 target layout decides the factors it has, the operands' layouts the reduced ones), reshard
-the operands to match, emit the local op through the op's handler, and reshard each
-result to the layout propagation chose for it. Ops without a rule run replicated.
+the operands to match, emit the local op through the handler the op registry gives it
+(or replay it, where the registry declares that exact), and reshard each result to the
+layout propagation chose for it. Ops without a rule run replicated, and so do
+control-flow ops (While, If, Case: nodes with regions) until their bodies are
+partitioned: operands gathered, the op and its bodies whole on every device.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
+from gspmd_tf.registry import op_def
 from gspmd_tf.spmd.dce import eliminate_dead_code
-from gspmd_tf.spmd.handlers import HANDLERS, replay
+from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.program import Local, ProgramBuilder
+from gspmd_tf.spmd.regions import read_variables_whole
 from gspmd_tf.spmd.reshard import reshard
 
 log = logging.getLogger("gspmd_tf")
@@ -276,12 +281,16 @@ class Partitioner:
                 continue
             rule = self.propagation.rules[index]
             ctx = OpContext(self, index, rule, targets)
-            if rule is None:
+            if rule is None or node.regions:
                 results = self._replicated(ctx)
             else:
-                results = self._by_rule(ctx, HANDLERS.get(node.op, replay))
+                entry = op_def(node.op)
+                results = self._by_rule(ctx, replay if entry.replay else entry.emit)
             for k, (local, target) in enumerate(zip(results, targets)):
-                self.values[Ref(index, k)] = self.reshard(local, target)
+                # a variable handle (e.g. one a loop hands through) points to this
+                # device's shard whatever layout propagation gave it: never resharded
+                self.values[Ref(index, k)] = (local if local.dtype == tf.resource
+                                              else self.reshard(local, target))
         outputs = []
         for ref, layout in zip(graph.outputs, output_layouts):
             local = self.reshard(self.values[ref], layout)
@@ -301,26 +310,41 @@ class Partitioner:
                 in zip(refs, layouts, node.out_shapes, node.out_dtypes)]
 
     def _replicated(self, ctx):
-        """No rule: gather the inputs, run the op whole on every device."""
+        """No rule: gather the inputs, run the op whole on every device (a control-flow
+        op with its regions, which then hold no collectives)."""
         node = ctx.node
-        if node.op not in _SILENT_REPLICATED:
+        if node.regions:
+            log.warning("gspmd_tf: control-flow op %s (%s) runs replicated: its operands are "
+                        "gathered and its bodies run whole on every device", node.name,
+                        node.op)
+            self.replicated_ops.append(node.name)
+        elif not op_def(node.op).silent_replicated:
             log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
                         "(inputs gathered)", node.name, node.op)
             self.replicated_ops.append(node.name)
-        for ref, x in zip(node.inputs, ctx.inputs):
+        operands, through = ctx.inputs, {}
+        if node.regions:  # bodies that only read sharded variables take their values
+            node, operands, through = read_variables_whole(self.b, node, operands)
+        for ref, x in zip(node.inputs, operands):
+            if x.dtype == tf.resource and not x.layout.is_replicated and node.regions:
+                raise ShardingError(
+                    f"control-flow op {node.name!r} ({node.op}) writes the sharded variable "
+                    f"{self.graph.tensor_name(ref)!r} in a body (or hands its handle to an op "
+                    "other than a read), and bodies run whole on every device (control flow "
+                    "is not partitioned yet), where one device's shard cannot stand for the "
+                    "variable; update it outside the control-flow op, or make that variable "
+                    "replicated (spec P())")
             if x.dtype == tf.resource and not x.layout.is_replicated:
                 raise ShardingError(
                     f"op {node.name!r} ({node.op}) uses the sharded variable "
                     f"{self.graph.tensor_name(ref)!r} but has no partitioning rule; make that "
                     "variable replicated (spec P()) or add a rule for the op")
-        inputs = [self.reshard(x, Layout.replicated(len(x.shape))) for x in ctx.inputs]
+        inputs = [self.reshard(x, Layout.replicated(len(x.shape))) for x in operands]
         refs = self.b.replay(node, [x.ref for x in inputs], node.out_shapes, node.out_dtypes)
-        return [Local(ref, Layout.replicated(len(shape)), shape, dtype)
-                for ref, shape, dtype in zip(refs, node.out_shapes, node.out_dtypes)]
+        return [through.get(k) or Local(ref, Layout.replicated(len(shape)), shape, dtype)
+                for k, (ref, shape, dtype)
+                in enumerate(zip(refs, node.out_shapes, node.out_dtypes))]
 
-
-# ops that are naturally whole (scalars, shapes): no warning when they run replicated
-_SILENT_REPLICATED = frozenset({"Shape", "Size", "Rank", "NoOp", "Range"})
 
 
 def partition(graph, mesh, propagation, output_layouts):

@@ -59,11 +59,12 @@ class ProgramBuilder:
         # gradients)
         self.memo = {}
 
-    def _add(self, op, inputs, attrs, shapes, dtypes, params=None, name=None):
+    def _add(self, op, inputs, attrs, shapes, dtypes, params=None, name=None, regions=()):
         name = name or f"{op.replace('gt.', 'gt_')}_{len(self.graph.nodes)}"
         if name in self.graph._by_name:
             name = f"{name}_{len(self.graph.nodes)}"
-        index = self.graph.add(Node(name, op, inputs, attrs, shapes, dtypes, params=params))
+        index = self.graph.add(Node(name, op, inputs, attrs, shapes, dtypes, params=params,
+                                    regions=regions))
         return [Ref(index, k) for k in range(len(shapes))]
 
     def op(self, op_type, inputs, shape, out_dtype, name=None, **attrs):
@@ -72,10 +73,13 @@ class ProgramBuilder:
                          [shape], [out_dtype], name=name)[0]
 
     def replay(self, node, inputs, shapes, dtypes, attrs=None):
-        """The TF op of an imported node re-created on local inputs; all its outputs."""
+        """The TF op of an imported node re-created on local inputs; all its outputs.
+
+        A control-flow op keeps its regions as imported: their bodies run whole."""
         merged = dict(node.attrs)
         merged.update({k: attr_value(v) for k, v in (attrs or {}).items()})
-        return self._add(node.op, inputs, merged, shapes, dtypes, name=node.name)
+        return self._add(node.op, inputs, merged, shapes, dtypes, name=node.name,
+                         regions=node.regions)
 
     def const(self, value, dtype=None):
         """A constant (deduplicated by value)."""

@@ -1,20 +1,17 @@
-"""Handlers: how each op family is emitted on local shards.
+"""Handlers: how each op family is emitted on local shards, declared with its rule.
 
 A handler is `emit(ctx, operands, layouts) -> [Ref]`: `operands` are the op's inputs
 already resharded to the factor axes the partitioner chose, `layouts` the layouts its
-results have as computed (partial over split reduced factors). Ops not listed here are
-re-created as they are (`replay`), which is right for any op whose rule fully describes
-it (elementwise, dots, transposes, concat...).
+results have as computed (partial over split reduced factors). A handler may return
+Locals instead of Refs when it combines partial results itself. Each module declares its
+op families in the op registry (gspmd_tf/registry.py) beside their handlers, with
+`@op_family(op types, rule builder)`; replayed.py declares the families whose TF op
+replayed on local shapes (`replay`) is exact. Importing this package loads them all.
 """
 
-from gspmd_tf.spmd.handlers.basic import BASIC_HANDLERS, replay
-from gspmd_tf.spmd.handlers.conv import CONV_HANDLERS
-from gspmd_tf.spmd.handlers.gather import GATHER_HANDLERS
-from gspmd_tf.spmd.handlers.grads import GRAD_HANDLERS
-from gspmd_tf.spmd.handlers.normalize import NORMALIZE_HANDLERS
-from gspmd_tf.spmd.handlers.segment import SEGMENT_HANDLERS
+# every module declares its families when imported
+from gspmd_tf.spmd.handlers import (basic, conv, gather, grads, normalize,  # noqa: F401
+                                    replayed, segment)
+from gspmd_tf.spmd.handlers.basic import replay
 
-HANDLERS = {**BASIC_HANDLERS, **GATHER_HANDLERS, **NORMALIZE_HANDLERS, **GRAD_HANDLERS,
-            **CONV_HANDLERS, **SEGMENT_HANDLERS}
-
-__all__ = ["HANDLERS", "replay"]
+__all__ = ["replay"]

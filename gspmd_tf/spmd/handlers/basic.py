@@ -6,7 +6,9 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.layout import Layout
+from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import REDUCE, strided_slice_kept_dims
+from gspmd_tf.registry import declare, op_def, op_family
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding
 from gspmd_tf.spmd.program import Local
 
@@ -16,26 +18,13 @@ def local_shapes(ctx, layouts):
     return [ctx.local_shape(layout, k) for k, layout in enumerate(layouts)]
 
 
-# Inputs whose padding (the tail of an uneven split dim) could make the local op fail
-# where the global one does not: an integer divisor or exponent, an index, a label, a
-# value checked for NaN/Inf. Their padding is set to a harmless value first.
-_SAFE_PADDING = {
-    **{op: {1: 1} for op in ("Div", "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod")},
-    "Pow": {1: 0},
-    "GatherV2": {1: 0},
-    "ResourceGather": {1: 0},
-    "SparseSoftmaxCrossEntropyWithLogits": {1: 0},
-    "CheckNumerics": {0: 0},
-}
-
-
 def masked_refs(ctx, operands):
     """Operand refs with the padding of split, uneven REDUCE dims set to the identity of
     the reduction, so padding never reaches a result; and the padding of inputs the op
-    checks (see _SAFE_PADDING) set to a harmless value."""
+    checks (the op registry's safe_padding) set to a harmless value."""
     rule = ctx.rule
     reduce_op = {"arg": "max"}.get(rule.reduce_op, rule.reduce_op)
-    safe = _SAFE_PADDING.get(ctx.node.op, {})
+    safe = dict(op_def(ctx.node.op).safe_padding)
     refs = []
     for i, (x, dims) in enumerate(zip(operands, rule.operands)):
         if dims is None:
@@ -59,6 +48,7 @@ def replay(ctx, operands, layouts, attrs=None, refs=None):
                         attrs)
 
 
+@op_family(["XlaSharding", "EnsureShape"], rules.elementwise)
 def as_identity(ctx, operands, layouts):
     """XlaSharding (only an annotation) and EnsureShape (the global shape is known and
     checked when the graph is imported): locally an Identity."""
@@ -80,6 +70,7 @@ def with_local_shape_input(position):
     return emit
 
 
+@op_family("Squeeze", rules.squeeze_or_expand)
 def squeeze(ctx, operands, layouts):
     """Squeeze the dims of size 1 in the global shape, named explicitly: a split dim
     can be size 1 in a shard only (6 split over 8)."""
@@ -89,6 +80,7 @@ def squeeze(ctx, operands, layouts):
                   attrs={"squeeze_dims": sorted(int(d) % len(shape) for d in dims)})
 
 
+@op_family("Const", rules.source)
 def const(ctx, operands, layouts):
     """A constant: the whole value, then this device's slice of it."""
     b = ctx.b
@@ -99,6 +91,7 @@ def const(ctx, operands, layouts):
     return [ctx.reshard(whole, layouts[0]).ref]
 
 
+@op_family({"Mean": "sum"}, rules.reduction)
 def mean(ctx, operands, layouts):
     """Mean over a split dim: local sums scaled by 1/global count (partial sums). An
     integer mean divides (truncating, as TF does) only after the sums are combined."""
@@ -107,8 +100,7 @@ def mean(ctx, operands, layouts):
     b = ctx.b
     dtype = ctx.node.out_dtypes[0]
     in_shape = ctx.inputs[0].shape
-    axes = np.atleast_1d(ctx.graph.const_value(ctx.node.inputs[1])) % max(len(in_shape), 1)
-    count = int(np.prod([in_shape[a] for a in set(axes.tolist())]))
+    count = int(np.prod([in_shape[a] for a in ctx.rule.params.axes]))
     refs = masked_refs(ctx, operands)
     shape = local_shapes(ctx, layouts)[0]
     total = b.op("Sum", refs[:2], shape, dtype, T=dtype, Tidx=ctx.node.attrs["Tidx"],
@@ -124,6 +116,8 @@ def mean(ctx, operands, layouts):
     return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
 
 
+@op_family("Slice", rules.same_rank_slicing)
+@op_family("StridedSlice", rules.strided_slice)
 def slicing(ctx, operands, layouts):
     """Slice/StridedSlice: dims that stay whole in size keep their local extent."""
     node = ctx.node
@@ -147,14 +141,5 @@ def slicing(ctx, operands, layouts):
     return replay(ctx, operands, layouts, refs=refs)
 
 
-BASIC_HANDLERS = {
-    "XlaSharding": as_identity,
-    "EnsureShape": as_identity,
-    "Reshape": with_local_shape_input(1),
-    "Fill": with_local_shape_input(0),
-    "Squeeze": squeeze,
-    "Const": const,
-    "Mean": mean,
-    "Slice": slicing,
-    "StridedSlice": slicing,
-}
+declare("Reshape", rules.reshape, emit=with_local_shape_input(1))
+declare("Fill", rules.source, emit=with_local_shape_input(0))

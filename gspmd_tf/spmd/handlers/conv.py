@@ -47,7 +47,8 @@ import tensorflow as tf
 
 from gspmd_tf import _halo
 from gspmd_tf.layout import Layout
-from gspmd_tf.propagation.windowed import geometry
+from gspmd_tf.propagation import windowed
+from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding, replace_dim, static_slice_dim
 from gspmd_tf.spmd.program import Local
@@ -248,9 +249,6 @@ def _offset(b, dp):
 
 # ------------------------------------------------------------------------ forward ops
 
-_POOL_FILL = {"MaxPool": "max"}
-
-
 def _prepare_input(ctx, operands, index, geo, axes_of):
     """The operand `index` (x) with every spatial dim either split like its windows or
     whole, and the per-dim plans."""
@@ -270,16 +268,11 @@ def _prepare_input(ctx, operands, index, geo, axes_of):
     return x, plans
 
 
-# ops that take per-dim explicit padding: their unsplit spatial dims keep the op's own
-# padding (no copy, no extra work); the others pad unsplit dims like split ones
-_EXPLICIT = {"Conv2D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
-             "Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropInput",
-             "DepthwiseConv2dNativeBackpropFilter", "MaxPool", "MaxPoolGrad"}
-
-
-def _local_padding(node, plans):
-    """Split off the dims the local op pads itself: (plans to window, padding attrs)."""
-    if node.op not in _EXPLICIT:
+def _local_padding(explicit_padding, plans):
+    """Split off the dims the local op pads itself: (plans to window, padding attrs).
+    Ops that take per-dim explicit padding keep their own padding on unsplit spatial
+    dims (no copy, no extra work); the others pad unsplit dims like split ones."""
+    if not explicit_padding:
         return plans, {"padding": "VALID"}
     kept, pads = [], [0] * 8
     for dp in plans:
@@ -303,20 +296,24 @@ def _needs_mask(dp, fill_zero):
     return dp.split and s.n % dp.k != 0
 
 
+# conv_family parameters: positions of x, w, y (an input index or "out"), the parts that
+# are REDUCE factors, depthwise
+@op_family({"Conv2D": (0, 1, "out", ("C",), False),
+            "DepthwiseConv2dNative": (0, 1, "out", (), True)}, windowed.conv_family)
+# pool parameters: pooling, explicit padding
+@op_family({"MaxPool": ("max", True), "AvgPool": ("avg", False)}, windowed.pool)
 def windowed_forward(ctx, operands, layouts):
     """Conv2D, DepthwiseConv2dNative, MaxPool, AvgPool with split spatial dims."""
-    node = ctx.node
+    params = ctx.rule.params
     y_layout = layouts[0]
-    x0 = operands[0]
-    geo = geometry(node, x0.shape, node.out_shapes[0],
-                   ctx.inputs[1].shape[:2] if node.op in _FILTERED else None)
-    if geo is None or not any(y_layout.dims[s.y_dim] for s in geo.spatial):
+    geo = params.geometry
+    if not any(y_layout.dims[s.y_dim] for s in geo.spatial):
         return replay(ctx, operands, layouts)
     b = ctx.b
     x, plans = _prepare_input(ctx, operands, 0, geo, lambda s: y_layout.dims[s.y_dim])
-    plans, attrs = _local_padding(node, plans)
+    plans, attrs = _local_padding(params.explicit_padding, plans)
     refs = masked_refs(ctx, [x] + list(operands[1:]))  # split in-channels -> zeros
-    reduce = _POOL_FILL.get(node.op, "sum")
+    reduce = "max" if params.pooling == "max" else "sum"  # its identity pads the window
     fill = identity_of(reduce, x.dtype)
     window = _extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim)
     for dp in plans:
@@ -325,7 +322,7 @@ def windowed_forward(ctx, operands, layouts):
                                   -dp.s.pad_lo)
             window = _mask_outside(b, window, dp.s.x_dim, start, dp.s.n, fill)
     out = replay(ctx, operands, layouts, attrs=attrs, refs=[window] + refs[1:])
-    if node.op == "AvgPool":
+    if params.pooling == "avg":
         out = [_avg_counts(ctx, out[0], plans)]
     return out
 
@@ -357,21 +354,24 @@ def _avg_counts(ctx, ref, plans):
 
 # ------------------------------------------------------------------------ gradients
 
+@op_family({"Conv2DBackpropFilter": (0, "out", 2, ("batch",), False),
+            "DepthwiseConv2dNativeBackpropFilter": (0, "out", 2, ("batch",), True)},
+           windowed.conv_family)
 def backprop_filter(ctx, operands, layouts):
     """Conv2DBackpropFilter(x, filter_sizes, dy) with split spatial dims: x windowed
     like the forward conv, dy local; the result is partial over the spatial axes."""
-    node = ctx.node
-    x0, dy = operands[0], operands[2]
-    geo = geometry(node, x0.shape, dy.shape, node.out_shapes[0][:2])
+    params = ctx.rule.params
+    dy = operands[2]
+    geo = params.geometry
     sizes = local_shapes(ctx, layouts)[0]
     size_ref = ctx.b.const(np.asarray(sizes, np.int32))
-    if geo is None or not any(dy.layout.dims[s.y_dim] for s in geo.spatial):
+    if not any(dy.layout.dims[s.y_dim] for s in geo.spatial):
         refs = masked_refs(ctx, operands)
         refs[1] = size_ref
         return replay(ctx, operands, layouts, refs=refs)
     b = ctx.b
     x, plans = _prepare_input(ctx, operands, 0, geo, lambda s: dy.layout.dims[s.y_dim])
-    plans, attrs = _local_padding(node, plans)
+    plans, attrs = _local_padding(params.explicit_padding, plans)
     refs = masked_refs(ctx, [x, operands[1], dy])  # padding of x and dy -> zeros
     window = _extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim)
     return replay(ctx, operands, layouts, attrs=attrs, refs=[window, size_ref, refs[2]])
@@ -417,29 +417,24 @@ class _View:
                                                             dim.split, plan)
 
 
-# op -> (index of the shape input or None, window operand indices, forward input index)
-_TRANSPOSED = {
-    "Conv2DBackpropInput": (0, (2,), None),
-    "AvgPoolGrad": (0, (1,), None),
-    "MaxPoolGrad": (None, (1, 2), 0),
-    "DepthwiseConv2dNativeBackpropInput": (0, (2,), None),
-}
-
-
+@op_family({"Conv2DBackpropInput": ("out", 1, 2, ("O",), False),
+            "DepthwiseConv2dNativeBackpropInput": ("out", 1, 2, ("O",), True)},
+           windowed.conv_family)
+@op_family("MaxPoolGrad", windowed.max_pool_grad)
+@op_family("AvgPoolGrad", windowed.avg_pool_grad)
 def transposed(ctx, operands, layouts):
     """Conv2DBackpropInput, AvgPoolGrad, MaxPoolGrad with split spatial dims: halos of
     the window operands (every forward window touching this device's block of the
     result), the local op with VALID padding, then this device's block sliced out."""
     node = ctx.node
     b = ctx.b
-    shape_input, window_inputs, x_input = _TRANSPOSED[node.op]
-    dx_shape = node.out_shapes[0]
+    params = ctx.rule.params
+    shape_input, window_inputs = params.shape_input, params.window_inputs
+    x_input = params.forward_input
     out_layout = layouts[0]
-    y_shape = operands[window_inputs[0]].shape
-    geo = geometry(node, dx_shape, y_shape,
-                   ctx.inputs[1].shape[:2] if node.op.endswith("BackpropInput") else None)
+    geo = params.geometry
     sizes = list(local_shapes(ctx, layouts)[0])
-    if geo is None or not any(out_layout.dims[s.x_dim] for s in geo.spatial):
+    if not any(out_layout.dims[s.x_dim] for s in geo.spatial):
         refs = masked_refs(ctx, operands)
         if shape_input is not None:
             refs[shape_input] = b.const(np.asarray(sizes, np.int32))
@@ -449,7 +444,7 @@ def transposed(ctx, operands, layouts):
         axes = out_layout.dims[s.x_dim]
         whole = any(not ctx.inputs[i].layout.dims[s.y_dim] for i in window_inputs)
         dims.append(_TransposedDim(ctx.mesh, s, axes, whole, x_input is not None))
-    dims, attrs = _local_padding(node, dims)
+    dims, attrs = _local_padding(params.explicit_padding, dims)
     ops = list(operands)
     for i in window_inputs + ((x_input,) if x_input is not None else ()):
         layout = ops[i].layout
@@ -466,7 +461,7 @@ def transposed(ctx, operands, layouts):
         ref = (mask_padding(b, Local(refs[i], op.layout, op.shape, op.dtype), uneven,
                             identity_of("sum", op.dtype)) if uneven else refs[i])
         refs[i] = _extend_and_slice(b, ref, views, lambda v: v.s.y_dim)
-    if node.op == "AvgPoolGrad":
+    if params.pooling == "avg":
         refs[1] = _avg_grad_scale(b, refs[1], dims)
     if x_input is not None:
         x = ops[x_input]
@@ -515,19 +510,3 @@ def _avg_grad_scale(b, ref, dims):
         local = _slice(b, table, {s.y_dim: start}, {s.y_dim: p["span"]})
         ref = b.op("Mul", [ref, local], b.shape_of(ref), dtype, T=dtype)
     return ref
-
-
-_FILTERED = {"Conv2D", "DepthwiseConv2dNative"}
-
-CONV_HANDLERS = {
-    "Conv2D": windowed_forward,
-    "DepthwiseConv2dNative": windowed_forward,
-    "MaxPool": windowed_forward,
-    "AvgPool": windowed_forward,
-    "Conv2DBackpropFilter": backprop_filter,
-    "DepthwiseConv2dNativeBackpropFilter": backprop_filter,
-    "DepthwiseConv2dNativeBackpropInput": transposed,
-    "Conv2DBackpropInput": transposed,
-    "AvgPoolGrad": transposed,
-    "MaxPoolGrad": transposed,
-}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from gspmd_tf.propagation import rules
+from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 
 
@@ -15,6 +17,7 @@ def _index_dtype(ctx, attr):
     return np.int64 if dtype == tf.int64 else np.int32
 
 
+@op_family("Tile", rules.tile)
 def tile(ctx, operands, layouts):
     """Tile: each dim's multiple is its local result size over its local input size
     (any multiple of an empty dim is empty)."""
@@ -26,6 +29,7 @@ def tile(ctx, operands, layouts):
     return replay(ctx, operands, layouts, refs=refs)
 
 
+@op_family("BroadcastTo", rules.broadcast_to)
 def broadcast_to(ctx, operands, layouts):
     """BroadcastTo the local result shape."""
     refs = masked_refs(ctx, operands)
@@ -34,6 +38,7 @@ def broadcast_to(ctx, operands, layouts):
     return replay(ctx, operands, layouts, refs=refs)
 
 
+@op_family("StridedSliceGrad", rules.strided_slice_grad)
 def strided_slice_grad(ctx, operands, layouts):
     """StridedSliceGrad: local `shape`; split dims (whole in the slice) taken whole."""
     refs = masked_refs(ctx, operands)
@@ -49,10 +54,3 @@ def strided_slice_grad(ctx, operands, layouts):
     refs[1] = ctx.b.const(begin.astype(dtype))
     refs[2] = ctx.b.const(end.astype(dtype))
     return replay(ctx, operands, layouts, refs=refs)
-
-
-GRAD_HANDLERS = {
-    "Tile": tile,
-    "BroadcastTo": broadcast_to,
-    "StridedSliceGrad": strided_slice_grad,
-}

@@ -10,6 +10,8 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.layout import Layout
+from gspmd_tf.propagation import rules
+from gspmd_tf.registry import declare, op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, replay
 from gspmd_tf.spmd.local_ops import (binary, cast, global_index, identity_of, mask_padding,
                                      reduce_last, select, shard_offset, unary)
@@ -53,6 +55,7 @@ def _class_split(operands):
     return bool(operands[0].layout.dims[-1])
 
 
+@op_family(["Softmax", "LogSoftmax"], rules.last_dim_normalizer)
 def softmax(ctx, operands, layouts):
     """Softmax / LogSoftmax over a split last dim."""
     if not _class_split(operands):
@@ -63,6 +66,11 @@ def softmax(ctx, operands, layouts):
                      name=ctx.node.name, T=rows.dtype)]
 
 
+declare("SparseSoftmaxCrossEntropyWithLogits", safe_padding={1: 0})  # labels (indices)
+
+
+@op_family({"SparseSoftmaxCrossEntropyWithLogits": True,
+            "SoftmaxCrossEntropyWithLogits": False}, rules.cross_entropy)
 def cross_entropy(ctx, operands, layouts):
     """(Sparse)SoftmaxCrossEntropyWithLogits over split classes: loss and backprop."""
     if not _class_split(operands):
@@ -101,6 +109,7 @@ def cross_entropy(ctx, operands, layouts):
             b.op("Identity", [backprop], shapes[1], dtype, T=dtype)]
 
 
+@op_family(["ArgMax", "ArgMin"], rules.arg_reduction)
 def arg_reduce(ctx, operands, layouts):
     """ArgMax/ArgMin over a split dim, as TF's kernel on one device: the first index of
     the best value, NaN never a candidate, nor a value no better than the kernel's start
@@ -109,7 +118,7 @@ def arg_reduce(ctx, operands, layouts):
     Each device takes its best candidate value and its global index; all devices agree on
     the best value, then on the smallest index that holds it."""
     x = operands[0]
-    axis = int(np.atleast_1d(ctx.graph.const_value(ctx.node.inputs[1]))[0]) % len(x.shape)
+    axis, = ctx.rule.params.axes
     axes = x.layout.dims[axis]
     if not axes:
         return replay(ctx, operands, layouts)
@@ -148,13 +157,3 @@ def _without_nan(b, ref, best, dtype):
         return ref
     is_nan = b.op("IsNan", [ref], b.shape_of(ref), tf.bool, T=dtype)
     return select(b, is_nan, b.const(identity_of(best, dtype), dtype), ref, dtype)
-
-
-NORMALIZE_HANDLERS = {
-    "Softmax": softmax,
-    "LogSoftmax": softmax,
-    "SoftmaxCrossEntropyWithLogits": cross_entropy,
-    "SparseSoftmaxCrossEntropyWithLogits": cross_entropy,
-    "ArgMax": arg_reduce,
-    "ArgMin": arg_reduce,
-}

@@ -20,7 +20,9 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.layout import Layout
+from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import REDUCE
+from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.local_ops import binary, cast, mask_padding, select, shard_offset
 from gspmd_tf.spmd.program import Local
@@ -28,6 +30,9 @@ from gspmd_tf.spmd.program import Local
 log = logging.getLogger("gspmd_tf")
 
 
+@op_family({"UnsortedSegmentSum": "sum", "UnsortedSegmentMax": "max",
+            "UnsortedSegmentMin": "min", "UnsortedSegmentProd": "prod"},
+           rules.unsorted_segment)
 def unsorted_segment(ctx, operands, layouts):
     """UnsortedSegment{Sum,Max,Min,Prod} on local rows and segments (see above)."""
     rows_split = _split_row_dims(ctx)
@@ -153,7 +158,3 @@ def _over_devices(ctx, ref, partial_layout, axes, reduce_op, dtype):
     partial = Local(ref, Layout(partial_layout.dims, axes, reduce_op),
                     ctx.node.out_shapes[0], dtype)
     return ctx.reshard(partial, Layout(partial_layout.dims)).ref
-
-
-SEGMENT_HANDLERS = {op: unsorted_segment for op in (
-    "UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin", "UnsortedSegmentProd")}

@@ -1,0 +1,80 @@
+"""Op families emitted by replaying the TF op on local shards, and ops without a rule.
+
+Replaying (handlers.basic.replay: the TF op re-created from its attrs on the local
+operands, padding of split reduced dims masked) is exact for an op when its local result
+depends only on the local operands and nothing in it names a global size. Each family
+below says why that holds for it. Families whose local op differs are declared beside
+their handlers (basic.py, gather.py, grads.py, normalize.py, segment.py, conv.py).
+"""
+
+from __future__ import annotations
+
+from gspmd_tf.propagation import rules
+from gspmd_tf.registry import FOLD_SHAPE, FOLD_VALUES, declare
+
+UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
+Floor Identity Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike Reciprocal
+Relu Relu6 Rint Round Rsqrt Selu Sigmoid Sign Sin Sinh Softplus Softsign Sqrt Square Tan
+Tanh ZerosLike Cast StopGradient PreventGradient Snapshot CheckNumerics
+LeakyRelu""".split()
+
+BINARY = """Add AddV2 Sub Mul Div DivNoNan RealDiv FloorDiv FloorMod TruncateDiv TruncateMod
+Maximum Minimum Pow SquaredDifference Equal NotEqual Less LessEqual Greater GreaterEqual
+LogicalAnd LogicalOr Atan2 Xdivy Xlogy Xlog1py MulNoNan BitwiseAnd BitwiseOr BitwiseXor
+ReluGrad Relu6Grad TanhGrad SigmoidGrad SoftplusGrad RsqrtGrad SqrtGrad EluGrad
+SeluGrad LeakyReluGrad ReciprocalGrad""".split()
+
+VARIABLE_OPS = """ReadVariableOp AssignVariableOp AssignAddVariableOp AssignSubVariableOp
+ResourceApplyGradientDescent ResourceApplyMomentum ResourceApplyKerasMomentum
+ResourceApplyAdam ResourceApplyAdamWithAmsgrad ResourceApplyAdagrad ResourceApplyAdagradV2
+ResourceApplyRMSProp ResourceApplyCenteredRMSProp ResourceApplyAdadelta ResourceApplyAdaMax
+ResourceApplyFtrl ResourceApplyFtrlV2 ResourceApplyProximalGradientDescent
+ResourceApplyProximalAdagrad ResourceApplyAddSign ResourceApplyPowerSign""".split()
+
+# elementwise (broadcasting from the right): each element of the result reads the same
+# element of every operand
+declare(UNARY + BINARY + ["AddN", "SelectV2"], rules.elementwise, replay=True)
+declare("Select", rules.select_v1, replay=True)
+declare("Bitcast", rules.bitcast, replay=True)  # the changed minor dim stays whole
+
+# contractions and reductions: a split contracted or reduced dim gives a partial result
+# the partitioner combines (its padding masked to the reduction's identity first)
+declare("MatMul", rules.matmul, replay=True)
+declare(["BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"], rules.batch_matmul, replay=True)
+declare("Einsum", rules.einsum, replay=True)
+declare(["BiasAdd", "BiasAddV1"], rules.bias_add, replay=True)
+declare("BiasAddGrad", rules.bias_add_grad, replay=True)
+declare({"Sum": "sum", "Max": "max", "Min": "min", "Prod": "prod", "All": "min",
+         "Any": "max"}, rules.reduction, replay=True)
+
+# data movement whose moved dims stay whole: the local op moves the local block
+declare("Transpose", rules.transpose, replay=True)
+declare("ExpandDims", rules.squeeze_or_expand, replay=True)  # inserts a size-1 dim by index
+declare("ConcatV2", rules.concat, replay=True)
+declare(["Pad", "PadV2"], rules.same_rank_slicing, replay=True)
+
+# variables: reads, assignments and fused optimizer updates are elementwise on the shard
+declare(VARIABLE_OPS, rules.variable_update, replay=True)
+
+# inputs the op checks (an integer divisor or exponent, a value checked for NaN/Inf):
+# their padding (the tail of an uneven split dim, arbitrary values) could make the local
+# op fail where the global one does not, so it is set to a harmless value first
+declare(["Div", "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod"], safe_padding={1: 1})
+declare("Pow", safe_padding={1: 0})
+declare("CheckNumerics", safe_padding={0: 0})
+
+# ---------------------------------------------------------------- flags of ops in general
+# shape ops graph.fold turns into constants from their inputs' static shapes
+declare(["Shape", "ShapeN", "Size", "Rank"], fold=FOLD_SHAPE)
+# pure ops (no state, no randomness, value-determined results) graph.fold evaluates when
+# every input is a constant
+declare("""Pack Unpack ConcatV2 Concat ConcatOffset StridedSlice Slice Cast Bitcast
+Add AddV2 Sub Mul Div RealDiv FloorDiv FloorMod TruncateDiv TruncateMod Maximum Minimum
+Neg Abs Sign Square Range Reshape Prod Sum Max Min Mean All Any
+Fill GatherV2 Gather GatherNd DynamicStitch Identity IdentityN Snapshot StopGradient
+ExpandDims Squeeze Transpose ReverseV2 Equal NotEqual Less LessEqual Greater GreaterEqual
+LogicalAnd LogicalOr LogicalNot Select SelectV2 ZerosLike OnesLike Tile BroadcastTo
+InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff
+""".split(), fold=FOLD_VALUES)
+# naturally whole (scalars, shapes): no warning when they run replicated
+declare(["Shape", "Size", "Rank", "NoOp", "Range"], silent_replicated=True)
