@@ -13,6 +13,7 @@ from gspmd_tf.mesh import Mesh, P, PartitionSpec
 from gspmd_tf.registry import register_op
 from gspmd_tf.runtime.function import Function, function
 from gspmd_tf.runtime.lowered import Collective, Lowered
+from gspmd_tf.runtime.lowering import lower
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable
 from gspmd_tf.sharding import Sharding
@@ -20,5 +21,5 @@ from gspmd_tf.visualize import visualize_sharding
 
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
-           "Variable", "function", "keras", "mesh_split", "register_op",
+           "Variable", "function", "keras", "lower", "mesh_split", "register_op",
            "visualize_sharding"]

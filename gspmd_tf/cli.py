@@ -20,7 +20,6 @@ joined by '+' (one dim split over several axes), or None / '-' / '' (not split).
 from __future__ import annotations
 
 import sys
-import types
 
 import tensorflow as tf
 from absl import app, flags
@@ -31,8 +30,8 @@ from gspmd_tf.keras import _Rules
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.propagation.propagate import propagate
-from gspmd_tf.runtime.function import Function
 from gspmd_tf.runtime.lowered import Lowered
+from gspmd_tf.runtime.lowering import seed_annotations
 from gspmd_tf.spmd.partitioner import partition
 
 FLAGS = flags.FLAGS
@@ -153,7 +152,7 @@ def lower_saved_model(path, mesh, shard_rules, signature="serving_default", shap
         raise ShardingError(f"--shard regex(es) {unused} match no input or variable; the "
                             f"names are {[name for name, _, _ in named]}")
     # annotations inside the graph (tf2xla XlaSharding) are seeded as gt.function does
-    Function._seed_annotations(types.SimpleNamespace(mesh=mesh), graph, seeds)
+    seed_annotations(mesh, graph, seeds)
     propagation = propagate(graph, mesh, seeds)
     program = partition(graph, mesh, propagation,
                         [propagation.layout(r) for r in graph.outputs])

@@ -42,6 +42,16 @@ class OpRule:
     reduce_op: str = "sum"
     params: object = None
 
+    def key(self):
+        """A hashable value, equal for rules with the same factors, dims and reduce op
+        (`params` left out): for memoising what depends only on those, such as the
+        partitioner's choice of factor axes."""
+        def tensors(all_dims):
+            return tuple(None if dims is None else tuple(tuple(fs) for fs in dims)
+                         for dims in all_dims)
+        return (tuple(self.factor_sizes), tuple(self.factor_kinds), tensors(self.operands),
+                tensors(self.results), self.reduce_op)
+
     def add_factor(self, size, kind=PASS):
         """A new factor; returns its id."""
         self.factor_sizes.append(int(size))

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import re
-import sys
-import time
 import types
 
 import numpy as np
@@ -15,22 +12,14 @@ import tensorflow as tf
 from tensorflow.python.eager import record
 
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.graph.importer import import_graph
-from gspmd_tf.graph.ir import Ref
-from gspmd_tf.layout import Layout
-from gspmd_tf.mesh import Mesh, PartitionSpec
-from gspmd_tf.propagation.propagate import propagate
+from gspmd_tf.mesh import Mesh
 from gspmd_tf.runtime.arguments import Arguments, is_static, signature_of
-from gspmd_tf.runtime.lowered import Lowered
+from gspmd_tf.runtime.lowering import check_entries, lower_traced
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
 from gspmd_tf.runtime.variables import variable_of_handle
-from gspmd_tf.spmd.partitioner import partition
-from gspmd_tf.spmd.regions import reads_only
-
-log = logging.getLogger("gspmd_tf")
 
 
-def _local_backend(collective_timeout):
+def local_backend(collective_timeout):
     """A backend factory: LocalBackend(mesh, collective_timeout)."""
     from gspmd_tf.backends.local import LocalBackend, check_timeout
     if collective_timeout is not None:
@@ -59,19 +48,7 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
         raise ValueError("collective_timeout applies to the default backend: give it to "
                          "your backend instead")
     return Function(fn, mesh, in_shardings, out_shardings,
-                    backend or _local_backend(collective_timeout))
-
-
-def _spec_layout(mesh, entry, rank, what):
-    """An in/out sharding entry as a Layout (None stays None)."""
-    from gspmd_tf.sharding import Sharding
-    if entry is None:
-        return None
-    if isinstance(entry, Sharding):
-        return entry.to_layout(mesh, rank, what)
-    if isinstance(entry, (PartitionSpec, tuple, list)):
-        return Layout.from_spec(mesh, PartitionSpec(*entry), rank, what)
-    raise ShardingError(f"{what}: expected a PartitionSpec, gt.Sharding or None, got {entry!r}")
+                    backend or local_backend(collective_timeout))
 
 
 class Function:
@@ -91,13 +68,8 @@ class Function:
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"gt.function needs mesh=gt.Mesh(...), got {mesh!r}: build "
                                 "one with gt.Mesh.create(shape, axis_names)")
-        for kind, entries in (("in_shardings", in_shardings), ("out_shardings", out_shardings)):
-            if entries is not None and (isinstance(entries, PartitionSpec)
-                                        or not isinstance(entries, (tuple, list))):
-                raise ShardingError(
-                    f"{kind}={entries!r}: give a tuple with one entry per "
-                    f"{'argument' if kind == 'in_shardings' else 'flat output'}, e.g. "
-                    f"{kind}=(P('data'),) for one")
+        check_entries("in_shardings", in_shardings, "argument")
+        check_entries("out_shardings", out_shardings, "flat output")
         self.fn = fn
         self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
         self.mesh = mesh
@@ -225,78 +197,8 @@ class Function:
         return self._keyword_functions[key]
 
     def _build(self, arguments, specs, entries, committed):
-        started = time.perf_counter()
-        concrete = self._trace(arguments, specs)
-        graph = import_graph(concrete)
-        log.info("gspmd_tf: %s traced: %d ops (%.1f s)", self.name, len(graph.nodes),
-                 time.perf_counter() - started)
-        mesh = self.mesh
-        seeds = {}
-        for i, (ref, spec) in enumerate(zip(graph.inputs, specs)):
-            what = f"argument {i} ({graph.tensor_name(ref)})"
-            layout = _spec_layout(mesh, entries[i], len(spec.shape), what) or committed[i]
-            if layout is not None:
-                seeds[ref] = layout
-        for ref, value in zip(graph.inputs[len(specs):], graph.captures):
-            if graph.dtype(ref) == tf.resource:
-                seeds[ref] = self._variable_layout(graph, ref,
-                                                   _captured_variable(graph, ref, value))
-        self._seed_annotations(graph, seeds)
-        out_layouts = self._seed_outputs(graph, seeds)
-        propagation = propagate(graph, mesh, seeds)
-        log.info("gspmd_tf: %s propagated from %d annotations (%.1f s)", self.name,
-                 len(seeds), time.perf_counter() - started)
-        out_layouts = [l or propagation.layout(r) for l, r in zip(out_layouts, graph.outputs)]
-        program = partition(graph, mesh, propagation, out_layouts)
-        log.info("gspmd_tf: %s partitioned: %d ops in the SPMD program (%.1f s)", self.name,
-                 len(program.graph.nodes), time.perf_counter() - started)
-        lowered = Lowered(mesh, graph, propagation, program, len(specs), set(seeds),
-                          self._backend_factory, name=f"gt.function {self.name!r}")
-        lowered.structured_outputs = concrete.structured_outputs
-        return lowered
-
-    def _variable_layout(self, graph, ref, variable):
-        """The layout captured gt.Variable `variable` enters the program with: its own on
-        its own mesh. From another mesh it is read-only (updates would have to reach
-        shards this program does not hold): its value enters resharded to its spec on
-        this mesh, or replicated where this mesh lacks the spec's axes."""
-        if variable.mesh == self.mesh:
-            return variable.layout
-        writer = _first_writer(graph, ref)
-        if writer is not None:
-            raise ShardingError(
-                f"{self.fn.__name__} updates variable {variable.name!r} ({writer.op} "
-                f"{writer.name!r}) but runs on {_mesh_text(self.mesh)} while the variable "
-                f"lives on {_mesh_text(variable.mesh)}: run the function on the "
-                "variable's mesh, or make the variable on this mesh (e.g. gt.Variable("
-                "v.numpy(), mesh, spec)); reading a variable of another mesh works")
-        try:
-            return Layout.from_spec(self.mesh, variable.spec, len(variable.shape))
-        except ShardingError:
-            return Layout.replicated(len(variable.shape))
-
-    def _seed_annotations(self, graph, seeds):
-        from gspmd_tf.sharding import Sharding
-        for ref, proto in graph.annotations.items():
-            name = graph.tensor_name(ref)
-            layout = Sharding.from_proto(proto).to_layout(
-                self.mesh, len(graph.shape(ref)), f"tensor {name!r}")
-            _add_seed(graph, seeds, ref, layout, f"annotation on {name!r}")
-
-    def _seed_outputs(self, graph, seeds):
-        if self.out_shardings is None:
-            return [None] * len(graph.outputs)
-        if len(self.out_shardings) != len(graph.outputs):
-            raise ShardingError(
-                f"{self.name} has {len(graph.outputs)} outputs but out_shardings has "
-                f"{len(self.out_shardings)} entries: give one per flat output")
-        layouts = []
-        for i, (ref, entry) in enumerate(zip(graph.outputs, self.out_shardings)):
-            layout = _spec_layout(self.mesh, entry, len(graph.shape(ref)), f"output {i}")
-            if layout is not None:
-                _add_seed(graph, seeds, ref, layout, f"out_shardings[{i}]")
-            layouts.append(layout)
-        return layouts
+        return lower_traced(self._trace(arguments, specs), self.mesh, entries, committed,
+                            self.out_shardings, self._backend_factory, self.name)
 
     # ----------------------------------------------------------------- running
     def __call__(self, *args, **kwargs):
@@ -368,69 +270,6 @@ class Function:
         elif hasattr(value, "numpy"):
             value = value.numpy()
         return split_value(np.asarray(value), self.mesh, layout)
-
-
-# Keras keeps a layer's weights in plain tf.Variables, which _captured_variable refuses
-_KERAS_HINT = (". A Keras layer or model called inside gt.function brings its own "
-               "tf.Variables: call gt.keras.shard_model(model, mesh, layout_map) on it "
-               "first (it backs the variables by gt.Variables; then model.fit/predict, or "
-               "calling the model inside gt.function, run partitioned)")
-
-
-def _captured_variable(graph, ref, handle):
-    """The gt.Variable behind a captured resource; plain tf.Variables are refused."""
-    variable = variable_of_handle(handle)
-    if variable is None:
-        raise ShardingError(
-            f"the function captures a tf.Variable ({graph.tensor_name(ref)!r}) that is not a "
-            "gt.Variable; create it with gt.Variable(value, mesh=..., spec=...) so that "
-            "each device holds its shard" + _KERAS_HINT * ("keras" in sys.modules))
-    return variable
-
-
-# ops that only read the variable behind their resource input
-_READ_ONLY = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather",
-                        "ResourceGatherNd"})
-
-
-def _first_writer(graph, ref):
-    """The first node that may update the variable of resource `ref` (anything but a
-    known read, through Identity and control-flow ops whose bodies only read it), or
-    None."""
-    users = graph.consumers()
-    pending = [ref]
-    while pending:
-        ref = pending.pop()
-        for user, pos in users[ref.node]:
-            node = graph.nodes[user]
-            if node.inputs[pos] != ref:
-                continue
-            if node.op == "Identity":
-                pending.append(Ref(user, 0))
-            elif node.regions and reads_only(node, pos):
-                if "While" in node.op:  # the loop hands the handle on as its output pos
-                    pending.append(Ref(user, pos))
-            elif node.op not in _READ_ONLY:
-                return node
-    return None
-
-
-def _mesh_text(mesh):
-    """A mesh's shape and devices (row-major positions), for errors about two meshes
-    with the same axes."""
-    names = [mesh.devices[i].rsplit("device:", 1)[-1] for i in mesh.device_ids.ravel()]
-    return f"{mesh!r} (devices {', '.join(names)})"
-
-
-def _add_seed(graph, seeds, ref, layout, what):
-    """Record a user sharding; two different ones on one tensor cannot both hold."""
-    old = seeds.get(ref)
-    if old is not None and old != layout:
-        raise ShardingError(
-            f"tensor {graph.tensor_name(ref)!r} has two shardings that cannot both hold: "
-            f"{old.to_spec()!r} and {layout.to_spec()!r} ({what}); remove one of them or "
-            "annotate a copy (tf.identity) instead")
-    seeds[ref] = layout
 
 
 def _describe_spec(value):

@@ -32,7 +32,13 @@ _KIND = {"gt.AllReduce": "all-reduce", "gt.AllGather": "all-gather",
 
 
 class Lowered:
-    """The result of gt.function(...).lower(...): shardings, collectives, report, compile."""
+    """The result of gt.lower(...) or gt.function(...).lower(...): shardings, collectives,
+    report, compile.
+
+    `stage_seconds` holds the wall time of the stages after tracing ("import",
+    "propagate", "partition"); `structured_outputs` the traced function's output
+    structure (None for a program given as an imported Graph).
+    """
 
     def __init__(self, mesh, graph, propagation, program, num_args, annotated, backend_factory,
                  name=None):
@@ -45,6 +51,8 @@ class Lowered:
         self._annotated = annotated
         self._backend_factory = backend_factory
         self._run = None
+        self.stage_seconds = {}
+        self.structured_outputs = None
 
     def _sharding(self, layout):
         from gspmd_tf.sharding import Sharding

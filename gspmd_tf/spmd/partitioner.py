@@ -58,8 +58,9 @@ class OpContext:
         self.rule = rule
         self.targets = targets
         self.inputs = [partitioner.values[r] for r in self.node.inputs]
-        self.factor_axes = _choose_factor_axes(self.mesh, rule, self.inputs, targets,
-                                               self.node) if rule else None
+        self.decision = (partitioner.decide(rule, self.inputs, targets, self.node)
+                         if rule else None)
+        self.factor_axes = self.decision.factor_axes if rule else None
 
     def reshard(self, local, layout):
         """`local` in `layout` (cached per tensor and layout)."""
@@ -77,20 +78,41 @@ class OpContext:
 
     def operands(self):
         """Operands resharded to the chosen factor axes (non-data inputs replicated)."""
-        out = []
-        for x, dims in zip(self.inputs, self.rule.operands):
-            layout = Layout.replicated(len(x.shape)) if dims is None else self.dims_layout(dims)
-            out.append(self.reshard(x, layout))
-        return out
+        decision = self.decision
+        if decision.operand_layouts is None:
+            decision.operand_layouts = [
+                Layout.replicated(len(x.shape)) if dims is None else self.dims_layout(dims)
+                for x, dims in zip(self.inputs, self.rule.operands)]
+        return [self.reshard(x, layout) for x, layout in zip(self.inputs,
+                                                              decision.operand_layouts)]
 
     def result_layouts(self):
         """Layouts of the results as computed (partial over split REDUCE factors)."""
-        partial = self.split_reduce_axes()
-        return [self.dims_layout(dims, partial) for dims in self.rule.results]
+        decision = self.decision
+        if decision.result_layouts is None:
+            partial = self.split_reduce_axes()
+            decision.result_layouts = [self.dims_layout(dims, partial)
+                                       for dims in self.rule.results]
+        return list(decision.result_layouts)
 
     def local_shape(self, layout, k=0):
         """Local shape of result k under `layout`."""
-        return layout.local_shape(self.mesh, self.node.out_shapes[k])
+        return self.p.local_shape(layout, self.node.out_shapes[k])
+
+
+class Decision:
+    """The partitioner's choice for one op: the mesh axes of every factor of its rule, and
+    (filled on first use) the layouts its operands are resharded to and its results come
+    out in. It depends only on the op's rule, its operands' layouts, shapes and dtypes,
+    and its results' target layouts, shapes and dtypes (see Partitioner.decide), so ops
+    that agree on those (the same op in every repeated layer) share one Decision."""
+
+    __slots__ = ("factor_axes", "operand_layouts", "result_layouts")
+
+    def __init__(self, factor_axes):
+        self.factor_axes = factor_axes
+        self.operand_layouts = None
+        self.result_layouts = None
 
 
 def _split_candidates(mesh, rule, dims_factors, layout):
@@ -236,11 +258,42 @@ class Partitioner:
         self.b = ProgramBuilder(mesh)
         self.values = {}
         self._resharded = {}
+        self._decisions = {}
+        self._rule_keys = {}
+        self._local_shapes = {}
         self.replicated_ops = []
+
+    def decide(self, rule, inputs, targets, node):
+        """The Decision for an op with `rule`, operands `inputs` (Locals) and result
+        `targets`, memoised on everything _choose_factor_axes reads. A rule is keyed by
+        its value (OpRule.key, computed once per rule object: propagation shares one
+        object between ops with equal rules)."""
+        rule_key = self._rule_keys.get(id(rule))
+        if rule_key is None:
+            # the propagation holds every rule while we run, so ids are not reused
+            rule_key = self._rule_keys[id(rule)] = rule.key()
+        key = (rule_key, tuple((x.layout, x.shape, x.dtype) for x in inputs), tuple(targets),
+               tuple(node.out_shapes), tuple(node.out_dtypes))
+        decision = self._decisions.get(key)
+        if decision is None:
+            decision = self._decisions[key] = Decision(
+                _choose_factor_axes(self.b.mesh, rule, inputs, targets, node))
+        return decision
+
+    def local_shape(self, layout, shape):
+        """Local shape of a tensor of global `shape` under `layout` (cached: repeated
+        layers ask for the same few)."""
+        key = (layout.dims, shape)
+        local = self._local_shapes.get(key)
+        if local is None:
+            local = self._local_shapes[key] = layout.local_shape(self.b.mesh, shape)
+        return local
 
     def reshard(self, local, layout):
         """Cached reshard of a program tensor (keyed by all of it: equal constants are
         one node, so one ref can hold tensors of other global shapes or layouts)."""
+        if local.layout == layout:  # most requests: no lookup, no hashing of layouts
+            return local
         key = (local, layout)
         if key not in self._resharded:
             self._resharded[key] = reshard(self.b, local, layout)
