@@ -9,6 +9,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Backends read this: a collective that cannot complete fails instead of hanging.
 os.environ.setdefault("GSPMD_TF_COLLECTIVE_TIMEOUT", "60")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 from gspmd_tf.devices import configure_cpu_devices  # noqa: E402
@@ -21,3 +22,17 @@ settings.register_profile(
 settings.register_profile(
     "fuzz", deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """The 2x4 ("data", "model") mesh most tests run on (a module may define its own)."""
+    import gspmd_tf as gt
+    return gt.Mesh.create((2, 4), ("data", "model"))
+
+
+@pytest.fixture
+def rng():
+    """A fresh seeded generator per test."""
+    import numpy as np
+    return np.random.default_rng(0)

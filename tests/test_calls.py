@@ -11,11 +11,6 @@ from util import assert_close, check_partitioned
 P = gt.P
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return gt.Mesh.create((2, 4), ("data", "model"))
-
-
 def x8x4(dtype=np.float32):
     return np.arange(32).reshape(8, 4).astype(dtype)
 

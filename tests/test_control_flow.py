@@ -21,11 +21,6 @@ P = gt.P
 SPECS = (P("data", "model"), P(None, "model"))
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return gt.Mesh.create((2, 4), ("data", "model"))
-
-
 @pytest.fixture
 def xw():
     rng = np.random.default_rng(7)

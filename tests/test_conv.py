@@ -15,18 +15,8 @@ P = gt.P
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    return gt.Mesh.create((2, 4), ("data", "model"))
-
-
-@pytest.fixture(scope="module")
 def mesh3():
     return gt.Mesh.create((2, 2, 2), ("a", "b", "c"))
-
-
-@pytest.fixture
-def rng():
-    return np.random.default_rng(0)
 
 
 def kinds(low):

@@ -23,11 +23,6 @@ def mesh():
     return gt.Mesh([[cpus[k] for k in row] for row in ORDER], ("data", "model"))
 
 
-@pytest.fixture
-def rng():
-    return np.random.default_rng(0)
-
-
 def physical_index(name):
     return tf.DeviceSpec.from_string(name).device_index
 

@@ -15,16 +15,6 @@ from util import check_partitioned, randn
 P = gt.P
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return gt.Mesh.create((2, 4), ("data", "model"))
-
-
-@pytest.fixture
-def rng():
-    return np.random.default_rng(0)
-
-
 def check_training(fn, args, mesh, in_shardings, out_shardings=None):
     """Values equal single-device TF and no op ran replicated for want of a rule."""
     low = check_partitioned(fn, args, mesh, in_shardings, out_shardings)

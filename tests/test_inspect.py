@@ -16,11 +16,6 @@ from gspmd_tf.layout import Layout
 P = gt.P
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return gt.Mesh.create((2, 4), ("data", "model"))
-
-
 def _cells(view):
     return [[(box, devices) for box, devices in row] for row in view.cells]
 

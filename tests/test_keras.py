@@ -26,11 +26,6 @@ LAYOUT = {"embed/embeddings": P(None, "model"),
           "dense_logits/kernel": P("model", None)}    # ... then row split (Megatron)
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return gt.Mesh.create((2, 4), ("data", "model"))
-
-
 def _data(n=N, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.integers(0, VOCAB, (n, SEQ)).astype(np.int32)

@@ -15,16 +15,6 @@ from util import assert_close, check_partitioned, randn
 P = gt.P
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return gt.Mesh.create((2, 4), ("data", "model"))
-
-
-@pytest.fixture
-def rng():
-    return np.random.default_rng(0)
-
-
 def weights(t, k):
     """Fixed weights of the shape of `t`, different for each output k: a loss whose
     gradient has no cancellation (a sum of squares of normalized values would have one)."""

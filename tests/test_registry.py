@@ -16,16 +16,6 @@ from util import check_partitioned, randn
 P = gt.P
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return gt.Mesh.create((2, 4), ("data", "model"))
-
-
-@pytest.fixture
-def rng():
-    return np.random.default_rng(0)
-
-
 @pytest.fixture
 def own_table(monkeypatch):
     """A private copy of the registry's table: registrations end with the test."""
@@ -100,7 +90,6 @@ def test_einsum_string_rule_for_an_elementwise_op(mesh, rng, own_table):
                             (P("data", "model"),))
     assert low.program.replicated_ops == []
     assert low.layout_of("erfinv").to_spec() == P("data", "model")
-
 
 
 def test_registered_emitter_emits_the_op(mesh, rng, own_table):

@@ -20,11 +20,6 @@ def mesh_of(name):
     return gt.Mesh.create(shape, axes), axes
 
 
-@pytest.fixture
-def rng():
-    return np.random.default_rng(0)
-
-
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("m, k, n", [(8, 16, 8), (6, 10, 5)])
 def test_mlp(mesh_name, m, k, n, rng):

@@ -10,11 +10,6 @@ from util import assert_close, assert_replicas_equal
 P = gt.P
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return gt.Mesh.create((2, 4), ("data", "model"))
-
-
 def test_each_device_holds_only_its_shard(mesh):
     value = np.arange(30 * 8, dtype=np.float32).reshape(30, 8)
     v = gt.Variable(value, mesh, P("model", "data"), name="w")
