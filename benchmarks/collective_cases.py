@@ -27,3 +27,20 @@ DOTS = {
     "partial_match_non_contracting": ("mk,kn->mn", ((64, 32), (32, 16)),
                                       ((("data", "model"), None), (None, "model"))),
 }
+
+
+def print_cases(case, describe_reshard, dot_case, spec):
+    """Print the cases named `case` ("all": every one). `describe_reshard(shape, src, dst)`
+    gives the lines under a reshard; `dot_case(equation, shapes, specs)` gives (collectives
+    found as (kind, bytes, groups) triples, result sharding); `spec` makes a
+    PartitionSpec of the caller's library from entries."""
+    for name, (shape, src, dst) in RESHARDS.items():
+        if case in ("all", name):
+            print(f"{name}: {shape} {spec(*src)} -> {spec(*dst)}")
+            for line in describe_reshard(shape, src, dst):
+                print(f"    {line}")
+    for name, (equation, shapes, specs) in DOTS.items():
+        if case in ("all", name):
+            found, out = dot_case(equation, shapes, specs)
+            print(f"{name}: {equation} {shapes} {[spec(*s) for s in specs]} -> {out!r}")
+            print(f"    {found}  total operand bytes {sum(b for _, b, _ in found)}")

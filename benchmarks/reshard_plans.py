@@ -22,7 +22,7 @@ import gspmd_tf as gt  # noqa: E402
 from gspmd_tf.layout import Layout  # noqa: E402
 from gspmd_tf.spmd import planner  # noqa: E402
 
-from collective_cases import DOTS, RESHARDS  # noqa: E402
+from collective_cases import print_cases  # noqa: E402
 
 CASE = flags.DEFINE_string("case", "all", "case name, or 'all'")
 
@@ -53,18 +53,11 @@ def dot_case(equation, shapes, specs):
 def main(argv):
     del argv
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
-    for name, (shape, src, dst) in RESHARDS.items():
-        if CASE.value in ("all", name):
-            steps, found, moved = reshard_case(shape, src, dst)
-            print(f"{name}: {shape} {gt.P(*src)} -> {gt.P(*dst)}")
-            print(f"    {[type(s).__name__ for s in steps]}")
-            print(f"    {found}  moved bytes per device {moved}")
-    for name, (equation, shapes, specs) in DOTS.items():
-        if CASE.value in ("all", name):
-            found, out = dot_case(equation, shapes, specs)
-            print(f"{name}: {equation} {shapes} {[gt.P(*s) for s in specs]} -> {out!r}")
-            print(f"    {found}  total operand bytes {sum(b for _, b, _ in found)}")
+    def describe(shape, src, dst):
+        steps, found, moved = reshard_case(shape, src, dst)
+        return [str([type(s).__name__ for s in steps]), f"{found}  moved bytes per device {moved}"]
 
+    print_cases(CASE.value, describe, dot_case, gt.P)
 
 if __name__ == "__main__":
     app.run(main)

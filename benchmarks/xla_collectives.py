@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from collective_cases import DOTS, RESHARDS  # noqa: E402
+from collective_cases import print_cases  # noqa: E402
 
 CASE = flags.DEFINE_string("case", "all", "case name, or 'all'")
 
@@ -103,17 +103,7 @@ def dot_case(equation, shapes, specs):
 
 def main(argv):
     del argv
-    for name, (shape, src, dst) in RESHARDS.items():
-        if CASE.value in ("all", name):
-            found = reshard_case(shape, src, dst)
-            print(f"{name}: {shape} {P(*src)} -> {P(*dst)}")
-            print(f"    {found}")
-    for name, (equation, shapes, specs) in DOTS.items():
-        if CASE.value in ("all", name):
-            found, out = dot_case(equation, shapes, specs)
-            print(f"{name}: {equation} {shapes} {[P(*s) for s in specs]} -> {out}")
-            print(f"    {found}  total operand bytes {sum(b for _, b, _ in found)}")
-
+    print_cases(CASE.value, lambda *case: [str(reshard_case(*case))], dot_case, P)
 
 if __name__ == "__main__":
     app.run(main)
