@@ -178,3 +178,39 @@ def test_argument_committed_by_a_sharded_tensor(mesh):
     low = gt.function(lambda t: tf.tanh(t, name="out"), mesh=mesh).lower(x)
     (data,) = lines_about(low.explain("out"), "- 'data' (dim 0)")
     assert "argument 0 ('t', the ShardedTensor passed there)" in data
+
+
+def test_incompatible_splits_of_one_dim_go_to_the_larger():
+    low = gt.function(lambda x, y: tf.add(x, y, name="a"), mesh=ABSTRACT,
+                      in_shardings=(P("data"), P("model"))).lower(spec(B, 16), spec(B, 16))
+    text = low.explain("a")
+    assert "is split P('model')" in text
+    (line,) = lines_about(text, "- dim 0 lacks 'data'")
+    assert "AddV2 'a' chose ('model',) (4 ways, from 'y') over ('data',) (2 ways): the " \
+        "larger split wins" in line
+
+
+def test_op_without_a_rule_is_named():
+    def f(x):
+        y = tf.py_function(lambda v: v * 2, [x], tf.float32)
+        y.set_shape(x.shape)
+        return tf.tanh(y, name="t")
+
+    low = gt.function(f, mesh=ABSTRACT, in_shardings=(P("data"),)).lower(spec(B, 16))
+    (name,) = [n.name for n in low.graph.nodes if n.op == "EagerPyFunc"]
+    text = low.explain(name)
+    assert "is replicated" in text
+    assert lines_about(text, f"- EagerPyFunc {name!r} has no sharding rule: it runs replicated")
+
+
+def test_long_chain_shows_its_ends():
+    def f(x):
+        for k in range(8):
+            x = tf.tanh(x, name=f"t{k}")
+        return x
+
+    low = gt.function(f, mesh=ABSTRACT, in_shardings=(P("data"),)).lower(spec(B, 16))
+    (line,) = lines_about(low.explain("t7"), "- 'data' (dim 0)")
+    assert line.endswith("forward through Tanh 't0', Tanh 't1', Tanh 't2' (layer 0: "
+                         "pass-through), then ... 2 more ops ..., then forward through "
+                         "Tanh 't5', Tanh 't6', Tanh 't7' (layer 0: pass-through).")

@@ -17,6 +17,7 @@ import difflib
 import numpy as np
 
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import Ref
 from gspmd_tf.propagation.propagate import LAYERS
 from gspmd_tf.propagation.rules import REPLICATE
 from gspmd_tf.runtime.variables import variable_of_handle
@@ -40,17 +41,7 @@ def explain(lowered, name):
         lines.append(f"It is a user sharding: {sources.describe(ref)}; propagation "
                      "keeps user shardings exactly as given.")
     origins = {o.axis: o for o in propagation.origin(ref)}
-    # axes of one dim that came together (same seed, same ops) are told once
-    together = {}
-    for origin in origins.values():
-        if origin.num_hops:
-            key = (origin.dim, origin.seed,
-                   tuple((h.op, h.direction, h.layer) for h in origin.hops))
-            together.setdefault(key, []).append(origin)
-    for (dim, seed, _), group in together.items():
-        axes = " and ".join(repr(o.axis) for o in group)
-        lines.append(f"- {axes} (dim {dim}) come{'s' if len(group) == 1 else ''} from "
-                     f"{sources.describe(graph.ref(seed))} {_path(group[0].hops)}.")
+    lines += _origin_lines(graph, origins, sources)
     if ref not in lowered._annotated:
         quiet = []  # unsplit dims that nothing offered an axis
         for d, axes in enumerate(layout.dims):
@@ -58,11 +49,33 @@ def explain(lowered, name):
             lines += missing
             if not axes and not missing and shape[d] != 1:
                 quiet.append(d)
+        if propagation.rules[ref.node] is None and node.op != "Placeholder":
+            lines.append(f"- {node.op} {node.name!r} has no sharding rule: it runs "
+                         "replicated, and its results take splits only from the ops that "
+                         "read them.")
         if quiet:
             lines.append(f"- dim{'s' if len(quiet) > 1 else ''} "
                          f"{', '.join(map(str, quiet))}: replicated, no user sharding "
-                         "reaches it through the ops around this tensor.")
+                         f"reaches {'them' if len(quiet) > 1 else 'it'} through the ops "
+                         "around this tensor.")
     return "\n".join(lines)
+
+
+def _origin_lines(graph, origins, sources):
+    """A line per propagated axis: its user sharding and the ops it passed; axes of one
+    dim that came together (same seed, same ops) share a line."""
+    together = {}
+    for origin in origins.values():
+        if origin.num_hops:
+            key = (origin.dim, origin.seed,
+                   tuple((h.op, h.direction, h.layer) for h in origin.hops))
+            together.setdefault(key, []).append(origin)
+    lines = []
+    for (dim, seed, _), group in together.items():
+        axes = " and ".join(repr(o.axis) for o in group)
+        lines.append(f"- {axes} (dim {dim}) come{'s' if len(group) == 1 else ''} from "
+                     f"{sources.describe(graph.ref(seed))} {_path(group[0].hops)}.")
+    return lines
 
 
 def _resolve(graph, name):
@@ -154,7 +167,7 @@ def _neighbours(lowered, ref):
             continue
         node = graph.nodes[i]
         tensors = [(r, dims) for r, dims in zip(node.inputs, rule.operands) if dims is not None]
-        tensors += [(type(ref)(i, k), dims) for k, dims in enumerate(rule.results)]
+        tensors += [(Ref(i, k), dims) for k, dims in enumerate(rule.results)]
         own = (rule.results if kind == "result" else rule.operands)[position]
         if own is None:
             continue
@@ -173,26 +186,56 @@ def _missing_axes(lowered, ref, d, axes, origins, sources):
             lines.append(f"- dim {d}: replicated, {node.op} {node.name!r} keeps it whole "
                          f"(a REPLICATE factor in its rule {rule}).")
             continue
-        for f in own[d]:
-            for other, dims in others:
-                for d2, factors in enumerate(dims):
-                    if f not in factors:
-                        continue
-                    offered = propagation.layout(other).dims[d2]
-                    for axis in offered:
-                        if axis in seen:
-                            continue
-                        seen.add(axis)
-                        where = (f"{graph.tensor_name(other)!r} holds {axis!r} on the "
-                                 f"dim {node.op} {node.name!r} maps to this one")
-                        if axis in origins:
-                            lines.append(_conflict(lowered, d, axis, origins[axis], other,
-                                                   offered, node, sizes, sources, where))
-                        else:
-                            lines.append(f"- dim {d} lacks {axis!r}: {where}, but the "
-                                         "split does not divide this dim's factors "
-                                         f"evenly ({rule}).")
+        for other, offered in _offers(propagation, own[d], others):
+            for axis in offered:
+                if axis in seen:
+                    continue
+                seen.add(axis)
+                where = (f"{graph.tensor_name(other)!r} holds {axis!r} on the dim "
+                         f"{node.op} {node.name!r} maps to this one")
+                if axis in origins:
+                    lines.append(_conflict(lowered, d, axis, origins[axis], other, offered,
+                                           node, sizes, sources, where))
+                else:
+                    why = _not_carried(axes, offered, own[d], rule, origins, node, sizes)
+                    lines.append(f"- dim {d} lacks {axis!r}: {where}, but {why}.")
     return lines
+
+
+def _offers(propagation, factors, others):
+    """(tensor, axes of its dim) for each dim of the `others` (Ref, slot dims) that
+    shares one of `factors`."""
+    for f in factors:
+        for other, dims in others:
+            for d2, held in enumerate(dims):
+                if f in held:
+                    yield other, propagation.layout(other).dims[d2]
+
+
+def _not_carried(axes, offered, factors, rule, origins, node, sizes):
+    """Why a free axis a neighbour offered (`offered`, on a shared factor) did not extend
+    a dim that holds `axes` (made of `factors` of `rule` at op `node`)."""
+    if tuple(offered[:len(axes)]) != tuple(axes):
+        text = f"this dim is split over {tuple(axes)}, which that split does not extend"
+        last = origins[axes[0]].hops[-1] if origins[axes[0]].num_hops else None
+        if last is not None and last.op == node.name:
+            held, other = _ways(axes, sizes), _ways(offered, sizes)
+            rule_text = ("the larger split wins" if held != other else
+                         "on a tie the earlier tensor of the op wins")
+            return (f"{text}: {node.op} {node.name!r} chose {tuple(axes)} ({held} ways, "
+                    f"from {last.source!r}) over {tuple(offered)} ({other} ways): "
+                    f"{rule_text}")
+        return f"{text}, and {tuple(axes)} got there first (propagation only appends axes)"
+    if len(factors) > 1:
+        return (f"this dim is made of several factors of the op's rule ({rule}) and the "
+                "split does not divide them evenly")
+    # not reached by the core's rules as they stand; said plainly rather than guessed
+    return f"propagation did not carry it across this op (its rule: {rule})"
+
+
+def _ways(axes, sizes):
+    """How many ways mesh axes `axes` split a dim."""
+    return int(np.prod([sizes[a] for a in axes]))
 
 
 def _conflict(lowered, d, axis, winner, loser_tensor, loser_axes, node, sizes, sources,
@@ -209,8 +252,7 @@ def _conflict(lowered, d, axis, winner, loser_tensor, loser_axes, node, sizes, s
     if last is not None and last.op == node.name:
         won = propagation.layout(graph.ref(last.source)).dims
         won_axes = next(a for a in won if axis in a)
-        won_size = int(np.prod([sizes[a] for a in won_axes]))
-        lost_size = int(np.prod([sizes[a] for a in loser_axes]))
+        won_size, lost_size = _ways(won_axes, sizes), _ways(loser_axes, sizes)
         if won_size != lost_size:
             why = (f"the larger split wins ({won_size} ways, {tuple(won_axes)} on "
                    f"{last.source!r}, against {lost_size} ways)")
