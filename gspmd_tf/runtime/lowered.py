@@ -51,6 +51,9 @@ class Lowered:
         self._annotated = annotated
         self._backend_factory = backend_factory
         self._run = None
+        self._consumers = None  # graph.consumers(), made on first use by explain()
+        # flat arguments whose layout is the ShardedTensor passed (in_shardings left open)
+        self.committed_args = frozenset()
         self.stage_seconds = {}
         self.structured_outputs = None
 
@@ -75,6 +78,17 @@ class Lowered:
         except (KeyError, ValueError):
             raise ShardingError(f"no tensor named {name!r} in the traced graph") from None
         return self._sharding(self.propagation.layout(ref))
+
+    def explain(self, name):
+        """Why tensor `name` ("op" or "op:k", as sharding_of takes) has its sharding, in
+        words: for each mesh axis splitting it, the user sharding it came from (argument
+        and its in_shardings entry, captured gt.Variable, gt.mesh_split annotation or
+        out_shardings entry) and each op it went through, forward or backward, with the
+        propagation layer; for each dim that lacks an axis a neighbouring tensor holds,
+        why (the axis splits another dim: which annotation won and by which priority; or
+        the op's rule keeps the dim whole). Returns the text (print it)."""
+        from gspmd_tf.runtime.explain import explain
+        return explain(self, name)
 
     def layout_of(self, name):
         """The Layout (mesh-axis form) chosen for tensor `name`."""

@@ -130,6 +130,8 @@ def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_facto
              len(program.graph.nodes), time.perf_counter() - propagated)
     lowered = Lowered(mesh, graph, propagation, program, count, set(seeds), backend_factory,
                       name=f"{caller} {name!r}")
+    lowered.committed_args = frozenset(
+        i for i in range(count) if entries[i] is None and committed[i] is not None)
     lowered.stage_seconds.update({"import": imported - start,
                                   "propagate": propagated - imported,
                                   "partition": time.perf_counter() - propagated})
