@@ -27,3 +27,23 @@ DOTS = {
     "partial_match_non_contracting": ("mk,kn->mn", ((64, 32), (32, 16)),
                                       ((("data", "model"), None), (None, "model"))),
 }
+
+# name -> (global shape, spec of the operand and of the result, op): a pad ("pad",
+# [(lo, hi) per dim]) or a slice ("slice", [(begin, end, stride) per dim]) of a split dim
+WINDOWS = {
+    "pad_split_dim": ((16, 32), ("model", None), ("pad", [(1, 2), (0, 0)])),
+    "pad_uneven": ((14, 32), ("model", None), ("pad", [(3, 1), (0, 0)])),
+    "pad_two_axes": ((16, 32), (("data", "model"), None), ("pad", [(2, 2), (0, 0)])),
+    "slice_shift": ((16, 32), ("model", None), ("slice", [(1, 15, 1), (0, 32, 1)])),
+    "slice_uneven": ((13, 32), ("model", None), ("slice", [(2, 11, 1), (0, 32, 1)])),
+    "strided_slice": ((16, 32), ("model", None), ("slice", [(1, 15, 2), (0, 32, 1)])),
+}
+
+
+def window_op(op, pad, getitem):
+    """The function of a WINDOWS case's op, given the framework's pad(x, pairs) and
+    x[slices] (so JAX and TF run the same op)."""
+    kind, arg = op
+    if kind == "pad":
+        return lambda x: pad(x, arg)
+    return lambda x: getitem(x, tuple(slice(*b) for b in arg))
