@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import given
+from hypothesis import strategies as st
 
 import gspmd_tf as gt
 from util import check_partitioned, randn
@@ -16,16 +18,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from collective_cases import WINDOWS, window_op  # noqa: E402
 
 P = gt.P
+_MESH = gt.Mesh.create((2, 4), ("data", "model"))
+_LINE = gt.Mesh.create((8,), ("x",))
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    return gt.Mesh.create((2, 4), ("data", "model"))
+    return _MESH
 
 
 @pytest.fixture(scope="module")
 def line():
-    return gt.Mesh.create((8,), ("x",))
+    return _LINE
 
 
 @pytest.fixture
@@ -128,3 +132,36 @@ def test_moves_no_more_than_xla(name, mesh, rng):
     ours = [(c.kind, c.bytes) for c in low.collectives()]
     assert {kind for kind, _ in ours} <= {kind for kind, _ in XLA_WINDOWS[name]}, ours
     assert sum(b for _, b in ours) <= sum(b for _, b in XLA_WINDOWS[name]), ours
+
+
+@given(st.integers(1, 20),                                     # n
+       st.sampled_from(["pad", "slice"]),
+       st.integers(0, 6), st.integers(0, 6),                   # pad lo/hi, slice bounds
+       st.integers(1, 4),                                      # slice stride
+       st.sampled_from([("x",), ("model",), ("data", "model")]),
+       st.booleans())                                          # gradient too
+def test_random_pads_and_slices(n, kind, a, c, stride, axes, grad):
+    if kind == "pad":
+        fn = lambda x: tf.pad(x, [[a, c], [0, 0]], constant_values=0.5)  # noqa: E731
+    else:
+        fn = lambda x: x[min(a, n - 1):max(n - c, min(a, n - 1) + 1):stride]  # noqa: E731
+    m = _LINE if axes == ("x",) else _MESH
+    x = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32)
+    if grad:
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = fn(x)
+                loss = tf.reduce_sum(y * y * y)
+            return y, tape.gradient(loss, x)
+        check_partitioned(step, (x,), m, (P(axes),))
+    else:
+        check_partitioned(fn, (x,), m, (P(axes),))
+
+
+def test_both_dims_split(mesh, rng):
+    def fn(x):
+        return tf.pad(x, [[1, 2], [3, 0]])[2:9, 1:10:2]
+    low = check_partitioned(fn, (randn(rng, 7, 10),), mesh, (P("data", "model"),))
+    assert set(kinds(low)) == {"collective-permute"}, low.report()
+    assert low.output_shardings[0] == gt.Sharding.from_spec(mesh, P("data", "model"), 2)
