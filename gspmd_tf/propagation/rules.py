@@ -425,7 +425,8 @@ def pad_or_slice(ctx, kind):
     x, y = ctx.in_shapes[0], ctx.out_shapes[0]
     bounds = ctx.const(1)
     dims = tuple(range(len(x)))
-    if len(x) != len(y) or bounds is None or (len(ctx.in_shapes) > 2 and ctx.const(2) is None):
+    value_unknown = len(ctx.in_shapes) > 2 and ctx.const(2) is None  # a PadV2's value
+    if len(x) != len(y) or bounds is None or value_unknown:
         rule = same_rank_slicing(ctx)
         if rule is not None:
             rule.params = SliceParams(dims, dims)
