@@ -45,7 +45,7 @@ OPS = {
     "pad": (lambda x: tf.pad(x, [[1, 2], [0, 0]]), 16),
     "pad_uneven": (lambda x: tf.pad(x, [[3, 1], [0, 1]]), 13),
     "pad_value": (lambda x: tf.pad(x, [[2, 5], [1, 1]], constant_values=1.5), 13),
-    "pad_reflect_other_dim": (lambda x: tf.pad(x, [[2, 1], [0, 0]]) * 2.0, 5),
+    "pad_then_scale": (lambda x: tf.pad(x, [[2, 1], [0, 0]]) * 2.0, 5),
     "slice": (lambda x: tf.slice(x, [1, 0], [14, 3]), 16),
     "slice_uneven": (lambda x: x[2:11], 13),
     "slice_far": (lambda x: x[9:15], 16),
