@@ -28,12 +28,33 @@ DOTS = {
                                       ((("data", "model"), None), (None, "model"))),
 }
 
+# name -> (global shape, spec of the operand and of the result, op): a pad ("pad",
+# [(lo, hi) per dim]) or a slice ("slice", [(begin, end, stride) per dim]) of a split dim
+WINDOWS = {
+    "pad_split_dim": ((16, 32), ("model", None), ("pad", [(1, 2), (0, 0)])),
+    "pad_uneven": ((14, 32), ("model", None), ("pad", [(3, 1), (0, 0)])),
+    "pad_two_axes": ((16, 32), (("data", "model"), None), ("pad", [(2, 2), (0, 0)])),
+    "slice_shift": ((16, 32), ("model", None), ("slice", [(1, 15, 1), (0, 32, 1)])),
+    "slice_uneven": ((13, 32), ("model", None), ("slice", [(2, 11, 1), (0, 32, 1)])),
+    "strided_slice": ((16, 32), ("model", None), ("slice", [(1, 15, 2), (0, 32, 1)])),
+}
 
-def print_cases(case, describe_reshard, dot_case, spec):
+
+def window_op(op, pad, getitem):
+    """The function of a WINDOWS case's op, given the framework's pad(x, pairs) and
+    x[slices] (so JAX and TF run the same op)."""
+    kind, arg = op
+    if kind == "pad":
+        return lambda x: pad(x, arg)
+    return lambda x: getitem(x, tuple(slice(*b) for b in arg))
+
+
+def print_cases(case, describe_reshard, dot_case, window_case, spec):
     """Print the cases named `case` ("all": every one). `describe_reshard(shape, src, dst)`
     gives the lines under a reshard; `dot_case(equation, shapes, specs)` gives (collectives
-    found as (kind, bytes, groups) triples, result sharding); `spec` makes a
-    PartitionSpec of the caller's library from entries."""
+    found as (kind, bytes, groups) triples, result sharding); `window_case(shape, spec,
+    op)` the collectives of a WINDOWS case; `spec` makes a PartitionSpec of the caller's
+    library from entries."""
     for name, (shape, src, dst) in RESHARDS.items():
         if case in ("all", name):
             print(f"{name}: {shape} {spec(*src)} -> {spec(*dst)}")
@@ -43,4 +64,9 @@ def print_cases(case, describe_reshard, dot_case, spec):
         if case in ("all", name):
             found, out = dot_case(equation, shapes, specs)
             print(f"{name}: {equation} {shapes} {[spec(*s) for s in specs]} -> {out!r}")
+            print(f"    {found}  total operand bytes {sum(b for _, b, _ in found)}")
+    for name, (shape, operand_spec, op) in WINDOWS.items():
+        if case in ("all", name):
+            found = window_case(shape, operand_spec, op)
+            print(f"{name}: {shape} {spec(*operand_spec)} {op}")
             print(f"    {found}  total operand bytes {sum(b for _, b, _ in found)}")

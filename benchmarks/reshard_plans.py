@@ -1,4 +1,4 @@
-"""gspmd-tf's collectives for the reshard and dot cases XLA is compared on.
+"""gspmd-tf's collectives for the reshard, dot, pad and slice cases XLA is compared on.
 
     .venv/bin/python benchmarks/reshard_plans.py [--case=NAME]
 
@@ -6,7 +6,8 @@ The cases are in benchmarks/collective_cases.py; XLA's side comes from
 benchmarks/xla_collectives.py (run under JAX). Reshards print the planner's steps,
 each collective as (kind, operand bytes per device, group size) and the bytes the
 planner's cost model says each device moves; dots are lowered by gt.function on an
-abstract 2x4 mesh with the result left to propagation, like XLA's.
+abstract 2x4 mesh with the result left to propagation, like XLA's; pads and slices
+(WINDOWS) with the result sharded like the operand.
 """
 
 import logging
@@ -22,7 +23,7 @@ import gspmd_tf as gt  # noqa: E402
 from gspmd_tf.layout import Layout  # noqa: E402
 from gspmd_tf.spmd import planner  # noqa: E402
 
-from collective_cases import print_cases  # noqa: E402
+from collective_cases import print_cases, window_op  # noqa: E402
 
 CASE = flags.DEFINE_string("case", "all", "case name, or 'all'")
 
@@ -50,14 +51,27 @@ def dot_case(equation, shapes, specs):
     return found, low.program.output_layouts[0].to_spec()
 
 
+def window_case(shape, spec, op):
+    """[(kind, operand bytes, group)] of a lowered pad or slice, operand and result
+    sharded by `spec`."""
+    fn = window_op(op, tf.pad, lambda x, index: x[index])
+    f = gt.function(fn, mesh=MESH, in_shardings=(gt.P(*spec),), out_shardings=(gt.P(*spec),))
+    low = f.lower(tf.TensorSpec(shape, tf.float32))
+    return [(c.kind, c.bytes, 1 if c.kind == "collective-permute" else len(c.groups[0]))
+            for c in low.collectives()]
+
+
 def main(argv):
     del argv
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
+
     def describe(shape, src, dst):
         steps, found, moved = reshard_case(shape, src, dst)
-        return [str([type(s).__name__ for s in steps]), f"{found}  moved bytes per device {moved}"]
+        return [str([type(s).__name__ for s in steps]),
+                f"{found}  moved bytes per device {moved}"]
 
-    print_cases(CASE.value, describe, dot_case, gt.P)
+    print_cases(CASE.value, describe, dot_case, window_case, gt.P)
+
 
 if __name__ == "__main__":
     app.run(main)

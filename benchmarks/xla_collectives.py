@@ -1,4 +1,5 @@
-"""The collectives XLA's SPMD partitioner emits for reshards and dots (JAX reference).
+"""The collectives XLA's SPMD partitioner emits for reshards, dots, pads and slices (JAX
+reference).
 
 NEEDS JAX (not a dependency of gspmd-tf; see benchmarks/xla_reference.py for the venv):
 
@@ -11,7 +12,9 @@ one device (the sum over a tuple operand, as XLA's CPU all-to-all takes one arra
 peer), and its group size. Reshard cases compute `y = x * 2` constrained to the source
 sharding (so uneven source shardings are allowed), then constrain y to the target and
 reduce it (the reduction's scalar all-reduce is reported too; tests skip it by shape).
-tests/test_planner.py holds the results as constants; benchmarks/reshard_plans.py prints
+Window cases pad or slice a split dim, operand and result constrained alike, then reduce.
+tests/test_planner.py (tests/test_slicing.py for the window cases) holds the results as
+constants; benchmarks/reshard_plans.py prints
 gspmd-tf's side of the same cases (collective_cases.py).
 """
 
@@ -27,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from collective_cases import print_cases  # noqa: E402
+from collective_cases import print_cases, window_op  # noqa: E402
 
 CASE = flags.DEFINE_string("case", "all", "case name, or 'all'")
 
@@ -101,9 +104,24 @@ def dot_case(equation, shapes, specs):
     return collectives(compiled.as_text()), compiled.output_shardings
 
 
+def window_case(shape, spec, op):
+    """Collectives of a pad or slice of a tensor sharded by `spec`, the result
+    constrained to the same sharding and reduced (as reshard cases do: uneven shardings
+    are allowed inside a jit only)."""
+    op_fn = window_op(op, jnp.pad, lambda x, index: x[index])
+
+    def fn(x):
+        y = jax.lax.with_sharding_constraint(x * 2, _sharded(spec))
+        z = jax.lax.with_sharding_constraint(op_fn(y), _sharded(spec))
+        return jnp.sum(z * z)
+    f = jax.jit(fn, in_shardings=_sharded(()))
+    return collectives(f.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text())
+
+
 def main(argv):
     del argv
-    print_cases(CASE.value, lambda *case: [str(reshard_case(*case))], dot_case, P)
+    print_cases(CASE.value, lambda *case: [str(reshard_case(*case))], dot_case, window_case,
+                P)
 
 if __name__ == "__main__":
     app.run(main)

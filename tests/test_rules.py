@@ -253,16 +253,21 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
      "([i, 1, j])->([i, j]) {i=4, j=6}"),
     ("ConcatV2", lambda a, b: tf.concat([a, b], 1), [f32(4, 6), f32(4, 2)],
      "([i, j], [i, k], _)->([i, l]) {i=4, j=6, k=2, l=8} need_replication={j, k, l}"),
+    # a sliced or padded dim (positive stride) is a window of one element: one factor of
+    # the larger size shared by operand and result, split alike (halo exchange); a
+    # shrunk dim stays whole
     ("Slice", lambda x: tf.slice(x, [0, 1], [4, 3]), [f32(4, 6)],
-     "([i, j], _, _)->([i, k]) {i=4, j=6, k=3} need_replication={j, k}"),
+     "([i, j], _, _)->([i, j]) {i=4, j=6}"),
     ("StridedSlice", lambda x: x[:, 1:4], [f32(4, 6)],
-     "([i, j], _, _, _)->([i, k]) {i=4, j=6, k=3} need_replication={j, k}"),
+     "([i, j], _, _, _)->([i, j]) {i=4, j=6}"),
     ("StridedSlice", lambda x: x[::2, 2], [f32(4, 6)],
-     "([i, j], _, _, _)->([k]) {i=4, j=6, k=2} need_replication={i, j, k}"),
+     "([i, j], _, _, _)->([i]) {i=4, j=6} need_replication={j}"),
+    ("StridedSlice", lambda x: x[::-1], [f32(4, 6)],
+     "([i, j], _, _, _)->([k, j]) {i=4, j=6, k=4} need_replication={i, k}"),
     ("Pad", lambda x: tf.pad(x, [[0, 0], [1, 2]]), [f32(4, 6)],
-     "([i, j], _)->([i, k]) {i=4, j=6, k=9} need_replication={j, k}"),
+     "([i, j], _)->([i, j]) {i=4, j=9}"),
     ("PadV2", lambda x: tf.pad(x, [[0, 0], [1, 2]], constant_values=1.0), [f32(4, 6)],
-     "([i, j], _, _)->([i, k]) {i=4, j=6, k=9} need_replication={j, k}"),
+     "([i, j], _, _)->([i, j]) {i=4, j=9}"),
     # a dim tiled from size 1 is a factor of the result only; tiled from more, whole
     ("Tile", lambda x: tf.tile(x, [1, 3]), [f32(4, 1)], "([i, 1], _)->([i, j]) {i=4, j=3}"),
     ("Tile", lambda x: tf.tile(x, [2, 1]), [f32(4, 6)],
@@ -287,9 +292,13 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
     ("BiasAddGrad", raw("BiasAddGrad"), [f32(4, 6)], "([i, j])->([j]) {i=4, j=6} reduction={i}"),
     ("BroadcastTo", lambda x: tf.broadcast_to(x, [4, 6]), [f32(1, 6)],
      "([1, j], _)->([i, j]) {i=4, j=6}"),
+    # a stride-1 sliced dim is a pad of dy (a window); other strides stay whole
     ("StridedSliceGrad", lambda dy: tf.raw_ops.StridedSliceGrad(
         shape=[4, 6], begin=[0, 1], end=[4, 4], strides=[1, 1], dy=dy), [f32(4, 3)],
-     "(_, _, _, _, [i, k])->([i, j]) {i=4, j=6, k=3} need_replication={j, k}"),
+     "(_, _, _, _, [i, j])->([i, j]) {i=4, j=6}"),
+    ("StridedSliceGrad", lambda dy: tf.raw_ops.StridedSliceGrad(
+        shape=[4, 6], begin=[0, 1], end=[4, 4], strides=[1, 2], dy=dy), [f32(4, 2)],
+     "(_, _, _, _, [i, k])->([i, j]) {i=4, j=6, k=2} need_replication={j, k}"),
     ("IdentityN", lambda a, b: tf.identity_n([a, b]), [f32(4, 6), f32(3)],
      "([i, j], [k])->([i, j], [k]) {i=4, j=6, k=3}"),
     # the split axis whole in the operand and in every piece
@@ -316,7 +325,7 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
      "([i, j], [], [])->([i, j]) {i=4, j=6}"),
     # masks normalized: a new axis is a size-1 dim, the ellipsis' dims pass
     ("StridedSlice", lambda x: x[:, None, ..., 1:3], [f32(4, 5, 6)],
-     "([i, j, k], _, _, _)->([i, 1, j, l]) {i=4, j=5, k=6, l=2} need_replication={k, l}"),
+     "([i, j, k], _, _, _)->([i, 1, j, k]) {i=4, j=5, k=6}"),
     ("StridedSlice", lambda x: x[..., 2], [f32(4, 5, 6)],
      "([i, j, k], _, _, _)->([i, j]) {i=4, j=5, k=6} need_replication={k}"),
     # index batch dims pass (gather) or add up (scatter); the indexed dims are a masked

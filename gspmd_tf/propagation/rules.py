@@ -411,10 +411,34 @@ def changed_dims(ctx):
 
 
 def same_rank_slicing(ctx):
-    """Slice/Pad/Tile/MirrorPad of the same rank: changed dims whole."""
+    """Tile/MirrorPad (and Slice/Pad with non-constant bounds) of the same rank:
+    changed dims whole."""
     if len(ctx.in_shapes[0]) != len(ctx.out_shapes[0]):
         return None
     return per_dim(ctx, changed_dims(ctx))
+
+
+def pad_or_slice(ctx, kind):
+    """Slice ("slice"), Pad or PadV2 ("pad") x -> y by constant bounds: each dim a
+    stride-1 window of 1 element (see _sliced_factors), `pad_lo` = -begin for a slice.
+    Without constant bounds (or a PadV2's value) the changed dims stay whole."""
+    x, y = ctx.in_shapes[0], ctx.out_shapes[0]
+    bounds = ctx.const(1)
+    dims = tuple(range(len(x)))
+    value_unknown = len(ctx.in_shapes) > 2 and ctx.const(2) is None  # a PadV2's value
+    if len(x) != len(y) or bounds is None or value_unknown:
+        rule = same_rank_slicing(ctx)
+        if rule is not None:
+            rule.params = SliceParams(dims, dims)
+        return rule
+    bounds = np.asarray(bounds, np.int64).reshape(len(x), -1)
+    lows = -bounds[:, 0] if kind == "slice" else bounds[:, 0]
+    rule = OpRule()
+    dims_x, dims_y, windows = _sliced_factors(rule, x, y, dims, dims, [1] * len(x), lows)
+    rule.params = SliceParams(dims, dims, windows)
+    rule.operands = _spread([dims_x], (0,), len(ctx.in_shapes))
+    rule.results = [dims_y]
+    return rule
 
 
 @dataclass(frozen=True)
@@ -426,6 +450,7 @@ class SliceParams:
 
     kept: tuple
     spec: tuple
+    windows: tuple = ()  # windowed.SpatialDim of each dim that may stay split (halos)
 
 
 def strided_slice_params(node, rank, spec_len):
@@ -457,36 +482,73 @@ def strided_slice_params(node, rank, spec_len):
     return SliceParams(tuple(kept), tuple(spec))
 
 
-def _sliced_factors(rule, x, y, kept, strided):
-    """Dims of a tensor x and of its slice y (y dim j is x dim kept[j], or a new axis
-    where that is None): a kept dim of unchanged size and stride 1 passes; dims sliced,
-    strided or shrunk away stay whole."""
-    passing = {d: j for j, d in enumerate(kept)
-               if d is not None and x[d] == y[j] and d not in strided and x[d] > 1}
-    dims_x, dims_y = [], [()] * len(y)
+def _sliced_factors(rule, x, y, kept, spec, strides, lows=None):
+    """Dims of a tensor x and of its slice (or padding) y: y dim j is x dim kept[j], or a
+    new axis where that is None; x dim d has entry spec[d] (None: taken whole) in
+    `strides` and `lows` (its first element read, negated: the low padding; None when
+    unknown: changed dims stay whole).
+
+    A kept dim of unchanged size and stride 1 passes. A kept dim whose size changes,
+    with a positive stride and both sizes above 1, is a window of one element (stride,
+    padding from lows): one factor shared by x and y, PASS-like as a convolution's
+    spatial dims are (split x -> split y; the handler exchanges the halos each result
+    block needs with its neighbours); its SpatialDim is returned in `windows`. Other
+    dims (shrunk, negative strides, size 1) stay whole.
+    Returns (dims of x, dims of y, windows)."""
+    from gspmd_tf.propagation.windowed import SpatialDim  # windowed imports this module
+    at = {d: j for j, d in enumerate(kept) if d is not None}
+    dims_x, dims_y, windows = [], [()] * len(y), []
     for d, n in enumerate(x):
-        kind = PASS if d in passing else REPLICATE
-        dims_x.append((rule.add_factor(n, kind),) if n > 1 else ())
-        if d in passing:
-            dims_y[passing[d]] = dims_x[d]
+        j = at.get(d)
+        stride = 1 if spec[d] is None else int(strides[spec[d]])
+        if j is not None and n == y[j] and stride == 1 and n > 1:
+            dims_x.append((rule.add_factor(n),))
+            dims_y[j] = dims_x[d]
+        elif j is not None and lows is not None and stride > 0 and n > 1 and y[j] > 1:
+            lo = int(lows[spec[d]]) if spec[d] is not None else 0
+            hi = (y[j] - 1) * stride + 1 - n - lo
+            dims_x.append((rule.add_factor(max(n, y[j])),))
+            dims_y[j] = dims_x[d]
+            windows.append(SpatialDim(d, j, int(n), int(y[j]), 1, stride, 1, lo, hi))
+        else:
+            dims_x.append((rule.add_factor(n, REPLICATE),) if n > 1 else ())
     for j, n in enumerate(y):
         if n > 1 and not dims_y[j]:
             dims_y[j] = (rule.add_factor(n, REPLICATE),)
-    return tuple(dims_x), tuple(dims_y)
+    return tuple(dims_x), tuple(dims_y), tuple(windows)
 
 
 def strided_slice(ctx):
-    """StridedSlice x -> y (see _sliced_factors)."""
+    """StridedSlice x -> y (see _sliced_factors); the first element read on each dim is
+    worked out as TF does (masks, negative and out-of-range bounds)."""
     x = ctx.in_shapes[0]
     params = strided_slice_params(ctx.node, len(x), ctx.in_shapes[1][0])
-    strided = _strided_dims(ctx, 3, params)
-    if strided is None:
+    strides = ctx.const(3)
+    if strides is None:
         return None
-    rule = OpRule(params=params)
-    dims_x, dims_y = _sliced_factors(rule, x, ctx.out_shapes[0], params.kept, strided)
+    strides = np.atleast_1d(strides)
+    begin = ctx.const(1)
+    lows = None if begin is None else -_first_read(ctx.node, x, params, begin, strides)
+    rule = OpRule()
+    dims_x, dims_y, windows = _sliced_factors(rule, x, ctx.out_shapes[0], params.kept,
+                                              params.spec, strides, lows)
+    rule.params = SliceParams(params.kept, params.spec, windows)
     rule.operands = [dims_x, None, None, None]
     rule.results = [dims_y]
     return rule
+
+
+def _first_read(node, x, params, begin, strides):
+    """Per spec entry, the index of x a StridedSlice reads first on that dim (as TF
+    clamps begin: begin_mask, negative and out-of-range begins)."""
+    begin_mask = node.attr("begin_mask") or 0
+    first = np.zeros(len(strides), np.int64)
+    for d, s in enumerate(params.spec):
+        if s is None or strides[s] <= 0:
+            continue
+        b = 0 if begin_mask >> s & 1 else int(np.atleast_1d(begin)[s])
+        first[s] = min(max(b + x[d] if b < 0 else b, 0), x[d])
+    return first
 
 
 @dataclass(frozen=True)
@@ -623,27 +685,27 @@ def tile(ctx):
 
 def strided_slice_grad(ctx):
     """StridedSliceGrad: dy (the slice's shape) scattered into zeros of x's shape; the
-    factors of the forward slice (see _sliced_factors)."""
+    factors of the forward slice (see _sliced_factors). A dim sliced with stride 1 is a
+    pad of dy (low padding: the first element the slice read) and may stay split, its
+    window read from dy; dims with other strides stay whole."""
+    from gspmd_tf.propagation.windowed import SpatialDim  # windowed imports this module
     x = ctx.out_shapes[0]
     params = strided_slice_params(ctx.node, len(x), ctx.in_shapes[1][0])
-    strided = _strided_dims(ctx, 3, params)
-    if strided is None or any(ctx.const(i) is None for i in (1, 2)):
+    strides, begin = ctx.const(3), ctx.const(1)
+    if strides is None or begin is None or ctx.const(2) is None:
         return None
-    rule = OpRule(params=params)
-    dims_x, dims_dy = _sliced_factors(rule, x, ctx.in_shapes[4], params.kept, strided)
+    strides = np.atleast_1d(strides)
+    unit = np.where(strides == 1, 1, 0)  # other strides: whole (not windows of dy)
+    lows = -_first_read(ctx.node, x, params, begin, unit)
+    rule = OpRule()
+    dims_x, dims_dy, windows = _sliced_factors(rule, x, ctx.in_shapes[4], params.kept,
+                                               params.spec, unit, lows)
+    windows = tuple(SpatialDim(w.y_dim, w.x_dim, w.out, w.n, 1, 1, 1, -w.pad_lo, -w.pad_hi)
+                    for w in windows)
+    rule.params = SliceParams(params.kept, params.spec, windows)
     rule.operands = [None, None, None, None, dims_dy]
     rule.results = [dims_x]
     return rule
-
-
-def _strided_dims(ctx, i, params):
-    """Dims of the sliced tensor whose stride (constant input i of a StridedSlice(Grad))
-    is not 1, or None."""
-    strides = ctx.const(i)
-    if strides is None:
-        return None
-    strides = np.atleast_1d(strides)
-    return {d for d, s in enumerate(params.spec) if s is not None and strides[s] != 1}
 
 
 def unsorted_segment(ctx, reduce_op):

@@ -128,31 +128,6 @@ def mean(ctx, operands, layouts):
     return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
 
 
-@op_family("Slice", rules.same_rank_slicing)
-@op_family("StridedSlice", rules.strided_slice)
-def slicing(ctx, operands, layouts):
-    """Slice/StridedSlice: dims that stay whole in size keep their local extent."""
-    node = ctx.node
-    layout = layouts[0]
-    split = [d for d, axes in enumerate(layout.dims) if axes]
-    if not split:
-        return replay(ctx, operands, layouts)
-    refs = masked_refs(ctx, operands)
-    local = operands[0].layout.local_shape(ctx.mesh, operands[0].shape)
-    if node.op == "Slice":
-        size = np.array(ctx.graph.const_value(node.inputs[2]))
-        size[split] = -1
-        refs[2] = ctx.b.const(size.astype(size.dtype))
-    else:
-        end = np.array(ctx.graph.const_value(node.inputs[2]))
-        params = ctx.rule.params
-        for d in (params.kept[j] for j in split):
-            if params.spec[d] is not None:  # dims outside the spec are taken whole anyway
-                end[params.spec[d]] = local[d]
-        refs[2] = ctx.b.const(end)
-    return replay(ctx, operands, layouts, refs=refs)
-
-
 def bias_add(ctx, operands, layouts):
     """BiasAdd: an NCHW one (channel not last) becomes an Add of the bias reshaped to
     [C, 1, ...]. TF's graph optimizer fuses Conv2D -> BiasAdd into one oneDNN op that

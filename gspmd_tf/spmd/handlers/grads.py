@@ -1,5 +1,5 @@
-"""Handlers for ops of TF's gradient code: Tile, BroadcastTo, StridedSliceGrad (shape
-arguments made local). UnsortedSegment* ops are in segment.py."""
+"""Handlers for ops of TF's gradient code: Tile, BroadcastTo (shape arguments made
+local). UnsortedSegment* ops are in segment.py, StridedSliceGrad in slicing.py."""
 
 from __future__ import annotations
 
@@ -35,23 +35,4 @@ def broadcast_to(ctx, operands, layouts):
     refs = masked_refs(ctx, operands)
     shape = local_shapes(ctx, layouts)[0]
     refs[1] = ctx.b.const(np.asarray(shape, _index_dtype(ctx, "Tidx")))
-    return replay(ctx, operands, layouts, refs=refs)
-
-
-@op_family("StridedSliceGrad", rules.strided_slice_grad)
-def strided_slice_grad(ctx, operands, layouts):
-    """StridedSliceGrad: local `shape`; split dims (whole in the slice) taken whole."""
-    refs = masked_refs(ctx, operands)
-    node = ctx.node
-    shape = local_shapes(ctx, layouts)[0]
-    dtype = _index_dtype(ctx, "Index")
-    begin = np.array(ctx.graph.const_value(node.inputs[1]))
-    end = np.array(ctx.graph.const_value(node.inputs[2]))
-    spec = ctx.rule.params.spec
-    for d, axes in enumerate(layouts[0].dims):
-        if axes and spec[d] is not None:
-            begin[spec[d]], end[spec[d]] = 0, shape[d]
-    refs[0] = ctx.b.const(np.asarray(shape, dtype))
-    refs[1] = ctx.b.const(begin.astype(dtype))
-    refs[2] = ctx.b.const(end.astype(dtype))
     return replay(ctx, operands, layouts, refs=refs)

@@ -51,7 +51,6 @@ declare({"Sum": "sum", "Max": "max", "Min": "min", "Prod": "prod", "All": "min",
 declare("Transpose", rules.transpose, replay=True)
 declare("ExpandDims", rules.squeeze_or_expand, replay=True)  # inserts a size-1 dim by index
 declare("ConcatV2", rules.concat, replay=True)
-declare(["Pad", "PadV2"], rules.same_rank_slicing, replay=True)
 declare("IdentityN", rules.identity_n, replay=True)
 declare({"Split": (1, 0), "SplitV": (0, 2)}, rules.split, replay=True)  # (value, axis)
 declare("Pack", rules.pack, replay=True)
