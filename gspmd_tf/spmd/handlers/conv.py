@@ -233,15 +233,19 @@ def _local_padding(explicit_padding, plans):
     dims (no copy, no extra work); the others pad unsplit dims like split ones."""
     if not explicit_padding:
         return plans, {"padding": "VALID"}
-    kept, pads = [], [0] * 8
-    for dp in plans:
-        if dp.k == 1:
-            pads[2 * dp.s.x_dim], pads[2 * dp.s.x_dim + 1] = dp.s.pad_lo, dp.s.pad_hi
-        else:
-            kept.append(dp)
+    kept = [dp for dp in plans if dp.k > 1]
+    return kept, _padding_attrs([dp.s for dp in plans if dp.k == 1])
+
+
+def _padding_attrs(spatial):
+    """Padding attrs of an op that takes explicit padding, padding the SpatialDims
+    `spatial` by their own amounts (SAME worked out) and no other dim."""
+    pads = [0] * 8
+    for s in spatial:
+        pads[2 * s.x_dim], pads[2 * s.x_dim + 1] = s.pad_lo, s.pad_hi
     if any(pads):
-        return kept, {"padding": "EXPLICIT", "explicit_paddings": pads}
-    return kept, {"padding": "VALID", "explicit_paddings": []}
+        return {"padding": "EXPLICIT", "explicit_paddings": pads}
+    return {"padding": "VALID", "explicit_paddings": []}
 
 
 def _needs_mask(dp, fill_zero):
@@ -270,11 +274,17 @@ def windowed_forward(ctx, operands, layouts):
     y_layout = layouts[0]
     geo = params.geometry
     if not any(y_layout.dims[s.y_dim] for s in geo.spatial):
-        if node.attr("padding") != "VALID":
+        if params.explicit_padding:
+            attrs = _padding_attrs(geo.spatial)  # SAME as amounts: windows can be cut
+        elif node.attr("padding") != "VALID":
             return replay(ctx, operands, layouts)
+        else:
+            attrs = {}
         refs = masked_refs(ctx, operands)
-        refs[0], attrs = _one_window_unstrided(ctx, geo, refs[0], {}, layouts)
-        return replay(ctx, operands, layouts, attrs=attrs, refs=refs)
+        window, cut = _one_window_unstrided(ctx, geo, refs[0], attrs, layouts)
+        if cut is attrs:  # no dim cut: the op keeps its own attrs
+            return replay(ctx, operands, layouts, refs=refs)
+        return replay(ctx, operands, layouts, attrs=cut, refs=[window] + refs[1:])
     b = ctx.b
     x, plans = _prepare_input(ctx, operands, 0, geo, lambda s: y_layout.dims[s.y_dim])
     plans, attrs = _local_padding(params.explicit_padding, plans)
@@ -302,23 +312,37 @@ def _no_products(ctx, layouts):
 
 
 def _one_window_unstrided(ctx, geo, ref, attrs, layouts):
-    """The local op's input and attrs with stride 1 on the dims that have one window
-    locally (and no padding of their own): the window's extent sliced out. Same values;
-    TF's oneDNN Conv2D computes wrong ones for some strided dims with one window (input
-    (2, 3, 3, 1), filter (1, 3, 1, 1), strides [1, 1, 2, 1], VALID: fuzzer seed 43 #379),
-    a shape a split can create where the global conv has none."""
+    """The local op's input and attrs with stride 1 on the strided dims that have one
+    window locally: the window's extent cut out (x's part of it sliced, its padding kept
+    in explicit_paddings). Same values; TF's oneDNN Conv2D computes wrong ones for a
+    strided dim whose one window leaves part of the dim unread when x has one channel
+    (input (2, 3, 3, 1), filter (1, 2, 1, 1), strides [1, 1, 2, 1], VALID: fuzzer seed 43
+    #379; seed 20 #3241 makes such a conv locally by splitting 3 channels over 4
+    devices). DepthwiseConv2dNative takes equal row and column strides only: there a
+    cut dim takes the other dim's stride (a padded input exactly one window long has one
+    window at any stride)."""
     out_shape = local_shapes(ctx, layouts)[0]
+    in_shape = ctx.b.shape_of(ref)
     strides = list(ctx.node.attr("strides"))
-    pads = attrs.get("explicit_paddings") or [0] * 8
+    pads = list(attrs.get("explicit_paddings") or [0] * 8)
     sizes = {}
     for s in geo.spatial:
-        if out_shape[s.y_dim] == 1 and strides[s.x_dim] > 1 and not any(
-                pads[2 * s.x_dim:2 * s.x_dim + 2]):
-            sizes[s.x_dim] = (s.window - 1) * s.dilation + 1
-            strides[s.x_dim] = 1
+        d = s.x_dim
+        extent = (s.window - 1) * s.dilation + 1
+        read = min(in_shape[d], extent - pads[2 * d])  # x's elements the window reads
+        if out_shape[s.y_dim] == 1 and strides[d] > 1 and read > 0:
+            sizes[d] = read
+            pads[2 * d + 1] = extent - pads[2 * d] - read
+            strides[d] = 1
     if not sizes:
         return ref, attrs
-    return _slice(ctx.b, ref, {}, sizes), dict(attrs, strides=strides)
+    if ctx.node.op == "DepthwiseConv2dNative":
+        strides = [max(strides[s.x_dim] for s in geo.spatial) if d in sizes else st
+                   for d, st in enumerate(strides)]
+    attrs = dict(attrs, strides=strides)
+    if any(pads):
+        attrs.update(padding="EXPLICIT", explicit_paddings=pads)
+    return _slice(ctx.b, ref, {}, sizes), attrs
 
 
 def _avg_counts(ctx, ref, plans):
