@@ -483,3 +483,25 @@ def test_global_one_strided_window_one_channel(spec, stride, padding, dilation):
     def reference(x, w):
         return tf.nn.conv2d(x[:, :, :2], w, 1, padding, dilations=[dilation, 1])
     check_partitioned(f, (x, w), mesh, (spec, None), reference=reference)
+
+
+@pytest.mark.parametrize("depthwise", [False, True])
+def test_filter_gradient_uneven_split_with_inf(depthwise):
+    """A filter gradient over a dim split unevenly (13 windows over 2 devices): the
+    shard with 6 real windows and one of padding sums over its real windows only, since
+    the padded window reads an x element a real one reads too, and 0 * Inf is NaN where
+    one device has Inf (fuzzer, seed 20 #6689)."""
+    mesh = gt.Mesh.create((2,), ("x",))
+    rng = np.random.default_rng(6689)
+    x, w = randn(rng, 2, 14, 3, 1), randn(rng, 2, 3, 1, 3)
+    x[0, 13, 2, 0], x[0, 4, 2, 0] = -np.inf, np.inf
+    dy = randn(rng, 2, 13, 1, 3) * (rng.random((2, 13, 1, 3)) < 0.6)
+    conv = tf.nn.depthwise_conv2d if depthwise else (
+        lambda x, w, strides, padding: tf.nn.conv2d(x, w[..., :1], strides, padding))
+
+    def f(x, w, dy):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            loss = tf.reduce_sum(conv(x, w, [1, 1, 1, 1], "VALID") * dy)
+        return tape.gradient(loss, w)
+    check_partitioned(f, (x, w, dy), mesh, (None, None, P(None, "x")))

@@ -41,6 +41,7 @@ window / in-bounds count for padded windows.
 
 from __future__ import annotations
 
+import itertools
 
 import numpy as np
 import tensorflow as tf
@@ -397,7 +398,40 @@ def backprop_filter(ctx, operands, layouts):
     for dp in plans:
         if dp.k > 1:
             window = _mask_unread(b, window, dp)
-    return replay(ctx, operands, layouts, attrs=attrs, refs=[window, size_ref, refs[2]])
+    out = replay(ctx, operands, layouts, attrs=attrs, refs=[window, size_ref, refs[2]])[0]
+    # the shard holding some but not all of a dim's windows (uneven split) sums over its
+    # real windows only: its padded ones read x elements real ones read too, and
+    # 0 (dy's padding) * Inf would be NaN (fuzzer, seed 20 #6689); one op per set of
+    # such dims, the shard picks its own
+    cut = [dp for dp in plans if _part_windows(dp)]
+    for subset in itertools.chain.from_iterable(
+            itertools.combinations(cut, m) for m in range(1, len(cut) + 1)):
+        part_x, part_dy, here = window, refs[2], None
+        for dp in subset:
+            s, part = dp.s, _part_windows(dp)
+            extent = (s.window - 1) * s.dilation + 1
+            part_x = _slice(b, part_x, {}, {s.x_dim: (part - 1) * s.stride + extent})
+            part_dy = _slice(b, part_dy, {}, {s.y_dim: part})
+        for dp in cut:
+            table = [i == dp.s.out // dp.plan["out_shard"] for i in range(dp.k)]
+            on = b.op("Equal", [_per_shard(b, dp.axes, table),
+                                b.const(np.int32(dp in subset))], (), tf.bool, T=tf.int32)
+            here = on if here is None else b.op("LogicalAnd", [here, on], (), tf.bool)
+        part_out = replay(ctx, operands, layouts, attrs=attrs,
+                          refs=[part_x, size_ref, part_dy])[0]
+        out = b.op("SelectV2", [here, part_out, out], b.shape_of(out), b.graph.dtype(out),
+                   T=b.graph.dtype(out))
+    return [out]
+
+
+def _part_windows(dp):
+    """The real windows of the shard holding some but not all of its W windows of split
+    dim `dp` when that shard's padded windows read x elements a real one reads (windows
+    overlap); else 0."""
+    s, per = dp.s, dp.plan["out_shard"]
+    if dp.k == 1 or (s.window - 1) * s.dilation + 1 <= s.stride:
+        return 0
+    return s.out % per
 
 
 def _mask_unread(b, window, dp):
