@@ -689,6 +689,17 @@ class Generator:
         lo, hi = padding
         return (n + lo + hi - eff) // s + 1 if n + lo + hi >= eff else None
 
+    @classmethod
+    def one_window_cut(cls, n, k, s, d, padding):
+        """Whether a dim has one strided window that leaves part of the padded dim
+        unread."""
+        eff = (k - 1) * d + 1
+        if s == 1 or cls.out_size(n, k, s, d, padding) != 1:
+            return False
+        padded = {"SAME": max(n, eff), "VALID": n}.get(padding) if isinstance(
+            padding, str) else n + sum(padding)
+        return padded > eff
+
     def op_conv(self):
         x = self.image()
         nb, h, w, c = x.shape
@@ -701,13 +712,18 @@ class Generator:
             padding = "VALID"
         if padding == "EXPLICIT":
             pads = [[int(self.rng.integers(0, 3)) for _ in range(2)] for _ in range(2)]
-            oh = self.out_size(h, kh, sh, dh, pads[0])
-            ow = self.out_size(w, kw, sw, dw, pads[1])
             pad_text = [[0, 0], pads[0], pads[1], [0, 0]]
         else:
-            oh = self.out_size(h, kh, sh, dh, padding)
-            ow = self.out_size(w, kw, sw, dw, padding)
+            pads = [padding, padding]
             pad_text = repr(padding)
+        if not depthwise:
+            # TF's oneDNN Conv2D (the reference) gets a strided dim with one window that
+            # leaves part of the dim unread wrong: such a dim takes stride 1 (gspmd-tf
+            # cuts the window out itself, handlers/conv.py: seed 20 #3369, #7733, #9413)
+            sh = 1 if self.one_window_cut(h, kh, sh, dh, pads[0]) else sh
+            sw = 1 if self.one_window_cut(w, kw, sw, dw, pads[1]) else sw
+        oh = self.out_size(h, kh, sh, dh, pads[0])
+        ow = self.out_size(w, kw, sw, dw, pads[1])
         if oh is None or ow is None or oh < 1 or ow < 1:
             return
         o = self.pick([1, 2, 3, 4])

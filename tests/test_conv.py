@@ -432,3 +432,76 @@ def test_one_strided_window_per_device(spec, padding):
     x, w = randn(rng, 2, 3, 3, 2), randn(rng, 1, 3, 2, 3)
     check_partitioned(lambda x, w: tf.nn.conv2d(x, w, [1, 2], padding), (x, w), mesh,
                       (spec, None))
+
+
+@pytest.mark.parametrize("shape,kernel,mesh_shape,spec", [
+    ((2, 4, 5, 2), (2, 2), (2,), P(None, "a")),      # H split: one window per device
+    ((2, 1, 4, 3), (1, 2), (1,), P()),               # one window in H on one device
+])
+def test_depthwise_one_window_keeps_equal_strides(shape, kernel, mesh_shape, spec):
+    """DepthwiseConv2dNative takes equal row and column strides only: a dim cut to its
+    one window keeps the other dim's stride (fuzzer, seed 20 #1247, #1664). float64: the
+    float32 op becomes a oneDNN one that takes unequal strides."""
+    mesh = gt.Mesh.create(mesh_shape, ("a",))
+    rng = np.random.default_rng(1247)
+    x, w = rng.standard_normal(shape), rng.standard_normal((*kernel, shape[3], 2))
+    check_partitioned(
+        lambda x, w: tf.nn.depthwise_conv2d(x, w, [1, 2, 2, 1], "VALID"), (x, w), mesh,
+        (spec, None))
+
+
+@pytest.mark.parametrize("padding", [[[0, 0], [1, 0], [0, 0], [0, 0]], "SAME"])
+def test_one_strided_window_of_padded_conv(padding):
+    """A conv with its own padding whose dims are not split still has its one-window
+    strided dims cut: splitting 3 input channels over 4 devices leaves one channel per
+    device, where TF's oneDNN Conv2D gets such a dim wrong (fuzzer, seed 20 #3241)."""
+    mesh = gt.Mesh.create((1, 4), ("data", "model"))
+    rng = np.random.default_rng(3241)
+    x, w = randn(rng, 2, 3, 3, 3), randn(rng, 2, 2, 3, 4)
+    check_partitioned(lambda x, w: tf.nn.conv2d(x, w, [1, 2], padding), (x, w), mesh,
+                      (None, P(None, None, "model")))
+
+
+@pytest.mark.parametrize("spec", [P(), P(None, "a")])
+@pytest.mark.parametrize("stride,padding,dilation", [
+    (2, [[0, 0], [1, 1], [0, 0], [0, 0]], 1),   # seed 20 #7733
+    (3, "VALID", 1),                            # seed 20 #3369
+    (2, "VALID", 2),                            # seed 20 #9413
+])
+def test_global_one_strided_window_one_channel(spec, stride, padding, dilation):
+    """A one-channel Conv2D whose W dim has one strided window leaving part of W unread:
+    TF's oneDNN kernel gets it wrong on one device too, gspmd-tf (which cuts the window
+    out) gets it right. The reference is the same conv written on the cut window."""
+    mesh = gt.Mesh.create((2,), ("a",))
+    rng = np.random.default_rng(7733)
+    x, w = randn(rng, 2, 6, 3, 1), randn(rng, 2, 2, 1, 4)
+    x[1, 0, 0, 0], x[0, 2, 1, 0] = np.nan, -np.inf
+
+    def f(x, w):
+        return tf.nn.conv2d(x, w, [1, stride], padding, dilations=[dilation, 1])
+
+    def reference(x, w):
+        return tf.nn.conv2d(x[:, :, :2], w, 1, padding, dilations=[dilation, 1])
+    check_partitioned(f, (x, w), mesh, (spec, None), reference=reference)
+
+
+@pytest.mark.parametrize("depthwise", [False, True])
+def test_filter_gradient_uneven_split_with_inf(depthwise):
+    """A filter gradient over a dim split unevenly (13 windows over 2 devices): the
+    shard with 6 real windows and one of padding sums over its real windows only, since
+    the padded window reads an x element a real one reads too, and 0 * Inf is NaN where
+    one device has Inf (fuzzer, seed 20 #6689)."""
+    mesh = gt.Mesh.create((2,), ("x",))
+    rng = np.random.default_rng(6689)
+    x, w = randn(rng, 2, 14, 3, 1), randn(rng, 2, 3, 1, 3)
+    x[0, 13, 2, 0], x[0, 4, 2, 0] = -np.inf, np.inf
+    dy = randn(rng, 2, 13, 1, 3) * (rng.random((2, 13, 1, 3)) < 0.6)
+    conv = tf.nn.depthwise_conv2d if depthwise else (
+        lambda x, w, strides, padding: tf.nn.conv2d(x, w[..., :1], strides, padding))
+
+    def f(x, w, dy):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            loss = tf.reduce_sum(conv(x, w, [1, 1, 1, 1], "VALID") * dy)
+        return tape.gradient(loss, w)
+    check_partitioned(f, (x, w, dy), mesh, (None, None, P(None, "x")))

@@ -41,6 +41,7 @@ window / in-bounds count for padded windows.
 
 from __future__ import annotations
 
+import itertools
 
 import numpy as np
 import tensorflow as tf
@@ -233,15 +234,19 @@ def _local_padding(explicit_padding, plans):
     dims (no copy, no extra work); the others pad unsplit dims like split ones."""
     if not explicit_padding:
         return plans, {"padding": "VALID"}
-    kept, pads = [], [0] * 8
-    for dp in plans:
-        if dp.k == 1:
-            pads[2 * dp.s.x_dim], pads[2 * dp.s.x_dim + 1] = dp.s.pad_lo, dp.s.pad_hi
-        else:
-            kept.append(dp)
+    kept = [dp for dp in plans if dp.k > 1]
+    return kept, _padding_attrs([dp.s for dp in plans if dp.k == 1])
+
+
+def _padding_attrs(spatial):
+    """Padding attrs of an op that takes explicit padding, padding the SpatialDims
+    `spatial` by their own amounts (SAME worked out) and no other dim."""
+    pads = [0] * 8
+    for s in spatial:
+        pads[2 * s.x_dim], pads[2 * s.x_dim + 1] = s.pad_lo, s.pad_hi
     if any(pads):
-        return kept, {"padding": "EXPLICIT", "explicit_paddings": pads}
-    return kept, {"padding": "VALID", "explicit_paddings": []}
+        return {"padding": "EXPLICIT", "explicit_paddings": pads}
+    return {"padding": "VALID", "explicit_paddings": []}
 
 
 def _needs_mask(dp, fill_zero):
@@ -270,11 +275,17 @@ def windowed_forward(ctx, operands, layouts):
     y_layout = layouts[0]
     geo = params.geometry
     if not any(y_layout.dims[s.y_dim] for s in geo.spatial):
-        if node.attr("padding") != "VALID":
+        if params.explicit_padding:
+            attrs = _padding_attrs(geo.spatial)  # SAME as amounts: windows can be cut
+        elif node.attr("padding") != "VALID":
             return replay(ctx, operands, layouts)
+        else:
+            attrs = {}
         refs = masked_refs(ctx, operands)
-        refs[0], attrs = _one_window_unstrided(ctx, geo, refs[0], {}, layouts)
-        return replay(ctx, operands, layouts, attrs=attrs, refs=refs)
+        window, cut = _one_window_unstrided(ctx, geo, refs[0], attrs, layouts)
+        if cut is attrs:  # no dim cut: the op keeps its own attrs
+            return replay(ctx, operands, layouts, refs=refs)
+        return replay(ctx, operands, layouts, attrs=cut, refs=[window] + refs[1:])
     b = ctx.b
     x, plans = _prepare_input(ctx, operands, 0, geo, lambda s: y_layout.dims[s.y_dim])
     plans, attrs = _local_padding(params.explicit_padding, plans)
@@ -302,23 +313,37 @@ def _no_products(ctx, layouts):
 
 
 def _one_window_unstrided(ctx, geo, ref, attrs, layouts):
-    """The local op's input and attrs with stride 1 on the dims that have one window
-    locally (and no padding of their own): the window's extent sliced out. Same values;
-    TF's oneDNN Conv2D computes wrong ones for some strided dims with one window (input
-    (2, 3, 3, 1), filter (1, 3, 1, 1), strides [1, 1, 2, 1], VALID: fuzzer seed 43 #379),
-    a shape a split can create where the global conv has none."""
+    """The local op's input and attrs with stride 1 on the strided dims that have one
+    window locally: the window's extent cut out (x's part of it sliced, its padding kept
+    in explicit_paddings). Same values; TF's oneDNN Conv2D computes wrong ones for a
+    strided dim whose one window leaves part of the dim unread when x has one channel
+    (input (2, 3, 3, 1), filter (1, 2, 1, 1), strides [1, 1, 2, 1], VALID: fuzzer seed 43
+    #379; seed 20 #3241 makes such a conv locally by splitting 3 channels over 4
+    devices). DepthwiseConv2dNative takes equal row and column strides only: there a
+    cut dim takes the other dim's stride (a padded input exactly one window long has one
+    window at any stride)."""
     out_shape = local_shapes(ctx, layouts)[0]
+    in_shape = ctx.b.shape_of(ref)
     strides = list(ctx.node.attr("strides"))
-    pads = attrs.get("explicit_paddings") or [0] * 8
+    pads = list(attrs.get("explicit_paddings") or [0] * 8)
     sizes = {}
     for s in geo.spatial:
-        if out_shape[s.y_dim] == 1 and strides[s.x_dim] > 1 and not any(
-                pads[2 * s.x_dim:2 * s.x_dim + 2]):
-            sizes[s.x_dim] = (s.window - 1) * s.dilation + 1
-            strides[s.x_dim] = 1
+        d = s.x_dim
+        extent = (s.window - 1) * s.dilation + 1
+        read = min(in_shape[d], extent - pads[2 * d])  # x's elements the window reads
+        if out_shape[s.y_dim] == 1 and strides[d] > 1 and read > 0:
+            sizes[d] = read
+            pads[2 * d + 1] = extent - pads[2 * d] - read
+            strides[d] = 1
     if not sizes:
         return ref, attrs
-    return _slice(ctx.b, ref, {}, sizes), dict(attrs, strides=strides)
+    if ctx.node.op == "DepthwiseConv2dNative":
+        strides = [max(strides[s.x_dim] for s in geo.spatial) if d in sizes else st
+                   for d, st in enumerate(strides)]
+    attrs = dict(attrs, strides=strides)
+    if any(pads):
+        attrs.update(padding="EXPLICIT", explicit_paddings=pads)
+    return _slice(ctx.b, ref, {}, sizes), attrs
 
 
 def _avg_counts(ctx, ref, plans):
@@ -373,7 +398,40 @@ def backprop_filter(ctx, operands, layouts):
     for dp in plans:
         if dp.k > 1:
             window = _mask_unread(b, window, dp)
-    return replay(ctx, operands, layouts, attrs=attrs, refs=[window, size_ref, refs[2]])
+    out = replay(ctx, operands, layouts, attrs=attrs, refs=[window, size_ref, refs[2]])[0]
+    # the shard holding some but not all of a dim's windows (uneven split) sums over its
+    # real windows only: its padded ones read x elements real ones read too, and
+    # 0 (dy's padding) * Inf would be NaN (fuzzer, seed 20 #6689); one op per set of
+    # such dims, the shard picks its own
+    cut = [dp for dp in plans if _part_windows(dp)]
+    for subset in itertools.chain.from_iterable(
+            itertools.combinations(cut, m) for m in range(1, len(cut) + 1)):
+        part_x, part_dy, here = window, refs[2], None
+        for dp in subset:
+            s, part = dp.s, _part_windows(dp)
+            extent = (s.window - 1) * s.dilation + 1
+            part_x = _slice(b, part_x, {}, {s.x_dim: (part - 1) * s.stride + extent})
+            part_dy = _slice(b, part_dy, {}, {s.y_dim: part})
+        for dp in cut:
+            table = [i == dp.s.out // dp.plan["out_shard"] for i in range(dp.k)]
+            on = b.op("Equal", [_per_shard(b, dp.axes, table),
+                                b.const(np.int32(dp in subset))], (), tf.bool, T=tf.int32)
+            here = on if here is None else b.op("LogicalAnd", [here, on], (), tf.bool)
+        part_out = replay(ctx, operands, layouts, attrs=attrs,
+                          refs=[part_x, size_ref, part_dy])[0]
+        out = b.op("SelectV2", [here, part_out, out], b.shape_of(out), b.graph.dtype(out),
+                   T=b.graph.dtype(out))
+    return [out]
+
+
+def _part_windows(dp):
+    """The real windows of the shard holding some but not all of its W windows of split
+    dim `dp` when that shard's padded windows read x elements a real one reads (windows
+    overlap); else 0."""
+    s, per = dp.s, dp.plan["out_shard"]
+    if dp.k == 1 or (s.window - 1) * s.dilation + 1 <= s.stride:
+        return 0
+    return s.out % per
 
 
 def _mask_unread(b, window, dp):
