@@ -85,7 +85,7 @@ Neg Abs Sign Square Range Reshape Prod Sum Max Min Mean All Any
 Fill GatherV2 Gather GatherNd DynamicStitch Identity IdentityN Snapshot StopGradient
 ExpandDims Squeeze Transpose ReverseV2 Equal NotEqual Less LessEqual Greater GreaterEqual
 LogicalAnd LogicalOr LogicalNot Select SelectV2 ZerosLike OnesLike Tile BroadcastTo
-InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff
+InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff Where
 """.split(), fold=FOLD_VALUES)
 # naturally whole (scalars, shapes): no warning when they run replicated
 declare(["Shape", "Size", "Rank", "NoOp", "Range"], silent_replicated=True)
