@@ -131,6 +131,20 @@ def test_gather_of_concat_sums_each_inputs_rows(mesh, rng, spec, constant_ids):
                       (spec, spec, None))
 
 
+def test_picked_rows_used_unsummed_keep_their_data_dependent_shape(mesh, rng):
+    """The sparse gradient's own values (not summed into a dense one) have as many rows
+    as ids fall in x0's range: a ShardingError naming the Where, not a masked guess."""
+    def step(x0, x1, ids):
+        with tf.GradientTape() as tape:
+            tape.watch(x0)
+            loss = tf.reduce_sum(tf.gather(tf.concat([x0, x1], 0), ids))
+        return tape.gradient(loss, x0).values
+
+    with pytest.raises(gt.ShardingError, match=r"Where.*depends on the input's values"):
+        gt.function(step, mesh=mesh)(randn(rng, 3, 6), randn(rng, 3, 6),
+                                     np.array([0, 4, 1], np.int32))
+
+
 def test_tied_embedding_dense_cross_entropy(mesh, rng):
     """The table's gradient adds a gather's (IndexedSlices, made dense by an
     UnsortedSegmentSum) and a batch matmul's."""

@@ -8,11 +8,12 @@ from a GatherV2) gives each input the rows whose indices fall in its range:
 
 and the sparse gradient becomes dense with UnsortedSegmentSum(values_i, indices_i, n).
 The number of kept rows depends on the index values, so no static shape exists. When
-every use of the picked rows ends in an UnsortedSegmentSum (through Sub/Add of a scalar,
-ConcatV2 on axis 0, Identity, Cast), keeping ALL the rows, those outside the mask
-zeroed, sums the same: each picked row GatherV2(x, keep) becomes Select(mask, x, 0).
-A zeroed row's index becomes 0 - start: dropped by the sum when negative, else it adds
-zeros. Other uses keep the unknown shape (a ShardingError from fold).
+every use of the picked rows ends in UnsortedSegmentSums (the values as data, the
+indices, less a scalar, as ids; through ConcatV2 on axis 0, Identity, Cast), keeping ALL
+the rows, those outside the mask zeroed, sums the same, in the same order: each pick
+GatherV2(x, keep) becomes Select(mask, x, 0). A zeroed row's index becomes 0 - start:
+dropped by the sum when negative, else it adds zeros. Other uses keep the unknown shape
+(a ShardingError from fold).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import tensorflow as tf
 
 from gspmd_tf.graph.ir import Node, Ref
 
-# ops a picked row passes through unchanged in count; the scalar of Sub/Add is checked
-_ROWWISE = frozenset({"Sub", "Add", "AddV2", "ConcatV2", "Identity", "Cast"})
+# ops a picked row passes through unchanged (see _only_summed for Sub and ConcatV2)
+_ROWWISE = frozenset({"Identity", "Cast"})
 _SUM = "UnsortedSegmentSum"
 
 
@@ -83,30 +84,37 @@ def _row_gathers(graph, users, where, rows):
 
 
 def _only_summed(graph, users, starts, unknown):
-    """Whether every use of the nodes `starts` (transitively) ends in an
-    UnsortedSegmentSum's data or ids, through row-count-preserving ops."""
-    seen, todo = set(), list(starts)
+    """Whether every use of the rows picked by the nodes `starts` (transitively) ends in
+    UnsortedSegmentSums, each reached both as data (through ConcatV2 on axis 0, Identity,
+    Cast: the zeroed rows stay zero) and as ids (also through a Sub of a scalar: a zeroed
+    row's id becomes 0 - start, dropped or adding zeros)."""
+    sums = {0: set(), 1: set()}
+    outputs = {ref.node for ref in graph.outputs}
+    seen, todo = set(), [(i, False) for i in starts]
     while todo:
-        i = todo.pop()
-        if i in seen:
+        i, shifted = todo.pop()
+        if (i, shifted) in seen:
             continue
-        seen.add(i)
+        if i in outputs:
+            return False
+        seen.add((i, shifted))
         for user, pos in users[i]:
             node = graph.nodes[user]
-            if node.op == _SUM and pos in (0, 1):
+            if node.op == _SUM and pos in (0, 1) and not (shifted and pos == 0):
+                sums[pos].add(user)
                 continue
-            if node.op not in _ROWWISE:
-                return False
-            if node.op == "ConcatV2":
+            if node.op == "Sub":
+                other = node.inputs[1]
+                if pos != 0 or other in unknown or graph.shape(other) != ():
+                    return False
+            elif node.op == "ConcatV2":
                 axis = graph.const_value(node.inputs[-1])
                 if axis is None or int(axis) != 0 or pos == len(node.inputs) - 1:
                     return False
-            elif node.op in ("Sub", "Add", "AddV2"):
-                other = node.inputs[1 - pos]
-                if other in unknown or graph.shape(other) != ():
-                    return False
-            todo.append(user)
-    return True
+            elif node.op not in _ROWWISE:
+                return False
+            todo.append((user, shifted or node.op == "Sub"))
+    return bool(sums[0]) and sums[0] == sums[1]
 
 
 def _insert_and_drop(graph, zeros_for, dead):
