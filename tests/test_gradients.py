@@ -110,6 +110,41 @@ def test_gather_of_captured_table(mesh, rng):
     check_training(step, args, mesh, (P("data"), P(None, "model")))
 
 
+@pytest.mark.parametrize("spec", [P(), P(None, "model"), P("data", "model")])
+@pytest.mark.parametrize("constant_ids", [False, True])
+def test_gather_of_concat_sums_each_inputs_rows(mesh, rng, spec, constant_ids):
+    """TF's gradient of a ConcatV2 fed the sparse gradient of a GatherV2 picks each
+    input's rows with a Where on the ids (no static shape): the picks become masks
+    (graph/sparse_rows.py). x0 is concatenated twice: its two sparse gradients are
+    concatenated before the sum (fuzzer, seed 20 #2294)."""
+    id_values = rng.integers(0, 9, (4, 5)).astype(np.int32)
+
+    def step(x0, x1, ids):
+        with tf.GradientTape() as tape:
+            tape.watch([x0, x1])
+            t = tf.gather(tf.concat([x0, x0, x1], 0),
+                          tf.constant(id_values) if constant_ids else ids, axis=0)
+            loss = tf.reduce_sum(tf.sin(t))
+        return [t] + [tf.convert_to_tensor(g) for g in tape.gradient(loss, [x0, x1])]
+
+    check_partitioned(step, (randn(rng, 3, 6), randn(rng, 3, 6), id_values), mesh,
+                      (spec, spec, None))
+
+
+def test_picked_rows_used_unsummed_keep_their_data_dependent_shape(mesh, rng):
+    """The sparse gradient's own values (not summed into a dense one) have as many rows
+    as ids fall in x0's range: a ShardingError naming the Where, not a masked guess."""
+    def step(x0, x1, ids):
+        with tf.GradientTape() as tape:
+            tape.watch(x0)
+            loss = tf.reduce_sum(tf.gather(tf.concat([x0, x1], 0), ids))
+        return tape.gradient(loss, x0).values
+
+    with pytest.raises(gt.ShardingError, match=r"Where.*depends on the input's values"):
+        gt.function(step, mesh=mesh)(randn(rng, 3, 6), randn(rng, 3, 6),
+                                     np.array([0, 4, 1], np.int32))
+
+
 def test_tied_embedding_dense_cross_entropy(mesh, rng):
     """The table's gradient adds a gather's (IndexedSlices, made dense by an
     UnsortedSegmentSum) and a batch matmul's."""

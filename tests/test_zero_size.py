@@ -131,3 +131,19 @@ def test_conv_of_an_empty_dim_with_padding_is_zeros(spec):
             loss = tf.reduce_sum(y * 3.0)
         return [y] + tape.gradient(loss, [x, w])
     check_partitioned(fn, (x, w), mesh, (spec, P()))
+
+
+@pytest.mark.parametrize("spec", [P(), P(None, "b"), P("a", "b")])
+@pytest.mark.parametrize("add", ["bias_add", "add"])
+def test_empty_contraction_then_bias_add_is_the_bias(add, spec):
+    """A MatMul over an empty dim is zeros. TF's graph optimizer fuses MatMul -> BiasAdd
+    (or Add) into one oneDNN op that aborts the process or returns garbage on an empty
+    contraction (fuzzer, seed 20 #5261), so the reference is the bias written without a
+    MatMul."""
+    mesh = gt.Mesh.create((2, 4), ("a", "b"))
+    x = np.ones((0, 8), np.float32)
+    bias = np.arange(8, dtype=np.float32)
+    plus = tf.nn.bias_add if add == "bias_add" else tf.add
+    check_partitioned(lambda x, bias: plus(tf.transpose(x) @ x, bias), (x, bias), mesh,
+                      (spec, None),
+                      reference=lambda x, bias: tf.zeros([8, 8]) + bias)

@@ -7,6 +7,8 @@ shapes all of them are constants. Folding them lets the rules of the ops that re
 arithmetic out of the partitioner (where it would run replicated, without a rule).
 
 `fold(graph)` rewrites the IR in place:
+  - rows picked by a data-dependent Where and only summed (TF's gradient of a ConcatV2
+    fed a sparse gradient) are masked instead (sparse_rows.py);
   - Shape/ShapeN/Size/Rank of any tensor become constants (every shape is static);
   - pure ops (declared fold=FOLD_VALUES in the op registry) whose inputs are all
     constants, and whose result is small, are evaluated with TF (eagerly, on the CPU) and become constants;
@@ -29,6 +31,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Node, Ref
+from gspmd_tf.graph.sparse_rows import mask_summed_row_picks, renumber
 from gspmd_tf.registry import FOLD_SHAPE, FOLD_VALUES, op_def
 
 MAX_ELEMENTS = 100_000  # no folded constant is larger
@@ -37,11 +40,15 @@ SMALL_FLOAT = 64  # floating results larger than their inputs fold only up to th
 # Ops whose output shapes depend on their input VALUES: TF's shape inference may leave
 # them unknown; the importer defers them (and their unknown-shaped consumers) to fold().
 # (A Reshape's too: TF's inference leaves the -1 of a reshape of no elements unknown.)
-VALUE_SHAPED = frozenset({"BroadcastGradientArgs", "DynamicStitch", "ListDiff", "Reshape"})
+# (Where: TF's gradient of a ConcatV2 that receives a sparse gradient, e.g. from a
+# GatherV2, picks the rows of each input with a Where on the gather indices.)
+VALUE_SHAPED = frozenset({"BroadcastGradientArgs", "DynamicStitch", "ListDiff", "Reshape",
+                          "Where"})
 
 
 def fold(graph):
     """Fold constant shape computations of `graph` in place (see the module docstring)."""
+    mask_summed_row_picks(graph)  # TF's sparse ConcatV2 gradient (see sparse_rows.py)
     unknown = getattr(graph, "unknown_shapes", None) or {}
     values = {}  # node index -> [np.ndarray per output] of constants read so far
     multi = []  # folded nodes with several outputs: (index, [(value, dtype)])
@@ -61,6 +68,12 @@ def fold(graph):
     if unknown:
         ref = min(unknown)
         name = graph.tensor_name(ref)
+        if graph.nodes[ref.node].op == "Where":
+            raise ShardingError(
+                f"tensor '{name}' (Where) has shape {unknown[ref]}: the number of true "
+                "elements of its input, which depends on the input's values; gspmd-tf "
+                "needs static shapes: keep every element instead (e.g. tf.where(cond, x, "
+                "0) with three arguments rather than tf.boolean_mask or tf.where(cond))")
         raise ShardingError(
             f"tensor '{name}' has shape {unknown[ref]} with unknown dimensions; gspmd-tf "
             "needs static shapes: trace with fully defined shapes (e.g. pass "
@@ -271,13 +284,4 @@ def _split_outputs(graph, multi):
             new_ref[(i, k)] = Ref(graph.add(const), 0)
         new_index[i] = graph.add(node)
 
-    def remap(ref):
-        return new_ref.get((ref.node, ref.out)) or Ref(new_index[ref.node], ref.out)
-
-    for node in graph.nodes:
-        node.inputs = [remap(r) for r in node.inputs]
-        node.control_inputs = [new_index.get(c, c) for c in node.control_inputs]
-    graph.inputs = [remap(r) for r in graph.inputs]
-    graph.outputs = [remap(r) for r in graph.outputs]
-    graph.annotations = {remap(r): s for r, s in graph.annotations.items()}
-    graph.aliases = {name: remap(r) for name, r in graph.aliases.items()}
+    renumber(graph, new_index, new_ref)

@@ -41,7 +41,6 @@ declare("Bitcast", rules.bitcast, replay=True)  # the changed minor dim stays wh
 
 # contractions and reductions: a split contracted or reduced dim gives a partial result
 # the partitioner combines (its padding masked to the reduction's identity first)
-declare("MatMul", rules.matmul, replay=True)
 declare(["BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"], rules.batch_matmul, replay=True)
 declare("BiasAddGrad", rules.bias_add_grad, replay=True)
 declare({"Sum": "sum", "Max": "max", "Min": "min", "Prod": "prod", "All": "min",
@@ -86,7 +85,7 @@ Neg Abs Sign Square Range Reshape Prod Sum Max Min Mean All Any
 Fill GatherV2 Gather GatherNd DynamicStitch Identity IdentityN Snapshot StopGradient
 ExpandDims Squeeze Transpose ReverseV2 Equal NotEqual Less LessEqual Greater GreaterEqual
 LogicalAnd LogicalOr LogicalNot Select SelectV2 ZerosLike OnesLike Tile BroadcastTo
-InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff
+InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff Where
 """.split(), fold=FOLD_VALUES)
 # naturally whole (scalars, shapes): no warning when they run replicated
 declare(["Shape", "Size", "Rank", "NoOp", "Range"], silent_replicated=True)
