@@ -29,10 +29,7 @@ from gspmd_tf.graph.importer import import_graph
 from gspmd_tf.keras import _Rules
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, PartitionSpec
-from gspmd_tf.propagation.propagate import propagate
-from gspmd_tf.runtime.lowered import Lowered
-from gspmd_tf.runtime.lowering import seed_annotations
-from gspmd_tf.spmd.partitioner import partition
+from gspmd_tf.runtime.lowering import lower_seeded, seed_annotations
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("mesh", None, "mesh shape, e.g. 2x4")
@@ -153,12 +150,9 @@ def lower_saved_model(path, mesh, shard_rules, signature="serving_default", shap
                             f"names are {[name for name, _, _ in named]}")
     # annotations inside the graph (tf2xla XlaSharding) are seeded as gt.function does
     seed_annotations(mesh, graph, seeds)
-    propagation = propagate(graph, mesh, seeds)
-    program = partition(graph, mesh, propagation,
-                        [propagation.layout(r) for r in graph.outputs])
     # an abstract mesh never compiles, so no backend is needed
-    lowered = Lowered(mesh, graph, propagation, program, len(specs), set(seeds), None,
-                      name=f"SavedModel {path} signature {signature!r}")
+    lowered = lower_seeded(graph, mesh, seeds, [None] * len(graph.outputs), len(specs),
+                           None, f"SavedModel {path} signature {signature!r}")
     # the signature's input and variable names beside their graph tensors (TF names a
     # captured variable's placeholder "unknown")
     lowered.named_inputs = [(name, graph.tensor_name(ref)) for name, ref, _ in named]

@@ -120,23 +120,33 @@ def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_facto
             seeds[ref] = _variable_layout(mesh, graph, ref, variable, name)
     seed_annotations(mesh, graph, seeds)
     out_layouts = _seed_outputs(spec_layouts, graph, seeds, out_shardings, name)
+    lowered = lower_seeded(graph, mesh, seeds, out_layouts, count, backend_factory,
+                           f"{caller} {name!r}")
+    lowered.committed_args = frozenset(
+        i for i in range(count) if entries[i] is None and committed[i] is not None)
+    lowered.stage_seconds["import"] = imported - start
+    if not isinstance(traced, Graph):
+        lowered.structured_outputs = traced.structured_outputs
+    return lowered
+
+
+def lower_seeded(graph, mesh, seeds, out_layouts, count, backend_factory, name):
+    """Propagate from `seeds` ({Ref: Layout}) and partition imported `graph`: a Lowered
+    named `name` whose first `count` inputs are arguments; `out_layouts` holds a Layout
+    or None (propagation decides) per output."""
+    start = time.perf_counter()
     propagation = propagate(graph, mesh, seeds)
     propagated = time.perf_counter()
     log.info("gspmd_tf: %s propagated from %d annotations (%.1f s)", name, len(seeds),
-             propagated - imported)
+             propagated - start)
     out_layouts = [l or propagation.layout(r) for l, r in zip(out_layouts, graph.outputs)]
     program = partition(graph, mesh, propagation, out_layouts)
     log.info("gspmd_tf: %s partitioned: %d ops in the SPMD program (%.1f s)", name,
              len(program.graph.nodes), time.perf_counter() - propagated)
     lowered = Lowered(mesh, graph, propagation, program, count, set(seeds), backend_factory,
-                      name=f"{caller} {name!r}")
-    lowered.committed_args = frozenset(
-        i for i in range(count) if entries[i] is None and committed[i] is not None)
-    lowered.stage_seconds.update({"import": imported - start,
-                                  "propagate": propagated - imported,
+                      name=name)
+    lowered.stage_seconds.update({"propagate": propagated - start,
                                   "partition": time.perf_counter() - propagated})
-    if not isinstance(traced, Graph):
-        lowered.structured_outputs = traced.structured_outputs
     return lowered
 
 
