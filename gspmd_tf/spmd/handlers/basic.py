@@ -147,19 +147,25 @@ def bias_add(ctx, operands, layouts):
                  name=ctx.node.name, T=dtype)]
 
 
-@op_family("MatMul", rules.matmul)
-def matmul(ctx, operands, layouts):
-    """MatMul: over an empty contracted dim the product is zeros, emitted as a Fill. TF's
-    graph optimizer fuses MatMul -> BiasAdd / Add into one oneDNN op that aborts the
-    whole process on an empty contraction (fuzzer, seed 20 #5261); eager TF gives zeros."""
-    contracted = ctx.inputs[0].shape[0 if ctx.node.attr("transpose_a") else 1]
-    if contracted:
-        return replay(ctx, operands, layouts)
+def no_products(ctx, layouts):
+    """The result of an op whose sums have no terms (an empty contracted dim, windows over
+    an empty dim): zeros of the local result shape, emitted as a Fill."""
     b = ctx.b
     dtype = ctx.node.out_dtypes[0]
     shape = local_shapes(ctx, layouts)[0]
     return [b.op("Fill", [b.const(np.asarray(shape, np.int32)), b.const(0, dtype)], shape,
                  dtype, name=ctx.node.name, T=dtype, index_type=tf.int32)]
+
+
+@op_family("MatMul", rules.matmul)
+def matmul(ctx, operands, layouts):
+    """MatMul: over an empty contracted dim the product is zeros (no_products). TF's
+    graph optimizer fuses MatMul -> BiasAdd / Add into one oneDNN op that aborts the
+    whole process on an empty contraction (fuzzer, seed 20 #5261); eager TF gives zeros."""
+    contracted = ctx.inputs[0].shape[0 if ctx.node.attr("transpose_a") else 1]
+    if contracted:
+        return replay(ctx, operands, layouts)
+    return no_products(ctx, layouts)
 
 
 declare("Reshape", rules.reshape, emit=with_local_shape_input(1))

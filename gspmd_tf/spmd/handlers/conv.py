@@ -50,7 +50,7 @@ from gspmd_tf import _halo
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import windowed
 from gspmd_tf.registry import op_family
-from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
+from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, no_products, replay
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding, replace_dim
 from gspmd_tf.spmd.program import Local
 from gspmd_tf.spmd.reshard import exchange_halo
@@ -271,7 +271,7 @@ def windowed_forward(ctx, operands, layouts):
     node = ctx.node
     params = ctx.rule.params
     if params.pooling is None and (0 in operands[0].shape or 0 in operands[1].shape):
-        return _no_products(ctx, layouts)
+        return no_products(ctx, layouts)
     y_layout = layouts[0]
     geo = params.geometry
     if not any(y_layout.dims[s.y_dim] for s in geo.spatial):
@@ -303,13 +303,6 @@ def windowed_forward(ctx, operands, layouts):
     if params.pooling == "avg":
         out = [_avg_counts(ctx, out[0], plans)]
     return out
-
-
-def _no_products(ctx, layouts):
-    """The result of a windowed op (or its gradient) with an operand or result of no
-    elements: sums of no products, zeros (windows over an empty dim read only padding)."""
-    dtype = ctx.node.out_dtypes[0]
-    return [ctx.b.const(np.zeros(local_shapes(ctx, layouts)[0], dtype.as_numpy_dtype), dtype)]
 
 
 def _one_window_unstrided(ctx, geo, ref, attrs, layouts):
@@ -382,7 +375,7 @@ def backprop_filter(ctx, operands, layouts):
     params = ctx.rule.params
     x0, dy = operands[0], operands[2]
     if 0 in x0.shape or 0 in dy.shape:
-        return _no_products(ctx, layouts)
+        return no_products(ctx, layouts)
     geo = params.geometry
     sizes = local_shapes(ctx, layouts)[0]
     size_ref = ctx.b.const(np.asarray(sizes, np.int32))
@@ -498,7 +491,7 @@ def transposed(ctx, operands, layouts):
     result), the local op with VALID padding, then this device's block sliced out."""
     node = ctx.node
     if 0 in node.out_shapes[0] or any(0 in x.shape for x in operands if len(x.shape) == 4):
-        return _no_products(ctx, layouts)
+        return no_products(ctx, layouts)
     b = ctx.b
     params = ctx.rule.params
     shape_input, window_inputs = params.shape_input, params.window_inputs
