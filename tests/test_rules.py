@@ -318,6 +318,9 @@ ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_R
      "([i, j], _)->([i, k], [i, k]) {i=4, j=6, k=2} need_replication={j, k}"),
     ("Cumsum", lambda x: tf.cumsum(x, 1), [f32(4, 6)],
      "([i, j], _)->([i, k]) {i=4, j=6, k=6} need_replication={j, k}"),
+    # a rolled dim passes (cyclic block permutes, handlers/roll.py)
+    ("Roll", lambda x: tf.roll(x, [1, -2], [0, 1]), [f32(4, 6)],
+     "([i, j], _, _)->([i, j]) {i=4, j=6}"),
     ("Cumprod", lambda x: tf.math.cumprod(x, 0), [f32(4, 6)],
      "([i, k], _)->([j, k]) {i=4, j=4, k=6} need_replication={i, j}"),
     ("ClipByValue", lambda x: tf.raw_ops.ClipByValue(t=x, clip_value_min=-1.,

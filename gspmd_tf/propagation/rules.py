@@ -818,6 +818,34 @@ def cumulative(ctx):
     return per_dim(ctx, {int(axis) % len(ctx.in_shapes[0])})
 
 
+@dataclass(frozen=True)
+class RollParams:
+    """OpRule.params of Roll: per rolled dim, its net shift in [1, n) as (dim, shift)
+    pairs (TF adds the shifts of an axis named twice; a shift of a multiple of n is no
+    roll and left out)."""
+
+    shifts: tuple
+
+
+def roll(ctx):
+    """Roll with constant shift and axis: every dim passes, a rolled one too (a cyclic
+    shift of a split dim is a collective-permute of blocks: handlers/roll.py). Without
+    a constant axis the op has no rule; without a constant shift the axes stay whole."""
+    x = ctx.in_shapes[0]
+    axis, shift = ctx.const(2), ctx.const(1)
+    if axis is None:
+        return None
+    axes = [int(a) % len(x) for a in np.atleast_1d(axis)]
+    if shift is None:
+        return per_dim(ctx, set(axes))
+    net = {}
+    for a, s in zip(axes, np.broadcast_to(np.atleast_1d(shift), (len(axes),))):
+        net[a] = (net.get(a, 0) + int(s)) % x[a]
+    rule = per_dim(ctx, set())
+    rule.params = RollParams(tuple(sorted((a, s) for a, s in net.items() if s)))
+    return rule
+
+
 def _nd_indexed(rule, indices, table, batch_kind, indexed_kind=REPLICATE):
     """Dims of a GatherNd/ScatterNd's indices [B..., K] and of its indexed tensor: the
     index batch dims B are factors of `batch_kind`, K whole, the K indexed dims of the

@@ -3,11 +3,13 @@
 This is the one module that calls ProgramBuilder.collective. The planner (planner.py)
 decides the steps and prices them; `emit` turns each step into the collective and the local
 pads and slices around it; `exchange_halo` emits the collective-permutes that bring a
-split dim's neighbouring elements to a windowed op (handlers/conv.py).
+split dim's neighbouring elements to a windowed op (handlers/conv.py); `rotate` the
+cyclic one of a rolled split dim (handlers/roll.py).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.layout import ceil_div
@@ -132,6 +134,18 @@ def _shift_pairs(mesh, axes, step):
     else:
         src, dst = groups[:, -step:], groups[:, :k + step]
     return tuple((int(s), int(t)) for s, t in zip(src.ravel(), dst.ravel()))
+
+
+def rotate(b, ref, axes, step):
+    """Every device's `ref` sent to the device `step` shard indices further along `axes`,
+    cyclically (the last ones to the first): one collective-permute, none when `step` is
+    a multiple of the group size."""
+    groups = b.mesh.groups(axes)
+    if step % groups.shape[1] == 0:
+        return ref
+    targets = np.roll(groups, -step, axis=1)
+    pairs = tuple((int(s), int(t)) for s, t in zip(groups.ravel(), targets.ravel()))
+    return _collective(b, "gt.Permute", ref, b.shape_of(ref), pairs=pairs)
 
 
 def exchange_halo(b, ref, dim, axes, halo_lo, halo_hi):
