@@ -10,6 +10,7 @@ from gspmd_tf.annotations import mesh_split
 from gspmd_tf.devices import configure_cpu_devices
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh, P, PartitionSpec
+from gspmd_tf.pipeline import pipeline
 from gspmd_tf.registry import register_op
 from gspmd_tf.runtime.function import Function, function
 from gspmd_tf.runtime.lowered import Collective, Lowered
@@ -21,5 +22,5 @@ from gspmd_tf.visualize import visualize_sharding
 
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
-           "Variable", "function", "keras", "lower", "mesh_split", "register_op",
+           "Variable", "function", "keras", "lower", "mesh_split", "pipeline", "register_op",
            "visualize_sharding"]

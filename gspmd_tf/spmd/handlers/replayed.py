@@ -86,6 +86,7 @@ Fill GatherV2 Gather GatherNd DynamicStitch Identity IdentityN Snapshot StopGrad
 ExpandDims Squeeze Transpose ReverseV2 Equal NotEqual Less LessEqual Greater GreaterEqual
 LogicalAnd LogicalOr LogicalNot Select SelectV2 ZerosLike OnesLike Tile BroadcastTo
 InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff Where
+PlaceholderWithDefault
 """.split(), fold=FOLD_VALUES)
 # naturally whole (scalars, shapes): no warning when they run replicated
 declare(["Shape", "Size", "Rank", "NoOp", "Range"], silent_replicated=True)

@@ -1,0 +1,144 @@
+"""gt.pipeline: pipeline parallelism the GSPMD way (GPipe schedule, one SPMD program).
+
+The layers of S stages are stacked on a leading stage dim, split over a mesh axis, so
+each device of that axis holds its stages' weights. A buffer [S, b, ...] holds every
+stage's current microbatch. Each iteration runs all stages at once (one computation
+vectorized over the stage dim: partitioning gives each device its own stages' slice),
+then shifts the buffer one stage on (tf.roll on the stage dim: one collective-permute)
+and puts the next microbatch into stage 0 (a select). After M + S - 1 iterations every
+microbatch has passed all stages; the last stage's outputs are collected and reduced out
+of the stage dim once, at the end. Gradients are TF's through the same program, so the
+backward pass is the reversed pipeline (the rolls' gradients are rolls the other way).
+
+The schedule is an unrolled Python loop in the traced function: a tf.while_loop body
+runs replicated until control flow is partitioned (issue 8, item 1). `_iteration` is the
+loop body either way; a while_loop form would carry (state, outputs) through it.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from gspmd_tf.annotations import mesh_split
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.mesh import P
+
+
+def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="stage",
+             microbatch_spec=None, vectorize=True):
+    """Run `stage_fn` as an S-stage pipeline over M microbatches (GPipe schedule).
+
+    Equal to the unpipelined model `for s in range(S): x = stage_fn(params[s], x)` applied
+    to each microbatch, computed as one SPMD program where each device of mesh axis
+    `stage_axis` runs only its own stages. Call it inside a gt.function (or any traced
+    code); on plain TF it computes the same values on one device.
+
+    Args:
+      stage_fn: stage_fn(params, x) -> y, one stage: `params` is a nest like
+        `stage_params` holding one stage's slices, `x` one microbatch [b, ...]; `y` must
+        have x's shape and dtype (it feeds the next stage). With vectorize=False it gets
+        the stacked params and the [S, b, ...] buffer of all stages instead and must
+        treat the leading dim as the stage dim.
+      stage_params: a nest of tensors (or gt.Variables read in traced code), each with
+        the stage dim S leading. Give them a sharding splitting that dim over
+        `stage_axis` (in_shardings or a gt.Variable spec), plus any model-parallel
+        split of the other dims (e.g. P("stage", None, "model")).
+      microbatches: a tensor [M, b, ...], M microbatches (split b over a data axis for
+        data parallelism).
+      mesh: the gt.Mesh; when given, the stage buffer is annotated
+        P(stage_axis, *microbatch_spec) every iteration, and S must be a multiple of the
+        stage axis size. Without it, propagation infers the buffer's split from the
+        params (and the values are those of single-device TF anyway).
+      stage_axis: the mesh axis splitting the stage dim.
+      microbatch_spec: the PartitionSpec of one microbatch [b, ...], e.g. P("data")
+        (default: not split).
+      vectorize: whether to vectorize stage_fn over the stage dim (tf.vectorized_map).
+
+    Returns:
+      A tensor [M, b, ...]: the last stage's output for each microbatch.
+
+    Raises:
+      gt.ShardingError: the params disagree on S, the microbatches have no static
+        count, S does not divide over the stage axis, or stage_fn changes the shape.
+    """
+    params = tf.nest.map_structure(tf.convert_to_tensor, stage_params)
+    microbatches = tf.convert_to_tensor(microbatches)
+    num_stages = _num_stages(params)
+    if microbatches.shape.rank is None or microbatches.shape[0] is None:
+        raise ShardingError(f"pipeline: microbatches {microbatches.name} need a static "
+                            "leading dim (the number of microbatches)")
+    num_microbatches = microbatches.shape[0]
+    annotate = _annotator(mesh, stage_axis, microbatch_spec, num_stages,
+                          microbatches.shape.rank)
+    run_stages = _vectorized(stage_fn) if vectorize else stage_fn
+    shape = [num_stages] + microbatches.shape[1:].as_list()
+    first_stage = tf.reshape(tf.range(num_stages) == 0, [num_stages] + [1] * (len(shape) - 1))
+    state = tf.zeros(shape, microbatches.dtype)
+    outputs = []
+    for t in range(num_microbatches + num_stages - 1):
+        feed = microbatches[t] if t < num_microbatches else tf.zeros_like(microbatches[0])
+        state = _iteration(run_stages, params, state, feed, first_stage, annotate)
+        if t >= num_stages - 1:
+            outputs.append(state)  # the last stage now holds microbatch t - (S - 1)
+    return _last_stage(tf.stack(outputs), num_stages)
+
+
+def _iteration(run_stages, params, state, feed, first_stage, annotate):
+    """One step of the schedule: shift every stage's output to the next stage (the last
+    one's wraps to stage 0), give stage 0 the microbatch `feed`, run all stages."""
+    shifted = tf.roll(state, 1, axis=0)
+    inputs = annotate(tf.where(first_stage, feed[tf.newaxis], shifted))
+    outputs = run_stages(params, inputs)
+    if outputs.shape != inputs.shape or outputs.dtype != inputs.dtype:
+        raise ShardingError(
+            f"pipeline: stage_fn maps {inputs.dtype.name}{inputs.shape[1:]} to "
+            f"{outputs.dtype.name}{outputs.shape[1:]}; a stage must keep its input's shape "
+            "and dtype (it feeds the next stage)")
+    return annotate(outputs)
+
+
+def _last_stage(stacked, num_stages):
+    """[M, b, ...] from [M, S, b, ...]: stage S-1's slice, as a masked sum over the stage
+    dim, so a stage-split buffer costs one all-reduce (once, after the loop) rather than
+    an all-gather of the whole buffer."""
+    last = tf.reshape(tf.one_hot(num_stages - 1, num_stages, dtype=stacked.dtype),
+                      [1, num_stages] + [1] * (stacked.shape.rank - 2))
+    return tf.reduce_sum(stacked * last, axis=1)
+
+
+def _num_stages(params):
+    leaves = tf.nest.flatten(params)
+    if not leaves:
+        raise ShardingError("pipeline: stage_params is empty; give each stage's weights "
+                            "stacked on a leading stage dim")
+    sizes = {leaf.shape[0] if leaf.shape.rank else None for leaf in leaves}
+    if len(sizes) != 1 or None in sizes:
+        names = ", ".join(f"{leaf.name} {leaf.shape}" for leaf in leaves)
+        raise ShardingError(f"pipeline: stage_params must all have the same static stage "
+                            f"dim leading; got {names}")
+    return sizes.pop()
+
+
+def _annotator(mesh, stage_axis, microbatch_spec, num_stages, rank):
+    """The function annotating the stage buffer (identity without a mesh)."""
+    if mesh is None:
+        return lambda x: x
+    devices = mesh.axis_size(stage_axis)
+    if num_stages % devices:
+        raise ShardingError(
+            f"pipeline: {num_stages} stages do not divide over the {devices} devices of "
+            f"mesh axis {stage_axis!r}; give a multiple of {devices} stages (an uneven "
+            "split would gather the stage buffer every iteration)")
+    spec = P(stage_axis, *(microbatch_spec or ()))
+    if len(spec) > rank:
+        raise ShardingError(f"pipeline: microbatch_spec {microbatch_spec} has more "
+                            f"entries than a microbatch has dims ({rank - 1})")
+    return lambda x: mesh_split(x, mesh, spec)
+
+
+def _vectorized(stage_fn):
+    """stage_fn over stacked params and a [S, b, ...] buffer, stage by stage."""
+    def run(params, inputs):
+        return tf.vectorized_map(lambda args: stage_fn(*args), (params, inputs),
+                                 fallback_to_while_loop=False)
+    return run
