@@ -65,8 +65,8 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="sta
     microbatches = tf.convert_to_tensor(microbatches)
     num_stages = _num_stages(params)
     if microbatches.shape.rank is None or microbatches.shape[0] is None:
-        raise ShardingError(f"pipeline: microbatches {microbatches.name} need a static "
-                            "leading dim (the number of microbatches)")
+        raise ShardingError(f"pipeline: microbatches of shape {microbatches.shape} need a "
+                            "static leading dim (the number of microbatches)")
     num_microbatches = microbatches.shape[0]
     annotate = _annotator(mesh, stage_axis, microbatch_spec, num_stages,
                           microbatches.shape.rank)
@@ -113,9 +113,9 @@ def _num_stages(params):
                             "stacked on a leading stage dim")
     sizes = {leaf.shape[0] if leaf.shape.rank else None for leaf in leaves}
     if len(sizes) != 1 or None in sizes:
-        names = ", ".join(f"{leaf.name} {leaf.shape}" for leaf in leaves)
+        shapes = ", ".join(str(leaf.shape) for leaf in leaves)
         raise ShardingError(f"pipeline: stage_params must all have the same static stage "
-                            f"dim leading; got {names}")
+                            f"dim leading; got shapes (in tf.nest.flatten order) {shapes}")
     return sizes.pop()
 
 

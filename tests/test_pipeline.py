@@ -1,0 +1,181 @@
+"""gt.pipeline (GPipe schedule, gspmd_tf/pipeline.py) equals the unpipelined sequential
+model on single-device TF (forward and the gradients of the stacked weights, relative
+1e-5), on a 1-D stage mesh and on a 3-D (stage, data, model) mesh; the shift between
+stages is collective-permutes, never an all-gather; a pipelined Transformer stack trains
+on the 3-D mesh as it does on one device."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gspmd_tf as gt
+from util import assert_close, randn, single_device
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import pipeline_model  # noqa: E402
+
+P = gt.P
+_LINE = gt.Mesh.create((4,), ("stage",))
+_CUBE = gt.Mesh.create((2, 2, 2), ("stage", "data", "model"))
+STAGES, MICROBATCHES, BATCH, D, F = 4, 3, 4, 8, 16
+
+
+def mlp_stage(p, x):
+    """A residual MLP block: one pipeline stage."""
+    return x + tf.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"]
+
+
+def mlp_params(rng, stages=STAGES):
+    return {"w1": randn(rng, stages, D, F) * 0.3, "b1": randn(rng, stages, F),
+            "w2": randn(rng, stages, F, D) * 0.3}
+
+
+def sequential(stage_fn, params, microbatches):
+    """The unpipelined model: each microbatch through the stages in order."""
+    stages = tf.nest.flatten(params)[0].shape[0]
+    outputs = []
+    for m in range(microbatches.shape[0]):
+        x = microbatches[m]
+        for s in range(stages):
+            x = stage_fn(tf.nest.map_structure(lambda p: p[s], params), x)
+        outputs.append(x)
+    return tf.stack(outputs)
+
+
+def loss_and_grads(run):
+    """f(w1, b1, w2, x) -> (y, dloss/dw1, dloss/db1, dloss/dw2) of loss = sum(y * y)."""
+    def f(w1, b1, w2, x):
+        weights = [w1, b1, w2]
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            y = run(dict(w1=w1, b1=b1, w2=w2), x)
+            loss = tf.reduce_sum(y * y)
+        return (y,) + tuple(tape.gradient(loss, weights))
+    return f
+
+
+def _args(rng, stages=STAGES):
+    params = mlp_params(rng, stages)
+    return (params["w1"], params["b1"], params["w2"], randn(rng, MICROBATCHES, BATCH, D))
+
+
+def _assert_equal_to_sequential(got, args):
+    want = single_device(loss_and_grads(lambda p, x: sequential(mlp_stage, p, x)), args)
+    for name, g, w in zip(["output", "dw1", "db1", "dw2"], got, want):
+        assert_close(np.asarray(g), w, name)
+
+
+def _collectives(low):
+    return [(c.kind, c.shape) for c in low.collectives()]
+
+
+def test_single_device_tf_equals_sequential():
+    args = _args(np.random.default_rng(0))
+    got = single_device(loss_and_grads(lambda p, x: gt.pipeline(mlp_stage, p, x)), args)
+    _assert_equal_to_sequential(got, args)
+
+
+def test_stage_mesh_values_and_one_permute_per_shift():
+    args = _args(np.random.default_rng(1))
+    run = loss_and_grads(lambda p, x: gt.pipeline(mlp_stage, p, x, mesh=_LINE))
+    f = gt.function(run, mesh=_LINE, in_shardings=(P("stage"),) * 3 + (P(),))
+    _assert_equal_to_sequential([t.numpy() for t in f(*args)], args)
+    low = f.lower(*args)
+    assert not low.program.replicated_ops
+    kinds = [kind for kind, _ in _collectives(low)]
+    assert "all-gather" not in kinds and "all-to-all" not in kinds, low.report()
+    # each device's stage buffer [1, b, d] moves to the next stage (forward) or back
+    permutes = [c for c in low.collectives() if c.kind == "collective-permute"]
+    assert {c.shape for c in permutes} == {(1, BATCH, D)}, low.report()
+    # the only other collective: the last stage's outputs, reduced out of the stage dim
+    assert kinds.count("all-reduce") == 1, low.report()
+
+
+def test_forward_has_exactly_one_permute_per_iteration():
+    args = _args(np.random.default_rng(2))
+    low = gt.lower(lambda w1, b1, w2, x: gt.pipeline(mlp_stage, dict(w1=w1, b1=b1, w2=w2),
+                                                      x, mesh=_LINE),
+                   _LINE, (P("stage"),) * 3 + (P(),), args=args)
+    assert _collectives(low) == (
+        [("collective-permute", (1, BATCH, D))] * (MICROBATCHES + STAGES - 1)
+        + [("all-reduce", (MICROBATCHES, BATCH, D))]), low.report()
+
+
+def test_3d_mesh_with_data_and_model_splits():
+    # 4 stages over 2 devices (two per device: the shift is a one-stage halo), the
+    # microbatch over "data", w1 column- and w2 row-split over "model" (Megatron)
+    args = _args(np.random.default_rng(3))
+    run = loss_and_grads(lambda p, x: gt.pipeline(mlp_stage, p, x, mesh=_CUBE,
+                                                  microbatch_spec=P("data")))
+    f = gt.function(run, mesh=_CUBE, in_shardings=(
+        P("stage", None, "model"), P("stage", "model"), P("stage", "model"),
+        P(None, "data")))
+    _assert_equal_to_sequential([t.numpy() for t in f(*args)], args)
+    low = f.lower(*args)
+    assert not low.program.replicated_ops
+    assert "all-gather" not in [c.kind for c in low.collectives()], low.report()
+    permutes = [c for c in low.collectives() if c.kind == "collective-permute"]
+    assert permutes and {c.shape for c in permutes} == {(1, BATCH // 2, D)}, low.report()
+    stage_of = {int(d): g for g, row in enumerate(_CUBE.groups(("stage",))) for d in row}
+    assert all(stage_of[src] == stage_of[dst] for c in permutes for src, dst in c.groups)
+    # weights stay split: a device holds its stages' half of w1's columns
+    assert low.input_shardings[0] == gt.Sharding.from_spec(_CUBE, P("stage", None, "model"), 3)
+
+
+def test_stacked_stage_function_without_vectorizing():
+    args = _args(np.random.default_rng(4))
+
+    def stacked_stage(p, x):  # x [S, b, d]: the leading dim is the stage dim
+        h = tf.nn.relu(tf.einsum("sbd,sdf->sbf", x, p["w1"]) + p["b1"][:, None])
+        return x + tf.einsum("sbf,sfd->sbd", h, p["w2"])
+    run = loss_and_grads(lambda p, x: gt.pipeline(stacked_stage, p, x, mesh=_LINE,
+                                                  vectorize=False))
+    f = gt.function(run, mesh=_LINE, in_shardings=(P("stage"),) * 3 + (P(),))
+    _assert_equal_to_sequential([t.numpy() for t in f(*args)], args)
+    assert "all-gather" not in [c.kind for c in f.lower(*args).collectives()]
+
+
+def test_bad_input_names_what_to_change():
+    rng = np.random.default_rng(5)
+    w1, b1, w2, x = _args(rng)
+    with pytest.raises(gt.ShardingError, match="same static stage dim"):
+        gt.pipeline(mlp_stage, dict(w1=w1, b1=b1[:3], w2=w2), x)
+    with pytest.raises(gt.ShardingError, match="3 stages do not divide"):
+        gt.pipeline(mlp_stage, dict(w1=w1[:3], b1=b1[:3], w2=w2[:3]), x, mesh=_LINE)
+    with pytest.raises(gt.ShardingError, match="must keep its input's shape"):
+        gt.pipeline(lambda p, x: x @ p["w1"], dict(w1=w1), x)
+
+
+def _train(variables, run_stages, tokens, steps, mesh=None):
+    step = pipeline_model.make_step(variables, run_stages)
+    if mesh is None:
+        with tf.device("/device:CPU:0"):
+            step = tf.function(step)
+            return [float(step(tokens)) for _ in range(steps)], None
+    step = gt.function(step, mesh=mesh, in_shardings=(P(None, "data"),))
+    return [float(step(tokens).numpy()) for _ in range(steps)], step.lower(tokens)
+
+
+def test_pipelined_transformer_trains_on_3d_mesh_as_on_one_device():
+    rng = np.random.default_rng(6)
+    params = pipeline_model.init_params(rng)
+    tokens = rng.integers(0, 16, size=(2, 4, 5)).astype(np.int32)  # [M, b, t + 1]
+    steps = 3
+    with tf.device("/device:CPU:0"):
+        single = {n: tf.Variable(params[n]) for n in pipeline_model.NAMES}
+    want, _ = _train(single, pipeline_model.sequential, tokens, steps)
+    sharded = {n: gt.Variable(params[n], _CUBE, pipeline_model.SPECS[n], name=n)
+               for n in pipeline_model.NAMES}
+    got, low = _train(sharded, pipeline_model.pipelined(_CUBE), tokens, steps, _CUBE)
+    assert_close(got, want, "losses")
+    assert want[-1] < want[0], want
+    for n in pipeline_model.NAMES:
+        assert_close(sharded[n].numpy(), single[n].numpy(), n)
+    assert not low.program.replicated_ops
+    # nothing moves over "stage" but the shifts and, once, the last stage's outputs
+    # (the embedding's gradient gathers its data-split token rows: not the pipeline's)
+    over_stage = [c for c in low.collectives() if "stage" in c.axes]
+    assert all(c.kind == "all-reduce" for c in over_stage), low.report()
