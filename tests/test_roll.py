@@ -68,3 +68,43 @@ def test_shift_from_a_tensor_keeps_the_rolled_dim_whole():
         return tf.roll(x, shift + tf.cast(tf.reduce_sum(x) * 0, tf.int32), 0)
     low = check_partitioned(fn, (x,), _STAGES, (P("stage", None),), (P("stage"),))
     assert "all-gather" in _kinds(low), low.report()
+
+
+# rotations written as slices and a concat (graph/rotate.py makes them Roll), and
+# concats that are not rotations (left as written)
+ROTATIONS = {
+    "last_to_front": lambda x: tf.concat([x[-1:], x[:-1]], axis=0),
+    "tf_slice": lambda x: tf.concat([tf.slice(x, [7, 0, 0], [1, -1, -1]),
+                                     tf.slice(x, [0, 0, 0], [7, -1, -1])], axis=0),
+    "two_rows": lambda x: tf.concat([x[2:], x[:2]], axis=0),
+    "three_pieces": lambda x: tf.concat([x[6:], x[:2], x[2:6]], axis=0),
+    "read_twice": lambda x: tf.concat([x[-1:], x[:-1]], axis=0) + 2.0 * x,
+}
+NOT_ROTATIONS = {
+    "repeats_a_row": lambda x: tf.concat([x[1:], x[1:2]], axis=0),
+    "two_tensors": lambda x: tf.concat([x[-1:], tf.reverse(x, [0])[1:]], axis=0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROTATIONS))
+def test_slice_and_concat_rotation_is_one_permute_both_ways(name):
+    fn = ROTATIONS[name]
+    x = randn(np.random.default_rng(5), 8, 3, 2)
+    weights = tf.constant(randn(np.random.default_rng(6), 8, 3, 2))
+
+    def grad(x, w):
+        return tf.gradients(tf.reduce_sum(fn(x) * w), x)[0]
+    spec = P("stage")
+    low = check_partitioned(fn, (x,), _STAGES, (spec,), (spec,))
+    assert _kinds(low) == ["collective-permute"], low.report()
+    assert [n.op for n in low.graph.nodes if n.op == "ConcatV2"] == []
+    low = check_partitioned(grad, (x, weights), _STAGES, (spec, spec), (spec,))
+    assert _kinds(low) == ["collective-permute"], low.report()
+
+
+@pytest.mark.parametrize("name", sorted(NOT_ROTATIONS))
+def test_other_concats_of_slices_are_left_as_written(name):
+    fn = NOT_ROTATIONS[name]
+    x = randn(np.random.default_rng(7), 8, 3)
+    low = check_partitioned(fn, (x,), _STAGES, (P("stage"),), (P("stage"),))
+    assert [n.op for n in low.graph.nodes if n.op in ("Roll", "ConcatV2")] == ["ConcatV2"]
