@@ -172,7 +172,7 @@ def _placed_part(graph, ref):
         piece_ref = node.inputs[4]
         if shape is None:
             return None
-        placed_at = _slice_starts(graph, node, tuple(int(s) for s in shape), first=1)
+        placed_at = _slice_starts(graph, node, tuple(int(s) for s in shape))
         if placed_at is None:
             return None
     else:
@@ -186,15 +186,16 @@ def _placed_part(graph, ref):
     return piece._replace(dest=int(placed_at[piece.axis]))
 
 
-def _slice_starts(graph, node, x, first=1):
+def _slice_starts(graph, node, x):
     """Per dim of x, the first element a Slice/StridedSlice(Grad) `node` reads (None
-    unless the bounds are constants, strides 1, and no ellipsis/new-axis/shrink mask)."""
-    begin = graph.const_value(node.inputs[first])
+    unless the bounds are constants, strides 1, and no ellipsis/new-axis/shrink mask).
+    Begin is input 1 and strides input 3 of all three."""
+    begin = graph.const_value(node.inputs[1])
     if begin is None:
         return None
     if node.op == "Slice":
         return np.asarray(begin, np.int64)
-    strides = graph.const_value(node.inputs[first + 2])
+    strides = graph.const_value(node.inputs[3])
     if strides is None or np.any(np.asarray(strides) != 1):
         return None
     if any(node.attr(m) for m in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")):
@@ -217,17 +218,21 @@ def _one_axis_part(source, x, starts, out, dest):
 def _insert_and_drop(graph, new, replaced):
     """Insert the new nodes before their hosts, drop the pieces nothing reads any more
     (transitively), renumber."""
-    outputs = {r.node for r in graph.outputs}
-    users = graph.consumers()
+    readers = defaultdict(set)  # node -> nodes reading it, new ones as -(k + 1)
+    for i, node in enumerate(graph.nodes):
+        for r in node.inputs:
+            readers[r.node].add(i)
+    for k, node in enumerate(new.nodes):
+        for r in node.inputs:
+            readers[r.node].add(-(k + 1))
+    kept = {r.node for r in graph.outputs} | {r.node for r in graph.inputs}
     dead = set()
     todo = [r.node for r in replaced]
     while todo:
         i = todo.pop()
         node = graph.nodes[i]
-        if (i in dead or i in outputs or node.op not in _PIECE_OPS
-                or node.control_inputs or i in graph_input_nodes(graph)
-                or any(u not in dead and any(r.node == i for r in graph.nodes[u].inputs)
-                       for u, _ in users[i])):
+        if (i in dead or i in kept or node.op not in _PIECE_OPS or node.control_inputs
+                or readers[i] - dead):
             continue
         dead.add(i)
         todo.extend(r.node for r in node.inputs)
@@ -241,8 +246,3 @@ def _insert_and_drop(graph, new, replaced):
             new_ref[(-(k + 1), 0)] = Ref(graph.add(new.nodes[k]), 0)
         new_index[i] = graph.add(node)
     renumber(graph, new_index, new_ref)
-
-
-def graph_input_nodes(graph):
-    """Node indices of the graph's inputs (never dropped)."""
-    return {r.node for r in graph.inputs}
