@@ -1,0 +1,161 @@
+"""GShard mixture of experts (gspmd_tf/moe.py) partitioned: values and gradients equal
+single-device TF, and the dispatch and combine are all-to-alls, never all-gathers."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gspmd_tf as gt
+from gspmd_tf import moe
+from util import assert_close, check_partitioned, randn, single_device
+
+P = gt.P
+
+# mesh shape -> (axis names, MoeSpecs): GShard's layout, G split over every device, E over
+# the "expert" axis, the expert buffers [E, G, C, M] split on E and on G over what is left
+LAYOUTS = {
+    (8,): (("expert",), moe.MoeSpecs(P("expert"), P("expert"), P("expert"))),
+    (2, 4): (("data", "expert"),
+             moe.MoeSpecs(P(("data", "expert")), P("expert"), P("expert", "data"))),
+}
+
+# (G, S, M, H, E, k, capacity_factor): even; uneven G and E with tokens dropped
+# (capacity 2 for 2 * 10 choices of 12 experts); uneven E only; top-1 (ArgMax) with a
+# capacity that drops tokens
+SHAPES = {
+    "even": (8, 16, 8, 16, 8, 2, 1.0),
+    "uneven": (12, 10, 8, 16, 12, 2, 0.75),
+    "uneven_experts": (16, 10, 8, 16, 6, 2, 0.75),
+    "top1": (8, 12, 8, 16, 8, 1, 0.5),
+}
+FORWARD_CASES = [((8,), "even"), ((8,), "uneven"), ((8,), "top1"), ((2, 4), "even"),
+                 ((2, 4), "uneven_experts"), ((2, 4), "top1")]
+TRAIN_CASES = [((8,), "even"), ((8,), "uneven"), ((2, 4), "even"),
+               ((2, 4), "uneven_experts"), ((2, 4), "top1")]
+
+
+def params(rng, g, s, m, h, e):
+    """x, wg, w_in, w_out."""
+    return (randn(rng, g, s, m), randn(rng, m, e), randn(rng, e, m, h) * 0.3,
+            randn(rng, e, h, m) * 0.3)
+
+
+def make_mesh(shape):
+    names, specs = LAYOUTS[shape]
+    return gt.Mesh.create(shape, names), specs
+
+
+def in_shardings(specs):
+    return (specs.groups, P(), specs.experts, specs.experts)
+
+
+def forward_fn(mesh, specs, k, capacity_factor):
+    def forward(x, wg, w_in, w_out):
+        return moe.moe_layer(x, wg, w_in, w_out, k, capacity_factor, mesh, specs)
+    return forward
+
+
+def train_fn(mesh, specs, k, capacity_factor):
+    """Loss and the gradients of the gating and expert weights."""
+    def train(x, wg, w_in, w_out):
+        with tf.GradientTape() as tape:
+            tape.watch([wg, w_in, w_out])
+            y, aux = moe.moe_layer(x, wg, w_in, w_out, k, capacity_factor, mesh, specs)
+            loss = tf.reduce_mean(tf.square(y)) + 0.01 * aux
+        return (loss,) + tuple(tape.gradient(loss, [wg, w_in, w_out]))
+    return train
+
+
+def all_to_all_sources(lowered):
+    """Per all-to-all of the SPMD program, the traced op its operand comes from (walking
+    back through the pads and slices a reshard adds, which have no traced name)."""
+    g = lowered.program.graph
+    traced = {n.name for n in lowered.graph.nodes}
+    out = []
+    for node in g.nodes:
+        if node.op != "gt.AllToAll":
+            continue
+        ref = node.inputs[0]
+        while g.nodes[ref.node].name not in traced:
+            ref = g.nodes[ref.node].inputs[0]
+        out.append(g.nodes[ref.node].name)
+    return out
+
+
+def assert_all_to_all_routing(lowered, train):
+    """Dispatch and combine are all-to-alls of the [E, G, C, M] buffers (no all-gather or
+    reduce-scatter anywhere); the only all-reduces are the gating weight's gradient and
+    scalars; nothing runs replicated."""
+    kinds = [c.kind for c in lowered.collectives()]
+    assert "all-gather" not in kinds and "reduce-scatter" not in kinds, lowered.report()
+    assert lowered.program.replicated_ops == []
+    sources = all_to_all_sources(lowered)
+    # forward: the dispatched tensor G -> E, the expert output E -> G; the gradient of
+    # the expert output G -> E (the dispatched tensor's gradient is not needed: x and
+    # the one-hot dispatch mask take no gradient)
+    scopes = sorted(s.split("/")[0] if not s.startswith("gradient_tape/")
+                    else "/".join(s.split("/")[:2]) for s in sources)
+    want = ["dispatch", "experts"] + (["gradient_tape/combine"] if train else [])
+    assert scopes == want, sources
+
+
+@pytest.mark.parametrize("mesh_shape,case", FORWARD_CASES)
+def test_moe_forward_matches_single_device(mesh_shape, case):
+    g, s, m, h, e, k, cf = SHAPES[case]
+    mesh, specs = make_mesh(mesh_shape)
+    args = params(np.random.default_rng(0), g, s, m, h, e)
+    lowered = check_partitioned(forward_fn(mesh, specs, k, cf), args, mesh,
+                                in_shardings(specs),
+                                reference=forward_fn(None, None, k, cf))
+    assert_all_to_all_routing(lowered, train=False)
+    # the gating keeps the G split: TopKV2/ArgMax, OneHot and Cumsum pass G through
+    gating = [n for n in lowered.graph.nodes if n.op in ("TopKV2", "ArgMax", "OneHot", "Cumsum")]
+    assert {n.op for n in gating} >= {"OneHot", "Cumsum", "TopKV2" if k > 1 else "ArgMax"}
+    for node in gating:
+        want = gt.Sharding.from_spec(mesh, specs.groups, len(node.out_shapes[0]))
+        assert str(lowered.sharding_of(node.name)) == str(want), node.name
+
+
+@pytest.mark.parametrize("mesh_shape,case", TRAIN_CASES)
+def test_moe_training_gradients_match_single_device(mesh_shape, case):
+    g, s, m, h, e, k, cf = SHAPES[case]
+    mesh, specs = make_mesh(mesh_shape)
+    args = params(np.random.default_rng(1), g, s, m, h, e)
+    lowered = check_partitioned(train_fn(mesh, specs, k, cf), args, mesh,
+                                in_shardings(specs), reference=train_fn(None, None, k, cf))
+    assert_all_to_all_routing(lowered, train=True)
+
+
+@pytest.mark.parametrize("k,capacity_factor", [(1, 0.5), (2, 0.75), (2, 2.0)])
+def test_gating_routes_as_gshard(k, capacity_factor):
+    """top_k_gating on one device against a loop over tokens: first choices of a group
+    take their expert's slots in token order before any second choice, tokens past the
+    capacity are dropped, combine weights are the (renormalized) gates."""
+    g, s, e = 3, 10, 4
+    logits = randn(np.random.default_rng(2), g, s, e)
+    cap = moe.capacity(s, e, k, capacity_factor)
+    dispatch, combine, _ = single_device(
+        lambda t: moe.top_k_gating(t, k, cap), [logits])
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want_dispatch = np.zeros((g, s, e, cap), np.float32)
+    want_combine = np.zeros((g, s, e, cap), np.float32)
+    for gi in range(g):
+        order = np.argsort(-probs[gi], axis=-1, kind="stable")[:, :k]
+        gates = np.take_along_axis(probs[gi], order, -1)
+        gates = gates / gates.sum(-1, keepdims=True) if k > 1 else gates
+        filled = np.zeros(e, int)
+        for rank in range(k):
+            for si in range(s):
+                expert = order[si, rank]
+                if filled[expert] < cap:
+                    want_dispatch[gi, si, expert, filled[expert]] = 1
+                    want_combine[gi, si, expert, filled[expert]] = gates[si, rank]
+                filled[expert] += 1
+    np.testing.assert_array_equal(dispatch, want_dispatch)
+    assert_close(combine, want_combine)
+    dropped = k * g * s - want_dispatch.sum()
+    if capacity_factor < 1.0:  # fewer slots than choices: some tokens are dropped
+        assert dropped > 0
+    if cap >= s:  # an expert can take every token of a group: none is dropped
+        assert dropped == 0
