@@ -8,7 +8,8 @@ NEEDS JAX (not a dependency of gspmd-tf; see benchmarks/xla_reference.py for the
 The same program as gspmd_tf/moe.py (top-k softmax gating, exclusive cumsum positions
 over first then second choices, capacity, dispatch/expert/combine einsums), written with
 jax.numpy, annotated the same way (x split on G, expert weights on E, the dispatched
-tensor and the expert output on E) with with_sharding_constraint, jitted on a mesh of
+tensor and the expert output on E, the dispatch mask and combine weights on G unless
+--paper_annotations) with with_sharding_constraint, jitted on a mesh of
 host CPU devices and compiled. Prints every collective of the compiled entry (kind,
 operand bytes per device, group size) and their count by kind; tests/test_moe.py holds
 the counts as constants.
@@ -33,6 +34,9 @@ TRAIN = flags.DEFINE_bool("train", False, "gradients of a loss too (a training s
 SHAPE = flags.DEFINE_string("shape", "8,16,8,16,8", "G,S,M,H,E")
 K = flags.DEFINE_integer("k", 2, "experts per token")
 CAPACITY_FACTOR = flags.DEFINE_float("capacity_factor", 1.0, "capacity factor")
+PAPER_ANNOTATIONS = flags.DEFINE_bool(
+    "paper_annotations", False, "leave the dispatch mask and combine weights unconstrained "
+    "(the GShard paper's Algorithm 2), as moe_layer(annotate_gating=False)")
 PARTITIONER = flags.DEFINE_enum("partitioner", "gspmd", ["gspmd", "shardy"],
                                 "XLA partitioner")
 
@@ -59,8 +63,9 @@ def moe(x, wg, w_in, w_out, k, capacity_factor, constrain, specs):
     routed = (masks * kept[..., None])[..., None] * slots[:, :, :, None, :]
     dispatch_mask = jnp.sum(routed, 2)
     combine_weights = jnp.einsum("GSK,GSKEC->GSEC", gates, routed)
-    dispatch_mask = constrain(dispatch_mask, specs["groups"])
-    combine_weights = constrain(combine_weights, specs["groups"])
+    if not PAPER_ANNOTATIONS.value:
+        dispatch_mask = constrain(dispatch_mask, specs["groups"])
+        combine_weights = constrain(combine_weights, specs["groups"])
     aux = jnp.mean(jnp.mean(masks[:, :, 0, :], 1) * jnp.mean(probs, 1)) * e ** 2
     dispatched = constrain(jnp.einsum("GSEC,GSM->EGCM", dispatch_mask, x),
                            specs["expert_buffers"])
