@@ -58,9 +58,8 @@ def moe(x, wg, w_in, w_out, k, capacity_factor, constrain, specs):
     before = jnp.cumsum(by_rank, axis=1) - by_rank
     before = jnp.transpose(before.reshape(g, k, s, e), (0, 2, 1, 3))
     position = jnp.sum(before * masks, -1)
-    kept = (position < cap).astype(masks.dtype)
     slots = jax.nn.one_hot(position.astype(jnp.int32), cap, dtype=masks.dtype)
-    routed = (masks * kept[..., None])[..., None] * slots[:, :, :, None, :]
+    routed = masks[..., None] * slots[:, :, :, None, :]
     dispatch_mask = jnp.sum(routed, 2)
     combine_weights = jnp.einsum("GSK,GSKEC->GSEC", gates, routed)
     if not PAPER_ANNOTATIONS.value:

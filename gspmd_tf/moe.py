@@ -19,9 +19,9 @@ nothing; the residual connection, if any, is the caller's). Then
 
 With `mesh` and `specs` the layer annotates as GShard does: x, y and the dispatch mask and
 combine weights split on G, the expert weights split on E, the dispatched tensor and the
-expert output split on E (and on G over any remaining axes). The partitioner then turns the dispatch and the combine into
-all-to-alls that move the split from G to E and back (docs/INTERNALS.md, "Mixture of
-experts"). Without them the same code runs on one device.
+expert output split on E (and on G over any remaining axes). The partitioner then turns
+the dispatch and the combine into all-to-alls that move the split from G to E and back
+(docs/INTERNALS.md, "Mixture of experts"). Without them the same code runs on one device.
 """
 
 from __future__ import annotations
@@ -81,10 +81,10 @@ def top_k_gating(logits, k, expert_capacity):
     before = tf.math.cumsum(by_rank, axis=1, exclusive=True)
     before = tf.transpose(tf.reshape(before, [groups, k, tokens, num_experts]), [0, 2, 1, 3])
     position = tf.reduce_sum(before * masks, axis=-1)                    # [G, S, k]
-    kept = tf.cast(position < expert_capacity, masks.dtype)             # over capacity: 0
+    # a position past the capacity has an all-zero one-hot row: that choice is dropped
     slots = tf.one_hot(tf.cast(position, tf.int32), expert_capacity,
                        dtype=masks.dtype)                                # [G, S, k, C]
-    routed = tf.expand_dims(masks * tf.expand_dims(kept, -1), -1) * tf.expand_dims(slots, 3)
+    routed = tf.expand_dims(masks, -1) * tf.expand_dims(slots, 3)        # [G, S, k, E, C]
     dispatch_mask = tf.reduce_sum(routed, axis=2)                        # [G, S, E, C]
     combine_weights = tf.einsum("GSK,GSKEC->GSEC", gates, routed)
     # GShard's auxiliary loss: mean fraction of tokens whose first choice is e, times the
