@@ -1,0 +1,152 @@
+"""The annotated global graph: the traced program with gspmd-tf's shardings on every tensor,
+for XLA's SPMD partitioner behind TF's XLA bridge (TPUStrategy, jit_compile).
+
+Instead of the per-device SPMD program, the imported graph (global shapes) is emitted
+again as TF ops, and every tensor it makes is followed by an XlaSharding op carrying the
+sharding propagation chose for it (TF's own xla_sharding annotation: the serialized
+OpSharding of gt.Sharding.from_layout). Arguments that are placeholders of the graph being
+built also get the `_XlaSharding` attr, which TF's bridge turns into the HLO parameter's
+sharding. XLA's SPMD partitioner then partitions the program with our decisions, and XLA
+compiles it whole (see docs/INTERNALS.md, "TPU / XLA bridge").
+"""
+
+from __future__ import annotations
+
+import re
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.compiler.xla.experimental import xla_sharding
+from tensorflow.python.framework import ops
+
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.sharding import Sharding
+
+# Tensors that carry no array for XLA to split.
+_UNSHARDED_DTYPES = (tf.resource, tf.variant)
+
+
+def _annotate(tensor, sharding):
+    """`tensor` followed by an XlaSharding op carrying `sharding` (a gt.Sharding)."""
+    return xla_sharding.Sharding(proto=sharding.to_proto()).apply_to_tensor(
+        tensor, use_sharding_op=True)
+
+
+def _op_name(name):
+    """`name` made into a valid TF op name (TF uniquifies repeats)."""
+    name = re.sub(r"[^A-Za-z0-9_.\-/]", "_", name).strip("/")
+    return name if re.match(r"[A-Za-z0-9.]", name) else "n" + name
+
+
+class AnnotatedGraph:
+    """Emits a lowered program's global graph with its shardings as XlaSharding ops.
+
+    `emit(*inputs)` (inside a tf.function or a TPUStrategy replica function) re-creates
+    every op of the traced graph on `inputs` (the program's flat arguments, then its
+    captured variables' handles, at global shapes) and returns the flat outputs.
+    """
+
+    def __init__(self, lowered):
+        self.lowered = lowered
+        graph = lowered.graph
+        for node in graph.nodes:
+            if node.regions:
+                raise ShardingError(
+                    f"{node.op} {node.name!r}: control flow is not yet emitted into the "
+                    "annotated graph for TF's XLA bridge; run it with gt.function's local "
+                    "backend")
+        self._shardings = [[self._sharding_of(i, k, dtype) for k, dtype in
+                            enumerate(node.out_dtypes)]
+                           for i, node in enumerate(graph.nodes)]
+
+    def _sharding_of(self, index, out, dtype):
+        """The sharding annotated on output `out` of node `index`, None for none (handles,
+        and constants, which XLA folds and partitions from their users)."""
+        graph = self.lowered.graph
+        node = graph.nodes[index]
+        # a captured variable's handle: the layout of the value it holds, placed on the
+        # argument only (the bridge makes it the parameter's sharding)
+        variable = dtype == tf.resource and "var_shape" in node.params
+        if (dtype in _UNSHARDED_DTYPES and not variable) or node.op == "Const":
+            return None
+        layout = self.lowered.propagation.layouts[index][out]
+        return Sharding.from_layout(self.lowered.mesh, layout)
+
+    def emit(self, *inputs):
+        """The program's flat outputs, computed by TF ops on the global `inputs`."""
+        graph = self.lowered.graph
+        if len(inputs) != len(graph.inputs):
+            raise ShardingError(
+                f"the annotated graph of {self.lowered.name} takes {len(graph.inputs)} "
+                f"inputs (arguments, then captured variables), got {len(inputs)}")
+        bound = {ref.node: tf.convert_to_tensor(x) for ref, x in zip(graph.inputs, inputs)}
+        values, op_of = [], []
+        default_graph = ops.get_default_graph()
+        for index, node in enumerate(graph.nodes):
+            if index in bound:
+                outs = [self._argument(bound[index], self._shardings[index][0])]
+                op_of.append(bound[index].op)
+            else:
+                attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
+                with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
+                    op = default_graph._create_op_internal(
+                        node.op, [values[r.node][r.out] for r in node.inputs],
+                        dtypes=node.out_dtypes, attrs=attrs, name=_op_name(node.name))
+                op_of.append(op)
+                outs = [t if s is None else _annotate(t, s)
+                        for t, s in zip(op.outputs, self._shardings[index])]
+            values.append(outs)
+        return [values[r.node][r.out] for r in graph.outputs]
+
+    @staticmethod
+    def _argument(tensor, sharding):
+        """An input annotated: the `_XlaSharding` attr on a placeholder of the graph being
+        built (TF's bridge makes it the HLO parameter's sharding), and an XlaSharding op."""
+        if sharding is None:
+            return tensor
+        if tensor.op.type == "Placeholder" and tensor.graph is ops.get_default_graph():
+            tensor.op._set_attr("_XlaSharding", attr_value_pb2.AttrValue(
+                s=sharding.to_proto().SerializeToString()))
+        return tensor if tensor.dtype in _UNSHARDED_DTYPES else _annotate(tensor, sharding)
+
+
+def argument_specs(lowered):
+    """TensorSpecs of the program's flat arguments (not its captured variables) at their
+    global shapes."""
+    graph = lowered.graph
+    count = len(graph.inputs) - len(graph.captures)
+    return [tf.TensorSpec(graph.shape(r), graph.dtype(r)) for r in graph.inputs[:count]]
+
+
+def compiler_ir(lowered, stage="hlo"):
+    """What TF's XLA bridge makes of the annotated graph of `lowered`, compiled for this
+    host's XLA device (XLA_CPU_JIT here): `stage` as tf.function's
+    experimental_get_compiler_ir takes it ("hlo", "hlo_serialized", "optimized_hlo", ...).
+
+    Captured variables enter as zero-filled variables of their global shape on this
+    host (TF's bridge refuses uninitialized ones), so that much memory is allocated
+    while it compiles; nothing runs."""
+    graph = lowered.graph
+    annotated = AnnotatedGraph(lowered)
+    specs = argument_specs(lowered)
+    handles = [_stand_in_variable(graph, ref) for ref in graph.inputs[len(specs):]]
+
+    def program(*args):
+        return annotated.emit(*args, *[v.handle for v in handles])
+    program.__name__ = _op_name(lowered.name or "program").replace("/", "_")
+    fn = tf.function(program, jit_compile=True, autograph=False)
+    return fn.experimental_get_compiler_ir(*specs)(stage=stage)
+
+
+def _stand_in_variable(graph, ref):
+    """A zero-filled variable standing for the captured tensor `ref`: the captured
+    variable's global shape and dtype."""
+    node = graph.nodes[ref.node]
+    if graph.dtype(ref) != tf.resource:
+        raise ShardingError(
+            f"captured tensor {node.name!r} ({graph.dtype(ref).name}) is not a variable: "
+            "pass it to the function as an argument to compile it through TF's XLA bridge")
+    shape, dtype = node.params.get("var_shape"), node.params.get("var_dtype")
+    if shape is None or dtype is None:
+        raise ShardingError(f"captured variable {node.name!r} has no recorded shape/dtype")
+    return tf.Variable(tf.zeros(shape, dtype), trainable=False)
