@@ -1,16 +1,20 @@
 """Programs for checking the annotated global graph through XLA's SPMD partitioner.
 
-    .venv/bin/python benchmarks/bridge_cases.py --out=/tmp/bridge
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-        /work/jaxref/bin/python benchmarks/xla_spmd_check.py --cases=/tmp/bridge
+    .venv/bin/python benchmarks/bridge_cases.py --out=/tmp/bridge \
+        --scale_configs=128B-8x16,1T-16x32
+    /work/jaxref/bin/python benchmarks/xla_spmd_check.py --cases=/tmp/bridge
 
 The first command (TensorFlow, no JAX) lowers each case with gspmd-tf on a 2x4
 ("data", "model") mesh and writes, per case, into --out:
   NAME.hlo.pb   the HloModuleProto TF's XLA bridge makes of the annotated global graph
                 (gt.Lowered.as_text("hlo") is its text), parameters carrying shardings
   NAME.npz      the inputs (in0, in1, ...) and the single-device TF outputs (out0, ...)
-  NAME.json     input and output shardings (XLA text) and gspmd-tf's own collectives
-                (kind, bytes of one device's operand)
+  NAME.json     input and output shardings (XLA text), the device count and gspmd-tf's
+                own collectives (kind, bytes of one device's operand)
+--scale_configs adds one layer of benchmarks/transformer_scale.py's training step at a
+configuration's real shapes and mesh (HLO and JSON only: checked for bytes, not values),
+twice: as gt.Lowered.as_text("hlo") makes it (tensors and the partitioner's operand
+reshards annotated) and with the tensors' shardings only (NAME_tensors_only).
 The second (JAX's XLA, test-only) compiles each module for 8 partitions with XLA's SPMD
 partitioner, runs it on 8 XLA CPU devices, and compares values and collective bytes.
 tests/test_tpu_bridge.py runs both on a temporary directory when /work/jaxref exists.
@@ -79,24 +83,46 @@ def write_case(name, out_dir):
     """Lowers case `name`, writes its three files into `out_dir`; returns the Lowered."""
     import gspmd_tf as gt
     import tensorflow as tf
-    from gspmd_tf.runtime.annotated import compiler_ir
     fn, values, specs = CASES[name](gt, tf, np.random.default_rng(0))
     mesh = gt.Mesh.abstract(MESH_SHAPE, AXES)
     lowered = gt.lower(fn, mesh, specs, args=[tf.TensorSpec(v.shape, v.dtype)
                                               for v in values])
     with tf.device("/CPU:0"):
         expected = tf.nest.flatten(tf.function(fn, autograph=False)(*values))
-    with open(os.path.join(out_dir, f"{name}.hlo.pb"), "wb") as f:
-        f.write(compiler_ir(lowered, stage="hlo_serialized"))
     arrays = {f"in{i}": v for i, v in enumerate(values)}
     arrays.update({f"out{j}": t.numpy() for j, t in enumerate(expected)})
     np.savez(os.path.join(out_dir, f"{name}.npz"), **arrays)
-    meta = {"input_shardings": [str(s) for s in lowered.input_shardings],
+    _write_program(lowered, name, out_dir)
+    return lowered
+
+
+def write_scale_case(config, out_dir, layers=1):
+    """benchmarks/transformer_scale.py's training step for `config` with `layers` layers
+    at its real shapes on its mesh: the HLO and shardings only (no values: the check
+    compiles it and compares collective bytes). Returns the Lowered."""
+    import gspmd_tf as gt
+    import tensorflow as tf
+    import transformer_scale
+    lowered = transformer_scale.lower_step(gt, tf, transformer_scale.CONFIGS[config], layers)
+    name = f"scale_{config}_{layers}layer"
+    _write_program(lowered, name, out_dir)
+    # the same with tensor shardings only: XLA chooses how to partition each op
+    _write_program(lowered, name + "_tensors_only", out_dir, operand_shardings=False)
+    return lowered
+
+
+def _write_program(lowered, name, out_dir, operand_shardings=True):
+    """NAME.hlo.pb (the bridge's HloModuleProto) and NAME.json (shardings, device count,
+    gspmd-tf's collectives)."""
+    from gspmd_tf.runtime.annotated import compiler_ir
+    with open(os.path.join(out_dir, f"{name}.hlo.pb"), "wb") as f:
+        f.write(compiler_ir(lowered, "hlo_serialized", operand_shardings))
+    meta = {"num_devices": lowered.mesh.size,
+            "input_shardings": [str(s) for s in lowered.input_shardings],
             "output_shardings": [str(s) for s in lowered.output_shardings],
             "gt_collectives": [[c.kind, c.bytes] for c in lowered.collectives()]}
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    return lowered
 
 
 def main(argv):
@@ -107,11 +133,13 @@ def main(argv):
     out = flags.FLAGS.out
     os.makedirs(out, exist_ok=True)
     names = list(CASES) if flags.FLAGS.case == "all" else flags.FLAGS.case.split(",")
-    for name in names:
-        lowered = write_case(name, out)
+    written = [(name, write_case(name, out)) for name in names if name]
+    written += [(f"scale_{c}", write_scale_case(c, out)) for c in
+                flags.FLAGS.scale_configs.split(",") if c]
+    for name, lowered in written:
         total = sum(c.bytes for c in lowered.collectives())
         print(f"{name}: {len(lowered.collectives())} gspmd-tf collectives, {total} bytes "
-              f"per device -> {out}/{name}.*")
+              f"per device -> {out}")
 
 
 if __name__ == "__main__":
@@ -119,4 +147,6 @@ if __name__ == "__main__":
     flags.DEFINE_string("out", "/tmp/bridge", "directory for the case files")
     flags.DEFINE_string("case", "all", "comma-separated case names, or 'all': "
                         + ", ".join(CASES))
+    flags.DEFINE_string("scale_configs", "", "also write one layer of these "
+                        "transformer_scale.py configs (HLO only, checked for bytes)")
     app.run(main)

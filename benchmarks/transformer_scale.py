@@ -119,20 +119,25 @@ def make_step(tf, gt, mesh, layers, gated, lr=0.01):
     return step
 
 
-def measure(gt, tf, config, layers):
-    """Figures of one lowering of `config` with `layers` layers: dict of per-device
-    bytes (weights, peak, collectives by kind) and the lowering time."""
+def lower_step(gt, tf, config, layers):
+    """The training step of `config` with `layers` layers, lowered on its abstract mesh."""
     _, m, h, n, k, s, b, mesh_shape, gated = config
     mesh = gt.Mesh.abstract(mesh_shape, AXES)
     P = gt.P
     shapes = weight_shapes(m, h, n, k, gated) * layers
     specs = [tf.TensorSpec((b, s, m))] + [tf.TensorSpec(shape) for _, shape, _ in shapes]
     in_shardings = (P("x", None, "y"),) + tuple(P(*spec) for _, _, spec in shapes)
+    return gt.lower(make_step(tf, gt, mesh, layers, gated), mesh, in_shardings, args=specs)
+
+
+def measure(gt, tf, config, layers):
+    """Figures of one lowering of `config` with `layers` layers: dict of per-device
+    bytes (weights, peak, collectives by kind) and the lowering time."""
     start = time.perf_counter()
-    lowered = gt.lower(make_step(tf, gt, mesh, layers, gated), mesh, in_shardings, args=specs)
+    lowered = lower_step(gt, tf, config, layers)
     seconds = time.perf_counter() - start
     memory = lowered.memory()
-    weights = sum(_local_bytes(lowered, i) for i in range(1, len(specs)))
+    weights = sum(_local_bytes(lowered, i) for i in range(1, len(lowered.input_shardings)))
     figures = {"weights": weights, "arguments": memory.arguments, "peak": memory.peak}
     for kind in KINDS:
         figures[kind] = sum(c.bytes for c in lowered.collectives() if c.kind == kind)

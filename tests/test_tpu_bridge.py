@@ -60,6 +60,23 @@ def test_hlo_has_every_sharding_of_the_lowered_program():
     assert hlo.count(" dot(") == 2
 
 
+def test_operand_reshards_are_annotated_on_the_edge():
+    """w's contracting dim is split over data, x's over model: the partitioner reshards
+    w to P("model") for the dot; the HLO reads w through a sharding of that layout, so
+    XLA's partitioner reshards where gspmd-tf did."""
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    low = gt.lower(lambda x, w: x @ w, mesh, (P("data", "model"), P("model", "data")),
+                   args=[tf.TensorSpec((16, 32)), tf.TensorSpec((32, 64))])
+    resharded = gt.Sharding.from_spec(mesh, P("model"), 2)
+    layouts = low.program.operand_layouts[low.graph.node_index("matmul")]
+    assert gt.Sharding.from_layout(mesh, layouts[1]) == resharded
+    assert str(resharded) in _sharding_calls(low.as_text("hlo"))
+    tensors_only = AnnotatedGraph(low, operand_shardings=False)
+    hlo = tf.function(tensors_only.emit, jit_compile=True).experimental_get_compiler_ir(
+        *[tf.TensorSpec((16, 32)), tf.TensorSpec((32, 64))])(stage="hlo")
+    assert str(resharded) not in _sharding_calls(hlo)
+
+
 def test_captured_variable_is_a_sharded_parameter(mesh):
     w2 = gt.Variable(np.ones((64, 32), np.float32), mesh, P("model"))
 

@@ -4,10 +4,13 @@ for XLA's SPMD partitioner behind TF's XLA bridge (TPUStrategy, jit_compile).
 Instead of the per-device SPMD program, the imported graph (global shapes) is emitted
 again as TF ops, and every tensor it makes is followed by an XlaSharding op carrying the
 sharding propagation chose for it (TF's own xla_sharding annotation: the serialized
-OpSharding of gt.Sharding.from_layout). Arguments that are placeholders of the graph being
-built also get the `_XlaSharding` attr, which TF's bridge turns into the HLO parameter's
-sharding. XLA's SPMD partitioner then partitions the program with our decisions, and XLA
-compiles it whole (see docs/INTERNALS.md, "TPU / XLA bridge").
+OpSharding of gt.Sharding.from_layout). Where the partitioner resharded an operand before
+an op (SpmdProgram.operand_layouts), the op reads it through a second XlaSharding op with
+that layout, so XLA's partitioner reshards where ours did instead of choosing its own
+strategy for the op. Arguments that are placeholders of the graph being built also get
+the `_XlaSharding` attr, which TF's bridge turns into the HLO parameter's sharding.
+XLA's SPMD partitioner then partitions the program with our decisions, and XLA compiles
+it whole (see docs/INTERNALS.md, "TPU / XLA bridge").
 """
 
 from __future__ import annotations
@@ -44,10 +47,13 @@ class AnnotatedGraph:
     `emit(*inputs)` (inside a tf.function or a TPUStrategy replica function) re-creates
     every op of the traced graph on `inputs` (the program's flat arguments, then its
     captured variables' handles, at global shapes) and returns the flat outputs.
+    With `operand_shardings=False` only the tensors are annotated, not the operand
+    reshards (XLA then picks each op's strategy; benchmarks compare the two).
     """
 
-    def __init__(self, lowered):
+    def __init__(self, lowered, operand_shardings=True):
         self.lowered = lowered
+        self.operand_shardings = operand_shardings
         graph = lowered.graph
         for node in graph.nodes:
             if node.regions:
@@ -81,6 +87,7 @@ class AnnotatedGraph:
                 f"inputs (arguments, then captured variables), got {len(inputs)}")
         bound = {ref.node: tf.convert_to_tensor(x) for ref, x in zip(graph.inputs, inputs)}
         values, op_of = [], []
+        resharded = {}  # (ref, sharding) -> the tensor annotated with it
         default_graph = ops.get_default_graph()
         for index, node in enumerate(graph.nodes):
             if index in bound:
@@ -90,13 +97,33 @@ class AnnotatedGraph:
                 attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
                 with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
                     op = default_graph._create_op_internal(
-                        node.op, [values[r.node][r.out] for r in node.inputs],
+                        node.op, self._operands(index, values, resharded),
                         dtypes=node.out_dtypes, attrs=attrs, name=_op_name(node.name))
                 op_of.append(op)
                 outs = [t if s is None else _annotate(t, s)
                         for t, s in zip(op.outputs, self._shardings[index])]
             values.append(outs)
         return [values[r.node][r.out] for r in graph.outputs]
+
+    def _operands(self, index, values, resharded):
+        """The inputs of node `index`, each in the layout the partitioner resharded it
+        to when that differs from its own (an XlaSharding op on the edge)."""
+        node = self.lowered.graph.nodes[index]
+        tensors = [values[r.node][r.out] for r in node.inputs]
+        layouts = self.lowered.program.operand_layouts.get(index)
+        if not self.operand_shardings or layouts is None:
+            return tensors
+        own = self.lowered.propagation.layouts
+        for k, (ref, layout) in enumerate(zip(node.inputs, layouts)):
+            if (tensors[k].dtype in _UNSHARDED_DTYPES or layout == own[ref.node][ref.out]
+                    or self.lowered.graph.nodes[ref.node].op == "Const"):
+                continue
+            sharding = Sharding.from_layout(self.lowered.mesh, layout)
+            key = (ref, sharding)
+            if key not in resharded:
+                resharded[key] = _annotate(tensors[k], sharding)
+            tensors[k] = resharded[key]
+        return tensors
 
     @staticmethod
     def _argument(tensor, sharding):
@@ -118,16 +145,16 @@ def argument_specs(lowered):
     return [tf.TensorSpec(graph.shape(r), graph.dtype(r)) for r in graph.inputs[:count]]
 
 
-def compiler_ir(lowered, stage="hlo"):
+def compiler_ir(lowered, stage="hlo", operand_shardings=True):
     """What TF's XLA bridge makes of the annotated graph of `lowered`, compiled for this
     host's XLA device (XLA_CPU_JIT here): `stage` as tf.function's
     experimental_get_compiler_ir takes it ("hlo", "hlo_serialized", "optimized_hlo", ...).
 
     Captured variables enter as zero-filled variables of their global shape on this
     host (TF's bridge refuses uninitialized ones), so that much memory is allocated
-    while it compiles; nothing runs."""
+    while it compiles; nothing runs. `operand_shardings` as AnnotatedGraph takes it."""
     graph = lowered.graph
-    annotated = AnnotatedGraph(lowered)
+    annotated = AnnotatedGraph(lowered, operand_shardings)
     specs = argument_specs(lowered)
     handles = [_stand_in_variable(graph, ref) for ref in graph.inputs[len(specs):]]
 
