@@ -15,13 +15,12 @@ it whole (see docs/INTERNALS.md, "TPU / XLA bridge").
 
 from __future__ import annotations
 
-import re
-
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 from tensorflow.python.framework import ops
 
+from gspmd_tf.backends.local import _safe_name
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.sharding import Sharding
 
@@ -33,12 +32,6 @@ def _annotate(tensor, sharding):
     """`tensor` followed by an XlaSharding op carrying `sharding` (a gt.Sharding)."""
     return xla_sharding.Sharding(proto=sharding.to_proto()).apply_to_tensor(
         tensor, use_sharding_op=True)
-
-
-def _op_name(name):
-    """`name` made into a valid TF op name (TF uniquifies repeats)."""
-    name = re.sub(r"[^A-Za-z0-9_.\-/]", "_", name).strip("/")
-    return name if re.match(r"[A-Za-z0-9.]", name) else "n" + name
 
 
 class AnnotatedGraph:
@@ -98,7 +91,7 @@ class AnnotatedGraph:
                 with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
                     op = default_graph._create_op_internal(
                         node.op, self._operands(index, values, resharded),
-                        dtypes=node.out_dtypes, attrs=attrs, name=_op_name(node.name))
+                        dtypes=node.out_dtypes, attrs=attrs, name=_safe_name(node.name))
                 op_of.append(op)
                 outs = [t if s is None else _annotate(t, s)
                         for t, s in zip(op.outputs, self._shardings[index])]
@@ -160,7 +153,7 @@ def compiler_ir(lowered, stage="hlo", operand_shardings=True):
 
     def program(*args):
         return annotated.emit(*args, *[v.handle for v in handles])
-    program.__name__ = _op_name(lowered.name or "program").replace("/", "_")
+    program.__name__ = _safe_name(lowered.name or "program").replace("/", "_")
     fn = tf.function(program, jit_compile=True, autograph=False)
     return fn.experimental_get_compiler_ir(*specs)(stage=stage)
 
