@@ -60,6 +60,15 @@ def test_hlo_has_every_sharding_of_the_lowered_program():
     assert hlo.count(" dot(") == 2
 
 
+def test_hlo_on_an_abstract_mesh_of_2048_devices():
+    mesh = gt.Mesh.abstract((32, 64), ("data", "model"))
+    specs = [tf.TensorSpec((64, 128)), tf.TensorSpec((128, 256)), tf.TensorSpec((256, 128))]
+    low = gt.lower(_mlp, mesh, (P("data"), P(None, "model"), P("model")), args=specs)
+    params = _parameters(low.as_text("hlo"))
+    assert [params[i] for i in range(3)] == [str(s) for s in low.input_shardings]
+    assert low.input_shardings[1].tile_assignment.shape == (1, 64, 32)
+
+
 def test_operand_reshards_are_annotated_on_the_edge():
     """w's contracting dim is split over data, x's over model: the partitioner reshards
     w to P("model") for the dot; the HLO reads w through a sharding of that layout, so
