@@ -64,6 +64,17 @@ def case_conv_spatial(gt, tf, rng):
     return conv, values, (gt.P("data", "model"), None, None)
 
 
+def case_control_flow(gt, tf, rng):
+    """A while loop of x -> tanh(x @ w), then a cond on the sum; x split over data. gspmd-tf
+    runs control flow replicated; XLA's partitioner partitions the loop itself."""
+    def loop(x, w):
+        y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.tanh(y @ w)),
+                          (tf.constant(0), x))[1]
+        return tf.cond(tf.reduce_sum(y) > 0, lambda: y * 2.0, lambda: y - 1.0)
+    values = [rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (8, 8))]
+    return loop, values, (gt.P("data"), None)
+
+
 def case_transformer(gt, tf, rng):
     """The demo's 2-layer Transformer LM loss (embedding, attention, layer norm, MLP,
     cross entropy), Megatron annotations."""

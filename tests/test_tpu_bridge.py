@@ -98,15 +98,18 @@ def test_captured_variable_is_a_sharded_parameter(mesh):
     assert len(params) == 3
 
 
-def test_control_flow_is_refused_by_name():
+def test_control_flow_bodies_become_functions_of_the_hlo():
     mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
 
     def f(x):
         return tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, y * 2.0),
                              (tf.constant(0), x))[1]
     low = gt.lower(f, mesh, (P("data"),), args=[tf.TensorSpec((8, 4))])
-    with pytest.raises(gt.ShardingError, match="control flow .* annotated graph"):
-        low.as_text("hlo")
+    hlo = low.as_text("hlo")
+    assert hlo.count(" while(") == 1
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    got = tf.function(AnnotatedGraph(low).emit, autograph=False)(x)[0]
+    np.testing.assert_array_equal(got.numpy(), x * 8)
 
 
 def test_unknown_dialect():
@@ -131,8 +134,9 @@ def test_annotated_graph_computes_the_function():
 @pytest.mark.skipif(not os.path.exists(JAX_PYTHON),
                     reason=f"needs JAX's XLA at {JAX_PYTHON} (GSPMD_TF_JAX_PYTHON)")
 def test_xla_spmd_partitioner_runs_the_hlo(tmp_path):
-    """matmul data and model parallel, a spatially split conv, a 2-layer Transformer:
-    values equal single device, XLA's collective bytes <= gspmd-tf's."""
+    """matmul data and model parallel, a spatially split conv, a while loop and a cond,
+    a 2-layer Transformer: values equal single device, XLA's collective bytes <=
+    gspmd-tf's."""
     for name in CASES:
         write_case(name, str(tmp_path))
     run = subprocess.run([JAX_PYTHON, os.path.join(BENCHMARKS, "xla_spmd_check.py"),

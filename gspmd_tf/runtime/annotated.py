@@ -20,7 +20,7 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 from tensorflow.python.framework import ops
 
-from gspmd_tf.backends.local import _safe_name
+from gspmd_tf.backends.local import _region_op, _safe_name
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.sharding import Sharding
 
@@ -48,12 +48,6 @@ class AnnotatedGraph:
         self.lowered = lowered
         self.operand_shardings = operand_shardings
         graph = lowered.graph
-        for node in graph.nodes:
-            if node.regions:
-                raise ShardingError(
-                    f"{node.op} {node.name!r}: control flow is not yet emitted into the "
-                    "annotated graph for TF's XLA bridge; run it with gt.function's local "
-                    "backend")
         self._shardings = [[self._sharding_of(i, k, dtype) for k, dtype in
                             enumerate(node.out_dtypes)]
                            for i, node in enumerate(graph.nodes)]
@@ -87,11 +81,18 @@ class AnnotatedGraph:
                 outs = [self._argument(bound[index], self._shardings[index][0])]
                 op_of.append(bound[index].op)
             else:
-                attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
+                operands = self._operands(index, values, resharded)
                 with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
-                    op = default_graph._create_op_internal(
-                        node.op, self._operands(index, values, resharded),
-                        dtypes=node.out_dtypes, attrs=attrs, name=_safe_name(node.name))
+                    if node.regions:
+                        # bodies as TF functions, as the local backend builds them (no
+                        # device): XLA propagates the shardings into them
+                        op = _region_op(node, [None])(0, [[t] for t in operands])
+                    else:
+                        attrs = {k: v for k, v in node.attrs.items()
+                                 if not k.startswith("_")}
+                        op = default_graph._create_op_internal(
+                            node.op, operands, dtypes=node.out_dtypes, attrs=attrs,
+                            name=_safe_name(node.name))
                 op_of.append(op)
                 outs = [t if s is None else _annotate(t, s)
                         for t, s in zip(op.outputs, self._shardings[index])]
