@@ -67,29 +67,50 @@ def test_captured_variables_are_refused(mesh):
         _system().program(low)
 
 
-# run in its own process: train_step's absl flags clash with other benchmark modules
-# that tests import (fuzz defines --batch too)
-_TRAIN_STEP_ON_DEFAULT_STRATEGY = """
+# each runs in its own process: the scripts' absl flags clash with each other and with
+# other benchmark modules that tests import (fuzz defines --batch too)
+_ON_DEFAULT_STRATEGY = """
 import gspmd_tf as gt
 import tensorflow as tf
 from absl import flags
 from gspmd_tf import tpu
-import train_step
-flags.FLAGS(["train_step", "--layers=2", "--batch=4", "--seq=8", "--d_model=16",
-             "--d_ff=32", "--steps=2", "--warmup=1"])
-train_step.run_on_tpu(gt, tpu.TPUSystem(tf.distribute.get_strategy(), 8), (2, 4))
+import {script}
+flags.FLAGS(["{script}"] + {argv!r})
+system = tpu.TPUSystem(tf.distribute.get_strategy(), 8)
+{call}
 """
+
+
+def _run_on_default_strategy(script, argv, call):
+    """The last table row `call` prints, run in a fresh process with a TPUSystem on TF's
+    default strategy (the TPU program's code path, on CPU)."""
+    code = _ON_DEFAULT_STRATEGY.format(script=script, argv=argv, call=call)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=BENCHMARKS,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                             [os.path.dirname(BENCHMARKS), BENCHMARKS])))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.strip().splitlines()[-1]
 
 
 def test_train_step_tpu_path_matches_single_device():
     """benchmarks/train_step.py's --tpu body (functional SGD step lowered for the TPU
-    mesh, run as the TPU program) on TF's default strategy: its loss after the steps is
-    single-device TF's."""
-    run = subprocess.run([sys.executable, "-c", _TRAIN_STEP_ON_DEFAULT_STRATEGY],
-                         capture_output=True, text=True, timeout=120, cwd=BENCHMARKS,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                             [os.path.dirname(BENCHMARKS), BENCHMARKS])))
-    assert run.returncode == 0, run.stderr[-3000:]
-    row = run.stdout.strip().splitlines()[-1]
-    rel = float(row.rstrip(" |").rsplit("|", 1)[1])
-    assert rel <= 1e-5, run.stdout
+    mesh, run as the TPU program): its loss after the steps is single-device TF's."""
+    row = _run_on_default_strategy(
+        "train_step", ["--layers=2", "--batch=4", "--seq=8", "--d_model=16", "--d_ff=32",
+                       "--steps=2", "--warmup=1"],
+        "train_step.run_on_tpu(gt, system, (2, 4))")
+    assert float(row.rstrip(" |").rsplit("|", 1)[1]) <= 1e-5, row
+
+
+def test_step_time_tpu_path_matches_single_device():
+    """benchmarks/step_time.py's --tpu body: the demo LM's loss equals the host's."""
+    row = _run_on_default_strategy(
+        "step_time", ["--layers=1", "--d_model=16", "--heads=2", "--d_ff=32", "--vocab=32",
+                      "--seq=8", "--batch=4", "--repeats=1", "--warmup=0"],
+        "from gspmd_tf import demo\n"
+        "cfg = demo.ModelConfig(layers=1, d_model=16, heads=2, d_ff=32, vocab=32, seq=8, "
+        "batch=4)\n"
+        "step_time.run_on_tpu(gt, tf, system, [(2, 4)], cfg, demo.make_loss_fn(cfg), "
+        "[demo.make_batch(cfg)] + demo.init_params(cfg))")
+    assert float(row.rstrip(" |").rsplit("|", 1)[1]) <= 1e-5, row
