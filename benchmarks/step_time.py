@@ -1,6 +1,7 @@
 """Forward step time of the demo Transformer: gspmd-tf on a mesh vs single-device TF.
 
     .venv/bin/python benchmarks/step_time.py --meshes=2,4 --repeats=30
+    python benchmarks/step_time.py --tpu=local --meshes=2,4     # on a Cloud TPU VM (v3-8)
 
 The model is gspmd_tf.demo's (make_loss_fn), annotated as the demo annotates it. For each
 mesh of --meshes (';'-separated shapes, axes data,model) it builds the gt.function, places
@@ -14,6 +15,11 @@ partitioned loss's relative difference from the single-device loss.
 The logical CPU devices of a mesh share the host's cores (see the machine line): on a
 2-core host, 8 logical devices cannot beat one device; the ratio measures gspmd-tf's
 overhead (smaller local ops, collectives, per-device dispatch), not a speed-up.
+
+With --tpu (benchmarks/tpu_flag.py) each mesh must have as many devices as the TPU has
+cores: the annotated global graph runs under TPUStrategy, compiled by TF's XLA bridge,
+and the table gives its step time and its loss beside the single-device loss on the host
+CPU.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gspmd_tf import demo  # noqa: E402  (no TF import at module level)
+import tpu_flag  # noqa: E402  (defines --tpu)
 
 MESHES = flags.DEFINE_string("meshes", "2,4", "';'-separated mesh shapes data,model, "
                              "e.g. '2,4;1,8;8,1'")
@@ -49,8 +56,10 @@ BATCH = flags.DEFINE_integer("batch", _D.batch, "batch size")
 def main(argv):
     del argv
     meshes = [tuple(int(x) for x in m.split(",")) for m in MESHES.value.split(";") if m]
+    tpu = tpu_flag.connect()  # before any other TF work
     import gspmd_tf as gt
-    gt.configure_cpu_devices(max(int(np.prod(m)) for m in meshes))
+    if tpu is None:
+        gt.configure_cpu_devices(max(int(np.prod(m)) for m in meshes))
     import tensorflow as tf
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
 
@@ -61,6 +70,8 @@ def main(argv):
     params = demo.init_params(cfg)
     tokens = demo.make_batch(cfg)
     values = [tokens] + params
+    if tpu is not None:
+        return run_on_tpu(gt, tf, tpu, meshes, cfg, loss_fn, values)
 
     print("# forward step time: gspmd-tf vs single-device TF (same process, alternating)\n")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, TF {tf.__version__}, "
@@ -97,6 +108,28 @@ def main(argv):
               f"| {min(times[0]) * 1e3:.2f} | {t1 * 1e3:.2f} | {min(times[1]) * 1e3:.2f} "
               f"| {ts / t1:.2f} | {rel:.1e} |", flush=True)
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")
+
+
+def run_on_tpu(gt, tf, tpu, meshes, cfg, loss_fn, values):
+    """The --tpu table: per mesh, the TPU program's step time and loss."""
+    with tf.device("/CPU:0"):
+        reference = float(tf.function(loss_fn, autograph=False)(*values).numpy())
+    print(f"# forward step time on TPU {tpu_flag.TPU.value} ({tpu.num_cores} cores, "
+          f"TPUStrategy + XLA SPMD), TF {tf.__version__}; model {cfg}; "
+          f"{WARMUP.value} warm-up + {REPEATS.value} timed steps\n")
+    print("| mesh | cores | TPU median ms | min ms | loss rel. diff vs host CPU |")
+    print("|---|---:|---:|---:|---:|")
+    for shape in meshes:
+        lowered = gt.lower(loss_fn, tpu.mesh(shape, demo.AXES), demo.in_specs(cfg),
+                           args=demo.input_specs(cfg))
+        run = tpu.program(lowered)
+        args = [tf.constant(v) for v in values]
+
+        def step(_):
+            return float(run(*args)[0].numpy())
+        times, loss = tpu_flag.time_steps(step, None, REPEATS.value, WARMUP.value)
+        print(f"| {shape[0]}x{shape[1]} | {tpu.num_cores} | {tpu_flag.summary(times)} "
+              f"| {abs(loss - reference) / abs(reference):.1e} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/train_step.py --layers=4 --batch=16 --seq=128 \
         --d_model=512 --d_ff=2048 --mesh=2,4 --steps=10 --warmup=3
+    python benchmarks/train_step.py --tpu=local --mesh=2,4    # on a Cloud TPU VM (v3-8)
 
 The model is a stack of Transformer feed-forward blocks,
     x -> relu(x @ W1 + b1) @ W2 + b2 + x        (per layer)
@@ -44,6 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
+import tpu_flag  # noqa: E402  (defines --tpu)
+
 LAYERS = flags.DEFINE_integer("layers", 4, "feed-forward blocks")
 BATCH = flags.DEFINE_integer("batch", 16, "batch size")
 SEQ = flags.DEFINE_integer("seq", 128, "sequence length")
@@ -79,15 +82,34 @@ def make_step(tf, variables, lr):
 
     def step(x, target):
         with tf.GradientTape() as tape:
-            h = x
-            for layer in variables:
-                hidden = tf.nn.relu(tf.einsum("bsd,df->bsf", h, layer["w1"]) + layer["b1"])
-                h = tf.einsum("bsf,fd->bsd", hidden, layer["w2"]) + layer["b2"] + h
-            loss = tf.reduce_mean(tf.square(h - target))
+            loss = ffn_loss(tf, x, target, variables)
         grads = tape.gradient(loss, flat)
         for v, g in zip(flat, grads):
             v.assign_sub(lr * g)
         return loss
+    return step
+
+
+def ffn_loss(tf, x, target, layers):
+    """The model's loss; `layers`: one dict of 4 weights (variables or tensors) per layer."""
+    h = x
+    for layer in layers:
+        hidden = tf.nn.relu(tf.einsum("bsd,df->bsf", h, layer["w1"]) + layer["b1"])
+        h = tf.einsum("bsf,fd->bsd", hidden, layer["w2"]) + layer["b2"] + h
+    return tf.reduce_mean(tf.square(h - target))
+
+
+def make_functional_step(tf, layers, lr):
+    """The same SGD step with the weights as arguments and results, for --tpu:
+    step(x, target, *weights) -> (loss, *new weights), weights in NAMES order per layer."""
+    def step(x, target, *weights):
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            loss = ffn_loss(tf, x, target, [dict(zip(NAMES, weights[i:i + len(NAMES)]))
+                                            for i in range(0, layers * len(NAMES),
+                                                           len(NAMES))])
+        grads = tape.gradient(loss, weights)
+        return (loss,) + tuple(w - lr * g for w, g in zip(weights, grads))
     return step
 
 
@@ -109,7 +131,10 @@ def main(argv):
     shape = tuple(int(x) for x in MESH.value.split(","))
     n_dev = int(np.prod(shape))
     systems = [s for s in SYSTEMS.value.split(",") if s]
+    tpu = tpu_flag.connect()  # before any other TF work
     import gspmd_tf as gt
+    if tpu is not None:
+        return run_on_tpu(gt, tpu, shape)
     gt.configure_cpu_devices(n_dev)
     import tensorflow as tf
     from absl import logging as absl_logging
@@ -247,6 +272,47 @@ def main(argv):
                       f"{abs(losses[s] - losses['single']) / abs(losses['single']):.1e}; "
                       f"layer-0 W1 rel. diff {rel(weights[s], weights['single']):.1e}")
     print(f"\nload average at end {os.getloadavg()[0]:.2f}")
+
+
+def run_on_tpu(gt, tpu, shape):
+    """--tpu: the functional SGD step (weights in, weights out) as the annotated global
+    graph under TPUStrategy; its step time, and its loss after warmup + steps steps beside
+    single-device TF's on the host CPU after as many."""
+    import tensorflow as tf
+    P = gt.P
+    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model"), "b2": P()}
+    rng = np.random.default_rng(0)
+    d, f = D_MODEL.value, D_FF.value
+    values = init_values(rng, LAYERS.value, d, f)
+    x = rng.standard_normal((BATCH.value, SEQ.value, d)).astype(np.float32)
+    target = rng.standard_normal((BATCH.value, SEQ.value, d)).astype(np.float32)
+    weights = [layer[n] for layer in values for n in NAMES]
+    step_fn = make_functional_step(tf, LAYERS.value, LR.value)
+    lowered = gt.lower(step_fn, tpu.mesh(shape, AXES),
+                       (P("data"), P("data")) + tuple(specs[n] for _ in values for n in NAMES),
+                       args=[tf.TensorSpec(v.shape, tf.float32) for v in [x, target] + weights])
+    run = tpu.program(lowered)
+    tx, tt = tf.constant(x), tf.constant(target)
+
+    def step(state):
+        outs = run(tx, tt, *state[1])
+        return float(outs[0].numpy()), list(outs[1:])
+    times, (loss, _) = tpu_flag.time_steps(step, (None, [tf.constant(w) for w in weights]),
+                                           STEPS.value, WARMUP.value)
+    with tf.device("/CPU:0"):
+        svars = [{n: tf.Variable(layer[n]) for n in NAMES} for layer in values]
+        single = tf.function(make_step(tf, svars, LR.value), autograph=False)
+        for _ in range(WARMUP.value + STEPS.value - 1):
+            single(tx, tt)
+        reference = float(single(tx, tt).numpy())
+    print(f"# training step on TPU {tpu_flag.TPU.value} ({tpu.num_cores} cores, "
+          f"TPUStrategy + XLA SPMD), TF {tf.__version__}; layers={LAYERS.value} "
+          f"batch={BATCH.value} seq={SEQ.value} d_model={d} d_ff={f} mesh={shape}\n")
+    print("| mesh | TPU median step ms | min ms | loss after the steps | single-device "
+          "(host CPU) loss | rel. diff |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| {shape[0]}x{shape[1]} | {tpu_flag.summary(times)} | {loss:.6f} "
+          f"| {reference:.6f} | {abs(loss - reference) / abs(reference):.1e} |")
 
 
 LABEL = {"gspmd": "gspmd-tf (gt.Variable + gt.function)",

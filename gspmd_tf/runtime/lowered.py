@@ -129,6 +129,17 @@ class Lowered:
         from gspmd_tf.runtime.memory import program_memory
         return program_memory(self)
 
+    def as_text(self, dialect="hlo"):
+        """The program as TF's XLA bridge compiles it: "hlo" gives the HLO module of the
+        annotated global graph (the traced ops at global shapes, every tensor carrying
+        its sharding as an XlaSharding annotation, for XLA's SPMD partitioner; what
+        TPUStrategy compiles), made by tf.function(jit_compile=True) for this host's XLA
+        device (XLA_CPU_JIT without accelerators). Nothing runs; abstract meshes work."""
+        if dialect != "hlo":
+            raise ShardingError(f"as_text({dialect!r}): the only dialect is 'hlo'")
+        from gspmd_tf.runtime.annotated import compiler_ir
+        return compiler_ir(self, stage="hlo")
+
     def report(self, format="text", path=None):
         """A readable table: every tensor's sharding, then the collectives and bytes.
 

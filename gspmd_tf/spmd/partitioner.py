@@ -12,7 +12,7 @@ partitioned: operands gathered, the op and its bodies whole on every device.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
@@ -38,12 +38,16 @@ PROGRESS_EVERY = 10_000  # ops between two progress lines (log level INFO)
 @dataclass
 class SpmdProgram:
     """The partitioned program (dead code eliminated, small independent all-reduces
-    combined) with its input/output layouts."""
+    combined) with its input/output layouts. `operand_layouts` maps the index of each
+    op of the traced graph partitioned by its rule to the layouts its operands were
+    resharded to (the annotated global graph for XLA carries them, see
+    runtime/annotated.py)."""
 
     graph: object
     input_layouts: list
     output_layouts: list
     replicated_ops: list
+    operand_layouts: dict = field(default_factory=dict)
 
 
 class OpContext:
@@ -51,6 +55,7 @@ class OpContext:
 
     def __init__(self, partitioner, index, rule, targets):
         self.p = partitioner
+        self.index = index
         self.b = partitioner.b
         self.mesh = partitioner.b.mesh
         self.graph = partitioner.graph
@@ -262,6 +267,7 @@ class Partitioner:
         self._rule_keys = {}
         self._local_shapes = {}
         self.replicated_ops = []
+        self.operand_layouts = {}
 
     def decide(self, rule, inputs, targets, node):
         """The Decision for an op with `rule`, operands `inputs` (Locals) and result
@@ -334,7 +340,8 @@ class Partitioner:
             b.graph.outputs.append(local.ref)
         return SpmdProgram(combine_all_reduces(eliminate_dead_code(b.graph)),
                            [self.values[r].layout for r in graph.inputs],
-                           [o.layout for o in outputs], self.replicated_ops)
+                           [o.layout for o in outputs], self.replicated_ops,
+                           self.operand_layouts)
 
     def _warn_replicated(self):
         """One warning per op type that ran replicated, with the count and the names (an
@@ -364,6 +371,7 @@ class Partitioner:
         layouts = ctx.result_layouts()
         refs = emit(ctx, ctx.operands(), layouts)
         node = ctx.node
+        self.operand_layouts[ctx.index] = ctx.decision.operand_layouts
         # a handler that combines partial results itself returns Locals
         return [ref if isinstance(ref, Local) else Local(ref, layout, shape, dtype)
                 for ref, layout, shape, dtype

@@ -1,0 +1,163 @@
+"""Programs for checking the annotated global graph through XLA's SPMD partitioner.
+
+    .venv/bin/python benchmarks/bridge_cases.py --out=/tmp/bridge \
+        --scale_configs=128B-8x16,1T-16x32
+    /work/jaxref/bin/python benchmarks/xla_spmd_check.py --cases=/tmp/bridge
+
+The first command (TensorFlow, no JAX) lowers each case with gspmd-tf on a 2x4
+("data", "model") mesh and writes, per case, into --out:
+  NAME.hlo.pb   the HloModuleProto TF's XLA bridge makes of the annotated global graph
+                (gt.Lowered.as_text("hlo") is its text), parameters carrying shardings
+  NAME.npz      the inputs (in0, in1, ...) and the single-device TF outputs (out0, ...)
+  NAME.json     input and output shardings (XLA text), the device count and gspmd-tf's
+                own collectives (kind, bytes of one device's operand)
+--scale_configs adds one layer of benchmarks/transformer_scale.py's training step at a
+configuration's real shapes and mesh (HLO and JSON only: checked for bytes, not values),
+twice: as gt.Lowered.as_text("hlo") makes it (tensors and the partitioner's operand
+reshards annotated) and with the tensors' shardings only (NAME_tensors_only).
+The second (JAX's XLA, test-only) compiles each module for 8 partitions with XLA's SPMD
+partitioner, runs it on 8 XLA CPU devices, and compares values and collective bytes.
+tests/test_tpu_bridge.py runs both on a temporary directory when /work/jaxref exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+MESH_SHAPE, AXES = (2, 4), ("data", "model")
+
+
+def _mlp(tf, rng):
+    def mlp(x, w1, w2):
+        return tf.nn.relu(x @ w1) @ w2
+    return mlp, [rng.standard_normal(s).astype(np.float32) for s in
+                 ((16, 32), (32, 64), (64, 32))]
+
+
+def case_matmul_data(gt, tf, rng):
+    """Data parallel MLP: batch split over both axes, weights replicated."""
+    fn, values = _mlp(tf, rng)
+    return fn, values, (gt.P(("data", "model")), None, None)
+
+
+def case_matmul_model(gt, tf, rng):
+    """Megatron MLP: batch over data, W1 columns and W2 rows over model."""
+    fn, values = _mlp(tf, rng)
+    return fn, values, (gt.P("data"), gt.P(None, "model"), gt.P("model"))
+
+
+def case_conv_spatial(gt, tf, rng):
+    """3x3 SAME conv, then 3x3 VALID conv with stride 1, image height split over model
+    (halo exchange), batch over data."""
+    def conv(x, k1, k2):
+        y = tf.nn.relu(tf.nn.conv2d(x, k1, 1, "SAME"))
+        return tf.nn.conv2d(y, k2, 1, "SAME")
+    values = [rng.standard_normal(s).astype(np.float32) for s in
+              ((2, 32, 16, 4), (3, 3, 4, 8), (3, 3, 8, 4))]
+    return conv, values, (gt.P("data", "model"), None, None)
+
+
+def case_control_flow(gt, tf, rng):
+    """A while loop of x -> tanh(x @ w), then a cond on the sum; x split over data. gspmd-tf
+    runs control flow replicated; XLA's partitioner partitions the loop itself."""
+    def loop(x, w):
+        y = tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, tf.tanh(y @ w)),
+                          (tf.constant(0), x))[1]
+        return tf.cond(tf.reduce_sum(y) > 0, lambda: y * 2.0, lambda: y - 1.0)
+    values = [rng.standard_normal(s).astype(np.float32) for s in ((16, 8), (8, 8))]
+    return loop, values, (gt.P("data"), None)
+
+
+def case_transformer(gt, tf, rng):
+    """The demo's 2-layer Transformer LM loss (embedding, attention, layer norm, MLP,
+    cross entropy), Megatron annotations."""
+    del rng
+    from gspmd_tf import demo
+    cfg = demo.ModelConfig(layers=2, d_model=32, heads=4, d_ff=64, vocab=64, seq=16,
+                           batch=8)
+    values = [demo.make_batch(cfg)] + demo.init_params(cfg)
+    return demo.make_loss_fn(cfg), values, tuple(demo.in_specs(cfg))
+
+
+CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items())
+         if name.startswith("case_")}
+
+
+def write_case(name, out_dir):
+    """Lowers case `name`, writes its three files into `out_dir`; returns the Lowered."""
+    import gspmd_tf as gt
+    import tensorflow as tf
+    fn, values, specs = CASES[name](gt, tf, np.random.default_rng(0))
+    mesh = gt.Mesh.abstract(MESH_SHAPE, AXES)
+    lowered = gt.lower(fn, mesh, specs, args=[tf.TensorSpec(v.shape, v.dtype)
+                                              for v in values])
+    with tf.device("/CPU:0"):
+        expected = tf.nest.flatten(tf.function(fn, autograph=False)(*values))
+    arrays = {f"in{i}": v for i, v in enumerate(values)}
+    arrays.update({f"out{j}": t.numpy() for j, t in enumerate(expected)})
+    np.savez(os.path.join(out_dir, f"{name}.npz"), **arrays)
+    _write_program(lowered, name, out_dir)
+    return lowered
+
+
+def write_scale_case(config, out_dir, layers=1):
+    """benchmarks/transformer_scale.py's training step for `config` with `layers` layers
+    at its real shapes on its mesh: the HLO and shardings only (no values: the check
+    compiles it and compares collective bytes). Returns the Lowered."""
+    import gspmd_tf as gt
+    import tensorflow as tf
+    import transformer_scale
+    lowered = transformer_scale.lower_step(gt, tf, transformer_scale.CONFIGS[config], layers)
+    name = f"scale_{config}_{layers}layer"
+    _write_program(lowered, name, out_dir)
+    # the same with tensor shardings only: XLA chooses how to partition each op
+    _write_program(lowered, name + "_tensors_only", out_dir, operand_shardings=False)
+    return lowered
+
+
+def _write_program(lowered, name, out_dir, operand_shardings=True):
+    """NAME.hlo.pb (the bridge's HloModuleProto) and NAME.json (shardings, device count,
+    gspmd-tf's collectives)."""
+    from gspmd_tf.runtime.annotated import compiler_ir
+    with open(os.path.join(out_dir, f"{name}.hlo.pb"), "wb") as f:
+        f.write(compiler_ir(lowered, "hlo_serialized", operand_shardings))
+    meta = {"num_devices": lowered.mesh.size,
+            "input_shardings": [str(s) for s in lowered.input_shardings],
+            "output_shardings": [str(s) for s in lowered.output_shardings],
+            "gt_collectives": [[c.kind, c.bytes] for c in lowered.collectives()]}
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def main(argv):
+    del argv
+    import logging
+    from absl import flags
+    logging.getLogger("gspmd_tf").setLevel(logging.WARNING)
+    out = flags.FLAGS.out
+    os.makedirs(out, exist_ok=True)
+    names = list(CASES) if flags.FLAGS.case == "all" else flags.FLAGS.case.split(",")
+    written = [(name, write_case(name, out)) for name in names if name]
+    written += [(f"scale_{c}", write_scale_case(c, out)) for c in
+                flags.FLAGS.scale_configs.split(",") if c]
+    for name, lowered in written:
+        total = sum(c.bytes for c in lowered.collectives())
+        print(f"{name}: {len(lowered.collectives())} gspmd-tf collectives, {total} bytes "
+              f"per device -> {out}")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    flags.DEFINE_string("out", "/tmp/bridge", "directory for the case files")
+    flags.DEFINE_string("case", "all", "comma-separated case names, or 'all': "
+                        + ", ".join(CASES))
+    flags.DEFINE_string("scale_configs", "", "also write one layer of these "
+                        "transformer_scale.py configs (HLO only, checked for bytes)")
+    app.run(main)

@@ -1,0 +1,173 @@
+"""The annotated global graph: the traced program with gspmd-tf's shardings on every tensor,
+for XLA's SPMD partitioner behind TF's XLA bridge (TPUStrategy, jit_compile).
+
+Instead of the per-device SPMD program, the imported graph (global shapes) is emitted
+again as TF ops, and every tensor it makes is followed by an XlaSharding op carrying the
+sharding propagation chose for it (TF's own xla_sharding annotation: the serialized
+OpSharding of gt.Sharding.from_layout). Where the partitioner resharded an operand before
+an op (SpmdProgram.operand_layouts), the op reads it through a second XlaSharding op with
+that layout, so XLA's partitioner reshards where ours did instead of choosing its own
+strategy for the op. Arguments that are placeholders of the graph being built also get
+the `_XlaSharding` attr, which TF's bridge turns into the HLO parameter's sharding.
+XLA's SPMD partitioner then partitions the program with our decisions, and XLA compiles
+it whole (see docs/INTERNALS.md, "TPU / XLA bridge").
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.compiler.xla.experimental import xla_sharding
+from tensorflow.python.framework import ops
+
+from gspmd_tf.backends.local import _region_op, _safe_name
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.sharding import Sharding
+
+# Tensors that carry no array for XLA to split.
+_UNSHARDED_DTYPES = (tf.resource, tf.variant)
+
+
+def _annotate(tensor, sharding):
+    """`tensor` followed by an XlaSharding op carrying `sharding` (a gt.Sharding)."""
+    return xla_sharding.Sharding(proto=sharding.to_proto()).apply_to_tensor(
+        tensor, use_sharding_op=True)
+
+
+class AnnotatedGraph:
+    """Emits a lowered program's global graph with its shardings as XlaSharding ops.
+
+    `emit(*inputs)` (inside a tf.function or a TPUStrategy replica function) re-creates
+    every op of the traced graph on `inputs` (the program's flat arguments, then its
+    captured variables' handles, at global shapes) and returns the flat outputs.
+    With `operand_shardings=False` only the tensors are annotated, not the operand
+    reshards (XLA then picks each op's strategy; benchmarks compare the two).
+    """
+
+    def __init__(self, lowered, operand_shardings=True):
+        self.lowered = lowered
+        self.operand_shardings = operand_shardings
+        graph = lowered.graph
+        self._shardings = [[self._sharding_of(i, k, dtype) for k, dtype in
+                            enumerate(node.out_dtypes)]
+                           for i, node in enumerate(graph.nodes)]
+
+    def _sharding_of(self, index, out, dtype):
+        """The sharding annotated on output `out` of node `index`, None for none (handles,
+        and constants, which XLA folds and partitions from their users)."""
+        graph = self.lowered.graph
+        node = graph.nodes[index]
+        # a captured variable's handle: the layout of the value it holds, placed on the
+        # argument only (the bridge makes it the parameter's sharding)
+        variable = dtype == tf.resource and "var_shape" in node.params
+        if (dtype in _UNSHARDED_DTYPES and not variable) or node.op == "Const":
+            return None
+        layout = self.lowered.propagation.layouts[index][out]
+        return Sharding.from_layout(self.lowered.mesh, layout)
+
+    def emit(self, *inputs):
+        """The program's flat outputs, computed by TF ops on the global `inputs`."""
+        graph = self.lowered.graph
+        if len(inputs) != len(graph.inputs):
+            raise ShardingError(
+                f"the annotated graph of {self.lowered.name} takes {len(graph.inputs)} "
+                f"inputs (arguments, then captured variables), got {len(inputs)}")
+        bound = {ref.node: tf.convert_to_tensor(x) for ref, x in zip(graph.inputs, inputs)}
+        values, op_of = [], []
+        resharded = {}  # (ref, sharding) -> the tensor annotated with it
+        default_graph = ops.get_default_graph()
+        for index, node in enumerate(graph.nodes):
+            if index in bound:
+                outs = [self._argument(bound[index], self._shardings[index][0])]
+                op_of.append(bound[index].op)
+            else:
+                operands = self._operands(index, values, resharded)
+                with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
+                    if node.regions:
+                        # bodies as TF functions, as the local backend builds them (no
+                        # device): XLA propagates the shardings into them
+                        op = _region_op(node, [None])(0, [[t] for t in operands])
+                    else:
+                        attrs = {k: v for k, v in node.attrs.items()
+                                 if not k.startswith("_")}
+                        op = default_graph._create_op_internal(
+                            node.op, operands, dtypes=node.out_dtypes, attrs=attrs,
+                            name=_safe_name(node.name))
+                op_of.append(op)
+                outs = [t if s is None else _annotate(t, s)
+                        for t, s in zip(op.outputs, self._shardings[index])]
+            values.append(outs)
+        return [values[r.node][r.out] for r in graph.outputs]
+
+    def _operands(self, index, values, resharded):
+        """The inputs of node `index`, each in the layout the partitioner resharded it
+        to when that differs from its own (an XlaSharding op on the edge)."""
+        node = self.lowered.graph.nodes[index]
+        tensors = [values[r.node][r.out] for r in node.inputs]
+        layouts = self.lowered.program.operand_layouts.get(index)
+        if not self.operand_shardings or layouts is None:
+            return tensors
+        own = self.lowered.propagation.layouts
+        for k, (ref, layout) in enumerate(zip(node.inputs, layouts)):
+            if (tensors[k].dtype in _UNSHARDED_DTYPES or layout == own[ref.node][ref.out]
+                    or self.lowered.graph.nodes[ref.node].op == "Const"):
+                continue
+            sharding = Sharding.from_layout(self.lowered.mesh, layout)
+            key = (ref, sharding)
+            if key not in resharded:
+                resharded[key] = _annotate(tensors[k], sharding)
+            tensors[k] = resharded[key]
+        return tensors
+
+    @staticmethod
+    def _argument(tensor, sharding):
+        """An input annotated: the `_XlaSharding` attr on a placeholder of the graph being
+        built (TF's bridge makes it the HLO parameter's sharding), and an XlaSharding op."""
+        if sharding is None:
+            return tensor
+        if tensor.op.type == "Placeholder" and tensor.graph is ops.get_default_graph():
+            tensor.op._set_attr("_XlaSharding", attr_value_pb2.AttrValue(
+                s=sharding.to_proto().SerializeToString()))
+        return tensor if tensor.dtype in _UNSHARDED_DTYPES else _annotate(tensor, sharding)
+
+
+def argument_specs(lowered):
+    """TensorSpecs of the program's flat arguments (not its captured variables) at their
+    global shapes."""
+    graph = lowered.graph
+    count = len(graph.inputs) - len(graph.captures)
+    return [tf.TensorSpec(graph.shape(r), graph.dtype(r)) for r in graph.inputs[:count]]
+
+
+def compiler_ir(lowered, stage="hlo", operand_shardings=True):
+    """What TF's XLA bridge makes of the annotated graph of `lowered`, compiled for this
+    host's XLA device (XLA_CPU_JIT here): `stage` as tf.function's
+    experimental_get_compiler_ir takes it ("hlo", "hlo_serialized", "optimized_hlo", ...).
+
+    Captured variables enter as zero-filled variables of their global shape on this
+    host (TF's bridge refuses uninitialized ones), so that much memory is allocated
+    while it compiles; nothing runs. `operand_shardings` as AnnotatedGraph takes it."""
+    graph = lowered.graph
+    annotated = AnnotatedGraph(lowered, operand_shardings)
+    specs = argument_specs(lowered)
+    handles = [_stand_in_variable(graph, ref) for ref in graph.inputs[len(specs):]]
+
+    def program(*args):
+        return annotated.emit(*args, *[v.handle for v in handles])
+    program.__name__ = _safe_name(lowered.name or "program").replace("/", "_")
+    fn = tf.function(program, jit_compile=True, autograph=False)
+    return fn.experimental_get_compiler_ir(*specs)(stage=stage)
+
+
+def _stand_in_variable(graph, ref):
+    """A zero-filled variable standing for the captured tensor `ref`: the captured
+    variable's global shape and dtype."""
+    node = graph.nodes[ref.node]
+    if graph.dtype(ref) != tf.resource:
+        raise ShardingError(
+            f"captured tensor {node.name!r} ({graph.dtype(ref).name}) is not a variable: "
+            "pass it to the function as an argument to compile it through TF's XLA bridge")
+    shape, dtype = node.params.get("var_shape"), node.params.get("var_dtype")
+    if shape is None or dtype is None:
+        raise ShardingError(f"captured variable {node.name!r} has no recorded shape/dtype")
+    return tf.Variable(tf.zeros(shape, dtype), trainable=False)
