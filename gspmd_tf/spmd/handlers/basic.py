@@ -168,6 +168,45 @@ def matmul(ctx, operands, layouts):
     return no_products(ctx, layouts)
 
 
+@op_family(["BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"], rules.batch_matmul)
+def batch_matmul(ctx, operands, layouts):
+    """Batch matmul: replayed, except that batch dims the kernel would broadcast are made
+    explicit. TF's oneDNN BatchMatMul corrupts the heap (wrong values, then SIGSEGV or
+    SIGABRT; single-device eager TF too, fine with TF_ENABLE_ONEDNN_OPTS=0) for some
+    in-kernel broadcasts: (3, 1, 6, 3) @ (3, 1) (fuzzer, seed 21 #7078). So an operand
+    whose batch dims are all 1 loses them (rank 2), the other's batch dims (broadcast to
+    the common batch shape if both have some) become one dim, and the result is
+    reshaped back: the same dot products without any broadcast in the kernel."""
+    refs = masked_refs(ctx, operands)
+    local = [x.layout.local_shape(ctx.mesh, x.shape) for x in operands]
+    rank = max(len(shape) for shape in local)
+    batches = [(1,) * (rank - len(shape)) + tuple(shape[:-2]) for shape in local]
+    if batches[0] == batches[1]:
+        return replay(ctx, operands, layouts, refs=refs)
+    b = ctx.b
+    batch = tuple(np.broadcast_shapes(*batches))
+    rows = int(np.prod(batch))
+    for k, (x, shape) in enumerate(zip(operands, local)):
+        matrix = tuple(shape[-2:])
+        if all(n == 1 for n in batches[k]):
+            flat = matrix
+        else:
+            if batches[k] != batch:
+                whole = batch + matrix
+                refs[k] = b.op("BroadcastTo", [refs[k], b.const(np.asarray(whole, np.int32))],
+                               whole, x.dtype, T=x.dtype, Tidx=tf.int32)
+            flat = (rows,) + matrix
+        refs[k] = b.op("Reshape", [refs[k], b.const(np.asarray(flat, np.int32))], flat,
+                       x.dtype, T=x.dtype, Tshape=tf.int32)
+    shape = local_shapes(ctx, layouts)[0]
+    dtype = ctx.node.out_dtypes[0]
+    # batches differ, so one operand has batch dims > 1 and is now rank 3
+    product = b.op(ctx.node.op, refs, (rows,) + tuple(shape[-2:]), dtype,
+                   **dict(ctx.node.attrs))
+    return [b.op("Reshape", [product, b.const(np.asarray(shape, np.int32))], shape, dtype,
+                 name=ctx.node.name, T=dtype, Tshape=tf.int32)]
+
+
 declare("Reshape", rules.reshape, emit=with_local_shape_input(1))
 declare("Fill", rules.source, emit=with_local_shape_input(0))
 declare(["BiasAdd", "BiasAddV1"], rules.bias_add, emit=bias_add)

@@ -1,0 +1,37 @@
+"""Regressions found by the second 10,000-program fuzzer run (seed 21) and the slices
+after it (benchmarks/RESULTS.md §6, "Analysis of the second run")."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gspmd_tf as gt
+
+P = gt.P
+
+
+@pytest.mark.parametrize("a_shape, b_shape, adj_x, adj_y, spec", [
+    ((3, 1, 6, 3), (3, 1), False, False, P()),          # seed 21 #7078
+    ((3, 1, 6, 8), (8, 4), False, False, P("x")),        # batch dim split
+    ((4, 1, 3, 6), (1, 4, 3), True, True, P(None, None, "z")),
+    ((3, 1, 6, 3), (1, 5, 3, 2), False, False, P("x")),  # both operands broadcast
+])
+def test_batch_matmul_broadcast_is_explicit(a_shape, b_shape, adj_x, adj_y, spec):
+    """TF's oneDNN BatchMatMul corrupts memory broadcasting (3, 1, 6, 3) @ (3, 1) (even
+    single-device eager TF), so the reference is numpy in float64 and gspmd-tf emits the
+    broadcast explicitly; every device's shard is checked."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(a_shape).astype(np.float32)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    mesh = gt.Mesh.create((2, 1, 4), ("x", "y", "z"))
+
+    def f(a, b):
+        return tf.linalg.matmul(a, b, adjoint_a=adj_x, adjoint_b=adj_y)
+
+    got = gt.function(f, mesh=mesh, in_shardings=(spec, P()), out_shardings=(P(),))(a, b)
+    a64 = np.swapaxes(a, -1, -2) if adj_x else a
+    b64 = np.swapaxes(b, -1, -2) if adj_y else b
+    want = np.matmul(a64.astype(np.float64), b64.astype(np.float64))
+    assert len(got.shards) == 8
+    for shard in got.shards:  # replicated: every device holds the whole product
+        np.testing.assert_allclose(np.asarray(shard), want, rtol=1e-5, atol=1e-5)
