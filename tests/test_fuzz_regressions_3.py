@@ -35,3 +35,20 @@ def test_batch_matmul_broadcast_is_explicit(a_shape, b_shape, adj_x, adj_y, spec
     assert len(got.shards) == 8
     for shard in got.shards:  # replicated: every device holds the whole product
         np.testing.assert_allclose(np.asarray(shard), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", [tf.math.sign, tf.math.floor, tf.nn.relu, tf.math.rint])
+@pytest.mark.parametrize("spec", [P(), P("x", None, "z")])
+def test_arg_max_of_tied_monotonic_op_is_the_first_index(op, spec):
+    """Grappler rewrites ArgMax(Sign(x)) to ArgMax(x) in any tf.function (seed 21 #165:
+    other indices where Sign ties); gspmd-tf gives the eager kernel's first index."""
+    p = np.random.default_rng(1000).standard_normal((4, 5, 4)).astype(np.float32) * 2
+    mesh = gt.Mesh.create((2, 1, 4), ("x", "y", "z"))
+
+    def f(p):
+        return [tf.argmax(op(p), axis=-2)]
+
+    want = [t.numpy() for t in f(tf.constant(p))]  # eager: TF's kernel as documented
+    got = gt.function(f, mesh=mesh, in_shardings=(spec,))(p)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.numpy(), w)
