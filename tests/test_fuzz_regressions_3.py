@@ -52,3 +52,34 @@ def test_arg_max_of_tied_monotonic_op_is_the_first_index(op, spec):
     got = gt.function(f, mesh=mesh, in_shardings=(spec,))(p)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.numpy(), w)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, tf.bfloat16.as_numpy_dtype, np.float32])
+def test_mean_over_split_dims_divides_the_combined_sum_once(dtype):
+    """Seed 21 #1464: a float16 mean of round(x) over a 2x4 split whose sum is 0 gave
+    6.1e-05 (each shard's sum scaled by 1/84 in float16 first); now exactly TF's 0."""
+    x = np.random.default_rng(248207433).standard_normal((12, 7)).astype(np.float16)
+    x = x.astype(dtype)
+    mesh = gt.Mesh.create((2, 4), ("x", "y"))
+
+    def f(x):
+        return [tf.reduce_mean(tf.math.round(x), keepdims=True), tf.reduce_mean(x, axis=0)]
+
+    got = gt.function(f, mesh=mesh, in_shardings=(P("x", "y"),))(x)
+    want = f(tf.constant(x))
+    assert float(want[0].numpy().astype(np.float32).reshape(())) == 0.0  # the case itself
+    np.testing.assert_array_equal(got[0].numpy(), want[0].numpy())
+    tolerance = {np.float32: 1e-6}.get(dtype, 1e-2)
+    np.testing.assert_allclose(got[1].numpy().astype(np.float32),
+                               want[1].numpy().astype(np.float32), rtol=tolerance,
+                               atol=tolerance)
+
+
+def test_mean_of_an_empty_split_dim_is_nan_for_floats_and_zero_for_ints():
+    """The mean of no elements, with the empty dim split: NaN (float), 0 (int), as TF."""
+    mesh = gt.Mesh.create((2, 4), ("x", "y"))
+    for dtype in (np.float32, np.int32):
+        x = np.zeros((0, 8), dtype)
+        got = gt.function(lambda x: tf.reduce_mean(x, axis=0), mesh=mesh,
+                          in_shardings=(P("x", "y"),))(x)
+        np.testing.assert_array_equal(got.numpy(), tf.reduce_mean(x, axis=0).numpy())

@@ -9,7 +9,7 @@ from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import REDUCE
 from gspmd_tf.registry import declare, op_def, op_family
-from gspmd_tf.spmd.local_ops import identity_of, mask_padding
+from gspmd_tf.spmd.local_ops import cast, identity_of, mask_padding
 from gspmd_tf.spmd.program import Local
 
 
@@ -105,8 +105,11 @@ def whole_then_sliced(ctx, operands, layouts):
 
 @op_family({"Mean": "sum"}, rules.reduction)
 def mean(ctx, operands, layouts):
-    """Mean over a split dim: local sums scaled by 1/global count (partial sums). An
-    integer mean divides (truncating, as TF does) only after the sums are combined."""
+    """Mean over a split dim: the local sums are combined, then divided by the global
+    count once, as TF's kernel divides its sum. Scaling each partial sum first rounds
+    every shard's share: a float16 mean of round(x) whose sum is 0 came out 6e-05
+    (fuzzer, seed 21 #1464). The mean of nothing is NaN for floats (0 / 0); TF's integer
+    mean of nothing is 0 (the sum, 0, divided by 1)."""
     if not ctx.split_reduce_axes():
         return replay(ctx, operands, layouts)
     b = ctx.b
@@ -117,14 +120,19 @@ def mean(ctx, operands, layouts):
     shape = local_shapes(ctx, layouts)[0]
     total = b.op("Sum", refs[:2], shape, dtype, T=dtype, Tidx=ctx.node.attrs["Tidx"],
                  keep_dims=bool(ctx.node.attr("keep_dims")))
-    if dtype.is_floating:  # the mean of nothing is NaN
-        scale = b.const(np.asarray(1.0 / count if count else np.nan), dtype)
-        return [b.op("Mul", [total, scale], shape, dtype, name=ctx.node.name, T=dtype)]
     whole = Layout(layouts[0].dims)
     total = ctx.reshard(Local(total, layouts[0], ctx.node.out_shapes[0], dtype), whole)
-    # TF's integer mean of nothing is 0: the sum (0) divided by 1
-    ref = b.op("Div", [total.ref, b.const(np.asarray(max(count, 1)), dtype)], shape, dtype,
-               name=ctx.node.name, T=dtype)
+    if dtype in (tf.float16, tf.bfloat16):
+        # the count may not be a half-precision number (1001 in bfloat16): divide in
+        # float32 and round once, as TF's bfloat16 reductions do
+        quotient = b.op("Div", [cast(b, total.ref, dtype, tf.float32),
+                                b.const(np.asarray(count), tf.float32)], shape, tf.float32,
+                        T=tf.float32)
+        ref = b.op("Cast", [quotient], shape, dtype, name=ctx.node.name, SrcT=tf.float32,
+                   DstT=dtype, Truncate=False)
+    else:
+        divisor = b.const(np.asarray(count if dtype.is_floating else max(count, 1)), dtype)
+        ref = b.op("Div", [total.ref, divisor], shape, dtype, name=ctx.node.name, T=dtype)
     return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
 
 
