@@ -83,3 +83,40 @@ def test_mean_of_an_empty_split_dim_is_nan_for_floats_and_zero_for_ints():
         got = gt.function(lambda x: tf.reduce_mean(x, axis=0), mesh=mesh,
                           in_shardings=(P("x", "y"),))(x)
         np.testing.assert_array_equal(got.numpy(), tf.reduce_mean(x, axis=0).numpy())
+
+
+@pytest.mark.parametrize("reduce, axes", [(lambda t: tf.einsum("abc->", t), None),
+                                          (lambda t: tf.reduce_sum(t, axis=[0, 1]), (0, 1))])
+def test_half_sum_over_split_dims_is_rounded_once(reduce, axes):
+    """Seed 21 #5883: a float16 sum over a split dim, partial sums in float16, ended
+    further from the exact sum than TF's sequential float16 sum; summed in float32 and
+    rounded once it is the exactly rounded sum here (0.4033; TF 0.4011)."""
+    x0 = np.random.default_rng(1336156373).standard_normal((3, 7, 1)).astype(np.float16)
+    x1 = np.random.default_rng(66625248).standard_normal((3, 1)).astype(np.float16)
+    x2 = np.random.default_rng(1370895109).standard_normal((1, 7, 3)).astype(np.float16)
+    mesh = gt.Mesh.create((2, 1), ("a", "b"))
+
+    def f(x0, x1, x2):
+        terms = tf.multiply(x2, tf.linalg.matmul(x0, x1, transpose_b=True))
+        return [reduce(terms), terms]
+
+    got, terms = gt.function(f, mesh=mesh, in_shardings=(P(), P(), P(None, "a")))(x0, x1, x2)
+    exact = np.sum(terms.numpy().astype(np.float64), axis=axes)
+    np.testing.assert_array_equal(got.numpy(), exact.astype(np.float16))
+
+
+def test_prod_over_split_dims_does_not_underflow_to_nan():
+    """Seed 21 #7937: the product of 180 normals with one +Inf and one -Inf, split 8
+    ways: a shard's float32 product underflowed to 0 and 0 * Inf gave NaN; TF and the
+    float64 program give -Inf. Finite products stay within float32 rounding."""
+    x = np.random.default_rng(1554779449).standard_normal((12, 5, 3)).astype(np.float32)
+    mesh = gt.Mesh.create((8, 1), ("data", "model"))
+    prod = gt.function(lambda x: tf.reduce_prod(x, axis=[0, 1, 2], keepdims=True), mesh=mesh,
+                       in_shardings=(P("data"),))
+    scaled = x * 2  # a product float32 holds (x's own underflows to -0.0)
+    np.testing.assert_allclose(prod(scaled).numpy(),
+                               np.prod(scaled.astype(np.float64), keepdims=True), rtol=1e-5)
+    x[8, 0, 1], x[11, 3, 2] = -np.inf, np.inf
+    want = tf.reduce_prod(x, axis=[0, 1, 2], keepdims=True).numpy()
+    assert np.isneginf(want).all() and np.isneginf(np.prod(x.astype(np.float64)))
+    np.testing.assert_array_equal(prod(x).numpy(), want)

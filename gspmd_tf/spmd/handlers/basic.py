@@ -136,6 +136,55 @@ def mean(ctx, operands, layouts):
     return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
 
 
+HALF_TYPES = (tf.float16, tf.bfloat16)
+
+
+def reduced_in(ctx, operands, layouts, wide):
+    """The op's reduction over split dims computed in the wider float type `wide`: each
+    device reduces its shard in `wide`, the partial results are combined in `wide`, and
+    the result is rounded to the op's type once (see reduce_sum, reduce_prod)."""
+    b = ctx.b
+    dtype = ctx.node.out_dtypes[0]
+    refs = [cast(b, ref, x.dtype, wide) if x.dtype == dtype else ref
+            for ref, x in zip(masked_refs(ctx, operands), operands)]
+    shape = local_shapes(ctx, layouts)[0]
+    attrs = dict(ctx.node.attrs)
+    attrs["T"] = wide
+    partial = b.op(ctx.node.op, refs, shape, wide, **attrs)
+    out_shape = ctx.node.out_shapes[0]
+    whole = Layout(layouts[0].dims)
+    total = ctx.reshard(Local(partial, layouts[0], out_shape, wide), whole)
+    ref = b.op("Cast", [total.ref], shape, dtype, name=ctx.node.name, SrcT=wide, DstT=dtype,
+               Truncate=False)
+    return [Local(ref, whole, out_shape, dtype)]
+
+
+@op_family({"Sum": "sum"}, rules.reduction)
+def reduce_sum(ctx, operands, layouts):
+    """Sum: replayed (a split reduced dim leaves a partial sum the partitioner combines),
+    except a float16/bfloat16 sum over split dims, summed in float32 and rounded once:
+    in the half type every shard's sum and every combining add rounds again, and TF
+    itself sums float16 sequentially in float16, so a partition of that order is no
+    closer to the exact sum (fuzzer, seed 21 #5883: a float16 einsum 'abc->' over a
+    split dim further from the float64 program than TF's)."""
+    if ctx.node.out_dtypes[0] in HALF_TYPES and ctx.split_reduce_axes():
+        return reduced_in(ctx, operands, layouts, tf.float32)
+    return replay(ctx, operands, layouts)
+
+
+@op_family({"Prod": "prod"}, rules.reduction)
+def reduce_prod(ctx, operands, layouts):
+    """Prod: replayed, except a float32/half product over split dims, multiplied in
+    float64 and rounded once. In the narrow type a shard's product of finite values can
+    underflow to 0 (or overflow to Inf) where TF's order of the same factors does not,
+    and 0 * Inf is NaN: 180 normals with one +Inf and one -Inf gave NaN, TF and the
+    float64 program -Inf (fuzzer, seed 21 #7937)."""
+    dtype = ctx.node.out_dtypes[0]
+    if dtype in HALF_TYPES + (tf.float32,) and ctx.split_reduce_axes():
+        return reduced_in(ctx, operands, layouts, tf.float64)
+    return replay(ctx, operands, layouts)
+
+
 def bias_add(ctx, operands, layouts):
     """BiasAdd: an NCHW one (channel not last) becomes an Add of the bias reshaped to
     [C, 1, ...]. TF's graph optimizer fuses Conv2D -> BiasAdd into one oneDNN op that
