@@ -7,6 +7,7 @@ collectives and runs it on the mesh.
 
 from gspmd_tf import keras
 from gspmd_tf.annotations import mesh_split
+from gspmd_tf.cluster import initialize_cluster
 from gspmd_tf.devices import configure_cpu_devices
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh, P, PartitionSpec
@@ -21,5 +22,5 @@ from gspmd_tf.visualize import visualize_sharding
 
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
-           "Variable", "function", "keras", "lower", "mesh_split", "register_op",
+           "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split", "register_op",
            "visualize_sharding"]

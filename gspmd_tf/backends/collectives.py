@@ -140,7 +140,8 @@ class ProgramKeys:
     """
 
     def __init__(self, program):
-        names = [node.name for node in program.nodes if node.op in KEYED]
+        # gt.Permute takes keys too: across workers its pairs are collectives
+        names = [node.name for node in program.nodes if node.op in KEYED + (base.PERMUTE,)]
         self.fingerprint = program_fingerprint(program)
         self.first, self.lock = _program_range(self.fingerprint, len(names))
         self._ordinal = {name: i for i, name in enumerate(names)}

@@ -254,7 +254,7 @@ class Function:
         resharded onto this mesh, appended to `copies`)."""
         variable = variable_of_handle(value)
         if variable is not None and variable.mesh == self.mesh:
-            return [v.handle for v in variable.shard_variables]
+            return [None if v is None else v.handle for v in variable.shard_variables]
         if variable is not None:
             handles = [None] * self.mesh.size
             for devices, piece in variable.sharded().pieces_on(self.mesh, layout):

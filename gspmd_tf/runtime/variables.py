@@ -9,6 +9,9 @@ copies resharded onto its mesh; see gt.function.)
 
 Checkpoints store each distinct shard as a slice of the global variable, so saving and
 restoring move one shard at a time, and any mesh, spec or plain tf.Variable restores them.
+
+On a mesh spanning several workers each worker creates, updates, saves and restores
+only the shards of its own devices (shard_variables[d] is None for the others).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import PartitionSpec
 from gspmd_tf.runtime.sharded_tensor import (ShardedTensor, distinct_boxes, pad_piece,
-                                             padding, split_value)
+                                             padding, shard_bytes, split_value)
 
 # id(handle tensor) -> Variable, so a traced function's captured handles lead back to
 # their variables
@@ -88,27 +91,42 @@ class Variable(_WholeValueCheckpoint):
         # in place (a variable's shards cannot be resharded).
         self.layout = Layout(tuple(() if n <= 1 else axes
                                    for n, axes in zip(shape, layout.dims)))
+        local = set(mesh.addressable_ids)
         pieces = (self._global_pieces(np.asarray(value)) if value is not None
                   else self._initial_pieces(initial_value))
         self.shard_variables = [None] * mesh.size
         for devices, piece in pieces:
             for device in devices:
+                if device not in local:
+                    continue
                 with tf.device(mesh.devices[device]):
                     self.shard_variables[device] = tf.Variable(
                         piece, trainable=False, dtype=dtype, name=f"{self._shared_name}_shard")
         _BY_HANDLE[id(self.handle)] = self
 
+    def _local_boxes(self):
+        """[(box, device ids)] of the distinct shards some device of this process holds,
+        the ids narrowed to this process's devices."""
+        local = set(self.mesh.addressable_ids)
+        boxes = []
+        for box, devices in distinct_boxes(self.mesh, self.layout, self.shape):
+            mine = [d for d in devices if d in local]
+            if mine:
+                boxes.append((box, mine))
+        return boxes
+
     def _global_pieces(self, value):
         """Yield (device ids, piece) of a global numpy value, one distinct shard at a time."""
         local = self.layout.local_shape(self.mesh, self.shape)
-        for box, devices in distinct_boxes(self.mesh, self.layout, self.shape):
+        for box, devices in self._local_boxes():
             yield devices, pad_piece(value[tuple(slice(a, b) for a, b in box)], box, local)
 
     def _initial_pieces(self, init):
-        """Yield (device ids, piece): one call of `init` per distinct shard, checked and
-        padded on the first device that holds it; one piece is alive at a time."""
+        """Yield (device ids, piece): one call of `init` per distinct shard (of this
+        process's devices), checked and padded on the first device that holds it; one
+        piece is alive at a time."""
         local = self.layout.local_shape(self.mesh, self.shape)
-        for box, devices in distinct_boxes(self.mesh, self.layout, self.shape):
+        for box, devices in self._local_boxes():
             extent = tuple(b - a for a, b in box)
             with tf.device(self.mesh.devices[devices[0]]):
                 piece = self._checked_piece(init(extent, self.dtype), extent)
@@ -145,8 +163,9 @@ class Variable(_WholeValueCheckpoint):
 
     @property
     def shards(self):
-        """The per-device shard values (padded to equal size along uneven dims)."""
-        return [v.read_value() for v in self.shard_variables]
+        """The per-device shard values (padded to equal size along uneven dims; None on
+        other workers' devices)."""
+        return [None if v is None else v.read_value() for v in self.shard_variables]
 
     def sharded(self):
         """The current value as a ShardedTensor."""
@@ -158,7 +177,7 @@ class Variable(_WholeValueCheckpoint):
 
     def shard_bytes(self):
         """Bytes each device holds for this variable."""
-        return [int(np.prod(v.shape)) * self.dtype.size for v in self.shard_variables]
+        return shard_bytes(self.mesh, self.layout, self.shape, self.dtype)
 
     def assign_global(self, value):
         """Set the global value from the host (each device takes its shard)."""
@@ -184,7 +203,8 @@ class Variable(_WholeValueCheckpoint):
         shard by shard."""
         pieces = split_value(value, self.mesh, self.layout)
         for var, piece in zip(self.shard_variables, pieces):
-            getattr(var, update)(piece)
+            if var is not None:
+                getattr(var, update)(piece)
 
     # Eagerly (between steps: metrics, get/set weights, checkpoints) a read is the global
     # value assembled from the shards and an update is split over them; in traced code

@@ -1,0 +1,117 @@
+"""One worker process of a loopback cluster, run by tests/test_multiworker.py.
+
+argv: the number of local devices, then a scenario name, then scenario arguments. The
+cluster comes from TF_CONFIG. Each scenario runs gt.functions on a (2, 4) mesh spanning
+all workers, compares every result with the same computation in plain TF on one device
+(float32, relative 1e-5), and prints one JSON line: {"ok": true, ...facts the test checks}.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import gspmd_tf as gt  # noqa: E402
+
+gt.configure_cpu_devices(int(sys.argv[1]))
+cluster = gt.initialize_cluster()
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+P = gt.P
+TOL = 1e-5
+mesh = gt.Mesh.create((2, 4), ("data", "model"))
+rng = np.random.default_rng(0)  # every worker draws the same global inputs
+
+
+def check(name, got, want):
+    """got (a ShardedTensor) equals want (numpy) to TOL; raises naming `name` if not."""
+    got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
+    want = np.asarray(want)
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    if got.shape != want.shape or not err <= TOL:
+        raise AssertionError(f"{name}: shape {got.shape} vs {want.shape}, rel err {err}")
+    return float(err)
+
+
+def single_device(fn, *args):
+    """fn on this worker's CPU:0 alone, as plain TF."""
+    with tf.device(mesh.devices[mesh.addressable_ids[0]]):
+        return tf.function(fn)(*args).numpy()
+
+
+def programs():
+    """Model + data split matmuls, an all-gather, an all-to-all and a halo convolution."""
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    w1 = rng.standard_normal((16, 32)).astype(np.float32)
+    w2 = rng.standard_normal((32, 16)).astype(np.float32)
+
+    def ffn(x, w1, w2):
+        return tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+    got = gt.function(ffn, mesh=mesh, in_shardings=(P("data"), P(None, "model"),
+                                                    P("model")))(x, w1, w2)
+    facts = {"ffn": check("ffn", got, single_device(ffn, x, w1, w2)),
+             "addressable": sorted(got.addressable_shards)}
+
+    def gram(x):
+        return tf.matmul(x, x, transpose_b=True)
+    got = gt.function(gram, mesh=mesh, in_shardings=(P(("data", "model")),),
+                      out_shardings=(P(),))(x)
+    facts["all_gather"] = check("all_gather", got, single_device(gram, x))
+
+    def double(x):
+        return x * 2.0
+    f = gt.function(double, mesh=mesh, in_shardings=(P(None, "model"),),
+                    out_shardings=(P("model"),))
+    facts["all_to_all_ops"] = [c.kind for c in f.lower(x).collectives()]
+    facts["all_to_all"] = check("all_to_all", f(x), single_device(double, x))
+
+    image = rng.standard_normal((2, 16, 8, 3)).astype(np.float32)
+    kernel = rng.standard_normal((3, 3, 3, 4)).astype(np.float32)
+
+    def conv(image, kernel):
+        return tf.nn.conv2d(image, kernel, 1, "SAME")
+    f = gt.function(conv, mesh=mesh, in_shardings=(P("data", "model"), P()))
+    facts["conv_ops"] = sorted({c.kind for c in f.lower(image, kernel).collectives()})
+    facts["conv"] = check("conv", f(image, kernel), single_device(conv, image, kernel))
+    return facts
+
+
+def training():
+    """Three SGD steps of a model- and data-split two-layer net on gt.Variables."""
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    y = rng.standard_normal((8, 16)).astype(np.float32)
+    w1 = rng.standard_normal((16, 32)).astype(np.float32) * 0.3
+    w2 = rng.standard_normal((32, 16)).astype(np.float32) * 0.3
+
+    def make_step(v1, v2):
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((tf.matmul(tf.tanh(tf.matmul(x, v1)), v2) - y) ** 2)
+            g1, g2 = tape.gradient(loss, [v1, v2])
+            v1.assign_sub(0.1 * g1)
+            v2.assign_sub(0.1 * g2)
+            return loss
+        return step
+
+    with tf.device(mesh.devices[mesh.addressable_ids[0]]):
+        r1, r2 = tf.Variable(w1), tf.Variable(w2)
+        reference = tf.function(make_step(r1, r2))
+        want = [reference(x, y).numpy() for _ in range(3)]
+    v1 = gt.Variable(w1, mesh, P(None, "model"), name="w1")
+    v2 = gt.Variable(w2, mesh, P("model"), name="w2")
+    step = gt.function(make_step(v1, v2), mesh=mesh, in_shardings=(P("data"), P("data")))
+    got = [step(x, y) for _ in range(3)]
+    held = [v1.shard_variables[d] is not None for d in range(mesh.size)]
+    return {"losses": [check(f"loss {i}", g, w) for i, (g, w) in enumerate(zip(got, want))],
+            "w1": check("w1", v1.numpy(), r1.numpy()), "w2": check("w2", v2, r2.numpy()),
+            "held": held}
+
+
+SCENARIOS = {"programs": programs, "training": training}
+
+if __name__ == "__main__":
+    facts = SCENARIOS[sys.argv[2]](*sys.argv[3:])
+    print(json.dumps(dict(facts, ok=True, task=cluster.task_index)), flush=True)
