@@ -16,11 +16,11 @@ from gspmd_tf.runtime.function import Function, function
 from gspmd_tf.runtime.lowered import Collective, Lowered
 from gspmd_tf.runtime.lowering import lower
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
-from gspmd_tf.runtime.variables import Variable
+from gspmd_tf.runtime.variables import Variable, save_checkpoint
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.visualize import visualize_sharding
 
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
-           "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split", "register_op",
+           "Variable", "function", "initialize_cluster", "save_checkpoint", "keras", "lower", "mesh_split", "register_op",
            "visualize_sharding"]

@@ -119,6 +119,36 @@ def is_addressable(device_name):
     return _cluster is None or task_of(device_name) == _cluster.task_index
 
 
+_barriers = {}  # device name suffix -> the traced barrier function
+
+
+def barrier():
+    """Returns once every worker has called it: an all-reduce of one number between the
+    first devices of every worker, under the collective timeout (GSPMD_TF_COLLECTIVE_
+    TIMEOUT) so that a dead worker makes it fail instead of hang."""
+    if _cluster is None or _cluster.num_workers == 1:
+        return
+    import tensorflow as tf
+    from gspmd_tf.backends import collectives
+    from gspmd_tf.backends.local import default_timeout
+
+    first = tf.config.list_logical_devices()[0].name
+    names = global_device_names([first])
+    own = names[_cluster.task_index]
+    if own not in _barriers:
+        instance_key, _ = collectives.named_keys("barrier")
+        group = collectives.Group(names, instance_key, collectives.ordering_token(own))
+        group.kwargs["timeout_seconds"] = default_timeout()
+
+        def wait():
+            with tf.device(own):
+                return group.all_reduce(tf.constant(1.0), "sum")
+        _barriers[own] = tf.function(wait, autograph=False)
+    arrived = int(_barriers[own]().numpy())
+    if arrived != _cluster.num_workers:
+        raise ShardingError(f"barrier: {arrived} of {_cluster.num_workers} workers arrived")
+
+
 def _parse(cluster, task_index):
     """(worker addresses, task index) from the arguments or TF_CONFIG, checked."""
     if cluster is None and task_index is None:

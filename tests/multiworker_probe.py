@@ -110,7 +110,42 @@ def training():
             "held": held}
 
 
-SCENARIOS = {"programs": programs, "training": training}
+def checkpoint_values():
+    """The global values the checkpoint scenarios save and restore."""
+    values = np.random.default_rng(1)
+    return {"split": values.standard_normal((8, 12)).astype(np.float32),
+            "rows": values.standard_normal((10, 3)).astype(np.float32),
+            "replicated": values.standard_normal((5,)).astype(np.float32)}
+
+
+def save(prefix):
+    """gt.Variables split several ways and a plain counter, saved by every worker."""
+    values = checkpoint_values()
+    variables = {"split": gt.Variable(values["split"], mesh, P("data", "model")),
+                 "rows": gt.Variable(values["rows"], mesh, P(("data", "model"))),
+                 "replicated": gt.Variable(values["replicated"], mesh, P())}
+    checkpoint = tf.train.Checkpoint(step=tf.Variable(7, dtype=tf.int64), **variables)
+    gt.save_checkpoint(checkpoint, prefix)
+    held = sum(v is not None for v in variables["split"].shard_variables)
+    return {"held": held, "saved": os.path.exists(prefix + ".index")}
+
+
+def restore(prefix):
+    """The checkpoint of `save`, restored onto this cluster's (4, 2) mesh, other specs."""
+    restored_mesh = gt.Mesh.create((4, 2), ("a", "b"))
+    values = checkpoint_values()
+    variables = {"split": gt.Variable(np.zeros((8, 12), np.float32), restored_mesh,
+                                      P("b", "a")),
+                 "rows": gt.Variable(np.zeros((10, 3), np.float32), restored_mesh, P("a")),
+                 "replicated": gt.Variable(np.zeros(5, np.float32), restored_mesh,
+                                           P("a"))}
+    step = tf.Variable(0, dtype=tf.int64)
+    tf.train.Checkpoint(step=step, **variables).read(prefix).assert_consumed()
+    facts = {name: check(name, variables[name], values[name]) for name in values}
+    return dict(facts, step=int(step.numpy()))
+
+
+SCENARIOS = {"programs": programs, "training": training, "save": save, "restore": restore}
 
 if __name__ == "__main__":
     facts = SCENARIOS[sys.argv[2]](*sys.argv[3:])

@@ -151,6 +151,12 @@ class ProgramKeys:
         return self.first + self._ordinal[node_name]
 
 
+def named_keys(name, count=1):
+    """(first instance key, lock) of `count` keys reserved for the collectives of a
+    helper outside any program (e.g. the workers' barrier), the same in every process."""
+    return _program_range(("named", name), count)
+
+
 def _program_range(fingerprint, count):
     """(first instance key, lock) of the programs with this fingerprint: a range of
     `count` keys from a hash of the fingerprint, moved (with a warning) only if it
