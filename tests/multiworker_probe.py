@@ -1,14 +1,16 @@
 """One worker process of a loopback cluster, run by tests/test_multiworker.py.
 
-argv: the number of local devices, then a scenario name, then scenario arguments. The
-cluster comes from TF_CONFIG. Each scenario runs gt.functions on a (2, 4) mesh spanning
-all workers, compares every result with the same computation in plain TF on one device
-(float32, relative 1e-5), and prints one JSON line: {"ok": true, ...facts the test checks}.
+argv: the number of local devices, then the scenarios to run, in order. The cluster
+comes from TF_CONFIG, the checkpoint prefix of "save" and "restore" from
+MULTIWORKER_CHECKPOINT. The scenarios run gt.functions on meshes spanning all workers,
+compare every result with the same computation in plain TF on one device (float32,
+relative 1e-5), and the probe prints one JSON line: {scenario: facts the test checks}.
 """
 
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -19,6 +21,7 @@ cluster = gt.initialize_cluster()
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from multiworker_values import checkpoint_values  # noqa: E402
 
 P = gt.P
 TOL = 1e-5
@@ -110,27 +113,20 @@ def training():
             "held": held}
 
 
-def checkpoint_values():
-    """The global values the checkpoint scenarios save and restore."""
-    values = np.random.default_rng(1)
-    return {"split": values.standard_normal((8, 12)).astype(np.float32),
-            "rows": values.standard_normal((10, 3)).astype(np.float32),
-            "replicated": values.standard_normal((5,)).astype(np.float32)}
-
-
-def save(prefix):
+def save():
     """gt.Variables split several ways and a plain counter, saved by every worker."""
     values = checkpoint_values()
     variables = {"split": gt.Variable(values["split"], mesh, P("data", "model")),
                  "rows": gt.Variable(values["rows"], mesh, P(("data", "model"))),
                  "replicated": gt.Variable(values["replicated"], mesh, P())}
     checkpoint = tf.train.Checkpoint(step=tf.Variable(7, dtype=tf.int64), **variables)
+    prefix = os.environ["MULTIWORKER_CHECKPOINT"]
     gt.save_checkpoint(checkpoint, prefix)
     held = sum(v is not None for v in variables["split"].shard_variables)
     return {"held": held, "saved": os.path.exists(prefix + ".index")}
 
 
-def restore(prefix):
+def restore():
     """The checkpoint of `save`, restored onto this cluster's (4, 2) mesh, other specs."""
     restored_mesh = gt.Mesh.create((4, 2), ("a", "b"))
     values = checkpoint_values()
@@ -140,13 +136,31 @@ def restore(prefix):
                  "replicated": gt.Variable(np.zeros(5, np.float32), restored_mesh,
                                            P("a"))}
     step = tf.Variable(0, dtype=tf.int64)
-    tf.train.Checkpoint(step=step, **variables).read(prefix).assert_consumed()
+    checkpoint = tf.train.Checkpoint(step=step, **variables)
+    checkpoint.read(os.environ["MULTIWORKER_CHECKPOINT"]).assert_consumed()
     facts = {name: check(name, variables[name], values[name]) for name in values}
     return dict(facts, step=int(step.numpy()))
 
 
-SCENARIOS = {"programs": programs, "training": training, "save": save, "restore": restore}
+def dead_peer():
+    """The last worker leaves; the others run a program needing it, which must fail
+    within the collective timeout."""
+    if cluster.task_index == cluster.num_workers - 1:
+        os._exit(0)
+    x = np.ones((8, 16), np.float32)
+    f = gt.function(lambda v: tf.reduce_sum(v), mesh=mesh, in_shardings=(P("data", "model"),))
+    start = time.monotonic()
+    try:
+        f(x)
+    except tf.errors.OpError as e:
+        return {"error": type(e).__name__, "message": str(e)[:400],
+                "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+SCENARIOS = {"programs": programs, "training": training, "save": save, "restore": restore,
+             "dead_peer": dead_peer}
 
 if __name__ == "__main__":
-    facts = SCENARIOS[sys.argv[2]](*sys.argv[3:])
-    print(json.dumps(dict(facts, ok=True, task=cluster.task_index)), flush=True)
+    results = {name: SCENARIOS[name]() for name in sys.argv[2:]}
+    print(json.dumps(dict(results, task=cluster.task_index)), flush=True)
