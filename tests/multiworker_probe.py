@@ -121,9 +121,15 @@ def save():
                  "replicated": gt.Variable(values["replicated"], mesh, P())}
     checkpoint = tf.train.Checkpoint(step=tf.Variable(7, dtype=tf.int64), **variables)
     prefix = os.environ["MULTIWORKER_CHECKPOINT"]
+    try:  # each worker would write its shards to the same files
+        checkpoint.write(prefix + "_plain")
+        plain_write = None
+    except gt.ShardingError as e:
+        plain_write = str(e)
     gt.save_checkpoint(checkpoint, prefix)
     held = sum(v is not None for v in variables["split"].shard_variables)
-    return {"held": held, "saved": os.path.exists(prefix + ".index")}
+    return {"held": held, "saved": os.path.exists(prefix + ".index"),
+            "plain_write": plain_write}
 
 
 def restore():
@@ -140,6 +146,49 @@ def restore():
     checkpoint.read(os.environ["MULTIWORKER_CHECKPOINT"]).assert_consumed()
     facts = {name: check(name, variables[name], values[name]) for name in values}
     return dict(facts, step=int(step.numpy()))
+
+
+def keras_fit():
+    """gt.keras.shard_model: one epoch of Adam on a Megatron-split MLP, against the same
+    model fit on one device (the loss of every batch, then every weight and slot)."""
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+
+    def mlp():
+        model = keras.Sequential([keras.Input((12,)),
+                                  keras.layers.Dense(32, activation="relu", name="d1"),
+                                  keras.layers.Dense(5, name="d2")])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    class BatchLosses(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.losses = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.losses.append(float(logs["loss"]))
+
+    keras.utils.set_random_seed(0)
+    with tf.device(mesh.devices[mesh.addressable_ids[0]]):
+        reference = mlp()
+    sharded = mlp()
+    sharded.set_weights(reference.get_weights())
+    gt.keras.shard_model(sharded, mesh, {".*d1/kernel": P(None, "model"),
+                                         ".*d2/kernel": P("model", None)})
+    x = rng.standard_normal((24, 12)).astype(np.float32)
+    y = rng.integers(0, 5, 24).astype(np.int32)
+    losses = []
+    for model in (reference, sharded):
+        losses.append(BatchLosses())
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[losses[-1]])
+    facts = {"losses": check("keras losses", losses[1].losses, losses[0].losses)}
+    for want, got in zip(reference.variables + reference.optimizer.variables,
+                         sharded.variables + sharded.optimizer.variables):
+        facts[got.path] = check(got.path, got.numpy(), want.numpy())
+    facts["sharded"] = isinstance(sharded.get_layer("d1").kernel._value, gt.Variable)
+    return facts
 
 
 def dead_peer():
@@ -159,7 +208,7 @@ def dead_peer():
 
 
 SCENARIOS = {"programs": programs, "training": training, "save": save, "restore": restore,
-             "dead_peer": dead_peer}
+             "dead_peer": dead_peer, "keras_fit": keras_fit}
 
 if __name__ == "__main__":
     results = {name: SCENARIOS[name]() for name in sys.argv[2:]}

@@ -1,7 +1,8 @@
 """Multi-worker meshes with loopback worker processes (tests/multiworker_probe.py): each
 worker's results equal single-device TF, a training step updates the shards each worker
-holds, a checkpoint saved by 2 workers x 4 devices restores on 4 workers x 2, and a dead
-worker makes the others fail within the collective timeout."""
+holds, Keras fit through gt.keras.shard_model equals one device, a checkpoint saved by 2
+workers x 4 devices restores on 4 workers x 2, and a dead worker makes the others fail
+within the collective timeout."""
 
 import json
 import os
@@ -66,9 +67,11 @@ def launch(workers, local_devices, scenarios, collective_timeout=60, **env):
 
 @pytest.fixture(scope="module")
 def saved_2x4(tmp_path_factory):
-    """2 workers x 4 devices: programs, training and a checkpoint saved to a prefix."""
+    """2 workers x 4 devices: programs, training, Keras fit and a checkpoint saved to a
+    prefix."""
     prefix = str(tmp_path_factory.mktemp("multiworker") / "ckpt")
-    results = launch(2, 4, ["programs", "training", "save"], MULTIWORKER_CHECKPOINT=prefix)
+    results = launch(2, 4, ["programs", "training", "keras_fit", "save"],
+                     MULTIWORKER_CHECKPOINT=prefix)
     return results, prefix
 
 
@@ -93,7 +96,18 @@ def test_programs_and_training_on_2_workers_x_4_devices(saved_2x4):
         assert training["w2"] <= 1e-5
         # each worker holds the shards of its own devices only
         assert training["held"] == [task == d // 4 for d in range(8)]
-        assert facts["save"] == {"held": 4, "saved": True}
+        save = facts["save"]
+        assert save["held"] == 4 and save["saved"]
+        assert "gt.save_checkpoint(checkpoint, prefix) on every worker" in save["plain_write"]
+
+
+def test_keras_shard_model_fit_on_2_workers_matches_single_device(saved_2x4):
+    results, _ = saved_2x4
+    for facts in results.values():
+        fit = facts["keras_fit"]
+        assert fit.pop("sharded") is True
+        assert len(fit) == 15  # the losses, 4 weights, 2 counters and 8 Adam slots
+        assert max(fit.values()) <= 1e-5, fit
 
 
 def test_checkpoint_of_2x4_restores_on_4_workers_x_2_devices_with_other_specs(saved_2x4):
@@ -157,3 +171,12 @@ def test_initialize_cluster_after_tensorflow_started_is_a_sharding_error(monkeyp
     with pytest.raises(gt.ShardingError, match="already started"):
         gt.initialize_cluster({"worker": ["localhost:1", "localhost:2"]}, 0)
     assert cluster.current() is None
+
+
+def test_one_process_mesh_is_fully_addressable():
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+    assert mesh.addressable_ids == tuple(range(8)) and mesh.is_fully_addressable
+    layout = gt.Sharding.from_spec(mesh, gt.P("model"), 1).to_layout(mesh, 1)
+    x = gt.ShardedTensor.from_value(np.arange(8.0), mesh, layout)
+    assert sorted(x.addressable_shards) == list(range(8))
+    np.testing.assert_array_equal(x.numpy(), np.arange(8.0))
