@@ -79,6 +79,13 @@ def programs():
     f = gt.function(conv, mesh=mesh, in_shardings=(P("data", "model"), P()))
     facts["conv_ops"] = sorted({c.kind for c in f.lower(image, kernel).collectives()})
     facts["conv"] = check("conv", f(image, kernel), single_device(conv, image, kernel))
+
+    # a variable of this mesh read by a gt.function on another mesh (from copies)
+    weights = gt.Variable(w1, mesh, P(None, "model"))
+    other = gt.Mesh.create((4, 2), ("a", "b"))
+    got = gt.function(lambda x: tf.matmul(x, weights), mesh=other,
+                      in_shardings=(P("a"),))(x)
+    facts["other_mesh"] = check("other_mesh", got, x @ w1)
     return facts
 
 

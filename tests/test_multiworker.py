@@ -83,7 +83,7 @@ def check_programs(results, workers, local_devices):
                                                      (task + 1) * local_devices))
         assert programs["all_to_all_ops"] == ["all-to-all"]
         assert programs["conv_ops"] == ["collective-permute"]
-        for name in ("ffn", "all_gather", "all_to_all", "conv"):
+        for name in ("ffn", "all_gather", "all_to_all", "conv", "other_mesh"):
             assert programs[name] <= 1e-5, (task, name, programs[name])
 
 

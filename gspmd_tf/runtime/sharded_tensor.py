@@ -142,7 +142,11 @@ class ShardedTensor:
     def pieces_on(self, mesh, layout):
         """Yield (device ids, numpy piece) of this value resharded to `layout` on `mesh`
         (any mesh: only the shard boxes matter), one distinct piece at a time, padded to
-        the local shape."""
+        the local shape. When some shard is on other workers only, the value is first
+        replicated on its mesh (a collective call, see numpy())."""
+        if not readable_on_every_worker(self.mesh, self.layout, self.shape):
+            yield from _replicated(self).pieces_on(mesh, layout)
+            return
         local = layout.local_shape(mesh, self.shape)
         for box, devices in distinct_boxes(mesh, layout, self.shape):
             yield devices, pad_piece(self.read_box(box), box, local)
