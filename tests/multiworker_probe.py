@@ -199,9 +199,10 @@ def keras_fit():
 
 
 def dead_peer():
-    """The last worker leaves; the others run a program needing it, which must fail
-    within the collective timeout."""
-    if cluster.task_index == cluster.num_workers - 1:
+    """Worker MULTIWORKER_DEAD_TASK (default: the last) leaves; the others run a program
+    needing it, which must fail within the collective timeout."""
+    if cluster.task_index == int(os.environ.get("MULTIWORKER_DEAD_TASK", "-1")) % \
+            cluster.num_workers:
         os._exit(0)
     x = np.ones((8, 16), np.float32)
     f = gt.function(lambda v: tf.reduce_sum(v), mesh=mesh, in_shardings=(P("data", "model"),))

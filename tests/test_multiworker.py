@@ -135,11 +135,13 @@ def test_checkpoint_of_2x4_is_one_tf_checkpoint_plain_variables_restore(saved_2x
 
 
 def test_dead_worker_fails_the_others_within_the_collective_timeout():
-    results = launch(2, 4, ["dead_peer"], collective_timeout=5)
-    assert list(results) == [0]  # the last worker left without a word
-    facts = results[0]["dead_peer"]
+    # worker 0 is the collective leader, which resolves every group: the harder loss
+    results = launch(2, 4, ["dead_peer"], collective_timeout=5, MULTIWORKER_DEAD_TASK="0")
+    assert list(results) == [1]  # worker 0 left without a word
+    facts = results[1]["dead_peer"]
     assert facts["error"] == "DeadlineExceededError", facts
     assert "did not finish within 5 s" in facts["message"]
+    assert "a worker of the cluster may have died" in facts["message"]
     assert facts["seconds"] < 5 + 30  # the timeout, plus the watchdog's grace at most
 
 

@@ -413,12 +413,18 @@ class GuardedCall:
 
     def timeout_error(self):
         """The DeadlineExceededError to raise for this call."""
+        from gspmd_tf import cluster
+        joined = cluster.current()
+        after = ("later calls run normally." if joined is None or joined.num_workers == 1
+                 else "a worker of the cluster may have died or be unreachable; this "
+                 "worker's collective keys have moved on, so restart every worker (from the "
+                 "last checkpoint).")
         return errors.DeadlineExceededError(
             None, None,
             f"{self.what} did not finish within {self.seconds:g} s, so it was cancelled: a "
             "collective waited for peers that did not come (or the program is slower than "
             "the limit: raise it with collective_timeout= or GSPMD_TF_COLLECTIVE_TIMEOUT). "
-            "Variables it assigns may be partly updated; later calls run normally.")
+            f"Variables it assigns may be partly updated; {after}")
 
 
 watchdog = Watchdog()
