@@ -305,6 +305,11 @@ class _ShardSaveable(saveable_object.SaveableObject):
 
     def _read(self):
         variable = self._variable
+        if not self.saved_here:  # only worker 0's checkpoint.write gets here
+            raise ShardingError(
+                f"variable {variable.name!r} has no shard that worker 0 saves: "
+                "gt.save_checkpoint needs device 0 of every variable's mesh on worker 0 "
+                "(gt.Mesh.create puts it there)")
         if not variable.mesh.is_fully_addressable and not _saving_own_shards:
             raise ShardingError(
                 f"variable {variable.name!r} lives on several workers: save its checkpoint "
