@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/multiworker_step.py --steps=10 --warmup=3
 
 The step is benchmarks/train_step.py's (Transformer feed-forward blocks, SGD on every
-weight; same flags for the model size). Systems, run one after the other (each in fresh
-processes on free localhost ports; --systems picks some):
+weight; same flags for the model size). Systems (--run picks some), each in its own
+processes on free localhost ports, all started first:
   one      gspmd-tf in ONE process with workers * local_devices logical CPU devices,
            mesh (2, 4) ("data", "model"), Megatron specs as in train_step.py
   workers  gspmd-tf on --workers processes x --local_devices devices each, joined by
@@ -13,10 +13,14 @@ processes on free localhost ports; --systems picks some):
   mwms     tf.distribute.MultiWorkerMirroredStrategy on --workers processes: data
            parallel, one replica per worker (MWMS uses one CPU device per worker), each
            on its half of the batch, gradients averaged by its all-reduce
-A timed step ends when the loss is on the host (of every worker). Each process reports
-its step times; the table gives the median over steps of the slowest worker's time, and
-the final loss of every system after the same number of steps from the same start (the
-systems compute the same SGD, so the losses agree to float32 round-off).
+After --warmup untimed steps each, the steps alternate between the systems (one, workers,
+mwms, one, ...), as in train_step.py, so that all see the same machine load; the
+processes of the systems not stepping wait idle. A timed step ends when the loss is on
+the host of every worker of the system; its time is the slowest worker's. The table
+gives the median step, the ratio of medians to "one", the median over rounds of the
+paired ratio (step / "one"'s step in that round), and the final loss of every system
+after the same number of steps from the same start (the systems compute the same SGD,
+so the losses agree to float32 round-off).
 
 All processes share the host's cores, so this measures the cost of the multi-process
 runtime (gRPC between processes instead of in-process copies), not a speed-up.
@@ -31,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -74,16 +79,19 @@ def problem():
     return values, x, target
 
 
-def timed(run):
-    """Warm-up, then timed steps of run() -> loss; {"times": [s], "loss": last loss}."""
+def serve(run):
+    """Worker side: --warmup steps of run() -> loss, then "ready"; then one timed step
+    per "step" line on stdin, answered by a JSON line {"seconds", "loss"}, until EOF."""
     for _ in range(FLAGS.warmup):
         run()
-    times = []
-    for _ in range(FLAGS.steps):
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
         start = time.perf_counter()
         loss = run()
-        times.append(time.perf_counter() - start)
-    return {"times": times, "loss": loss}
+        print(json.dumps({"seconds": time.perf_counter() - start, "loss": loss}),
+              flush=True)
 
 
 def run_gspmd(multi_worker):
@@ -107,7 +115,7 @@ def run_gspmd(multi_worker):
     # placed once, each worker its own shards, as train_step.py places them
     layout = Layout.from_spec(mesh, P("data"), 3, "the batch")
     x, target = (gt.ShardedTensor.from_value(v, mesh, layout) for v in (x, target))
-    return timed(lambda: float(step(x, target).numpy()))
+    return lambda: float(step(x, target).numpy())
 
 
 def run_mwms():
@@ -131,38 +139,60 @@ def run_mwms():
     def step(x, target):
         losses = strategy.run(replica_step, args=(x, target))
         return strategy.reduce(tf.distribute.ReduceOp.MEAN, losses, axis=None)
-    return timed(lambda: float(step(x, target).numpy()))
+    return lambda: float(step(x, target).numpy())
 
 
-def launch(system):
-    """Runs `system` in fresh processes; returns their reports."""
-    workers = 1 if system == "one" else WORKERS.value
-    addresses = [f"localhost:{port}" for port in free_ports(workers)]
-    args = [a for a in sys.argv[1:] if not a.startswith(("--role", "--run"))]
-    runs = []
-    for task in range(workers):
-        config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": task}}
-        env = dict(os.environ, PYTHONPATH=ROOT, TF_CONFIG=json.dumps(config))
-        if system == "one":
-            del env["TF_CONFIG"]
-        runs.append(subprocess.Popen([sys.executable, __file__, f"--role={system}"] + args,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env))
-    reports = []
-    for task, run in enumerate(runs):
-        out, err = run.communicate(timeout=TIMEOUT.value)
-        if run.returncode:
-            raise SystemExit(f"{system} worker {task} failed:\n{err[-3000:]}")
-        reports.append(json.loads(out.strip().splitlines()[-1]))
-    return reports
+class System:
+    """The processes of one system, started with --role; step() runs one timed step on
+    all of them and returns (slowest worker's seconds, loss)."""
+
+    def __init__(self, name):
+        self.name = name
+        workers = 1 if name == "one" else WORKERS.value
+        addresses = [f"localhost:{port}" for port in free_ports(workers)]
+        args = [a for a in sys.argv[1:] if not a.startswith(("--role", "--run"))]
+        self.runs, self.logs = [], []
+        for task in range(workers):
+            config = {"cluster": {"worker": addresses},
+                      "task": {"type": "worker", "index": task}}
+            env = dict(os.environ, PYTHONPATH=ROOT, TF_CONFIG=json.dumps(config))
+            if name == "one":
+                del env["TF_CONFIG"]
+            self.logs.append(tempfile.TemporaryFile("w+"))  # TF's log lines, for errors
+            self.runs.append(subprocess.Popen(
+                [sys.executable, __file__, f"--role={name}"] + args, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=self.logs[-1], text=True, env=env))
+
+    def _reply(self, task):
+        line = self.runs[task].stdout.readline()
+        if not line:
+            self.logs[task].seek(0)
+            raise SystemExit(f"{self.name} worker {task} failed:\n"
+                             f"{self.logs[task].read()[-3000:]}")
+        return line
+
+    def wait_ready(self):
+        for task in range(len(self.runs)):
+            assert self._reply(task).strip() == "ready"
+
+    def step(self):
+        for run in self.runs:
+            run.stdin.write("step\n")
+            run.stdin.flush()
+        replies = [json.loads(self._reply(task)) for task in range(len(self.runs))]
+        return max(r["seconds"] for r in replies), replies[0]["loss"]
+
+    def close(self):
+        for run in self.runs:
+            run.stdin.close()
+            run.wait(timeout=TIMEOUT.value)
 
 
 def main(argv):
     del argv
     if ROLE.value:
-        report = (run_mwms() if ROLE.value == "mwms"
-                  else run_gspmd(multi_worker=ROLE.value == "workers"))
-        print(json.dumps(report), flush=True)
+        serve(run_mwms() if ROLE.value == "mwms"
+              else run_gspmd(multi_worker=ROLE.value == "workers"))
         return
     import tensorflow as tf
     devices = WORKERS.value * LOCAL_DEVICES.value
@@ -177,18 +207,29 @@ def main(argv):
                          f"devices, mesh {MESH_SHAPE}",
               "mwms": f"MultiWorkerMirroredStrategy, {WORKERS.value} processes, data "
                       "parallel (1 CPU replica each)"}
-    rows = {}
-    for system in [s for s in SYSTEMS_RUN.value.split(",") if s]:
-        reports = launch(system)
-        slowest = [max(r["times"][i] for r in reports) for i in range(FLAGS.steps)]
-        rows[system] = (statistics.median(slowest) * 1e3, reports[0]["loss"])
-    base = rows.get("one", (None,))[0]
-    print("| system | median step ms | ratio to one process | final loss |")
-    print("|---|---:|---:|---:|")
-    for system, (ms, loss) in rows.items():
-        ratio = f"{ms / base:.2f}" if base else "-"
-        print(f"| {labels[system]} | {ms:.1f} | {ratio} | {loss:.7g} |")
-
+    systems = [System(name) for name in SYSTEMS_RUN.value.split(",") if name]
+    try:
+        for system in systems:
+            system.wait_ready()
+        times = {system.name: [] for system in systems}
+        losses = {}
+        for _ in range(FLAGS.steps):
+            for system in systems:
+                seconds, losses[system.name] = system.step()
+                times[system.name].append(seconds)
+    finally:
+        for system in systems:
+            system.close()
+    base = times.get("one")
+    print("| system | median step ms | ratio to one process (medians) | paired ratio "
+          "(median over rounds) | final loss |")
+    print("|---|---:|---:|---:|---:|")
+    for name, steps in times.items():
+        ms = statistics.median(steps) * 1e3
+        ratio = f"{statistics.median(steps) / statistics.median(base):.2f}" if base else "-"
+        paired = (f"{statistics.median(t / b for t, b in zip(steps, base)):.2f}"
+                  if base else "-")
+        print(f"| {labels[name]} | {ms:.1f} | {ratio} | {paired} | {losses[name]:.7g} |")
 
 if __name__ == "__main__":
     app.run(main)
