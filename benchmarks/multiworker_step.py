@@ -22,6 +22,14 @@ paired ratio (step / "one"'s step in that round), and the final loss of every sy
 after the same number of steps from the same start (the systems compute the same SGD,
 so the losses agree to float32 round-off).
 
+--model=halo times instead a training step of --conv_layers 3x3 SAME convolutions
+(tanh, replicated kernels, SGD) on an image batch P("model", "data"): the height is
+split over "data", the axis spanning the workers, so every halo exchange (gt.Permute)
+crosses the processes, as the pair gathers of docs/INTERNALS.md, "Multi-worker"
+(--run=one,workers: MWMS has no spatial partitioning to compare).
+
+    .venv/bin/python benchmarks/multiworker_step.py --model=halo --run=one,workers
+
 All processes share the host's cores, so this measures the cost of the multi-process
 runtime (gRPC between processes instead of in-process copies), not a speed-up.
 """
@@ -53,6 +61,10 @@ LOCAL_DEVICES = flags.DEFINE_integer("local_devices", 4, "logical CPU devices pe
 SYSTEMS_RUN = flags.DEFINE_string("run", "one,workers,mwms", "systems to run, in order")
 ROLE = flags.DEFINE_string("role", "", "internal: the system this process runs")
 TIMEOUT = flags.DEFINE_integer("timeout", 900, "seconds a system may take")
+MODEL = flags.DEFINE_enum("model", "ffn", ["ffn", "halo"], "the step to time")
+IMAGE = flags.DEFINE_string("image", "8,64,64,16", "--model=halo: batch,height,width,"
+                            "channels")
+CONV_LAYERS = flags.DEFINE_integer("conv_layers", 4, "--model=halo: convolutions")
 
 FLAGS = flags.FLAGS
 MESH_SHAPE = (2, 4)
@@ -105,9 +117,11 @@ def run_gspmd(multi_worker):
     import tensorflow as tf
     from gspmd_tf.layout import Layout
     P = gt.P
+    mesh = gt.Mesh.create(MESH_SHAPE, train_step.AXES)
+    if MODEL.value == "halo":
+        return halo_step(gt, tf, mesh)
     specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model"), "b2": P()}
     values, x, target = problem()
-    mesh = gt.Mesh.create(MESH_SHAPE, train_step.AXES)
     variables = [{n: gt.Variable(layer[n], mesh, specs[n], name=f"{n}_{i}")
                   for n in train_step.NAMES} for i, layer in enumerate(values)]
     step = gt.function(train_step.make_step(tf, variables, FLAGS.lr), mesh=mesh,
@@ -116,6 +130,38 @@ def run_gspmd(multi_worker):
     layout = Layout.from_spec(mesh, P("data"), 3, "the batch")
     x, target = (gt.ShardedTensor.from_value(v, mesh, layout) for v in (x, target))
     return lambda: float(step(x, target).numpy())
+
+
+def halo_step(gt, tf, mesh):
+    """--model=halo: run() of the convolutions' training step, the image's height split
+    over "data" (across the workers), its batch over "model"."""
+    from gspmd_tf.layout import Layout
+    batch, height, width, channels = (int(v) for v in IMAGE.value.split(","))
+    rng = np.random.default_rng(0)
+    shape = (batch, height, width, channels)
+    x = rng.standard_normal(shape).astype(np.float32)
+    target = rng.standard_normal(shape).astype(np.float32)
+    kernels = [gt.Variable((rng.standard_normal((3, 3, channels, channels)) /
+                            np.sqrt(9 * channels)).astype(np.float32), mesh, gt.P(),
+                           name=f"kernel_{i}") for i in range(CONV_LAYERS.value)]
+
+    def step(x, target):
+        with tf.GradientTape() as tape:
+            h = x
+            for kernel in kernels:
+                h = tf.tanh(tf.nn.conv2d(h, kernel, 1, "SAME"))
+            loss = tf.reduce_mean(tf.square(h - target))
+        for kernel, grad in zip(kernels, tape.gradient(loss, kernels)):
+            kernel.assign_sub(FLAGS.lr * grad)
+        return loss
+    spec = gt.P("model", "data")
+    function = gt.function(step, mesh=mesh, in_shardings=(spec, spec))
+    layout = Layout.from_spec(mesh, spec, 4, "the image")
+    x, target = (gt.ShardedTensor.from_value(v, mesh, layout) for v in (x, target))
+    kinds = [c.kind for c in function.lower(x, target).collectives()]
+    print(f"note: collectives per step {sorted((k, kinds.count(k)) for k in set(kinds))}",
+          flush=True)
+    return lambda: float(function(x, target).numpy())
 
 
 def run_mwms():
@@ -172,8 +218,11 @@ class System:
         return line
 
     def wait_ready(self):
+        """Waits for every worker's "ready"; prints task 0's "note:" lines before it."""
         for task in range(len(self.runs)):
-            assert self._reply(task).strip() == "ready"
+            while (line := self._reply(task).strip()) != "ready":
+                if task == 0 and line.startswith("note:"):
+                    print(f"{self.name}: {line[5:].strip()}\n")
 
     def step(self):
         for run in self.runs:
@@ -196,12 +245,14 @@ def main(argv):
         return
     import tensorflow as tf
     devices = WORKERS.value * LOCAL_DEVICES.value
-    print(f"# FFN training step: one process vs {WORKERS.value} worker processes vs "
-          "MultiWorkerMirroredStrategy\n")
+    model = (f"layers={FLAGS.layers} batch={FLAGS.batch} seq={FLAGS.seq} "
+             f"d_model={FLAGS.d_model} d_ff={FLAGS.d_ff}" if MODEL.value == "ffn" else
+             f"conv_layers={CONV_LAYERS.value} image={IMAGE.value} P('model', 'data')")
+    print(f"# {MODEL.value} training step: one process vs {WORKERS.value} worker "
+          "processes (vs MultiWorkerMirroredStrategy)\n")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, TF {tf.__version__}, "
-          f"load average at start {os.getloadavg()[0]:.2f}; layers={FLAGS.layers} "
-          f"batch={FLAGS.batch} seq={FLAGS.seq} d_model={FLAGS.d_model} d_ff={FLAGS.d_ff}; "
-          f"{FLAGS.warmup} warm-up + {FLAGS.steps} timed steps each\n", flush=True)
+          f"load average at start {os.getloadavg()[0]:.2f}; {model}; {FLAGS.warmup} "
+          f"warm-up + {FLAGS.steps} timed steps each\n", flush=True)
     labels = {"one": f"gspmd-tf, 1 process x {devices} devices, mesh {MESH_SHAPE}",
               "workers": f"gspmd-tf, {WORKERS.value} processes x {LOCAL_DEVICES.value} "
                          f"devices, mesh {MESH_SHAPE}",
