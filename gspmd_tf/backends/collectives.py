@@ -140,7 +140,8 @@ class ProgramKeys:
     """
 
     def __init__(self, program):
-        names = [node.name for node in program.nodes if node.op in KEYED]
+        # gt.Permute takes keys too: across workers its pairs are collectives
+        names = [node.name for node in program.nodes if node.op in KEYED + (base.PERMUTE,)]
         self.fingerprint = program_fingerprint(program)
         self.first, self.lock = _program_range(self.fingerprint, len(names))
         self._ordinal = {name: i for i, name in enumerate(names)}
@@ -148,6 +149,12 @@ class ProgramKeys:
     def instance_key(self, node_name):
         """The instance key of collective node `node_name`."""
         return self.first + self._ordinal[node_name]
+
+
+def named_keys(name, count=1):
+    """(first instance key, lock) of `count` keys reserved for the collectives of a
+    helper outside any program (e.g. the workers' barrier), the same in every process."""
+    return _program_range(("named", name), count)
 
 
 def _program_range(fingerprint, count):
@@ -406,12 +413,18 @@ class GuardedCall:
 
     def timeout_error(self):
         """The DeadlineExceededError to raise for this call."""
+        from gspmd_tf import cluster
+        joined = cluster.current()
+        after = ("later calls run normally." if joined is None or joined.num_workers == 1
+                 else "a worker of the cluster may have died or be unreachable; this "
+                 "worker's collective keys have moved on, so restart every worker (from the "
+                 "last checkpoint).")
         return errors.DeadlineExceededError(
             None, None,
             f"{self.what} did not finish within {self.seconds:g} s, so it was cancelled: a "
             "collective waited for peers that did not come (or the program is slower than "
             "the limit: raise it with collective_timeout= or GSPMD_TF_COLLECTIVE_TIMEOUT). "
-            "Variables it assigns may be partly updated; later calls run normally.")
+            f"Variables it assigns may be partly updated; {after}")
 
 
 watchdog = Watchdog()

@@ -20,6 +20,7 @@ from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util_v2
 
+from gspmd_tf import cluster
 from gspmd_tf.backends import base, collectives
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import REGION_OPS
@@ -68,8 +69,10 @@ class LocalBackend(base.Backend):
     def compile(self, program, name=None):
         """Traces `program` into one tf.function; returns run(inputs) -> outputs.
 
-        inputs[i][d]: shard of program input i for device id d (tensors or arrays);
-        outputs[j][d]: shard of program.outputs[j], held in device d's memory (its
+        inputs[i][d]: shard of program input i for device id d (tensors or arrays; only
+        those of this process's devices, mesh.addressable_ids, are read);
+        outputs[j][d]: shard of program.outputs[j] (None on other workers' devices),
+        held in device d's memory (its
         `backing_device`; TF labels every output of a function call with the call's device
         in `.device`). `name` names the program in errors.
         Calls of one compiled program (and of programs with the same fingerprint, which
@@ -89,11 +92,15 @@ class _Compiled:
         self.program = program
         self.timeout = timeout
         self.inputs = base.program_inputs(program)
-        n = mesh.size
+        if not mesh.addressable_ids:
+            raise ShardingError(
+                f"{name or 'an SPMD program'}: mesh {mesh!r} has no device of this worker; "
+                "every worker of the cluster must hold devices of the meshes it runs")
+        self.local = mesh.addressable_ids
         # a variable's handle is a scalar, whatever the shape of the value it holds
         self.specs = [tf.TensorSpec(() if node.out_dtypes[0] == tf.resource
                                     else node.out_shapes[0], node.out_dtypes[0])
-                      for node in self.inputs for _ in range(n)]
+                      for node in self.inputs for _ in self.local]
         self.keys = collectives.ProgramKeys(program)
         self.lock = self.keys.lock
         self.what = name or "an SPMD program"
@@ -136,7 +143,7 @@ class _Compiled:
                 f"expected {len(self.inputs)} inputs with {n} shards each, got "
                 f"{[len(s) for s in shards]}")
         flat = [x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x, spec.dtype)
-                for x, spec in zip((x for s in shards for x in s), self.specs)]
+                for x, spec in zip((s[d] for s in shards for d in self.local), self.specs)]
         with self.lock:
             if self.generation != collectives.generation():
                 self._trace()
@@ -148,7 +155,14 @@ class _Compiled:
                         raise call.timeout_error() from None
                     e.add_note(f"while running {self.what}")
                     raise
-        return [outs[j * n:(j + 1) * n] for j in range(len(self.program.outputs))]
+        k = len(self.local)
+        results = []
+        for j in range(len(self.program.outputs)):
+            shards = [None] * n
+            for d, out in zip(self.local, outs[j * k:(j + 1) * k]):
+                shards[d] = out
+            results.append(shards)
+        return results
 
     def _execute(self, inputs, call):
         """Runs the traced function, under the call's CancellationManager if guarded."""
@@ -174,14 +188,21 @@ class _Lowering:
         self.mesh = mesh
         self.keys = keys
         self.devices = mesh.devices
-        self.tokens = [collectives.ordering_token(name) for name in self.devices]
+        # this process's devices: the others belong to other workers, which emit theirs
+        self.local = mesh.addressable_ids
+        self.tokens = {d: collectives.ordering_token(self.devices[d]) for d in self.local}
         self.args = None
 
     def lower(self, program, flat):
-        """Emits every node for every device; returns the outputs, output-major."""
-        n = self.mesh.size
-        self.args = [flat[i:i + n] for i in range(0, len(flat), n)]
-        values = []   # values[node][out][device]: tf.Tensor
+        """Emits every node for every device of this process; returns the outputs,
+        output-major."""
+        n, k = self.mesh.size, len(self.local)
+        self.args = []
+        for i in range(0, len(flat), k):
+            self.args.append([None] * n)
+            for d, x in zip(self.local, flat[i:i + k]):
+                self.args[-1][d] = x
+        values = []   # values[node][out][device]: tf.Tensor (None on other workers)
         op_of = []    # op_of[node][device]: tf.Operation, for control inputs
         # Node-major order: every device's copy of node i is created before node i+1.
         # tf.function chains stateful ops without resource inputs in creation order, and
@@ -189,21 +210,22 @@ class _Lowering:
         for node in program.nodes:
             emit = self._emitter(node)
             ins = [values[ref.node][ref.out] for ref in node.inputs]
-            outs, node_ops = [], []
-            for d in range(n):
+            outs, node_ops = [None] * n, [None] * n
+            for d in self.local:
                 control = [op_of[c][d] for c in node.control_inputs]
                 with tf.device(self.devices[d]), tf.control_dependencies(control):
                     result = emit(d, ins)
                 if isinstance(result, ops.Operation):
-                    outs.append(result.outputs)
-                    node_ops.append(result)
+                    outs[d] = result.outputs
+                    node_ops[d] = result
                 else:
-                    outs.append([result])
-                    node_ops.append(result.op)
-                _set_shapes(node, outs[-1])
-            values.append([[outs[d][k] for d in range(n)] for k in range(len(outs[0]))])
+                    outs[d] = [result]
+                    node_ops[d] = result.op
+                _set_shapes(node, outs[d])
+            values.append([[None if outs[d] is None else outs[d][j] for d in range(n)]
+                           for j in range(len(outs[self.local[0]]))])
             op_of.append(node_ops)
-        return [values[ref.node][ref.out][d] for ref in program.outputs for d in range(n)]
+        return [values[ref.node][ref.out][d] for ref in program.outputs for d in self.local]
 
     def _emitter(self, node):
         """emit(d, inputs): `node` on device d, a tensor or an op (inputs[k][e] is input
@@ -214,7 +236,7 @@ class _Lowering:
         if node.op == base.SHARD_INDEX:
             return lambda d, ins: tf.constant(self.mesh.shard_index(d, p["axes"]), tf.int32)
         if node.op == base.PERMUTE:
-            return _permute(p["pairs"])
+            return self._permute(node)
         if node.op in collectives.KEYED:
             return self._collective(node)
         if node.op.startswith("gt."):
@@ -222,6 +244,53 @@ class _Lowering:
         if node.regions:
             return _region_op(node, self.devices)
         return _tf_op(node, self.devices)
+
+    def _permute(self, node):
+        """Emitter of gt.Permute: targets read their source's tensor, the others get zeros.
+
+        A pair within this process is a copy: an identity on the target reading the
+        source's tensor, for which TF inserts the Send/Recv pair. A pair across workers
+        cannot be one (each worker runs its own function), so the two devices all-gather
+        their tensors in a group of two (the non-sending one gives zeros) and the target
+        keeps its source's block; one gather serves a pair exchanging both ways. Every
+        device joins its crossing pairs in one global order (sorted pairs), so the pair
+        collectives, chained per device by the ordering tokens, cannot wait in a cycle.
+        """
+        pairs = node.params["pairs"]
+        source_of = {}
+        for source, target in pairs:
+            if int(target) in source_of:
+                raise ShardingError(
+                    f"gt.Permute pairs {pairs} send twice to device {target}: each device "
+                    "may receive from one source")
+            source_of[int(target)] = int(source)
+        task = [cluster.task_of(name) for name in self.devices]
+        crossing = sorted({tuple(sorted((s, t))) for t, s in source_of.items()
+                           if task[s] != task[t]})
+        if crossing and not collectives.carries(node.out_dtypes[0]):
+            raise ShardingError(
+                f"node {node.name} (gt.Permute) would send {node.out_dtypes[0].name} values "
+                "between worker processes, which TF's collectives cannot carry; keep the "
+                "halo'd or shifted dim of that tensor unsplit across workers")
+        instance_key = self.keys.instance_key(node.name) if crossing else None
+
+        def emit(d, ins):
+            x = ins[0][d]
+            received = None
+            for pair in (pair for pair in crossing if d in pair):
+                other = pair[1] if pair[0] == d else pair[0]
+                group = collectives.Group([self.devices[m] for m in pair], instance_key,
+                                          self.tokens[d])
+                sent = x if source_of.get(other) == d else tf.zeros_like(x)
+                blocks = group.all_gather(tf.expand_dims(sent, 0), 0)
+                if source_of.get(d) == other:
+                    received = blocks[pair.index(other)]
+            if d not in source_of:
+                return tf.zeros_like(x)
+            if received is not None:
+                return received
+            return tf.identity(ins[0][source_of[d]])
+        return emit
 
     def _collective(self, node):
         p = node.params
@@ -255,6 +324,12 @@ class _Lowering:
         member of its group, and TF inserts the Send/Recv pairs, as for gt.Permute."""
         p = node.params
         dtype = node.out_dtypes[0]
+        if any(len({cluster.task_of(self.devices[m]) for m in row}) > 1
+               for row in row_of.values()):
+            raise ShardingError(
+                f"node {node.name} ({node.op}) would move {dtype.name} values between "
+                "worker processes, which TF's collectives cannot carry; keep the dims of "
+                "that tensor split over one worker's devices only")
         if node.op in (base.ALL_REDUCE, base.REDUCE_SCATTER) and (
                 dtype == tf.string or p["reduce_op"] not in _STACKED_REDUCE):
             raise ShardingError(
@@ -372,24 +447,6 @@ def _nhwc_on_cpu(node, attrs, name, devices):
         return tf.transpose(op.outputs[0], _TO_NCHW) if nchw_out else op.outputs[0]
     return emit
 
-
-def _permute(pairs):
-    """Emitter of gt.Permute: targets read their source's tensor, the others get zeros."""
-    source_of = {}
-    for source, target in pairs:
-        if int(target) in source_of:
-            raise ShardingError(
-                f"gt.Permute pairs {pairs} send twice to device {target}: each device may "
-                "receive from one source")
-        source_of[int(target)] = int(source)
-
-    def emit(d, ins):
-        if d in source_of:
-            # An identity on the target reading the source's tensor: TF inserts the
-            # Send/Recv pair between the two devices.
-            return tf.identity(ins[0][source_of[d]])
-        return tf.zeros_like(ins[0][d])
-    return emit
 
 
 def _region_op(node, devices):
