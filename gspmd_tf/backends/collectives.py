@@ -22,6 +22,7 @@ from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
 
 from gspmd_tf.backends import base
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import walk
 
 MERGE_OPS = {"sum": "Add", "max": "Max", "min": "Min", "prod": "Mul"}
 
@@ -118,19 +119,28 @@ def program_fingerprint(program):
     see ProgramKeys) is safe for them.
     """
     digest = hashlib.blake2b(digest_size=16)
-    for node in program.nodes:
+    _digest_graph(digest, program)
+    return digest.hexdigest()
+
+
+def _digest_graph(digest, graph):
+    """Feed a graph's structure (and its regions', in place) to `digest`."""
+    for node in graph.nodes:
         digest.update(repr((
             node.op, [tuple(r) for r in node.inputs], node.control_inputs,
             node.out_shapes, [d.name for d in node.out_dtypes],
             sorted(node.params.items()))).encode())
-    digest.update(repr([tuple(r) for r in program.outputs]).encode())
-    return digest.hexdigest()
+        for region in node.regions:
+            digest.update(b"region")
+            _digest_graph(digest, region)
+    digest.update(repr([tuple(r) for r in graph.outputs]).encode())
 
 
 class ProgramKeys:
     """The collective instance keys of one SPMD program and the lock its calls hold.
 
-    The i-th keyed collective of the program (in program order) has instance key
+    The i-th keyed collective of the program (in program order, the collectives of a
+    control-flow op's bodies after the op: ir.walk) has instance key
     `first + i`, where `first` comes from the program's fingerprint: every process that
     builds the program gives it the same keys, whatever else it compiled and in what
     order. Programs with different fingerprints get disjoint key ranges in a process;
@@ -140,7 +150,8 @@ class ProgramKeys:
     """
 
     def __init__(self, program):
-        names = [node.name for node in program.nodes if node.op in KEYED]
+        # gt.Permute takes a key too: inside a body it is an all-gather (LocalBackend)
+        names = [node.name for node in walk(program) if node.op in KEYED + (base.PERMUTE,)]
         self.fingerprint = program_fingerprint(program)
         self.first, self.lock = _program_range(self.fingerprint, len(names))
         self._ordinal = {name: i for i, name in enumerate(names)}

@@ -1,0 +1,180 @@
+"""Partitioned control flow: shardings propagate through While / If / Case bodies, each
+body is one SPMD sub-program with its own collectives (run on every iteration, on every
+device), and loop operands are never gathered. Values equal single-device TF."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gspmd_tf as gt
+from gspmd_tf.graph.ir import walk
+from util import assert_close, randn, single_device
+
+P = gt.P
+
+
+@pytest.fixture
+def xw():
+    rng = np.random.default_rng(11)
+    return randn(rng, 8, 16), randn(rng, 16, 16) / 4
+
+
+def run(fn, args, mesh, specs, out_specs=None, caplog=None):
+    """fn partitioned and on one device: equal values; returns (Lowered, warnings)."""
+    f = gt.function(fn, mesh=mesh, in_shardings=specs, out_shardings=out_specs)
+    if caplog is not None:
+        caplog.set_level("WARNING", logger="gspmd_tf")
+    got = tf.nest.flatten(f(*args))
+    want = single_device(fn, args)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g.numpy(), w, f"output {i}")
+    warnings = [r.getMessage() for r in caplog.records] if caplog is not None else []
+    return f.lower(*args), warnings
+
+
+def region_op(low, op_types):
+    """The program's (first) control-flow node of one of `op_types`."""
+    return next(n for n in walk(low.program.graph) if n.op in op_types)
+
+
+def body_collectives(node):
+    """Kinds of the collectives inside a control-flow node's regions."""
+    return sorted(n.op for region in node.regions for n in walk(region)
+                  if n.op.startswith("gt.") and n.op not in ("gt.Input", "gt.ShardIndex"))
+
+
+def matmul_loop(x, w):
+    def body(i, h):
+        return i + 1, tf.tanh(h @ w)
+    return tf.while_loop(lambda i, h: i < 4, body, (0, x))[1]
+
+
+def test_while_matmul_all_reduce_in_body(mesh, xw, caplog):
+    """Model-split weights: the body's matmul contracts a split dim, so the body holds an
+    all-reduce (run on each of the 4 iterations on all 8 devices); the loop value stays
+    split and nothing is gathered."""
+    low, warnings = run(matmul_loop, xw, mesh, (P("data", "model"), P("model", None)),
+                        caplog=caplog)
+    assert not low.program.replicated_ops and not warnings
+    loop = region_op(low, ("While", "StatelessWhile"))
+    # the partial product is reduce-scattered back to the loop value's column split
+    assert body_collectives(loop) == ["gt.ReduceScatter"]
+    assert {c.kind for c in low.collectives()} == {"reduce-scatter"}
+    # the loop's operand, body parameter, body result and result share one sharding
+    body = loop.regions[1]
+    x_local = low.program.graph.shape(loop.inputs[3])
+    assert body.shape(body.inputs[3]) == x_local == body.shape(body.outputs[3])
+    assert x_local[0] == 4  # rows split over "data"
+
+
+def test_loop_carried_split_tensor_needs_no_collective(mesh, xw):
+    def fn(x, w):
+        return tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h * 0.5 + w * h),
+                             (0, x))[1]
+    x, w = xw
+    low, _ = run(fn, (x, w[:8]), mesh, (P("data", "model"), P("data", "model")))
+    assert low.collectives() == []
+    assert low.output_shardings[0] == gt.Sharding.from_spec(mesh, P("data", "model"), 2)
+
+
+def test_permute_inside_the_body(mesh, xw):
+    """Rows 0..8 of a row-split operand, sliced inside the body, move between devices
+    on every iteration (a gt.Permute inside the body)."""
+    def fn(x, w):
+        return tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h * 0.5 + w[:8]),
+                             (0, x))[1]
+    low, _ = run(fn, xw, mesh, (P("data", "model"), P("data", "model")))
+    assert [c.kind for c in low.collectives()] == ["collective-permute"]
+
+
+def test_split_inside_the_body_propagates_out(mesh, xw):
+    """An annotation inside the body decides the loop value's sharding (propagation
+    runs out of the body back to the operand and the result)."""
+    def fn(x, w):
+        def body(i, h):
+            return i + 1, gt.mesh_split(tf.sin(h) + 1.0, mesh, P(None, "model"))
+        return tf.while_loop(lambda i, h: i < 3, body, (0, x))[1]
+    low, _ = run(fn, xw, mesh, (None, None))
+    want = gt.Sharding.from_spec(mesh, P(None, "model"), 2)
+    assert low.input_shardings[0] == want and low.output_shardings[0] == want
+
+
+def test_cond_with_split_operands(mesh, xw, caplog):
+    def fn(x, w):
+        return tf.cond(tf.reduce_sum(x) > 0, lambda: tf.tanh(x @ w), lambda: tf.sin(x) - 1.0)
+    x, w = xw
+    for sign in (1, -1):
+        xs = np.abs(x) * sign
+        low, warnings = run(fn, (xs, w), mesh, (P("data", None), P(None, "model")),
+                            caplog=caplog)
+    assert not low.program.replicated_ops and not warnings
+    node = region_op(low, ("If", "StatelessIf"))
+    # operands enter split: x by rows, w by columns
+    assert low.program.graph.shape(node.inputs[1])[0] == 4
+    assert "all-gather" not in {c.kind for c in low.collectives()}
+
+
+def test_case_with_split_operands(mesh, xw):
+    def fn(x, w):
+        k = tf.cast(x[0, 0], tf.int32)
+        return tf.switch_case(k, [lambda: x * 2.0, lambda: x @ w, lambda: tf.sin(x)])
+    x, w = xw
+    for k in (0, 1, 2):
+        xk = x.copy()
+        xk[0, 0] = k
+        low, _ = run(fn, (xk, w), mesh, (P("data", "model"), P("model", None)))
+        node = region_op(low, ("Case", "StatelessCase"))
+        assert low.program.graph.shape(node.inputs[1]) == (4, 4)
+        assert "gt.ReduceScatter" in body_collectives(node)  # the x @ w branch
+
+
+def test_nested_cond_in_while_with_collectives(mesh, xw):
+    def fn(x, w):
+        def body(i, h):
+            h = tf.cond(i % 2 == 0, lambda: tf.tanh(h @ w), lambda: tf.sin(h))
+            return i + 1, h
+        return tf.while_loop(lambda i, h: i < 5, body, (0, x))[1]
+    low, _ = run(fn, xw, mesh, (P("data", "model"), P("model", None)))
+    assert {c.kind for c in low.collectives()} == {"reduce-scatter"}
+
+
+def test_gradient_through_the_loop(mesh, xw):
+    def grad(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            y = tf.reduce_sum(matmul_loop(x, w) ** 2)
+        return tape.gradient(y, w)
+    run(grad, xw, mesh, (P("data", None), P(None, "model")))
+
+
+def test_tensor_list_accumulate(mesh, xw):
+    def fn(x, w):
+        def body(i, array, h):
+            h = tf.tanh(h @ w)
+            return i + 1, array.write(i, h), h
+        array = tf.TensorArray(tf.float32, size=3)
+        return tf.while_loop(lambda i, a, h: i < 3, body, (0, array, x))[1].stack()
+    run(fn, xw, mesh, (P("data", None), P(None, "model")))
+
+
+def test_roll_on_a_split_dim_inside_the_body(mesh, xw):
+    """The pipeline's shift: tf.roll along a split stage dim inside a while body."""
+    def fn(x, w):
+        def body(i, h):
+            return i + 1, tf.roll(h, 1, axis=0) * 0.5 + 1.0
+        return tf.while_loop(lambda i, h: i < 3, body, (0, x))[1]
+    run(fn, xw, mesh, (P("data", None), None))
+
+
+def test_body_collectives_have_fixed_deterministic_keys(mesh, xw):
+    """The collectives inside bodies get instance keys like top-level ones: one per
+    collective (used on every iteration), the same for every compile of the program."""
+    specs = (P("data", "model"), P("model", None))
+    first = gt.function(matmul_loop, mesh=mesh, in_shardings=specs).lower(*xw).compile()
+    again = gt.function(matmul_loop, mesh=mesh, in_shardings=specs).lower(*xw).compile()
+    keys = first.collective_keys()
+    names = [name for name, *_ in keys]
+    assert any(name.startswith("while/") for name in names)
+    assert len({instance for _, _, instance, _ in keys}) == len(keys)
+    assert keys == again.collective_keys()
