@@ -148,14 +148,41 @@ def test_gradient_through_the_loop(mesh, xw):
     run(grad, xw, mesh, (P("data", None), P(None, "model")))
 
 
-def test_tensor_list_accumulate(mesh, xw):
-    def fn(x, w):
-        def body(i, array, h):
-            h = tf.tanh(h @ w)
-            return i + 1, array.write(i, h), h
-        array = tf.TensorArray(tf.float32, size=3)
-        return tf.while_loop(lambda i, a, h: i < 3, body, (0, array, x))[1].stack()
-    run(fn, xw, mesh, (P("data", None), P(None, "model")))
+def accumulate(x, w):
+    def body(i, array, h):
+        h = tf.tanh(h @ w)
+        return i + 1, array.write(i, h), h
+    array = tf.TensorArray(tf.float32, size=3)
+    return tf.while_loop(lambda i, a, h: i < 3, body, (0, array, x))[1].stack()
+
+
+def test_tensor_list_accumulate(mesh, xw, caplog):
+    """A TensorArray of split elements stays split: each device's list holds its shards
+    (the list's index dim whole), and the stacked result is split like the elements."""
+    low, warnings = run(accumulate, xw, mesh, (P("data", "model"), P("model", None)),
+                        caplog=caplog)
+    assert not warnings
+    lists = {n.op: n.out_shapes[0] for n in walk(low.program.graph) if "TensorList" in n.op}
+    assert lists == {"TensorListReserve": (4, 4), "TensorListSetItem": (4, 4),
+                     "TensorListStack": (3, 4, 4)}
+    assert low.output_shardings[0] == gt.Sharding.from_spec(mesh, P(None, "data", "model"), 3)
+    assert {c.kind for c in low.collectives()} == {"reduce-scatter"}  # the matmul's only
+
+
+def test_tensor_list_gradient(mesh, xw, caplog):
+    """The gradient of a loop over a TensorArray: TF's accumulators (EmptyTensorList,
+    TensorListPushBack, TensorListPopBack in the gradient loop, TensorListFromTensor)
+    keep split elements; nothing runs replicated."""
+    def grad(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            y = tf.reduce_sum(accumulate(x, w) ** 2)
+        return tape.gradient(y, w)
+    low, warnings = run(grad, xw, mesh, (P("data", "model"), P("model", None)),
+                        caplog=caplog)
+    assert not warnings
+    ops = {n.op for n in walk(low.program.graph)}
+    assert {"EmptyTensorList", "TensorListPushBack", "TensorListPopBack"} <= ops
 
 
 def test_roll_on_a_split_dim_inside_the_body(mesh, xw):
@@ -186,8 +213,8 @@ def test_body_collectives_have_fixed_deterministic_keys(mesh, xw):
 def test_keras_rnn_trains_with_its_loops_partitioned(mesh, caplog, layer, layout_map):
     """A Keras LSTM / GRU (a While forward, a While over TensorLists backward): one epoch
     of fit, batch split over "data" (and the gate kernels' columns over "model"), equals
-    one device, and no control-flow op runs replicated. The TensorList ops inside have
-    no rule yet: they are the only ops that run replicated (named by the warnings)."""
+    one device, and no op runs replicated (no warning): the loops and their TensorList
+    ops are partitioned."""
     import os
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     keras = pytest.importorskip("keras")
@@ -213,5 +240,15 @@ def test_keras_rnn_trains_with_its_loops_partitioned(mesh, caplog, layer, layout
     for a, b in zip(sharded.weights, single.weights):
         assert_close(a.numpy(), b.numpy(), a.path)
     replicated = [r.getMessage() for r in caplog.records if "replicated" in r.getMessage()]
-    assert not any("control-flow" in w for w in replicated)
-    assert all("(TensorList" in w or "(EmptyTensorList)" in w for w in replicated), replicated
+    assert not replicated, replicated
+
+
+def test_every_tensor_list_op_on_split_elements(mesh, caplog):
+    """The list ops with rules (tests/test_rules.py's tensor_lists) on elements split
+    over both axes: every device's lists hold its shards, values equal one device, and
+    nothing moves between devices."""
+    from test_rules import tensor_lists
+    rng = np.random.default_rng(2)
+    low, warnings = run(tensor_lists, (randn(rng, 3, 4, 6), randn(rng, 4, 6)), mesh,
+                        (P(None, "data", "model"), P("data", "model")), caplog=caplog)
+    assert not warnings and low.collectives() == []

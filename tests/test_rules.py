@@ -182,7 +182,47 @@ def select(condition, x, y):
 
 
 MATMUL = "([i, j], [j, k])->([i, k]) {i=4, j=8, k=16} reduction={j}"
-ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_ROWS + [
+
+
+def tensor_lists(x, item):
+    """Every TensorList op with a rule, on lists of [4, 6] elements (a list has its
+    element's shape in the IR)."""
+    from tensorflow.python.ops import list_ops
+    lst = list_ops.tensor_list_from_tensor(x, element_shape=[4, 6])
+    lst = list_ops.tensor_list_set_item(lst, 1, item)
+    lst = list_ops.tensor_list_push_back(lst, item)
+    got = list_ops.tensor_list_get_item(lst, 0, tf.float32, element_shape=[4, 6])
+    lst, popped = list_ops.tensor_list_pop_back(lst, tf.float32)
+    lst = tf.raw_ops.TensorListResize(input_handle=lst, size=3)
+    stacked = list_ops.tensor_list_stack(lst, tf.float32, element_shape=[4, 6],
+                                         num_elements=3)
+    empty = list_ops.tensor_list_push_back(
+        list_ops.empty_tensor_list([4, 6], tf.float32), item)
+    reserved = tf.raw_ops.TensorListReserve(element_shape=[4, 6], num_elements=3,
+                                            element_dtype=tf.float32)
+    return (stacked, got, popped, list_ops.tensor_list_length(lst),
+            list_ops.tensor_list_stack(empty, tf.float32, num_elements=1),
+            list_ops.tensor_list_stack(list_ops.tensor_list_set_item(reserved, 0, item),
+                                       tf.float32, num_elements=3))
+
+
+ELEMENT = "{i=4, j=6}"
+# lists and elements share the element dims' factors; the list index dim is whole
+TENSOR_LIST_ROWS = [(op, tensor_lists, [f32(3, 4, 6), f32(4, 6)], expected) for op, expected in [
+    ("EmptyTensorList", f"(_, _)->([i, j]) {ELEMENT}"),
+    ("TensorListReserve", f"(_, _)->([i, j]) {ELEMENT}"),
+    ("TensorListFromTensor", "([k, i, j], _)->([i, j]) {i=4, j=6, k=3} need_replication={k}"),
+    ("TensorListSetItem", f"([i, j], _, [i, j])->([i, j]) {ELEMENT}"),
+    ("TensorListPushBack", f"([i, j], [i, j])->([i, j]) {ELEMENT}"),
+    ("TensorListGetItem", f"([i, j], _, _)->([i, j]) {ELEMENT}"),
+    ("TensorListPopBack", f"([i, j], _)->([i, j], [i, j]) {ELEMENT}"),
+    ("TensorListResize", f"([i, j], _)->([i, j]) {ELEMENT}"),
+    ("TensorListLength", f"([i, j])->([]) {ELEMENT}"),
+    ("TensorListStack", "([i, j], _)->([k, i, j]) {i=4, j=6, k=3} need_replication={k}"),
+]]
+
+ROWS = (UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_ROWS
+        + TENSOR_LIST_ROWS) + [
     ("XlaSharding", lambda x: xs.replicate(x, use_sharding_op=True), [f32(4, 6)], SAME_2D),
     # a bitcast to a narrower type adds a minor dim, to a wider one removes it: that dim
     # is in one tensor only and stays whole

@@ -420,9 +420,10 @@ _STACKED_REDUCE = {"sum": tf.reduce_sum, "prod": tf.reduce_prod, "max": tf.reduc
 def _set_shapes(node, tensors):
     """Gives `tensors` the program's static local shapes, which TF's shape inference
     cannot always derive (collectives' outputs, reads of variable handles fed without
-    handle data). A resource tensor is a scalar handle: its program shape is the value's."""
+    handle data). A resource or TensorList tensor is a scalar handle: its program shape
+    is its value's (a TensorList's: its element's)."""
     for tensor, shape in zip(tensors, node.out_shapes):
-        if tensor.dtype == tf.resource:
+        if tensor.dtype in (tf.resource, tf.variant):  # scalar handles to TF
             continue
         try:
             tensor.set_shape(shape)

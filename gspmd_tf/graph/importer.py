@@ -27,6 +27,7 @@ from tensorflow.python.ops import handle_data_util
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.fold import VALUE_SHAPED, fold
 from gspmd_tf.graph.ir import REGION_OPS, Graph, Node, Ref
+from gspmd_tf.graph.tensor_lists import infer_element_shapes
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 # Handles: their shape is () whatever they point to, and TF may leave it unknown.
@@ -72,7 +73,9 @@ def import_graph(fn, inputs=None, outputs=None) -> Graph:
     for t, ref in zip(inputs, ins):
         if t.dtype == tf.resource:
             _record_variable(t, ir.nodes[ref.node])
-    return fold(ir)  # shape computations become constants (see fold.py)
+    # shape computations become constants (see fold.py); TensorLists take the shape of
+    # their elements (tensor_lists.py)
+    return infer_element_shapes(fold(ir))
 
 
 class _Importer:

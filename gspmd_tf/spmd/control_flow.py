@@ -13,7 +13,8 @@ annotation made them differ, a reshard at the edge reconciles them):
 - If / Case: operand j keeps its own layout (each branch reshards inside if it wants
   another), branch result j leaves in the layout of the op's result j;
 - a variable handle passes as it is: a device's handle points to its shard, and the
-  bodies read and update that shard as top-level code does.
+  bodies read and update that shard as top-level code does; a TensorList passes as it
+  is too (it holds each device's shards of its elements).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from gspmd_tf.spmd.program import Local
 def partition_control_flow(p, index, operands, targets):
     """Emit control-flow node `index` of partitioner `p` on its operands (Locals);
     returns its results (Locals) in the layouts its regions produce."""
-    from gspmd_tf.spmd.partitioner import Partitioner  # (the partitioner imports us)
+    from gspmd_tf.spmd.partitioner import UNMOVABLE, Partitioner  # (it imports us)
 
     node = p.graph.nodes[index]
     first = REGION_OPS[node.op][1]
@@ -38,13 +39,13 @@ def partition_control_flow(p, index, operands, targets):
     if loop:
         body_params = p.propagation.region(index, len(node.regions) - 1)
         body = node.regions[-1]
-        layouts = [x.layout if x.dtype == tf.resource else body_params.layout(ref)
+        layouts = [x.layout if x.dtype in UNMOVABLE else body_params.layout(ref)
                    for x, ref in zip(passed, body.inputs)]
         result_layouts = layouts
     else:
         layouts = [x.layout for x in passed]
         result_layouts = [Layout(t.dims) for t in targets]
-    passed = [x if x.dtype == tf.resource else p.reshard(x, layout)
+    passed = [x if x.dtype in UNMOVABLE else p.reshard(x, layout)
               for x, layout in zip(passed, layouts)]
     # the predicate or branch index: a scalar every device holds
     selectors = [p.reshard(x, Layout.replicated(len(x.shape))) for x in operands[:first]]

@@ -33,6 +33,10 @@ from gspmd_tf.spmd.reshard import reshard
 log = logging.getLogger("gspmd_tf")
 _NAMES_SHOWN = 10  # op names a grouped replicated-op warning lists
 PROGRESS_EVERY = 10_000  # ops between two progress lines (log level INFO)
+# Handles whose shards cannot be resharded: a variable's (each device's points to its
+# shard) and a TensorList's (each device's holds its shards of the elements). They keep
+# the layout they have; the ops using them adapt their other operands.
+UNMOVABLE = (tf.resource, tf.variant)
 
 
 @dataclass
@@ -138,7 +142,7 @@ def _split_candidates(mesh, rule, dims_factors, layout):
 def _choose_factor_axes(mesh, rule, inputs, targets, node):
     """Mesh axes for every factor, each axis used once.
 
-    Variables come first (their shards cannot move). Then a few greedy orders are tried
+    Variables and TensorLists come first (their shards cannot move). Then a few greedy orders are tried
     and the one whose reshards cost least (planner.cost of every operand's and result's
     plan) wins, the first on a tie: the result targets before the operands; the operands'
     split reduced factors first (compute a partial result and reduce-scatter it, rather
@@ -146,9 +150,9 @@ def _choose_factor_axes(mesh, rule, inputs, targets, node):
     (when operands' splits conflict, keep the larger one's: it is the costlier to move).
     """
     operands = [(dims, x) for dims, x in zip(rule.operands, inputs) if dims is not None]
-    fixed = [(dims, x.layout) for dims, x in operands if x.dtype == tf.resource]
+    fixed = [(dims, x.layout) for dims, x in operands if x.dtype in UNMOVABLE]
     results = [(dims, t) for dims, t in zip(rule.results, targets) if dims is not None]
-    movable = [(dims, x) for dims, x in operands if x.dtype != tf.resource]
+    movable = [(dims, x) for dims, x in operands if x.dtype not in UNMOVABLE]
     others = [(dims, x.layout) for dims, x in movable]
     pinned = _assign(mesh, rule, fixed)
     # a variable's unsplit dims are as binding as its split ones
@@ -296,6 +300,12 @@ class Partitioner:
         one node, so one ref can hold tensors of other global shapes or layouts)."""
         if local.layout == layout:  # most requests: no lookup, no hashing of layouts
             return local
+        if local.dtype == tf.variant:
+            raise ShardingError(
+                f"a TensorList whose elements are split as {local.layout.to_spec()!r} would "
+                f"need them resharded to {layout.to_spec()!r}, which gspmd-tf cannot do "
+                "inside a list; split the tensors written into it the same way everywhere "
+                "(or keep them whole)")
         key = (local, layout)
         if key not in self._resharded:
             self._resharded[key] = reshard(self.b, local, layout)
@@ -333,7 +343,7 @@ class Partitioner:
                 layout = targets[0] if input_layouts is None else input_layouts[i]
                 ref = b.input(i, layout.local_shape(b.mesh, shape), dtype)
                 local = Local(ref, layout, shape, dtype)
-                self.values[graph.inputs[i]] = (local if dtype == tf.resource
+                self.values[graph.inputs[i]] = (local if dtype in UNMOVABLE
                                                 else self.reshard(local, targets[0]))
                 continue
             rule = self.propagation.rules[index]
@@ -347,8 +357,9 @@ class Partitioner:
                 results = self._by_rule(ctx, replay if entry.replay else entry.emit)
             for k, (local, target) in enumerate(zip(results, targets)):
                 # a variable handle (e.g. one a loop hands through) points to this
-                # device's shard whatever layout propagation gave it: never resharded
-                self.values[Ref(index, k)] = (local if local.dtype == tf.resource
+                # device's shard whatever layout propagation gave it, and a TensorList
+                # holds its shards: never resharded
+                self.values[Ref(index, k)] = (local if local.dtype in UNMOVABLE
                                               else self.reshard(local, target))
         outputs = []
         for ref, layout in zip(graph.outputs, output_layouts):
@@ -395,6 +406,12 @@ class Partitioner:
                     f"op {node.name!r} ({node.op}) uses the sharded variable "
                     f"{self.graph.tensor_name(ref)!r} but has no partitioning rule; make that "
                     "variable replicated (spec P()) or add a rule for the op")
+            if x.dtype == tf.variant and not x.layout.is_replicated:
+                raise ShardingError(
+                    f"op {node.name!r} ({node.op}) reads the TensorList "
+                    f"{self.graph.tensor_name(ref)!r}, whose elements are split, but has no "
+                    "partitioning rule; keep the tensors written into that list whole, or "
+                    "add a rule for the op")
         inputs = [self.reshard(x, Layout.replicated(len(x.shape))) for x in ctx.inputs]
         refs = self.b.replay(node, [x.ref for x in inputs], node.out_shapes, node.out_dtypes)
         return [Local(ref, Layout.replicated(len(shape)), shape, dtype)
