@@ -68,6 +68,20 @@ def test_while_matmul_all_reduce_in_body(mesh, xw, caplog):
     assert x_local[0] == 4  # rows split over "data"
 
 
+def test_while_row_parallel_matmul_all_reduces_every_iteration(mesh, xw):
+    """The loop value replicated over "model" (annotated in the body), the weights'
+    rows split over it: each iteration slices the value locally, multiplies, and
+    all-reduces the partial product (Megatron's row-parallel layer) on all 8 devices."""
+    def fn(x, w):
+        def body(i, h):
+            return i + 1, gt.mesh_split(tf.tanh(h @ w), mesh, P("data", None))
+        return tf.while_loop(lambda i, h: i < 5, body, (0, x))[1]
+    low, _ = run(fn, xw, mesh, (P("data", None), P("model", None)))
+    loop = region_op(low, ("While", "StatelessWhile"))
+    assert body_collectives(loop) == ["gt.AllReduce"]
+    assert [c.kind for c in low.collectives()] == ["all-reduce"]
+
+
 def test_loop_carried_split_tensor_needs_no_collective(mesh, xw):
     def fn(x, w):
         return tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h * 0.5 + w * h),
@@ -139,13 +153,18 @@ def test_nested_cond_in_while_with_collectives(mesh, xw):
     assert {c.kind for c in low.collectives()} == {"reduce-scatter"}
 
 
-def test_gradient_through_the_loop(mesh, xw):
+def test_gradient_through_the_loop(mesh, xw, caplog):
+    """The gradient loop (over TF's TensorList accumulators) is partitioned too."""
     def grad(x, w):
         with tf.GradientTape() as tape:
             tape.watch(w)
             y = tf.reduce_sum(matmul_loop(x, w) ** 2)
         return tape.gradient(y, w)
-    run(grad, xw, mesh, (P("data", None), P(None, "model")))
+    low, warnings = run(grad, xw, mesh, (P("data", "model"), P("model", None)),
+                        caplog=caplog)
+    assert not warnings
+    loops = [n for n in low.program.graph.nodes if n.regions]
+    assert len(loops) == 2 and all(body_collectives(n) for n in loops)
 
 
 def accumulate(x, w):

@@ -5,7 +5,7 @@ device under tf.device, gt.* collectives become TF collective ops (see collectiv
 gt.Permute becomes point-to-point copies, and TF's multi-device function runtime runs the
 per-device parts concurrently. A control-flow op (a node with regions) is re-created on
 each device with TF functions built from its regions (SPMD sub-programs, collectives
-included: see _Lowering.region_op).
+included: see _Lowering._region_op).
 """
 
 from __future__ import annotations
