@@ -271,3 +271,18 @@ def test_every_tensor_list_op_on_split_elements(mesh, caplog):
     low, warnings = run(tensor_lists, (randn(rng, 3, 4, 6), randn(rng, 4, 6)), mesh,
                         (P(None, "data", "model"), P("data", "model")), caplog=caplog)
     assert not warnings and low.collectives() == []
+
+
+def test_cond_returning_a_tensor_list(mesh, xw, caplog):
+    """Branches that write split elements into a TensorArray return the list as it is
+    (a list is never resharded)."""
+    def fn(x, w):
+        array = tf.TensorArray(tf.float32, size=2, element_shape=(8, 16))
+        array = tf.cond(tf.reduce_sum(x) > 0, lambda: array.write(0, x @ w),
+                        lambda: array.write(1, tf.sin(x)))
+        return array.read(0) + 2.0 * array.read(1)  # an unwritten element reads zeros
+    x, w = xw
+    for sign in (1, -1):
+        low, warnings = run(fn, (np.abs(x) * sign, w), mesh,
+                            (P("data", None), P(None, "model")), caplog=caplog)
+        assert not warnings

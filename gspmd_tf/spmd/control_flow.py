@@ -22,6 +22,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
+from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import REGION_OPS
 from gspmd_tf.layout import Layout
 from gspmd_tf.spmd.program import Local
@@ -44,17 +45,24 @@ def partition_control_flow(p, index, operands, targets):
         result_layouts = layouts
     else:
         layouts = [x.layout for x in passed]
-        result_layouts = [Layout(t.dims) for t in targets]
+        # a handle result leaves each branch as it is (it cannot be resharded)
+        result_layouts = [None if dtype in UNMOVABLE else Layout(t.dims)
+                          for t, dtype in zip(targets, node.out_dtypes)]
     passed = [x if x.dtype in UNMOVABLE else p.reshard(x, layout)
               for x, layout in zip(passed, layouts)]
     # the predicate or branch index: a scalar every device holds
     selectors = [p.reshard(x, Layout.replicated(len(x.shape))) for x in operands[:first]]
-    programs = []
+    programs, produced = [], []
     for r, region in enumerate(node.regions):
         outs = [Layout.replicated(0)] if loop and r == 0 else result_layouts
         sub = Partitioner(region, p.b.mesh, p.propagation.region(index, r), parent=p,
                           prefix=f"{node.name}/{r}/")
-        programs.append(sub.partition_region(layouts, outs))
+        program, out_layouts = sub.partition_region(layouts, outs)
+        programs.append(program)
+        if not (loop and r == 0):
+            produced.append(out_layouts)
+    if not loop:
+        result_layouts = _branches_agree(node, produced)
     shapes = [p.local_shape(layout, shape)
               for layout, shape in zip(result_layouts, node.out_shapes)]
     refs = p.b.replay(node, [x.ref for x in selectors + passed], shapes, node.out_dtypes,
@@ -73,3 +81,17 @@ def _local_output_shapes(node, shapes):
             listed[k] = tf.TensorShape(shape).as_proto()
     return {"output_shapes": attr_value_pb2.AttrValue(
         list=attr_value_pb2.AttrValue.ListValue(shape=listed))}
+
+
+def _branches_agree(node, produced):
+    """The layouts of a branch op's results: every branch's, which must agree (they do
+    but for handles, which leave each branch in the layout they have)."""
+    for k, layouts in enumerate(zip(*produced)):
+        if len(set(layouts)) > 1:
+            raise ShardingError(
+                f"op {node.name!r} ({node.op}): its branches return result {k} (a variable "
+                "handle or a TensorList) split differently, "
+                f"{' vs '.join(repr(layout.to_spec()) for layout in layouts)}, and it cannot "
+                "be resharded; split what the branches write into it the same way")
+    return list(produced[0])
+

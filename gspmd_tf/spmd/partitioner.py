@@ -321,11 +321,12 @@ class Partitioner:
                            [o.layout for o in outputs], self.replicated_ops)
 
     def partition_region(self, input_layouts, output_layouts):
-        """The SPMD program (a Graph) of a region: its parameters come in
-        `input_layouts` (gt.Input nodes, in order), its results leave in
-        `output_layouts`."""
-        self._partition(output_layouts, input_layouts)
-        return combine_all_reduces(eliminate_dead_code(self.b.graph))
+        """The SPMD program (a Graph) of a region and its results' layouts: its
+        parameters come in `input_layouts` (gt.Input nodes, in order), its results leave
+        in `output_layouts` (a None entry: in the layout the result has)."""
+        outputs = self._partition(output_layouts, input_layouts)
+        return (combine_all_reduces(eliminate_dead_code(self.b.graph)),
+                [local.layout for local in outputs])
 
     def _partition(self, output_layouts, input_layouts=None):
         """Partition every node; returns the outputs (Locals) in `output_layouts`.
@@ -363,7 +364,8 @@ class Partitioner:
                                               else self.reshard(local, target))
         outputs = []
         for ref, layout in zip(graph.outputs, output_layouts):
-            local = self.reshard(self.values[ref], layout)
+            local = self.values[ref]
+            local = local if layout is None else self.reshard(local, layout)
             outputs.append(local)
             b.graph.outputs.append(local.ref)
         return outputs
