@@ -286,3 +286,69 @@ def test_cond_returning_a_tensor_list(mesh, xw, caplog):
         low, warnings = run(fn, (np.abs(x) * sign, w), mesh,
                             (P("data", None), P(None, "model")), caplog=caplog)
         assert not warnings
+
+
+def _region(build):
+    """A region Graph with parameters i: int32[], x: float32[2, 3] (gt.Input nodes);
+    build(graph, i, x) adds its nodes and returns its outputs."""
+    from gspmd_tf.graph.ir import Graph, Node, Ref
+    region = Graph()
+    params = [Ref(region.add(Node(name, "gt.Input", out_shapes=[shape], out_dtypes=[dtype],
+                                  params={"index": k})), 0)
+              for k, (name, shape, dtype) in enumerate([("i", (), tf.int32),
+                                                         ("x", (2, 3), tf.float32)])]
+    region.inputs = params
+    region.outputs = build(region, *params)
+    return region
+
+
+def _op(graph, name, op, inputs, shape, out_dtype, **attrs):
+    """A TF op node added to `graph`; its Ref."""
+    from gspmd_tf.graph.ir import Node, Ref
+    from gspmd_tf.spmd.program import attr_value
+    return Ref(graph.add(Node(name, op, inputs, {k: attr_value(v) for k, v in attrs.items()},
+                              [shape], [out_dtype])), 0)
+
+
+def test_cyclic_permute_inside_a_loop_body(mesh):
+    """The pipeline's shift: a gt.Permute sending each device's block to the next device
+    of a cycle, inside a While body run for 4 iterations on all 8 devices (LocalBackend:
+    point-to-point collectives, one instance key for every iteration)."""
+    from gspmd_tf.backends import LocalBackend
+    from gspmd_tf.graph.ir import Graph, Node, Ref
+    from gspmd_tf.spmd.program import attr_value
+    from tensorflow.core.framework import attr_value_pb2
+    n = mesh.size
+    cycle = [(d, (d + 1) % n) for d in range(n)]
+
+    def cond(g, i, x):
+        four = _op(g, "four", "Const", [], (), tf.int32, dtype=tf.int32, value=np.asarray(4, np.int32))
+        return [_op(g, "less", "Less", [i, four], (), tf.bool, T=tf.int32)]
+
+    def body(g, i, x):
+        one = _op(g, "one", "Const", [], (), tf.int32, dtype=tf.int32, value=np.asarray(1, np.int32))
+        half = _op(g, "half", "Const", [], (), tf.float32, dtype=tf.float32,
+                   value=np.asarray(0.5, np.float32))
+        shifted = Ref(g.add(Node("shift", "gt.Permute", [x], out_shapes=[(2, 3)],
+                                 out_dtypes=[tf.float32], params={"pairs": cycle})), 0)
+        return [_op(g, "next", "AddV2", [i, one], (), tf.int32, T=tf.int32),
+                _op(g, "scaled", "Mul", [shifted, half], (2, 3), tf.float32, T=tf.float32)]
+
+    program = Graph()
+    x = Ref(program.add(Node("x", "gt.Input", out_shapes=[(2, 3)], out_dtypes=[tf.float32],
+                             params={"index": 0})), 0)
+    zero = _op(program, "zero", "Const", [], (), tf.int32, dtype=tf.int32, value=np.asarray(0, np.int32))
+    missing = attr_value_pb2.AttrValue(func=attr_value_pb2.NameAttrList(name="no_such_fn"))
+    loop = program.add(Node(
+        "loop", "StatelessWhile", [zero, x],
+        attrs={"T": attr_value([tf.int32, tf.float32]), "cond": missing, "body": missing,
+               "parallel_iterations": attr_value(10),
+               "output_shapes": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                   shape=[tf.TensorShape(s).as_proto() for s in [(), (2, 3)]]))},
+        out_shapes=[(), (2, 3)], out_dtypes=[tf.int32, tf.float32],
+        regions=[_region(cond), _region(body)]))
+    program.inputs, program.outputs = [x], [Ref(loop, 1)]
+    shards = [np.full((2, 3), d, np.float32) for d in range(n)]
+    outs = LocalBackend(mesh).compile(program, "cyclic shift loop")([shards])
+    for d, out in enumerate(outs[0]):
+        assert_close(out.numpy(), shards[(d - 4) % n] / 16, f"device {d}")

@@ -150,7 +150,7 @@ class ProgramKeys:
     """
 
     def __init__(self, program):
-        # gt.Permute takes a key too: inside a body it is an all-gather (LocalBackend)
+        # gt.Permute takes a key too: inside a body it is pair_send / pair_receive
         names = [node.name for node in walk(program) if node.op in KEYED + (base.PERMUTE,)]
         self.fingerprint = program_fingerprint(program)
         self.first, self.lock = _program_range(self.fingerprint, len(names))
@@ -285,6 +285,27 @@ class Group:
         received.set_shape([k] + chunk)
         merged = _merge_leading(_pick(received, self.rank_of_shard), concat_dim, chunk)
         return _restore(merged, x.dtype)
+
+
+def pair_send(x, source, target, instance_key):
+    """CollectiveBcastSendV2 of x from device `source` to device `target` (names), a
+    group of the two: a point-to-point copy a function running on `source` alone can
+    make (inside a loop body). Measured with TF 2.21: it completes without waiting for
+    the receive, so sends and receives chained in any order on each device (a cyclic
+    shift) do not deadlock; the op takes no ordering token."""
+    return gen_collective_ops.collective_bcast_send_v2(
+        _carry(x), group_size=2, group_key=group_key([source, target]),
+        instance_key=instance_key)
+
+
+def pair_receive(shape, dtype, source, target, instance_key):
+    """The tensor of `shape` and `dtype` that pair_send sends from `source` to `target`,
+    received on `target`."""
+    received = gen_collective_ops.collective_bcast_recv_v2(
+        group_size=2, group_key=group_key([source, target]), instance_key=instance_key,
+        shape=list(shape), T=_CARRIERS.get(dtype, dtype))
+    received.set_shape(shape)
+    return _restore(received, dtype)
 
 
 def chunk(x, dim, k, index):

@@ -366,20 +366,29 @@ class _Lowering:
 
     def _permute_in_region(self, node):
         """Emitter of gt.Permute inside a body, where a device reaches no other device's
-        tensor: an all-gather over every device of the mesh (its instance key is the
-        node's), the target keeping its source's block, the others zeros. It moves
-        mesh-size times the data of the Send/Recv pairs used outside bodies: TF has no
-        point-to-point collective that a body running on one device can use without
-        ordering sends and receives into a deadlock."""
-        source_of = {int(t): int(s) for s, t in node.params["pairs"]}
-        names = list(self.devices)
-        instance_key = self.keys.instance_key(node.name)
+        tensor (the Send/Recv pairs TF inserts between devices outside bodies): each
+        source sends to its targets and each target receives from its source with
+        collectives.pair_send / pair_receive, groups of two devices, the node's instance
+        key; a device that is no target gets zeros."""
+        targets_of, source_of = {}, {}
+        for source, target in node.params["pairs"]:
+            targets_of.setdefault(int(source), []).append(int(target))
+            source_of[int(target)] = int(source)
+        key = self.keys.instance_key(node.name)
+        names = self.devices
 
         def emit(d, ins):
             x = ins[0][d]
-            group = collectives.Group(names, instance_key, self.tokens[d])
-            blocks = group.all_gather(tf.expand_dims(x, 0), 0)  # [devices, ...]
-            return blocks[source_of[d]] if d in source_of else tf.zeros_like(x)
+            for t in targets_of.get(d, ()):
+                if t != d:  # run by the body's automatic control dependencies
+                    collectives.pair_send(x, names[d], names[t], key)
+            s = source_of.get(d)
+            if s is None:
+                return tf.zeros_like(x)
+            if s == d:
+                return tf.identity(x)
+            return collectives.pair_receive(x.shape.as_list(), x.dtype, names[s], names[d],
+                                            key)
         return emit
 
     def _lower_region(self, region, args, d):
