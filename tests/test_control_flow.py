@@ -3,7 +3,6 @@ partitioned into SPMD sub-programs (no warning, nothing replicated for it), and 
 equal single-device TF. tests/test_control_flow_partitioned.py checks the shardings and
 collectives of partitioned bodies."""
 
-import os
 import re
 
 import numpy as np
@@ -312,43 +311,6 @@ def test_dead_code_elimination_of_region_ops(mesh, xw):
     assert float(counter.numpy()) == 2.0
     kept = [n.op for n in f.lower(*xw).program.graph.nodes if n.regions]
     assert kept == ["While"]
-
-
-def test_keras_lstm_trains_data_parallel(mesh):
-    """A Keras LSTM is a While (and its gradient a second one over TensorLists): one
-    epoch of fit on the mesh, batch split over "data", equals one device; with its
-    kernels split over "model", the loop reads them whole, and predict and one epoch of
-    fit equal one device (the gradient takes VariableShape of the handle the loop hands
-    through: folded to the variable's shape)."""
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    keras = pytest.importorskip("keras")
-    if keras.backend.backend() != "tensorflow":
-        pytest.skip("gt.keras needs Keras' TensorFlow backend")
-    rng = np.random.default_rng(3)
-    x = randn(rng, 16, 5, 4)
-    y = rng.integers(0, 3, (16,)).astype(np.int32)
-
-    def model():
-        keras.utils.set_random_seed(1)
-        m = keras.Sequential([keras.Input((5, 4)), keras.layers.LSTM(8, name="lstm"),
-                              keras.layers.Dense(3)])
-        m.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=False,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return m
-    single, sharded = model(), model()
-    gt.keras.shard_model(sharded, mesh, layout_map={})
-    want = single.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
-    got = sharded.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
-    assert_close(got.history["loss"], want.history["loss"], "loss")
-    for a, b in zip(sharded.weights, single.weights):
-        assert_close(a.numpy(), b.numpy(), a.path)
-    split = model()
-    gt.keras.shard_model(split, mesh, layout_map={".*lstm.*kernel": P(None, "model")})
-    assert_close(split.predict(x, verbose=0), model().predict(x, verbose=0), "predict")
-    got = split.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
-    assert_close(got.history["loss"], want.history["loss"], "loss, split kernels")
-    for a, b in zip(split.weights, single.weights):
-        assert_close(a.numpy(), b.numpy(), a.path)
 
 
 def _region(op, value):

@@ -233,7 +233,9 @@ def test_keras_rnn_trains_with_its_loops_partitioned(mesh, caplog, layer, layout
     """A Keras LSTM / GRU (a While forward, a While over TensorLists backward): one epoch
     of fit, batch split over "data" (and the gate kernels' columns over "model"), equals
     one device, and no op runs replicated (no warning): the loops and their TensorList
-    ops are partitioned."""
+    ops are partitioned. With the kernels split, the loops read them in place (the
+    gradient takes VariableShape of the handle a loop hands through: folded to the
+    variable's shape)."""
     import os
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     keras = pytest.importorskip("keras")
