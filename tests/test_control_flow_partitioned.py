@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.graph.ir import walk
-from util import assert_close, randn, single_device
+from util import assert_close, randn, single_device, tensor_lists
 
 P = gt.P
 
@@ -265,10 +265,9 @@ def test_keras_rnn_trains_with_its_loops_partitioned(mesh, caplog, layer, layout
 
 
 def test_every_tensor_list_op_on_split_elements(mesh, caplog):
-    """The list ops with rules (tests/test_rules.py's tensor_lists) on elements split
-    over both axes: every device's lists hold its shards, values equal one device, and
-    nothing moves between devices."""
-    from test_rules import tensor_lists
+    """The list ops with rules (util.tensor_lists) on elements split over both axes:
+    every device's lists hold its shards, values equal one device, and nothing moves
+    between devices."""
     rng = np.random.default_rng(2)
     low, warnings = run(tensor_lists, (randn(rng, 3, 4, 6), randn(rng, 4, 6)), mesh,
                         (P(None, "data", "model"), P("data", "model")), caplog=caplog)

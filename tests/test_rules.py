@@ -16,7 +16,7 @@ from gspmd_tf.graph import import_graph
 from gspmd_tf.propagation.rules import einsum_rule
 from gspmd_tf.registry import ops_with_rules, rule_for
 from gspmd_tf.spmd.handlers.replayed import BINARY, UNARY
-from util import check_partitioned
+from util import check_partitioned, tensor_lists
 
 
 def f32(*shape):
@@ -182,28 +182,6 @@ def select(condition, x, y):
 
 
 MATMUL = "([i, j], [j, k])->([i, k]) {i=4, j=8, k=16} reduction={j}"
-
-
-def tensor_lists(x, item):
-    """Every TensorList op with a rule, on lists of [4, 6] elements (a list has its
-    element's shape in the IR)."""
-    from tensorflow.python.ops import list_ops
-    lst = list_ops.tensor_list_from_tensor(x, element_shape=[4, 6])
-    lst = list_ops.tensor_list_set_item(lst, 1, item)
-    lst = list_ops.tensor_list_push_back(lst, item)
-    got = list_ops.tensor_list_get_item(lst, 0, tf.float32, element_shape=[4, 6])
-    lst, popped = list_ops.tensor_list_pop_back(lst, tf.float32)
-    lst = tf.raw_ops.TensorListResize(input_handle=lst, size=3)
-    stacked = list_ops.tensor_list_stack(lst, tf.float32, element_shape=[4, 6],
-                                         num_elements=3)
-    empty = list_ops.tensor_list_push_back(
-        list_ops.empty_tensor_list([4, 6], tf.float32), item)
-    reserved = tf.raw_ops.TensorListReserve(element_shape=[4, 6], num_elements=3,
-                                            element_dtype=tf.float32)
-    return (stacked, got, popped, list_ops.tensor_list_length(lst),
-            list_ops.tensor_list_stack(empty, tf.float32, num_elements=1),
-            list_ops.tensor_list_stack(list_ops.tensor_list_set_item(reserved, 0, item),
-                                       tf.float32, num_elements=3))
 
 
 ELEMENT = "{i=4, j=6}"
