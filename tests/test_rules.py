@@ -16,7 +16,7 @@ from gspmd_tf.graph import import_graph
 from gspmd_tf.propagation.rules import einsum_rule
 from gspmd_tf.registry import ops_with_rules, rule_for
 from gspmd_tf.spmd.handlers.replayed import BINARY, UNARY
-from util import check_partitioned
+from util import check_partitioned, tensor_lists
 
 
 def f32(*shape):
@@ -182,7 +182,25 @@ def select(condition, x, y):
 
 
 MATMUL = "([i, j], [j, k])->([i, k]) {i=4, j=8, k=16} reduction={j}"
-ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_ROWS + [
+
+
+ELEMENT = "{i=4, j=6}"
+# lists and elements share the element dims' factors; the list index dim is whole
+TENSOR_LIST_ROWS = [(op, tensor_lists, [f32(3, 4, 6), f32(4, 6)], expected) for op, expected in [
+    ("EmptyTensorList", f"(_, _)->([i, j]) {ELEMENT}"),
+    ("TensorListReserve", f"(_, _)->([i, j]) {ELEMENT}"),
+    ("TensorListFromTensor", "([k, i, j], _)->([i, j]) {i=4, j=6, k=3} need_replication={k}"),
+    ("TensorListSetItem", f"([i, j], _, [i, j])->([i, j]) {ELEMENT}"),
+    ("TensorListPushBack", f"([i, j], [i, j])->([i, j]) {ELEMENT}"),
+    ("TensorListGetItem", f"([i, j], _, _)->([i, j]) {ELEMENT}"),
+    ("TensorListPopBack", f"([i, j], _)->([i, j], [i, j]) {ELEMENT}"),
+    ("TensorListResize", f"([i, j], _)->([i, j]) {ELEMENT}"),
+    ("TensorListLength", f"([i, j])->([]) {ELEMENT}"),
+    ("TensorListStack", "([i, j], _)->([k, i, j]) {i=4, j=6, k=3} need_replication={k}"),
+]]
+
+ROWS = (UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_ROWS
+        + TENSOR_LIST_ROWS) + [
     ("XlaSharding", lambda x: xs.replicate(x, use_sharding_op=True), [f32(4, 6)], SAME_2D),
     # a bitcast to a narrower type adds a minor dim, to a wider one removes it: that dim
     # is in one tensor only and stays whole

@@ -4,7 +4,8 @@ One tf.function holds the whole program for every device: each node is emitted o
 device under tf.device, gt.* collectives become TF collective ops (see collectives.py),
 gt.Permute becomes point-to-point copies, and TF's multi-device function runtime runs the
 per-device parts concurrently. A control-flow op (a node with regions) is re-created on
-each device with TF functions built from its regions.
+each device with TF functions built from its regions (SPMD sub-programs, collectives
+included: see _Lowering._region_op).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tensorflow.python.ops import control_flow_util_v2
 from gspmd_tf import cluster
 from gspmd_tf.backends import base, collectives
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.graph.ir import REGION_OPS
+from gspmd_tf.graph.ir import REGION_OPS, walk
 
 
 # Generous: a call that waits this long is hung, not slow, on the meshes of one host.
@@ -127,7 +128,7 @@ class _Compiled:
         in program order: the keys its next call runs with (group keys: one per group of
         mesh.groups(axes), sorted; a group of one device runs no collective)."""
         out = []
-        for node in self.program.nodes:
+        for node in walk(self.program):
             if node.op not in collectives.KEYED:
                 continue
             rows = self.mesh.groups(tuple(node.params["axes"]))
@@ -175,7 +176,15 @@ class _Compiled:
                                                  call.manager)
 
 
-def _safe_name(name):
+def traced_region_op(node, operands):
+    """The control-flow op `node` of a traced (not SPMD) graph re-created once in the
+    current graph, with no device, on the tensors `operands`: its regions, which hold no
+    collectives, become TF functions as the backend builds them (for the annotated
+    global graph, runtime/annotated.py). Returns the tf.Operation."""
+    return _Lowering(None, None, devices=[None])._region_op(node)(0, [[t] for t in operands])
+
+
+def safe_name(name):
     """`name` made into a valid TF op name."""
     name = re.sub(r"[^A-Za-z0-9_.\-/]", "_", name).strip("/")
     return name if re.match(r"[A-Za-z0-9.]", name) else "n" + name
@@ -184,13 +193,19 @@ def _safe_name(name):
 class _Lowering:
     """Emits an SPMD program into the current (function) graph, once per device."""
 
-    def __init__(self, mesh, keys):
+    def __init__(self, mesh, keys, devices=None):
+        """With `devices` (TF device names, or None for no device) instead of a mesh, it
+        emits graphs without collectives on those devices (see traced_region_op)."""
         self.mesh = mesh
         self.keys = keys
-        self.devices = mesh.devices
-        # this process's devices: the others belong to other workers, which emit theirs
-        self.local = mesh.addressable_ids
-        self.tokens = {d: collectives.ordering_token(self.devices[d]) for d in self.local}
+        if mesh is None:
+            self.devices, self.local = devices, tuple(range(len(devices)))
+            self.tokens = dict.fromkeys(self.local)
+        else:
+            self.devices = mesh.devices
+            # this process's devices: the others belong to other workers, which emit theirs
+            self.local = mesh.addressable_ids
+            self.tokens = {d: collectives.ordering_token(self.devices[d]) for d in self.local}
         self.args = None
 
     def lower(self, program, flat):
@@ -242,7 +257,7 @@ class _Lowering:
         if node.op.startswith("gt."):
             raise ShardingError(f"LocalBackend cannot lower {node.op} (node {node.name})")
         if node.regions:
-            return _region_op(node, self.devices)
+            return self._region_op(node)
         return _tf_op(node, self.devices)
 
     def _permute(self, node):
@@ -356,6 +371,147 @@ class _Lowering:
             return collectives.chunk(reduced, p["dim"] % x[d].shape.rank, len(row), row.index(d))
         return emit
 
+    def _region_op(self, node):
+        """Emitter of a control-flow op (a node with regions): the TF op re-created on
+        device d, each of its function attrs naming a TF function built from its region
+        (an SPMD sub-program) for d.
+
+        When the regions hold collectives, the device's ordering token is one more
+        operand (a loop hands it through as one more loop value) and the bodies' ordering
+        token: the op then orders with the device's other collectives, not in one chain
+        with every device's stateful ops (which would deadlock, see
+        collectives.ordering_token), and it is the stateful op type. Each collective
+        keeps one instance key for every iteration: measured with TF 2.21, a functional
+        While (not lowered to Switch/Merge: the backend drops TF's
+        _lower_using_switch_merge attr) runs the body's collectives once per iteration
+        on every device with the same keys, correctly."""
+        attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
+        name = safe_name(node.name)
+        threads_token = any(n.op in collectives.KEYED + (base.PERMUTE,)
+                            for region in node.regions for n in walk(region))
+        op_type = _STATEFUL.get(node.op, node.op) if threads_token else node.op
+        loop = "While" in node.op
+        body = len(node.regions) - 1
+
+        def emit(d, ins):
+            functions = iter([
+                self._region_function(region, d, f"{name}_region{k}_d{d}", threads_token,
+                                      threads_token and loop and k == body)
+                for k, region in enumerate(node.regions)])
+            op_attrs = dict(attrs)
+            for attr in REGION_OPS[node.op][0]:
+                if attrs[attr].HasField("list"):  # list(func): one region per function
+                    count = len(attrs[attr].list.func)
+                    op_attrs[attr] = attr_value_pb2.AttrValue(
+                        list=attr_value_pb2.AttrValue.ListValue(func=[
+                            attr_value_pb2.NameAttrList(name=next(functions))
+                            for _ in range(count)]))
+                else:
+                    op_attrs[attr] = attr_value_pb2.AttrValue(
+                        func=attr_value_pb2.NameAttrList(name=next(functions)))
+            inputs, dtypes = [x[d] for x in ins], list(node.out_dtypes)
+            if threads_token:
+                inputs.append(self.tokens[d])
+                _append_type(op_attrs, "T" if loop else "Tin", tf.resource)
+                if loop:
+                    dtypes.append(tf.resource)
+                    if "output_shapes" in op_attrs:
+                        shapes = list(op_attrs["output_shapes"].list.shape)
+                        op_attrs["output_shapes"] = attr_value_pb2.AttrValue(
+                            list=attr_value_pb2.AttrValue.ListValue(
+                                shape=shapes + [tf.TensorShape([]).as_proto()]))
+            return ops.get_default_graph()._create_op_internal(
+                op_type, inputs, dtypes=dtypes, attrs=op_attrs, name=f"{name}_d{d}")
+        return emit
+
+    def _region_function(self, region, d, name, threads_token, returns_token):
+        """Builds a TF function running the sub-program `region` on device d, adds it to
+        the current graph's library, and returns its (unique) name. With
+        `threads_token` it takes the device's ordering token as one more (last)
+        parameter, which its collectives use (and a loop body returns last)."""
+        signature = [tf.TensorSpec(() if node.out_dtypes[0] in (tf.resource, tf.variant)
+                                   else node.out_shapes[0], node.out_dtypes[0])
+                     for node in (region.nodes[ref.node] for ref in region.inputs)]
+        if threads_token:
+            signature.append(tf.TensorSpec((), tf.resource))
+
+        def body(*args):
+            outer = self.tokens[d]
+            if threads_token:
+                self.tokens[d], args = args[-1], args[:-1]
+            try:
+                with tf.device(self.devices[d]):
+                    outs = self._lower_region(region, args, d)
+                if returns_token:
+                    outs.append(self.tokens[d])
+            finally:
+                self.tokens[d] = outer
+            return outs
+        # unique: every traced program registers its functions in one eager context
+        graph = func_graph_module.func_graph_from_py_func(
+            f"{name}_{ops.uid()}", body, None, None, signature=signature,
+            add_control_dependencies=True)
+        return control_flow_util_v2.create_new_tf_function(graph)
+
+    def _permute_in_region(self, node):
+        """Emitter of gt.Permute inside a body, where a device reaches no other device's
+        tensor (the Send/Recv pairs TF inserts between devices outside bodies): each
+        source sends to its targets and each target receives from its source with
+        collectives.pair_send / pair_receive, groups of two devices, the node's instance
+        key (copies to a lower device id: its reverse key, so that the two ways of a
+        2-cycle are two broadcasts); a device that is no target gets zeros."""
+        targets_of, source_of = {}, {}
+        for source, target in node.params["pairs"]:
+            targets_of.setdefault(int(source), []).append(int(target))
+            source_of[int(target)] = int(source)
+        keys = (self.keys.instance_key(node.name),
+                self.keys.instance_key(collectives.reverse_key_name(node.name)))
+        names = self.devices
+
+        def emit(d, ins):
+            x = ins[0][d]
+            for t in targets_of.get(d, ()):
+                if t != d:  # run by the body's automatic control dependencies
+                    collectives.pair_send(x, names[d], names[t], keys[t < d])
+            s = source_of.get(d)
+            if s is None:
+                return tf.zeros_like(x)
+            if s == d:
+                return tf.identity(x)
+            return collectives.pair_receive(x.shape.as_list(), x.dtype, names[s], names[d],
+                                            keys[d < s])
+        return emit
+
+    def _lower_region(self, region, args, d):
+        """Emits the nodes of sub-program `region` for device d into the current graph,
+        its parameters (gt.Input nodes) bound to the tensors `args`; returns the tensors
+        of its outputs."""
+        bound = {ref.node: arg for ref, arg in zip(region.inputs, args)}
+        values, op_of = [], []  # per node: its output tensors; its tf.Operation
+        for index, node in enumerate(region.nodes):
+            if index in bound:
+                values.append([bound[index]])
+                op_of.append(bound[index].op)
+                continue
+            if node.op in collectives.KEYED + (base.PERMUTE,) and \
+                    not collectives.carries(node.out_dtypes[0]):
+                # made of copies that read other devices' tensors, which a body running
+                # on one device cannot reach
+                raise ShardingError(
+                    f"LocalBackend cannot run {node.op} of {node.out_dtypes[0].name} inside "
+                    f"a control-flow body (node {node.name}): TF's collectives do not take "
+                    "that dtype; keep the split that needs it out of the body")
+            emit = (self._permute_in_region(node) if node.op == base.PERMUTE
+                    else self._emitter(node))
+            with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
+                # one device: inputs[k] maps it to its tensor, as emitters index them
+                result = emit(d, [{d: values[ref.node][ref.out]} for ref in node.inputs])
+            outs = list(result.outputs) if isinstance(result, ops.Operation) else [result]
+            _set_shapes(node, outs)
+            values.append(outs)
+            op_of.append(result if isinstance(result, ops.Operation) else result.op)
+        return [values[ref.node][ref.out] for ref in region.outputs]
+
 
 _STACKED_REDUCE = {"sum": tf.reduce_sum, "prod": tf.reduce_prod, "max": tf.reduce_max,
                    "min": tf.reduce_min}
@@ -364,9 +520,10 @@ _STACKED_REDUCE = {"sum": tf.reduce_sum, "prod": tf.reduce_prod, "max": tf.reduc
 def _set_shapes(node, tensors):
     """Gives `tensors` the program's static local shapes, which TF's shape inference
     cannot always derive (collectives' outputs, reads of variable handles fed without
-    handle data). A resource tensor is a scalar handle: its program shape is the value's."""
+    handle data). A resource or TensorList tensor is a scalar handle: its program shape
+    is its value's (a TensorList's: its element's)."""
     for tensor, shape in zip(tensors, node.out_shapes):
-        if tensor.dtype == tf.resource:
+        if tensor.dtype in (tf.resource, tf.variant):  # scalar handles to TF
             continue
         try:
             tensor.set_shape(shape)
@@ -381,7 +538,7 @@ def _tf_op(node, devices):
     # Underscore attrs (_class, _XlaSharding, ...) describe the traced graph, not the op;
     # colocation constraints in particular would fight the per-device placement.
     attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
-    name = _safe_name(node.name)
+    name = safe_name(node.name)
     if node.op in _NCHW_ON_CPU and attrs.get("data_format") is not None and \
             attrs["data_format"].s == b"NCHW":
         return _nhwc_on_cpu(node, attrs, name, devices)
@@ -449,67 +606,12 @@ def _nhwc_on_cpu(node, attrs, name, devices):
 
 
 
-def _region_op(node, devices):
-    """Emitter of a control-flow op (a node with regions): the TF op re-created on device
-    d, each of its function attrs naming a TF function built from its region for d.
-
-    The regions run whole: they hold TF ops only, no gt.* ops (see docs/INTERNALS.md,
-    "Regions")."""
-    attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
-    name = _safe_name(node.name)
-
-    def emit(d, ins):
-        functions = iter([_region_function(region, devices[d], f"{name}_region{k}_d{d}")
-                          for k, region in enumerate(node.regions)])
-        op_attrs = dict(attrs)
-        for attr in REGION_OPS[node.op][0]:
-            if attrs[attr].HasField("list"):  # list(func): one region per function
-                count = len(attrs[attr].list.func)
-                op_attrs[attr] = attr_value_pb2.AttrValue(
-                    list=attr_value_pb2.AttrValue.ListValue(func=[
-                        attr_value_pb2.NameAttrList(name=next(functions))
-                        for _ in range(count)]))
-            else:
-                op_attrs[attr] = attr_value_pb2.AttrValue(
-                    func=attr_value_pb2.NameAttrList(name=next(functions)))
-        return ops.get_default_graph()._create_op_internal(
-            node.op, [x[d] for x in ins], dtypes=node.out_dtypes, attrs=op_attrs,
-            name=f"{name}_d{d}")
-    return emit
+# The stateful op of a stateless control-flow op whose bodies now hold collectives.
+_STATEFUL = {"StatelessWhile": "While", "StatelessIf": "If", "StatelessCase": "Case"}
 
 
-def _region_function(region, device, name):
-    """Builds a TF function running the Graph `region` whole on `device`, adds it to the
-    current graph's library, and returns its (unique) name."""
-    signature = [tf.TensorSpec(() if node.out_dtypes[0] in (tf.resource, tf.variant)
-                               else node.out_shapes[0], node.out_dtypes[0])
-                 for node in (region.nodes[ref.node] for ref in region.inputs)]
+def _append_type(attrs, key, dtype):
+    """attrs[key], a list(type) attr, with `dtype` appended."""
+    types = list(attrs[key].list.type) + [dtype.as_datatype_enum]
+    attrs[key] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=types))
 
-    def body(*args):
-        with tf.device(device):
-            return _lower_region(region, args, device)
-    # unique: every traced program registers its functions in one eager context
-    graph = func_graph_module.func_graph_from_py_func(
-        f"{name}_{ops.uid()}", body, None, None, signature=signature,
-        add_control_dependencies=True)
-    return control_flow_util_v2.create_new_tf_function(graph)
-
-
-def _lower_region(region, args, device):
-    """Emits the nodes of `region` on `device` into the current graph, its inputs bound
-    to the tensors `args`; returns the tensors of its outputs."""
-    bound = {ref.node: arg for ref, arg in zip(region.inputs, args)}
-    values, op_of = [], []  # per node: its output tensors; its tf.Operation
-    for index, node in enumerate(region.nodes):
-        if index in bound:
-            values.append([bound[index]])
-            op_of.append(bound[index].op)
-            continue
-        emit = _region_op(node, [device]) if node.regions else _tf_op(node, [device])
-        with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
-            result = emit(0, [[values[ref.node][ref.out]] for ref in node.inputs])
-        outs = result.outputs if isinstance(result, ops.Operation) else [result]
-        _set_shapes(node, outs)
-        values.append(outs)
-        op_of.append(result if isinstance(result, ops.Operation) else result.op)
-    return [values[ref.node][ref.out] for ref in region.outputs]
