@@ -2,7 +2,7 @@
 
 Such a dim is a window of one element (stride s, low padding -first element read for a
 slice, the pad amount for a pad: rules._sliced_factors), so the method is that of the
-convolutions' spatial dims (conv.py; XLA pads and slices a split dim the same way): the
+convolutions' spatial dims (windows.py; XLA pads and slices a split dim the same way): the
 result keeps the dim split over the same axes in blocks of W = ceil(out / k), and shard
 i's block reads the operand elements [i*W*s - pad_lo, ...) with stride s; the parts of
 them held by neighbours come in by collective-permute (reshard.exchange_halo), the
@@ -22,8 +22,7 @@ from gspmd_tf.propagation.windowed import Geometry
 from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.handlers.grads import _index_dtype
-from gspmd_tf.spmd.handlers.conv import (_affine_start, _extend_and_slice, _mask_outside,
-                                         _needs_mask, _prepare_input)
+from gspmd_tf.spmd.handlers.windows import extend_and_slice, mask_edges, prepare_input
 
 
 def _windowed_input(ctx, operands, layouts, fill, index=0):
@@ -36,18 +35,13 @@ def _windowed_input(ctx, operands, layouts, fill, index=0):
     if not split:
         return None, ()
     geo = Geometry("", 0, 0, split)  # only its spatial dims are read
-    x, plans = _prepare_input(ctx, operands, index, geo, lambda s: y_layout.dims[s.y_dim])
+    x, plans = prepare_input(ctx, operands, index, geo, lambda s: y_layout.dims[s.y_dim])
     b = ctx.b
     resharded = list(operands)
     resharded[index] = x
-    window = _extend_and_slice(b, masked_refs(ctx, resharded)[index], plans,
-                               lambda dp: dp.s.x_dim)
-    for dp in plans:
-        if _needs_mask(dp, fill == 0):
-            start = _affine_start(b, dp.axes, dp.plan["out_shard"] * dp.s.stride,
-                                  -dp.s.pad_lo)
-            window = _mask_outside(b, window, dp.s.x_dim, start, dp.s.n, fill)
-    return window, tuple(s.x_dim for s in split)
+    window = extend_and_slice(b, masked_refs(ctx, resharded)[index], plans,
+                              lambda dp: dp.s.x_dim)
+    return mask_edges(b, window, plans, fill), tuple(s.x_dim for s in split)
 
 
 @op_family({"Slice": "slice"}, rules.pad_or_slice)
