@@ -177,6 +177,39 @@ POOL_ROWS = [
      [f32(2, 4, 4, 3)], f"(_, {POOLED})->({POOLED})" + POOL_SIZES),
 ]
 
+# the 3-D convolutions and pools: the same factors with three spatial dims
+C3 = {"strides": [1, 1, 1, 1, 1], "padding": "SAME"}
+P3 = {"ksize": [1, 2, 2, 2, 1], "strides": [1, 2, 2, 2, 1], "padding": "VALID"}
+X3, W3, Y3 = [2, 6, 8, 8, 3], [3, 3, 3, 3, 5], [2, 6, 8, 8, 5]
+CONV3D_SIZES = " {i=2, j=6, k=8, l=8, m=3, n=5, o=3, p=3, q=3}"
+POOLED3 = "[i, k, l, m, j]"
+POOL3D_SIZES = " {i=2, j=3, k=6, l=8, m=8}"
+POOL_ROWS += [
+    ("Conv3D", lambda x, w: tf.raw_ops.Conv3D(input=x, filter=w, **C3), [f32(*X3), f32(*W3)],
+     "([i, j, k, l, m], [o, p, q, m, n])->([i, j, k, l, n])" + CONV3D_SIZES
+     + " reduction={m} need_replication={o, p, q}"),
+    ("Conv3DBackpropInputV2",
+     lambda w, dy: tf.raw_ops.Conv3DBackpropInputV2(input_sizes=X3, filter=w, out_backprop=dy,
+                                                   **C3), [f32(*W3), f32(*Y3)],
+     "(_, [o, p, q, m, n], [i, j, k, l, n])->([i, j, k, l, m])" + CONV3D_SIZES
+     + " reduction={n} need_replication={o, p, q}"),
+    ("Conv3DBackpropFilterV2",
+     lambda x, dy: tf.raw_ops.Conv3DBackpropFilterV2(input=x, filter_sizes=W3, out_backprop=dy,
+                                                    **C3), [f32(*X3), f32(*Y3)],
+     "([i, j, k, l, m], _, [i, j, k, l, n])->([o, p, q, m, n])" + CONV3D_SIZES
+     + " reduction={i, j, k, l} need_replication={o, p, q}"),
+    ("MaxPool3D", lambda x: tf.raw_ops.MaxPool3D(input=x, **P3), [f32(*X3)],
+     f"({POOLED3})->({POOLED3})" + POOL3D_SIZES),
+    ("AvgPool3D", lambda x: tf.raw_ops.AvgPool3D(input=x, **P3), [f32(*X3)],
+     f"({POOLED3})->({POOLED3})" + POOL3D_SIZES),
+    ("MaxPool3DGrad", lambda x, y, dy: tf.raw_ops.MaxPool3DGrad(orig_input=x, orig_output=y,
+                                                                grad=dy, **P3),
+     [f32(*X3), f32(2, 3, 4, 4, 3), f32(2, 3, 4, 4, 3)],
+     f"({POOLED3}, {POOLED3}, {POOLED3})->({POOLED3})" + POOL3D_SIZES),
+    ("AvgPool3DGrad", lambda dy: tf.raw_ops.AvgPool3DGrad(orig_input_shape=X3, grad=dy, **P3),
+     [f32(2, 3, 4, 4, 3)], f"(_, {POOLED3})->({POOLED3})" + POOL3D_SIZES),
+]
+
 def select(condition, x, y):
     return tf.raw_ops.Select(condition=condition, x=x, y=y)
 

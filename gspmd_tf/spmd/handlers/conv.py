@@ -35,6 +35,7 @@ from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import windowed
 from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, no_products, replay
+from gspmd_tf.spmd.handlers.grads import index_dtype
 from gspmd_tf.spmd.handlers.windows import (affine_start, extend_and_slice, halos_worth_it,
                                             mask_edges, mask_outside, pad_dim, per_shard,
                                             prepare_input, slice_dims)
@@ -52,13 +53,13 @@ def _local_padding(explicit_padding, plans):
     if not explicit_padding:
         return plans, {"padding": "VALID"}
     kept = [dp for dp in plans if dp.k > 1]
-    return kept, _padding_attrs([dp.s for dp in plans if dp.k == 1])
+    return kept, _padding_attrs([dp.s for dp in plans if dp.k == 1], len(plans) + 2)
 
 
-def _padding_attrs(spatial):
+def _padding_attrs(spatial, rank):
     """Padding attrs of an op that takes explicit padding, padding the SpatialDims
-    `spatial` by their own amounts (SAME worked out) and no other dim."""
-    pads = [0] * 8
+    `spatial` by their own amounts (SAME worked out) and no other dim of its rank."""
+    pads = [0] * (2 * rank)
     for s in spatial:
         pads[2 * s.x_dim], pads[2 * s.x_dim + 1] = s.pad_lo, s.pad_hi
     if any(pads):
@@ -67,13 +68,16 @@ def _padding_attrs(spatial):
 
 
 # conv_family parameters: positions of x, w, y (an input index or "out"), the parts that
-# are REDUCE factors, depthwise
-@op_family({"Conv2D": (0, 1, "out", ("C",), False),
-            "DepthwiseConv2dNative": (0, 1, "out", (), True)}, windowed.conv_family)
+# are REDUCE factors, depthwise, explicit padding
+@op_family({"Conv2D": (0, 1, "out", ("C",), False, True),
+            "DepthwiseConv2dNative": (0, 1, "out", (), True, True),
+            "Conv3D": (0, 1, "out", ("C",), False, False)}, windowed.conv_family)
 # pool parameters: pooling, explicit padding
-@op_family({"MaxPool": ("max", True), "AvgPool": ("avg", False)}, windowed.pool)
+@op_family({"MaxPool": ("max", True), "AvgPool": ("avg", False),
+            "MaxPool3D": ("max", False), "AvgPool3D": ("avg", False)}, windowed.pool)
 def windowed_forward(ctx, operands, layouts):
-    """Conv2D, DepthwiseConv2dNative, MaxPool, AvgPool with split spatial dims."""
+    """Conv2D, DepthwiseConv2dNative, Conv3D, MaxPool(3D), AvgPool(3D) with split
+    spatial dims."""
     node = ctx.node
     params = ctx.rule.params
     if params.pooling is None and (0 in operands[0].shape or 0 in operands[1].shape):
@@ -82,7 +86,8 @@ def windowed_forward(ctx, operands, layouts):
     geo = params.geometry
     if not any(y_layout.dims[s.y_dim] for s in geo.spatial):
         if params.explicit_padding:
-            attrs = _padding_attrs(geo.spatial)  # SAME as amounts: windows can be cut
+            attrs = _padding_attrs(geo.spatial, len(y_layout.dims))  # SAME as amounts:
+            # windows can be cut
         elif node.attr("padding") != "VALID":
             return replay(ctx, operands, layouts)
         else:
@@ -120,7 +125,7 @@ def _one_window_unstrided(ctx, geo, ref, attrs, layouts):
     out_shape = local_shapes(ctx, layouts)[0]
     in_shape = ctx.b.shape_of(ref)
     strides = list(ctx.node.attr("strides"))
-    pads = list(attrs.get("explicit_paddings") or [0] * 8)
+    pads = list(attrs.get("explicit_paddings") or [0] * (2 * len(in_shape)))
     sizes = {}
     for s in geo.spatial:
         d = s.x_dim
@@ -168,11 +173,13 @@ def _avg_counts(ctx, ref, plans):
 
 # ------------------------------------------------------------------------ gradients
 
-@op_family({"Conv2DBackpropFilter": (0, "out", 2, ("batch",), False),
-            "DepthwiseConv2dNativeBackpropFilter": (0, "out", 2, ("batch",), True)},
+@op_family({"Conv2DBackpropFilter": (0, "out", 2, ("batch",), False, True),
+            "DepthwiseConv2dNativeBackpropFilter": (0, "out", 2, ("batch",), True, True),
+            "Conv3DBackpropFilterV2": (0, "out", 2, ("batch",), False, False)},
            windowed.conv_family)
 def backprop_filter(ctx, operands, layouts):
-    """Conv2DBackpropFilter(x, filter_sizes, dy) with split spatial dims: x windowed
+    """Conv2DBackpropFilter / Conv3DBackpropFilterV2 (x, filter_sizes, dy) and the
+    depthwise one with split spatial dims: x windowed
     like the forward conv, dy local; the result is partial over the spatial axes."""
     params = ctx.rule.params
     x0, dy = operands[0], operands[2]
@@ -282,17 +289,21 @@ class _View:
                                                             dim.split, plan)
 
 
-@op_family({"Conv2DBackpropInput": ("out", 1, 2, ("O",), False),
-            "DepthwiseConv2dNativeBackpropInput": ("out", 1, 2, ("O",), True)},
+@op_family({"Conv2DBackpropInput": ("out", 1, 2, ("O",), False, True),
+            "DepthwiseConv2dNativeBackpropInput": ("out", 1, 2, ("O",), True, True),
+            "Conv3DBackpropInputV2": ("out", 1, 2, ("O",), False, False)},
            windowed.conv_family)
-@op_family("MaxPoolGrad", windowed.max_pool_grad)
-@op_family("AvgPoolGrad", windowed.avg_pool_grad)
+@op_family({"MaxPoolGrad": True, "MaxPool3DGrad": False}, windowed.max_pool_grad)
+@op_family(["AvgPoolGrad", "AvgPool3DGrad"], windowed.avg_pool_grad)
 def transposed(ctx, operands, layouts):
-    """Conv2DBackpropInput, AvgPoolGrad, MaxPoolGrad with split spatial dims: halos of
+    """Conv2DBackpropInput, Conv3DBackpropInputV2, AvgPoolGrad, MaxPoolGrad (and the 3-D
+    pool gradients) with split spatial dims: halos of
     the window operands (every forward window touching this device's block of the
     result), the local op with VALID padding, then this device's block sliced out."""
     node = ctx.node
-    if 0 in node.out_shapes[0] or any(0 in x.shape for x in operands if len(x.shape) == 4):
+    rank = len(node.out_shapes[0])
+    if 0 in node.out_shapes[0] or any(0 in x.shape for x in operands
+                                      if len(x.shape) == rank):
         return no_products(ctx, layouts)
     b = ctx.b
     params = ctx.rule.params
@@ -304,7 +315,7 @@ def transposed(ctx, operands, layouts):
     if not any(out_layout.dims[s.x_dim] for s in geo.spatial):
         refs = masked_refs(ctx, operands)
         if shape_input is not None:
-            refs[shape_input] = b.const(np.asarray(sizes, np.int32))
+            refs[shape_input] = b.const(np.asarray(sizes, index_dtype(ctx, "Tshape")))
         return replay(ctx, operands, layouts, refs=refs)
     dims = []
     for s in geo.spatial:
@@ -344,7 +355,7 @@ def transposed(ctx, operands, layouts):
     for dp in dims:
         local_sizes[dp.s.x_dim] = dp.plan["local_size"]
     if shape_input is not None:
-        refs[shape_input] = b.const(np.asarray(local_sizes, np.int32))
+        refs[shape_input] = b.const(np.asarray(local_sizes, index_dtype(ctx, "Tshape")))
     dtype = node.out_dtypes[0]
     full = b.replay(node, refs, [tuple(local_sizes)], [dtype], attrs)[0]
     starts, block = {}, {}

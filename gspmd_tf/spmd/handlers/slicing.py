@@ -21,7 +21,7 @@ from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.windowed import Geometry
 from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
-from gspmd_tf.spmd.handlers.grads import _index_dtype
+from gspmd_tf.spmd.handlers.grads import index_dtype
 from gspmd_tf.spmd.handlers.windows import extend_and_slice, mask_edges, prepare_input
 
 
@@ -102,7 +102,7 @@ def strided_slice_grad(ctx, operands, layouts):
         refs[4] = window
     node = ctx.node
     shape = local_shapes(ctx, layouts)[0]
-    dtype = _index_dtype(ctx, "Index")
+    dtype = index_dtype(ctx, "Index")
     begin = np.array(ctx.graph.const_value(node.inputs[1]))
     end = np.array(ctx.graph.const_value(node.inputs[2]))
     spec = ctx.rule.params.spec
