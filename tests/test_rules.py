@@ -177,7 +177,8 @@ POOL_ROWS = [
      [f32(2, 4, 4, 3)], f"(_, {POOLED})->({POOLED})" + POOL_SIZES),
 ]
 
-# the 3-D convolutions and pools: the same factors with three spatial dims
+# the 3-D convolutions and pools: the same factors with three spatial dims; MirrorPad(Grad)
+# shares a factor between a padded dim of x and y, as Pad does
 C3 = {"strides": [1, 1, 1, 1, 1], "padding": "SAME"}
 P3 = {"ksize": [1, 2, 2, 2, 1], "strides": [1, 2, 2, 2, 1], "padding": "VALID"}
 X3, W3, Y3 = [2, 6, 8, 8, 3], [3, 3, 3, 3, 5], [2, 6, 8, 8, 5]
@@ -208,6 +209,12 @@ POOL_ROWS += [
      f"({POOLED3}, {POOLED3}, {POOLED3})->({POOLED3})" + POOL3D_SIZES),
     ("AvgPool3DGrad", lambda dy: tf.raw_ops.AvgPool3DGrad(orig_input_shape=X3, grad=dy, **P3),
      [f32(2, 3, 4, 4, 3)], f"(_, {POOLED3})->({POOLED3})" + POOL3D_SIZES),
+    ("MirrorPad", lambda x: tf.raw_ops.MirrorPad(input=x, paddings=[[1, 2], [0, 0]],
+                                                 mode="REFLECT"), [f32(8, 6)],
+     "([i, j], _)->([i, j]) {i=11, j=6}"),
+    ("MirrorPadGrad", lambda dy: tf.raw_ops.MirrorPadGrad(input=dy, paddings=[[1, 2], [0, 0]],
+                                                          mode="SYMMETRIC"), [f32(11, 6)],
+     "([i, j], _)->([i, j]) {i=11, j=6}"),
 ]
 
 def select(condition, x, y):

@@ -17,7 +17,10 @@ channels] (or channels first), windows over the spatial dims, an output y. Facto
   pooling      channels PASS (ksize/strides 1 there, else no rule)
   pool grads   the spatial factor spans x, y, dy and dx
 
-Every rule carries a WindowedParams (OpRule.params): the geometry and layout its emitter
+MirrorPad and MirrorPadGrad: a padded dim is one factor shared by x and y, PASS-like as a
+Pad's (its result blocks read mirrored ranges of the operand; MirrorPadParams).
+
+Every windowed op's rule carries a WindowedParams (OpRule.params): the geometry and layout its emitter
 needs. The op types these builders serve, with their parameters, are declared beside the
 emitters (gspmd_tf/spmd/handlers/conv.py).
 """
@@ -27,7 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gspmd_tf.propagation.rules import PASS, REDUCE, REPLICATE, OpRule
+import numpy as np
+
+from gspmd_tf.propagation.rules import PASS, REDUCE, REPLICATE, OpRule, same_rank_slicing
 
 
 @dataclass(frozen=True)
@@ -280,3 +285,57 @@ def avg_pool_grad(ctx):
     rule.params = WindowedParams(geo, "avg", False, (1,), None, 0)
     return rule
 
+
+
+@dataclass(frozen=True)
+class MirrorDim:
+    """A dim MirrorPad pads that may stay split: x's size n and the pad amounts."""
+
+    dim: int
+    n: int
+    pad_lo: int
+    pad_hi: int
+
+
+@dataclass(frozen=True)
+class MirrorPadParams:
+    """OpRule.params of MirrorPad / MirrorPadGrad: the padded dims that share a factor
+    between x and y, and the mode (SYMMETRIC repeats the edge element, REFLECT not)."""
+
+    dims: tuple
+    symmetric: bool
+
+
+def mirror_pad(ctx, grad):
+    """MirrorPad x -> y, or MirrorPadGrad dy -> dx (`grad`), by constant paddings: a
+    dim it does not pad passes; a padded dim is one factor shared by x and y, PASS-like
+    as a Pad's (each result block reads a contiguous range of the operand, mirrored at
+    the edges: the handler exchanges halos); whole where either size is 1. Without
+    constant paddings the padded dims stay whole (the op is then replayed as it is)."""
+    operand, result = ctx.in_shapes[0], ctx.out_shapes[0]
+    x, y = (result, operand) if grad else (operand, result)  # x unpadded, y padded
+    paddings = ctx.const(1)
+    mode = ctx.node.attr("mode")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if paddings is None or len(x) != len(y) or mode not in ("REFLECT", "SYMMETRIC"):
+        return same_rank_slicing(ctx)
+    paddings = np.asarray(paddings, np.int64).reshape(len(x), 2)
+    b = _Builder(len(ctx.in_shapes))
+    xd, yd = b.tensor(x), b.tensor(y)
+    dims = []
+    for d, (n, m) in enumerate(zip(x, y)):
+        if n == m:
+            f = b.factor(n)
+            b.put(xd, d, f)
+            b.put(yd, d, f)
+        elif n > 1 and m > 1:
+            f = b.factor(m)
+            b.put(xd, d, f)
+            b.put(yd, d, f)
+            dims.append(MirrorDim(d, int(n), int(paddings[d, 0]), int(paddings[d, 1])))
+        else:
+            b.put(xd, d, b.factor(n, REPLICATE))
+            b.put(yd, d, b.factor(m, REPLICATE))
+    rule = b.done({0: yd if grad else xd}, [xd if grad else yd])
+    rule.params = MirrorPadParams(tuple(dims), mode == "SYMMETRIC")
+    return rule

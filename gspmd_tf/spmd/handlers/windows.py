@@ -60,15 +60,16 @@ def halos_worth_it(plan, k):
 
 
 def per_shard(b, axes, table, useful=None):
-    """int32 scalar: table[shard index along axes] (a constant when nothing is split or
-    the first `useful` entries agree: the other shards compute only padding)."""
+    """table[shard index along axes]: an int32 scalar for a 1-D table, an int32 vector
+    for a table of rows. A constant (python int for a scalar) when nothing is split or
+    the first `useful` entries agree: the other shards compute only padding."""
     table = np.asarray(table, np.int64)
     if not axes or np.all(table[:useful] == table[0]):
-        return int(table[0])
+        return int(table[0]) if table.ndim == 1 else b.const(table[0].astype(np.int32))
     index = b.shard_index(axes)
     return b.op("GatherV2", [b.const(table.astype(np.int32)), index, b.const(np.int32(0))],
-                (), tf.int32, Tparams=tf.int32, Tindices=tf.int32, Taxis=tf.int32,
-                batch_dims=0)
+                table.shape[1:], tf.int32, Tparams=tf.int32, Tindices=tf.int32,
+                Taxis=tf.int32, batch_dims=0)
 
 
 def slice_dims(b, ref, starts, sizes):
