@@ -217,6 +217,29 @@ POOL_ROWS += [
      "([i, j], _)->([i, j]) {i=11, j=6}"),
 ]
 
+# stateless draws with distribution parameters, categorical draws, shuffles: sources too
+# (every input replicated, the whole draw sliced)
+STATELESS_SHAPE = (4, 6)
+POOL_ROWS += [
+    (op, lambda seed, draw=draw: draw(seed), [i32(2)],
+     f"({', '.join(['_'] * n)})->([i, j]) {{i=4, j=6}}")
+    for op, draw, n in [
+        ("StatelessRandomBinomial", lambda seed: tf.random.stateless_binomial(
+            STATELESS_SHAPE, seed, counts=[5.0] * 6, probs=0.3), 4),
+        ("StatelessRandomGammaV2", lambda seed: tf.raw_ops.StatelessRandomGammaV2(
+            shape=STATELESS_SHAPE, seed=seed, alpha=[1.0] * 6), 3),
+        ("StatelessRandomGammaV3", lambda seed: tf.random.stateless_gamma(
+            STATELESS_SHAPE, seed, alpha=[1.0] * 6), 5),
+        ("StatelessRandomPoisson", lambda seed: tf.random.stateless_poisson(
+            STATELESS_SHAPE, seed, lam=[2.0] * 6), 3),
+        ("StatelessParameterizedTruncatedNormal",
+         lambda seed: tf.random.stateless_parameterized_truncated_normal(
+             STATELESS_SHAPE, seed, 0.5, 2.0, -1.0, 1.5), 6),
+        ("StatelessMultinomial", lambda seed: tf.random.stateless_categorical(
+            tf.zeros([4, 3]), 6, seed), 3),
+        ("StatelessShuffle", lambda seed: tf.random.experimental.stateless_shuffle(
+            tf.zeros(STATELESS_SHAPE), seed), 4)]]
+
 def select(condition, x, y):
     return tf.raw_ops.Select(condition=condition, x=x, y=y)
 
