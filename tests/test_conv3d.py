@@ -138,3 +138,41 @@ def test_pool3d_one_dim_split_over_eight(mesh8, rng):
     x, w = randn(rng, 1, 4, 19, 4, 2), randn(rng, 2)
     check_partitioned(_grads(_pool("max", [2, 3, 2], [1, 2, 1], "SAME")), (x, w), mesh8,
                       (P(None, None, "s"), None))
+
+
+@pytest.mark.parametrize("user_pad", [False, True])
+def test_padded_unsplit_dims_then_conv3d(rng, user_pad):
+    """Two unsplit dims padded for a SAME Conv3D (and a Pad of the user's program
+    before it): TF's oneDNN remapper computes Pad -> Pad -> Conv3D wrong in a graph, so
+    the handler pads every dim in one PadV2 (fuzzer, seed 5 #47)."""
+    mesh = gt.Mesh.create((2,), ("a",))
+    x, w = randn(rng, 1, 2, 3, 3, 2), randn(rng, 2, 1, 2, 2, 2)
+
+    def conv(pad):
+        def fn(x, w):
+            if user_pad:
+                x = pad(x, [[0, 0], [1, 0], [0, 0], [0, 0], [0, 0]])
+            return tf.nn.conv3d(x, w, [1] * 5, "SAME", dilations=[1, 2, 2, 2, 1])
+        return fn
+    # the reference pads with a PadV2: TF's remapper gets even one Pad into a dilated
+    # SAME Conv3D wrong in a graph (the single-device tf.function)
+    low = check_partitioned(conv(tf.pad), (x, w), mesh, (P(None, None, "a"), None),
+                            reference=conv(lambda x, p: tf.raw_ops.PadV2(
+                                input=x, paddings=p, constant_values=0.0)))
+    assert low.program.replicated_ops == []
+    # the handler's padding is one PadV2: no Pad -> Pad chain, whatever the user's Pad
+    pads = [n.name for n in low.program.graph.nodes if n.op == "Pad"]
+    assert pads == (["Pad"] if user_pad else []), pads
+
+
+def test_conv3d_unequal_hw_dilations_run_replicated(rng):
+    """TF's Conv3D shape function swaps the H and W dilations, so such a conv is not
+    partitioned (a VALID local op would get a wrong static shape): it runs whole, with
+    single-device values (fuzzer, seed 5 #61)."""
+    mesh = gt.Mesh.create((2,), ("a",))
+    x, w = randn(rng, 1, 2, 3, 3, 2), randn(rng, 2, 1, 2, 2, 2)
+
+    def fn(x, w):
+        return tf.nn.conv3d(x, w, [1] * 5, "SAME", dilations=[1, 2, 1, 2, 1])
+    low = check_partitioned(fn, (x, w), mesh, (P(None, None, "a"), None))
+    assert low.program.replicated_ops == ["Conv3D"]

@@ -124,6 +124,11 @@ def geometry(node, x_shape, y_shape, window_sizes=None):
     dilations = node.attr("dilations") or [1] * rank
     if len(strides) != rank or len(dilations) != rank:
         return None
+    if rank == 5 and dilations[spatial_dims[1]] != dilations[spatial_dims[2]]:
+        # TF's Conv3D shape function swaps the H and W dilations: the local op (VALID
+        # on a window) would get a static shape its kernel does not compute. The
+        # global op (SAME, or shapes where it does not matter) runs replicated.
+        return None
     if window_sizes is None:
         ksize = node.attr("ksize")
         if ksize is None or len(ksize) != rank or any(ksize[d] != 1 for d in (0, channel)):

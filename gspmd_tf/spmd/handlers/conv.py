@@ -37,7 +37,7 @@ from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, no_products, replay
 from gspmd_tf.spmd.handlers.grads import index_dtype
 from gspmd_tf.spmd.handlers.windows import (affine_start, extend_and_slice, halos_worth_it,
-                                            mask_edges, mask_outside, pad_dim, per_shard,
+                                            mask_edges, mask_outside, pad_dims, per_shard,
                                             prepare_input, slice_dims)
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding
 from gspmd_tf.spmd.program import Local
@@ -358,13 +358,13 @@ def transposed(ctx, operands, layouts):
         refs[shape_input] = b.const(np.asarray(local_sizes, index_dtype(ctx, "Tshape")))
     dtype = node.out_dtypes[0]
     full = b.replay(node, refs, [tuple(local_sizes)], [dtype], attrs)[0]
-    starts, block = {}, {}
+    starts, block, pads = {}, {}, {}
     for dp in dims:
         d, p = dp.s.x_dim, dp.plan
-        full = pad_dim(b, full, d, p["lead"], p["local_padded"] - p["local_size"] - p["lead"])
+        pads[d] = (p["lead"], p["local_padded"] - p["local_size"] - p["lead"])
         starts[d] = per_shard(b, dp.axes, p["post"], p["useful"])
         block[d] = sizes[d]
-    return [slice_dims(b, full, starts, block)]
+    return [slice_dims(b, pad_dims(b, full, pads), starts, block)]
 
 
 def _avg_grad_scale(b, ref, dims):

@@ -33,20 +33,25 @@ import tensorflow as tf
 
 from gspmd_tf import _halo
 from gspmd_tf.layout import Layout
-from gspmd_tf.spmd.local_ops import replace_dim
 from gspmd_tf.spmd.reshard import exchange_halo
 
 
-def pad_dim(b, ref, dim, lo, hi):
-    """Zero elements before/after `dim`."""
-    if lo == 0 and hi == 0:
+def pad_dims(b, ref, amounts):
+    """Zero elements before/after dims: `amounts` {dim: (lo, hi)}, in one op.
+
+    A PadV2, not a Pad: TF's graph optimizer (the oneDNN remapper) fuses a Pad into the
+    Conv3D it feeds, and when that Pad's input is another Pad the fused op computes a
+    wrong shape and values (a Pad of the user's program, then ours)."""
+    if not any(lo or hi for lo, hi in amounts.values()):
         return ref
-    shape = b.shape_of(ref)
+    shape = list(b.shape_of(ref))
     paddings = np.zeros((len(shape), 2), np.int32)
-    paddings[dim] = (lo, hi)
+    for dim, (lo, hi) in amounts.items():
+        paddings[dim] = (lo, hi)
+        shape[dim] += lo + hi
     dtype = b.graph.dtype(ref)
-    return b.op("Pad", [ref, b.const(paddings)], replace_dim(shape, dim, shape[dim] + lo + hi),
-                dtype, T=dtype, Tpaddings=tf.int32)
+    return b.op("PadV2", [ref, b.const(paddings), b.const(np.zeros((), dtype.as_numpy_dtype))],
+                tuple(shape), dtype, T=dtype, Tpaddings=tf.int32)
 
 
 def halos_worth_it(plan, k):
@@ -168,18 +173,19 @@ def extend_and_slice(b, ref, dims_plans, dim_of):
 
 
 def _extend_and_slice_uncached(b, ref, dims_plans, dim_of):
-    starts, sizes = {}, {}
+    starts, sizes, pads = {}, {}, {}
     for dp in dims_plans:
         p = dp.plan
         d = dim_of(dp)
+        pads[d] = (p["ext_lo"], p["ext_hi"])
         if dp.split:
             ref = exchange_halo(b, ref, d, dp.axes, p["halo_lo"], p["halo_hi"])
-            ref = pad_dim(b, ref, d, p["ext_lo"] - p["halo_lo"], p["ext_hi"] - p["halo_hi"])
-        else:
-            ref = pad_dim(b, ref, d, p["ext_lo"], p["ext_hi"])
+            pads[d] = (p["ext_lo"] - p["halo_lo"], p["ext_hi"] - p["halo_hi"])
         starts[d] = _offset(b, dp)
         sizes[d] = p["span"]
-    return slice_dims(b, ref, starts, sizes)
+    # the zeros after every exchange: a later dim's halos carry the earlier dims' halos
+    # (the corners) but not their padding, which is zeros on every device anyway
+    return slice_dims(b, pad_dims(b, ref, pads), starts, sizes)
 
 
 def _offset(b, dp):
