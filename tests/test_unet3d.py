@@ -126,3 +126,37 @@ def test_unet3d_trains_on_2x2x2_split(mesh):
     low = step.lower(x, target)
     assert "all-gather" not in kinds(low), low.report()
     assert low.program.replicated_ops == []
+
+
+def test_keras_unet3d_layers(mesh):
+    """The same with Keras 3 layers (Conv3D, MaxPooling3D, AveragePooling3D,
+    Conv3DTranspose, UpSampling3D, ZeroPadding3D, Concatenate), weights backed by
+    gt.Variables: loss and gradients equal single device, halos and gradient sums only."""
+    import keras
+    from util import single_device
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    inputs = keras.Input((8, 8, 8, 2), batch_size=1)
+    skip = layers.Conv3D(4, 3, padding="same", activation="relu")(inputs)
+    h = layers.Conv3D(8, 3, padding="same", activation="relu")(layers.MaxPooling3D(2)(skip))
+    up = layers.Conv3DTranspose(4, 2, strides=2, padding="same")(h)
+    smooth = layers.UpSampling3D(2)(layers.AveragePooling3D(2)(skip))
+    h = layers.Concatenate()([up, skip, smooth])
+    model = keras.Model(inputs, layers.Conv3D(1, 3)(layers.ZeroPadding3D(1)(h)))
+    x = randn(np.random.default_rng(0), 1, 8, 8, 8, 2)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = model(x)
+            loss = tf.reduce_mean(y * y)
+        return [loss] + tape.gradient(loss, model.trainable_weights)
+    want = single_device(step, (x,))
+    gt.keras.shard_model(model, mesh, batch_spec=P())
+    sharded = gt.function(step, mesh=mesh, in_shardings=(SPATIAL,))
+    got = tf.nest.flatten(sharded(x))
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g.numpy(), w, f"output {i}")
+    low = sharded.lower(x)
+    assert low.program.replicated_ops == []
+    assert set(kinds(low)) == {"collective-permute", "all-reduce"}, low.report()
