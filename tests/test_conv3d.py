@@ -176,3 +176,21 @@ def test_conv3d_unequal_hw_dilations_run_replicated(rng):
         return tf.nn.conv3d(x, w, [1] * 5, "SAME", dilations=[1, 2, 1, 2, 1])
     low = check_partitioned(fn, (x, w), mesh, (P(None, None, "a"), None))
     assert low.program.replicated_ops == ["Conv3D"]
+
+
+def test_ncdhw_ops_and_gradients(mesh3, rng):
+    """Channels-first volumes: TF's CPU MaxPool3DGrad takes NDHWC only, so the backend
+    runs it between transposes, as it does the NCHW 2-D ops."""
+    x, w = randn(rng, 1, 2, 6, 6, 6), randn(rng, 3, 3, 3, 2, 3)
+
+    def fn(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = tf.nn.conv3d(x, w, [1] * 5, "SAME", data_format="NCDHW")
+            y = (tf.nn.max_pool3d(y, 2, 2, "VALID", data_format="NCDHW")
+                 + tf.nn.avg_pool3d(y, 2, 2, "SAME", data_format="NCDHW"))
+            loss = tf.reduce_sum(y * y)
+        return [y] + tape.gradient(loss, [x, w])
+    low = check_partitioned(fn, (x, w), mesh3, (P(None, None, "a", "b", "c"), None))
+    assert low.program.replicated_ops == []
+    assert "all-gather" not in kinds(low), low.report()
