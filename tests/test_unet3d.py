@@ -1,7 +1,11 @@
 """The paper's 3-D U-Net, small: conv3d + max pool + Conv3DTranspose upsampling + concat
 skip connection, trained on a 2x2x2 spatial split (depth, height and width over three
 mesh axes). Loss, gradients and trained weights equal single-device TF, and the
-activations move only as halos (collective-permutes), never all-gathered."""
+activations move only as halos (collective-permutes), never all-gathered. The model is
+benchmarks/unet3d.py (which also prints these collectives beside XLA's, RESULTS.md)."""
+
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -10,51 +14,15 @@ import tensorflow as tf
 import gspmd_tf as gt
 from util import assert_close, check_partitioned, randn
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+
+from unet3d import NAMES, SHAPES, init, loss_and_grads, loss_fn  # noqa: E402
+
 P = gt.P
 SPATIAL = P(None, "a", "b", "c")  # NDHWC: D, H, W over a, b, c
-SHAPES = {  # name -> weight shape (kernels DHW, in, out; Conv3DTranspose: out, in)
-    "enc1": (3, 3, 3, 2, 4), "enc1_b": (4,), "enc2": (3, 3, 3, 4, 4),
-    "mid1": (3, 3, 3, 4, 8), "mid2": (3, 3, 3, 8, 8), "mid2_b": (8,),
-    "up": (2, 2, 2, 4, 8), "dec": (3, 3, 3, 8, 4), "head": (1, 1, 1, 4, 1),
-}
-NAMES = sorted(SHAPES)
 LR = 0.05
 STEPS = 3
-
-
-def unet(x, w, upsample="transpose"):
-    """x [N, D, H, W, 2] -> [N, D, H, W, 1]; w: name -> weight. `upsample`: "transpose"
-    (Conv3DTranspose, stride 2) or "repeat" (each voxel repeated 2x2x2, as Keras'
-    UpSampling3D does, then a 1x1x1 conv with the centre of the same filter)."""
-    def conv(h, name, bias=None):
-        h = tf.nn.conv3d(h, w[name], [1] * 5, "SAME")
-        return tf.nn.relu(h if bias is None else tf.nn.bias_add(h, w[bias]))
-    skip = conv(conv(x, "enc1", "enc1_b"), "enc2")
-    h = tf.nn.max_pool3d(skip, 2, 2, "VALID")
-    h = conv(conv(h, "mid1"), "mid2", "mid2_b")
-    n, d, hh, ww, _ = skip.shape
-    if upsample == "transpose":
-        h = tf.nn.conv3d_transpose(h, w["up"], [n, d, hh, ww, 4], [1, 2, 2, 2, 1], "SAME")
-    else:
-        for axis in (1, 2, 3):
-            h = tf.repeat(h, 2, axis=axis)
-        kernel = tf.reshape(tf.transpose(w["up"][0, 0, 0]), [1, 1, 1, 8, 4])
-        h = tf.nn.conv3d(h, kernel, [1] * 5, "SAME")
-    h = conv(tf.concat([h, skip], axis=-1), "dec")
-    return tf.nn.conv3d(h, w["head"], [1] * 5, "VALID")
-
-
-def loss_fn(x, target, w, upsample="transpose"):
-    return tf.reduce_mean(tf.square(unet(x, w, upsample) - target))
-
-
-def init(rng, size=8):
-    # fan-in scaled (a conv transpose's filter reads its last dim)
-    weights = {n: randn(rng, *s) / np.float32(np.sqrt(np.prod(s[:-1]) if len(s) > 1 else 10))
-               for n, s in SHAPES.items()}
-    x = randn(rng, 1, size, size, size, 2)
-    target = randn(rng, 1, size, size, size, 1)
-    return weights, x, target
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +40,7 @@ def test_unet3d_loss_and_gradients(mesh, size, upsample):
     """One step's loss and every weight gradient, 2x2x2 spatial split (size 6: the
     pooled 3^3 splits unevenly over 2)."""
     weights, x, target = init(np.random.default_rng(size), size)
-
-    def step(x, target, *ws):
-        w = dict(zip(NAMES, ws))
-        with tf.GradientTape() as tape:
-            tape.watch(ws)
-            loss = loss_fn(x, target, w, upsample)
-        return [loss] + tape.gradient(loss, list(ws))
-    low = check_partitioned(step, (x, target, *[weights[n] for n in NAMES]), mesh,
+    low = check_partitioned(loss_and_grads(upsample), (x, target, *[weights[n] for n in NAMES]), mesh,
                             (SPATIAL, SPATIAL) + (P(),) * len(NAMES))
     assert low.program.replicated_ops == []
     collectives = low.collectives()
