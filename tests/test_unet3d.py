@@ -40,7 +40,8 @@ def test_unet3d_loss_and_gradients(mesh, size, upsample):
     """One step's loss and every weight gradient, 2x2x2 spatial split (size 6: the
     pooled 3^3 splits unevenly over 2)."""
     weights, x, target = init(np.random.default_rng(size), size)
-    low = check_partitioned(loss_and_grads(upsample), (x, target, *[weights[n] for n in NAMES]), mesh,
+    low = check_partitioned(loss_and_grads(upsample),
+                            (x, target, *[weights[n] for n in NAMES]), mesh,
                             (SPATIAL, SPATIAL) + (P(),) * len(NAMES))
     assert low.program.replicated_ops == []
     collectives = low.collectives()

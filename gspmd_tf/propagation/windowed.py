@@ -20,9 +20,9 @@ channels] (or channels first), windows over the spatial dims, an output y. Facto
 MirrorPad and MirrorPadGrad: a padded dim is one factor shared by x and y, PASS-like as a
 Pad's (its result blocks read mirrored ranges of the operand; MirrorPadParams).
 
-Every windowed op's rule carries a WindowedParams (OpRule.params): the geometry and layout its emitter
-needs. The op types these builders serve, with their parameters, are declared beside the
-emitters (gspmd_tf/spmd/handlers/conv.py).
+Every windowed op's rule carries a WindowedParams (OpRule.params): the geometry and layout
+its emitter needs. The op types these builders serve, with their parameters, are declared
+beside the emitters (gspmd_tf/spmd/handlers/conv.py, slicing.py for MirrorPad).
 """
 
 from __future__ import annotations
@@ -275,8 +275,8 @@ def max_pool_grad(ctx, explicit_padding):
 
 
 def avg_pool_grad(ctx):
-    """AvgPoolGrad / AvgPool3DGrad (x_shape, dy) -> dx: batch and channels pass; spatial dims of dy and dx
-    share a factor (halo exchange on dy)."""
+    """AvgPoolGrad / AvgPool3DGrad (x_shape, dy) -> dx: batch and channels pass;
+    spatial dims of dy and dx share a factor (halo exchange on dy)."""
     dy = ctx.in_shapes[1]
     dx = ctx.out_shapes[0]
     geo = geometry(ctx.node, dx, dy)

@@ -45,7 +45,6 @@ from gspmd_tf.spmd.program import Local
 
 # ------------------------------------------------------------------------ forward ops
 
-
 def _local_padding(explicit_padding, plans):
     """Split off the dims the local op pads itself: (plans to window, padding attrs).
     Ops that take per-dim explicit padding keep their own padding on unsplit spatial

@@ -192,6 +192,7 @@ class _MirrorPlan:
 
     @property
     def split(self):
+        """True when the range comes from neighbours (the dim stays split)."""
         return not self.whole
 
     def local(self, b, window):

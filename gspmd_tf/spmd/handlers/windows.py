@@ -162,7 +162,8 @@ def _plan_key(dp, d):
 
 def extend_and_slice(b, ref, dims_plans, dim_of):
     """Extend each planned dim of local `ref` (halo exchange or padding) and slice the
-    span each shard reads. `dim_of(plan)` gives the tensor dim of a plan."""
+    span each shard reads. A plan has `axes`, `split` and `plan` (a gspmd_tf._halo plan:
+    DimPlan, or MirrorPad's range plans); `dim_of(plan)` gives its tensor dim."""
     # (tensor, plans) -> window, so that a conv's weight gradient reuses the halos its
     # forward pass exchanged
     cache = b.memo.setdefault("conv_windows", {})
