@@ -2,7 +2,6 @@
 their three spatial dims: halo exchange (collective-permutes) gives single-device
 values, as for the 2-D ops (test_conv.py)."""
 
-import numpy as np
 import pytest
 import tensorflow as tf
 

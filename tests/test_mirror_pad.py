@@ -1,7 +1,6 @@
 """MirrorPad and MirrorPadGrad on a split dim keep the split (halo exchange of the
 mirrored ranges), as Pad does, with single-device values."""
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
