@@ -540,7 +540,7 @@ def _tf_op(node, devices):
     attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
     name = safe_name(node.name)
     if node.op in _NCHW_ON_CPU and attrs.get("data_format") is not None and \
-            attrs["data_format"].s == b"NCHW":
+            attrs["data_format"].s in _CHANNELS_LAST:
         return _nhwc_on_cpu(node, attrs, name, devices)
 
     def emit(d, ins):
@@ -565,25 +565,30 @@ _NCHW_ON_CPU = {
     "AvgPool": ((0,), (), True),
     "MaxPoolGrad": ((0, 1, 2), (), True),
     "AvgPoolGrad": ((1,), (0,), True),
+    "MaxPool3DGrad": ((0, 1, 2), (), True),  # the other 3-D CPU kernels take NCDHW
 }
-_TO_NHWC, _TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
+_CHANNELS_LAST = {b"NCHW": b"NHWC", b"NCDHW": b"NDHWC"}
 
 
 def _nhwc_on_cpu(node, attrs, name, devices):
-    """Emitter of an NCHW windowed op: on CPU devices as the NHWC op between transposes
-    (per-dim attrs permuted); elsewhere as it is."""
+    """Emitter of an NCHW (NCDHW) windowed op: on CPU devices as the NHWC (NDHWC) op
+    between transposes (per-dim attrs permuted); elsewhere as it is."""
     data, vectors, nchw_out = _NCHW_ON_CPU[node.op]
-    nhwc = dict(attrs, data_format=attr_value_pb2.AttrValue(s=b"NHWC"))
+    channels_first = attrs["data_format"].s
+    rank = len(channels_first)
+    to_last = [0] + list(range(2, rank)) + [1]  # NCHW -> NHWC, NCDHW -> NDHWC
+    to_first = [0, rank - 1] + list(range(1, rank - 1))
+    nhwc = dict(attrs, data_format=attr_value_pb2.AttrValue(s=_CHANNELS_LAST[channels_first]))
     for key in ("strides", "dilations", "ksize"):
-        if key in attrs and len(attrs[key].list.i) == 4:
+        if key in attrs and len(attrs[key].list.i) == rank:
             values = list(attrs[key].list.i)
             nhwc[key] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
-                i=[values[k] for k in _TO_NHWC]))
-    if "explicit_paddings" in attrs and len(attrs["explicit_paddings"].list.i) == 8:
+                i=[values[k] for k in to_last]))
+    if "explicit_paddings" in attrs and len(attrs["explicit_paddings"].list.i) == 2 * rank:
         pairs = list(attrs["explicit_paddings"].list.i)
         nhwc["explicit_paddings"] = attr_value_pb2.AttrValue(
             list=attr_value_pb2.AttrValue.ListValue(
-                i=[v for k in _TO_NHWC for v in pairs[2 * k:2 * k + 2]]))
+                i=[v for k in to_last for v in pairs[2 * k:2 * k + 2]]))
 
     def emit(d, ins):
         graph = ops.get_default_graph()
@@ -594,14 +599,14 @@ def _nhwc_on_cpu(node, attrs, name, devices):
         args = []
         for k, x in enumerate(ins):
             if k in data:
-                args.append(tf.transpose(x[d], _TO_NHWC))
+                args.append(tf.transpose(x[d], to_last))
             elif k in vectors:
-                args.append(tf.gather(x[d], _TO_NHWC))
+                args.append(tf.gather(x[d], to_last))
             else:
                 args.append(x[d])
         op = graph._create_op_internal(node.op, args, dtypes=node.out_dtypes, attrs=nhwc,
                                        name=f"{name}_d{d}")
-        return tf.transpose(op.outputs[0], _TO_NCHW) if nchw_out else op.outputs[0]
+        return tf.transpose(op.outputs[0], to_first) if nchw_out else op.outputs[0]
     return emit
 
 

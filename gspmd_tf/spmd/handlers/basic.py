@@ -80,12 +80,16 @@ def squeeze(ctx, operands, layouts):
                   attrs={"squeeze_dims": sorted(int(d) % len(shape) for d in dims)})
 
 
-# stateless random ops of a shape and a seed (key, counter, algorithm; bounds): the same
-# inputs give the same numbers, so every device draws the whole tensor and keeps its slice
+# stateless random ops of a shape and a seed (key, counter, algorithm; bounds or
+# distribution parameters; StatelessMultinomial: logits, StatelessShuffle: the value):
+# the same inputs give the same numbers, so every device draws the whole tensor from its
+# replicated inputs and keeps its slice
 STATELESS_RANDOM = """StatelessRandomUniform StatelessRandomNormal StatelessTruncatedNormal
 StatelessRandomUniformInt StatelessRandomUniformFullInt StatelessRandomUniformV2
 StatelessRandomNormalV2 StatelessTruncatedNormalV2 StatelessRandomUniformIntV2
-StatelessRandomUniformFullIntV2""".split()
+StatelessRandomUniformFullIntV2 StatelessRandomBinomial StatelessRandomGammaV2
+StatelessRandomGammaV3 StatelessRandomPoisson StatelessParameterizedTruncatedNormal
+StatelessMultinomial StatelessShuffle""".split()
 
 
 @op_family("Const", rules.source)

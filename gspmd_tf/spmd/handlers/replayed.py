@@ -89,6 +89,8 @@ PlaceholderWithDefault
 """.split(), fold=FOLD_VALUES)
 # naturally whole (scalars, shapes): no warning when they run replicated
 declare(["Shape", "Size", "Rank", "NoOp", "Range"], silent_replicated=True)
-# a random op's key and counter from its seed (a few scalars)
+# a random op's key and counter from its seed (a few scalars); a random crop box (begin
+# and size vectors, one box)
 declare(["StatelessRandomGetKeyCounter", "StatelessRandomGetAlg",
-         "StatelessRandomGetKeyCounterAlg"], silent_replicated=True)
+         "StatelessRandomGetKeyCounterAlg", "StatelessSampleDistortedBoundingBox"],
+        silent_replicated=True)
