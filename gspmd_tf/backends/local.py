@@ -84,6 +84,9 @@ class _Compiled:
     """A program traced into one TF function, traced again when its collective group
     keys were retired (after a cancelled call)."""
 
+    # the XLA backend's subclass traces on the first call, whose inputs it needs
+    trace_on_first_call = False
+
     def __init__(self, mesh, program, timeout, name):
         self.mesh = mesh
         self.program = program
@@ -97,10 +100,17 @@ class _Compiled:
         self.keys = collectives.ProgramKeys(program)
         self.lock = self.keys.lock
         self.what = name or "an SPMD program"
-        self._trace()
+        self.function = None
+        if not self.trace_on_first_call:
+            self._trace(None)
 
-    def _trace(self):
-        lowering = _Lowering(self.mesh, self.keys)
+    def _lowering(self, flat):
+        """The lowering that emits the program (`flat`: the first call's inputs, or None
+        when tracing at compile time)."""
+        return _Lowering(self.mesh, self.keys)
+
+    def _trace(self, flat):
+        lowering = self._lowering(flat)
         self.generation = collectives.generation()
 
         def spmd_program(*flat):
@@ -138,8 +148,8 @@ class _Compiled:
         flat = [x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x, spec.dtype)
                 for x, spec in zip((x for s in shards for x in s), self.specs)]
         with self.lock:
-            if self.generation != collectives.generation():
-                self._trace()
+            if self.function is None or self.generation != collectives.generation():
+                self._trace(flat)
             with collectives.watchdog.guard(self.timeout, self.what) as call:
                 try:
                     outs = self._execute(flat + self.captures, call)
@@ -181,29 +191,36 @@ class _Lowering:
         """Emits every node for every device; returns the outputs, output-major."""
         n = self.mesh.size
         self.args = [flat[i:i + n] for i in range(0, len(flat), n)]
-        values = []   # values[node][out][device]: tf.Tensor
-        op_of = []    # op_of[node][device]: tf.Operation, for control inputs
+        values = {}   # values[node][out][device]: tf.Tensor
+        op_of = {}    # op_of[node][device]: tf.Operation, for control inputs
         # Node-major order: every device's copy of node i is created before node i+1.
         # tf.function chains stateful ops without resource inputs in creation order, and
         # this order keeps those chains from waiting on a later collective.
-        for node in program.nodes:
-            emit = self._emitter(node)
-            ins = [values[ref.node][ref.out] for ref in node.inputs]
-            outs, node_ops = [], []
-            for d in range(n):
-                control = [op_of[c][d] for c in node.control_inputs]
-                with tf.device(self.devices[d]), tf.control_dependencies(control):
-                    result = emit(d, ins)
-                if isinstance(result, ops.Operation):
-                    outs.append(result.outputs)
-                    node_ops.append(result)
-                else:
-                    outs.append([result])
-                    node_ops.append(result.op)
-                _set_shapes(node, outs[-1])
-            values.append([[outs[d][k] for d in range(n)] for k in range(len(outs[0]))])
-            op_of.append(node_ops)
+        for index in range(len(program.nodes)):
+            self.emit_node(program, index, values, op_of)
         return [values[ref.node][ref.out][d] for ref in program.outputs for d in range(n)]
+
+    def emit_node(self, program, index, values, op_of):
+        """Emits node `index` of `program` on every device, filling values[index] and
+        op_of[index]."""
+        node = program.nodes[index]
+        emit = self._emitter(node)
+        ins = [values[ref.node][ref.out] for ref in node.inputs]
+        outs, node_ops = [], []
+        for d in range(self.mesh.size):
+            control = [op_of[c][d] for c in node.control_inputs]
+            with tf.device(self.devices[d]), tf.control_dependencies(control):
+                result = emit(d, ins)
+            if isinstance(result, ops.Operation):
+                outs.append(result.outputs)
+                node_ops.append(result)
+            else:
+                outs.append([result])
+                node_ops.append(result.op)
+            _set_shapes(node, outs[-1])
+        values[index] = [[outs[d][k] for d in range(self.mesh.size)]
+                         for k in range(len(outs[0]))]
+        op_of[index] = node_ops
 
     def _emitter(self, node):
         """emit(d, inputs): `node` on device d, a tensor or an op (inputs[k][e] is input

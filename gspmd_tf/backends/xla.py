@@ -1,0 +1,213 @@
+"""XlaBackend: the per-device program's compute compiled by XLA, collectives through TF.
+
+The program is cut into collective-free segments (segments.py). Each segment becomes one
+tf.function(jit_compile=True), traced once and shared by every device and by every
+segment with the same structure (identical layers of a model compile once); TF's XLA
+bridge compiles it on each device's first call. One outer tf.function holds, per device,
+the calls of the segments and the nodes between them, which are emitted op by op as in
+LocalBackend: collectives with their ordering tokens, keys and the call timeout,
+gt.Permute, control flow, and what XLA cannot compile. The outer graph has about
+(segments + collectives) x devices nodes instead of (all nodes) x devices.
+
+Before the first call every distinct segment goes through TF's XLA bridge
+(experimental_get_compiler_ir); a node the bridge rejects (no XLA kernel, an argument
+that must be a compile-time constant but depends on the shard index, ...) is taken out
+of its segment and run op by op, with a warning naming it, and the program is cut again.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+
+import tensorflow as tf
+from tensorflow.python.framework import ops
+
+from gspmd_tf.backends import base, local, segments
+from gspmd_tf.graph.ir import Ref
+
+log = logging.getLogger("gspmd_tf")
+
+# segment key -> _SegmentFunction, for the process: programs that share a segment's
+# structure (the same model lowered again, a different step of it) share its function,
+# and so TF's XLA compilation cache entry on each device.
+_functions = {}
+_functions_lock = threading.Lock()
+
+
+class XlaBackend(local.LocalBackend):
+    """Runs SPMD programs on the mesh's devices in this process, the compute between
+    collectives compiled by XLA (one compilation per distinct segment and device).
+
+    `collective_timeout` as for LocalBackend. A program is traced on its first call,
+    whose inputs the compile check of its segments needs (variables' shapes).
+    """
+
+    def compile(self, program, name=None):
+        """Returns run(inputs) -> outputs, as LocalBackend.compile."""
+        return _XlaCompiled(self.mesh, program, self.collective_timeout, name)
+
+
+class _XlaCompiled(local._Compiled):
+    trace_on_first_call = True
+
+    def __init__(self, mesh, program, timeout, name):
+        self.plan = None
+        super().__init__(mesh, program, timeout, name)
+
+    def _lowering(self, flat):
+        if self.plan is None:
+            self.plan = _Plan(self.mesh, self.program, flat, self.what)
+        return _XlaLowering(self.mesh, self.keys, self.plan)
+
+
+class _Plan:
+    """The program's steps (segments.cut) after the compile check, and each segment's
+    function (`functions[k]` for the k-th Segment of `steps`)."""
+
+    def __init__(self, mesh, program, flat, what):
+        self.device_type = tf.DeviceSpec.from_string(mesh.devices[0]).device_type or "CPU"
+        device0 = mesh.devices[0]
+        inputs = base.program_inputs(program)
+        # device 0's value of each gt.Input, for the variables the check must see
+        index_of = {id(node): i for i, node in enumerate(program.nodes)}
+        first = {index_of[id(node)]: flat[node.params["index"] * mesh.size]
+                 for node in inputs}
+        excluded = set()
+        while True:
+            self.steps = segments.cut(program, excluded)
+            self.functions = []
+            rejected = set()
+            for step in self.steps:
+                if not isinstance(step, segments.Segment):
+                    continue
+                function = _segment_function(program, step, device0, self.device_type)
+                self.functions.append(function)
+                samples = [first.get(ref.node) for ref in step.inputs]
+                failed = function.check(samples, device0)
+                if failed is not None:
+                    positions, message = failed
+                    for k in positions or range(len(step.nodes)):
+                        node = program.nodes[step.nodes[k]]
+                        log.warning("gspmd_tf: XLA cannot compile %s (%s) of %s; it runs op "
+                                    "by op: %s", node.name, node.op, what, message)
+                        rejected.add(step.nodes[k])
+            if not rejected:
+                break
+            excluded |= rejected
+        others = sorted({(program.nodes[i].op, segments.why_not_compiled(program.nodes[i]))
+                         for i in self.steps if not isinstance(i, segments.Segment)
+                         and i not in excluded and not program.nodes[i].op.startswith("gt.")})
+        if others:
+            log.warning("gspmd_tf: the XLA backend runs these ops of %s op by op: %s", what,
+                        "; ".join(f"{op} ({why})" for op, why in others))
+
+
+def _segment_function(program, segment, device, device_type):
+    key = segments.segment_key(program, segment, device_type)
+    with _functions_lock:
+        if key not in _functions:
+            _functions[key] = _SegmentFunction(program, segment, device)
+        return _functions[key]
+
+
+class _SegmentFunction:
+    """One segment as a tf.function(jit_compile=True) over its inputs, returning its
+    outputs (segment.inputs / segment.outputs order), traced once."""
+
+    def __init__(self, program, segment, device):
+        specs = [tf.TensorSpec(() if program.dtype(ref) == tf.resource else program.shape(ref),
+                               program.dtype(ref)) for ref in segment.inputs]
+        self.names = {}  # op name in the function graph -> position in the segment
+
+        def gt_segment(*args):
+            values = dict(zip(segment.inputs, args))
+            op_of = {}
+            for k, i in enumerate(segment.nodes):
+                node = program.nodes[i]
+                control = [op_of[c] for c in node.control_inputs if c in op_of]
+                with tf.control_dependencies(control):
+                    result = local._tf_op(node, [device])(0, [[values[r]] for r in node.inputs])
+                op = result if isinstance(result, ops.Operation) else result.op
+                outs = op.outputs if isinstance(result, ops.Operation) else [result]
+                local._set_shapes(node, outs)
+                values.update((Ref(i, out), t) for out, t in enumerate(outs))
+                op_of[i] = op
+                self.names[op.name] = k
+            return [values[ref] for ref in segment.outputs]
+        self.function = tf.function(gt_segment, jit_compile=True, autograph=False,
+                                    input_signature=specs)
+        self.concrete = self.function.get_concrete_function()
+        self.specs = specs
+        self.checked = False
+        self.failure = None
+
+    def check(self, samples, device):
+        """None when TF's XLA bridge takes the segment, else (positions of the nodes it
+        names, or [] for the whole segment; its message's first line). `samples`: a value
+        per input where one is known (variables must be), else None. Checked once."""
+        if self.checked:
+            return self.failure
+        if any(spec.dtype == tf.resource and sample is None
+               for spec, sample in zip(self.specs, samples)):
+            return None  # a variable from an op-by-op node: XLA's verdict at run time
+        try:
+            with tf.device(device):
+                # the bridge takes all specs or all tensors: zeros stand in beside variables
+                if any(spec.dtype == tf.resource for spec in self.specs):
+                    args = [tf.zeros(spec.shape, spec.dtype) if sample is None else sample
+                            for spec, sample in zip(self.specs, samples)]
+                else:
+                    args = self.specs
+                self.function.experimental_get_compiler_ir(*args)(stage="hlo")
+        except (ValueError, tf.errors.OpError) as e:
+            text = str(e)
+            named = re.findall(r"node `([^`]+)`|\{\{node ([^}]+)\}\}", text)
+            positions = sorted({self.names[name] for pair in named for name in pair
+                                if name in self.names})
+            lines = [line for line in text.splitlines() if line.strip()]
+            self.failure = (positions, lines[0][:300] if lines else type(e).__name__)
+        self.checked = True
+        return self.failure
+
+
+class _XlaLowering(local._Lowering):
+    """Emits the plan's steps once per device: segment calls and op-by-op nodes."""
+
+    def __init__(self, mesh, keys, plan):
+        super().__init__(mesh, keys)
+        self.plan = plan
+
+    def lower(self, program, flat):
+        n = self.mesh.size
+        self.args = [flat[i:i + n] for i in range(0, len(flat), n)]
+        values, op_of = {}, {}
+        functions = iter(self.plan.functions)
+        for step in self.plan.steps:
+            if isinstance(step, segments.Segment):
+                self._emit_segment(program, step, next(functions), values, op_of)
+            else:
+                self.emit_node(program, step, values, op_of)
+        return [values[ref.node][ref.out][d] for ref in program.outputs for d in range(n)]
+
+    def _emit_segment(self, program, segment, function, values, op_of):
+        inside = set(segment.nodes)
+        control = sorted({c for i in segment.nodes for c in program.nodes[i].control_inputs
+                          if c not in inside})
+        graph = ops.get_default_graph()
+        calls, results = [], []
+        for d in range(self.mesh.size):
+            args = [values[ref.node][ref.out][d] for ref in segment.inputs]
+            with tf.device(self.devices[d]), \
+                    tf.control_dependencies([op_of[c][d] for c in control]):
+                outs = function.concrete(*args)
+            outs = list(outs) if outs is not None else []
+            # the call op; with no outputs it is the op the call just added
+            calls.append(outs[0].op if outs else graph.get_operations()[-1])
+            results.append(outs)
+        for k, ref in enumerate(segment.outputs):
+            values.setdefault(ref.node, [None] * len(program.nodes[ref.node].out_dtypes))
+            values[ref.node][ref.out] = [results[d][k] for d in range(self.mesh.size)]
+        for i in segment.nodes:
+            op_of[i] = calls
