@@ -84,9 +84,6 @@ class _Compiled:
     """A program traced into one TF function, traced again when its collective group
     keys were retired (after a cancelled call)."""
 
-    # the XLA backend's subclass traces on the first call, whose inputs it needs
-    trace_on_first_call = False
-
     def __init__(self, mesh, program, timeout, name):
         self.mesh = mesh
         self.program = program
@@ -100,17 +97,14 @@ class _Compiled:
         self.keys = collectives.ProgramKeys(program)
         self.lock = self.keys.lock
         self.what = name or "an SPMD program"
-        self.function = None
-        if not self.trace_on_first_call:
-            self._trace(None)
+        self._trace()
 
-    def _lowering(self, flat):
-        """The lowering that emits the program (`flat`: the first call's inputs, or None
-        when tracing at compile time)."""
+    def _lowering(self):
+        """The lowering that emits the program."""
         return _Lowering(self.mesh, self.keys)
 
-    def _trace(self, flat):
-        lowering = self._lowering(flat)
+    def _trace(self):
+        lowering = self._lowering()
         self.generation = collectives.generation()
 
         def spmd_program(*flat):
@@ -148,8 +142,8 @@ class _Compiled:
         flat = [x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x, spec.dtype)
                 for x, spec in zip((x for s in shards for x in s), self.specs)]
         with self.lock:
-            if self.function is None or self.generation != collectives.generation():
-                self._trace(flat)
+            if self.generation != collectives.generation():
+                self._trace()
             with collectives.watchdog.guard(self.timeout, self.what) as call:
                 try:
                     outs = self._execute(flat + self.captures, call)

@@ -43,9 +43,9 @@ class Segment:
                f"{len(self.outputs)} out>"
 
 
-def why_not_compiled(node):
-    """Why `node` must run op by op, or None when XLA may compile it (a check of what the
-    program says; XLA's own verdict comes from compiling, see xla.py)."""
+def why_not_compiled(program, node):
+    """Why `node` of `program` must run op by op, or None when XLA may compile it (what
+    the program says; XLA's own verdict comes from its bridge, see xla.py)."""
     if node.op.startswith("gt."):
         return "a gspmd-tf collective or device op"
     if node.regions:
@@ -54,14 +54,16 @@ def why_not_compiled(node):
         return "a random op (XLA draws other numbers than TF's kernel)"
     if any(d in _UNCOMPILABLE_DTYPES for d in node.out_dtypes):
         return "its outputs are strings, resources or variants"
+    if any(program.dtype(ref) in _UNCOMPILABLE_DTYPES for ref in node.inputs):
+        # variable reads and writes too: segments stay pure functions of tensors, which
+        # the compile check can take as TensorSpecs and XLA need not snapshot
+        return "it reads strings, resources (variables) or variants"
     if any(s is None or any(x is None or x < 0 for x in s) for s in node.out_shapes):
         return "its output shape depends on the data"
-    op_def = op_def_registry.get(node.op)
-    if op_def is None:
+    if op_def_registry.get(node.op) is None:
         return "an op TF does not register"
-    if op_def.is_stateful and not any(a.type == tf.resource.as_datatype_enum
-                                      for a in op_def.input_arg):
-        return "a stateful op that touches no variable"
+    if _is_stateful(node):
+        return "a stateful op"
     return None
 
 
@@ -69,50 +71,58 @@ def cut(program, excluded=frozenset()):
     """The program as steps in run order: Segments and node indices (run op by op).
 
     `excluded`: node indices to run op by op besides those why_not_compiled names.
-    Sources (gt.Input, gt.ShardIndex) come first. Stateful nodes keep their program
-    order: a stateful node is never in an earlier stage than the stateful node before
-    it, and never in the same stage before a stateful barrier that precedes it.
+    Sources (gt.Input, gt.ShardIndex) come first, then the constants a barrier or the
+    program's outputs read; a segment holds its own copy of every constant it reads
+    (Const nodes and pure ops of constants only), so that XLA sees shapes and axes as
+    compile-time constants, not arguments. Stateful nodes are all barriers and keep
+    their program order: none is in an earlier stage than the stateful node before it.
     """
     nodes = program.nodes
-    kind = []  # "source" | "barrier" | "compute"
+    kind = []  # "source" | "constant" | "barrier" | "compute"
     for i, node in enumerate(nodes):
         if node.op in SOURCES:
             kind.append("source")
-        elif i in excluded or why_not_compiled(node) is not None:
+        elif i in excluded or why_not_compiled(program, node) is not None:
             kind.append("barrier")
+        elif not node.control_inputs and all(kind[r.node] == "constant"
+                                             for r in node.inputs):
+            kind.append("constant")  # a Const, or a pure op of constants only
         else:
             kind.append("compute")
     stage = [0] * len(nodes)
     last_stateful = None
     for i, node in enumerate(nodes):
-        if kind[i] == "source":
+        if kind[i] in ("source", "constant"):
             continue
         producers = [ref.node for ref in node.inputs] + list(node.control_inputs)
-        if _is_stateful(node) and last_stateful is not None:
-            producers.append(last_stateful)
+        if _is_stateful(node):
+            if last_stateful is not None:
+                producers.append(last_stateful)
+            last_stateful = i
         ready = 0
         for p in producers:
-            if kind[p] == "source":
+            if kind[p] in ("source", "constant"):
                 continue
             # a compute node must wait for the stage after a barrier it reads; a barrier
             # runs after the segment of its stage and after earlier barriers of it
             late = kind[i] == "compute" and kind[p] == "barrier"
             ready = max(ready, stage[p] + late)
         stage[i] = ready
-        if _is_stateful(node):
-            last_stateful = i
     readers = [set() for _ in nodes]  # readers[i]: the nodes reading an output of node i
     for i, node in enumerate(nodes):
         for ref in node.inputs:
             readers[ref.node].add(i)
     computes, barriers = {}, {}  # stage -> node indices, in program order
     for i in range(len(nodes)):
-        if kind[i] != "source":
+        if kind[i] in ("compute", "barrier"):
             (computes if kind[i] == "compute" else barriers).setdefault(stage[i], []).append(i)
+    outputs = {ref.node for ref in program.outputs}
     steps = [i for i in range(len(nodes)) if kind[i] == "source"]
+    steps += [i for i in range(len(nodes)) if kind[i] == "constant" and (
+        i in outputs or any(kind[r] == "barrier" for r in readers[i]))]
     for s in range(max(stage, default=0) + 1):
         if s in computes:
-            steps.append(_segment(program, computes[s], readers))
+            steps.append(_segment(program, computes[s], readers, kind))
         steps += barriers.get(s, [])
     return steps
 
@@ -122,19 +132,27 @@ def _is_stateful(node):
     return bool(op_def is not None and op_def.is_stateful)
 
 
-def _segment(program, members, readers):
-    inside = set(members)
+def _segment(program, computes, readers, kind):
+    """The Segment of `computes` and copies of the constants they read."""
+    members = set(computes)
+    pending = list(computes)
+    while pending:  # the constants read, and the constants those read
+        for ref in program.nodes[pending.pop()].inputs:
+            if kind[ref.node] == "constant" and ref.node not in members:
+                members.add(ref.node)
+                pending.append(ref.node)
     inputs, seen = [], set()
-    for i in members:
+    for i in sorted(members):
         for ref in program.nodes[i].inputs:
-            if ref.node not in inside and ref not in seen:
+            if ref.node not in members and ref not in seen:
                 seen.add(ref)
                 inputs.append(ref)
+    inside = set(computes)  # a constant read outside is emitted there on its own
     outputs = {ref for ref in program.outputs if ref.node in inside}
-    for i in members:
+    for i in computes:
         for reader in readers[i] - inside:
             outputs.update(ref for ref in program.nodes[reader].inputs if ref.node == i)
-    return Segment(members, inputs, sorted(outputs))
+    return Segment(sorted(members), inputs, sorted(outputs))
 
 
 def segment_key(program, segment, device_type):

@@ -9,7 +9,7 @@ LocalBackend: collectives with their ordering tokens, keys and the call timeout,
 gt.Permute, control flow, and what XLA cannot compile. The outer graph has about
 (segments + collectives) x devices nodes instead of (all nodes) x devices.
 
-Before the first call every distinct segment goes through TF's XLA bridge
+When the program is traced every distinct segment goes through TF's XLA bridge
 (experimental_get_compiler_ir); a node the bridge rejects (no XLA kernel, an argument
 that must be a compile-time constant but depends on the shard index, ...) is taken out
 of its segment and run op by op, with a warning naming it, and the program is cut again.
@@ -24,7 +24,7 @@ import threading
 import tensorflow as tf
 from tensorflow.python.framework import ops
 
-from gspmd_tf.backends import base, local, segments
+from gspmd_tf.backends import local, segments
 from gspmd_tf.graph.ir import Ref
 
 log = logging.getLogger("gspmd_tf")
@@ -40,25 +40,19 @@ class XlaBackend(local.LocalBackend):
     """Runs SPMD programs on the mesh's devices in this process, the compute between
     collectives compiled by XLA (one compilation per distinct segment and device).
 
-    `collective_timeout` as for LocalBackend. A program is traced on its first call,
-    whose inputs the compile check of its segments needs (variables' shapes).
+    `collective_timeout` as for LocalBackend.
     """
 
     def compile(self, program, name=None):
-        """Returns run(inputs) -> outputs, as LocalBackend.compile."""
+        """Returns run(inputs) -> outputs, as LocalBackend.compile; `run.plan` holds the
+        segments."""
         return _XlaCompiled(self.mesh, program, self.collective_timeout, name)
 
 
 class _XlaCompiled(local._Compiled):
-    trace_on_first_call = True
-
-    def __init__(self, mesh, program, timeout, name):
-        self.plan = None
-        super().__init__(mesh, program, timeout, name)
-
-    def _lowering(self, flat):
-        if self.plan is None:
-            self.plan = _Plan(self.mesh, self.program, flat, self.what)
+    def _lowering(self):
+        if getattr(self, "plan", None) is None:  # kept when traced again
+            self.plan = _Plan(self.mesh, self.program, self.what)
         return _XlaLowering(self.mesh, self.keys, self.plan)
 
 
@@ -66,14 +60,8 @@ class _Plan:
     """The program's steps (segments.cut) after the compile check, and each segment's
     function (`functions[k]` for the k-th Segment of `steps`)."""
 
-    def __init__(self, mesh, program, flat, what):
-        self.device_type = tf.DeviceSpec.from_string(mesh.devices[0]).device_type or "CPU"
-        device0 = mesh.devices[0]
-        inputs = base.program_inputs(program)
-        # device 0's value of each gt.Input, for the variables the check must see
-        index_of = {id(node): i for i, node in enumerate(program.nodes)}
-        first = {index_of[id(node)]: flat[node.params["index"] * mesh.size]
-                 for node in inputs}
+    def __init__(self, mesh, program, what):
+        device_type = tf.DeviceSpec.from_string(mesh.devices[0]).device_type or "CPU"
         excluded = set()
         while True:
             self.steps = segments.cut(program, excluded)
@@ -82,10 +70,9 @@ class _Plan:
             for step in self.steps:
                 if not isinstance(step, segments.Segment):
                     continue
-                function = _segment_function(program, step, device0, self.device_type)
+                function = _segment_function(program, step, mesh.devices[0], device_type)
                 self.functions.append(function)
-                samples = [first.get(ref.node) for ref in step.inputs]
-                failed = function.check(samples, device0)
+                failed = function.check()
                 if failed is not None:
                     positions, message = failed
                     for k in positions or range(len(step.nodes)):
@@ -96,12 +83,22 @@ class _Plan:
             if not rejected:
                 break
             excluded |= rejected
-        others = sorted({(program.nodes[i].op, segments.why_not_compiled(program.nodes[i]))
-                         for i in self.steps if not isinstance(i, segments.Segment)
-                         and i not in excluded and not program.nodes[i].op.startswith("gt.")})
-        if others:
+        reasons = {}
+        for i in self.steps:
+            if isinstance(i, segments.Segment) or i in excluded:
+                continue
+            why = segments.why_not_compiled(program, program.nodes[i])
+            if why and not program.nodes[i].op.startswith("gt.") and \
+                    program.nodes[i].op not in _EXPECTED:
+                reasons.setdefault((program.nodes[i].op, why), None)
+        if reasons:
             log.warning("gspmd_tf: the XLA backend runs these ops of %s op by op: %s", what,
-                        "; ".join(f"{op} ({why})" for op, why in others))
+                        "; ".join(f"{op} ({why})" for op, why in reasons))
+
+
+# Ops that run op by op by design (variables stay outside XLA): no warning for them.
+_EXPECTED = ("ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp",
+             "AssignSubVariableOp", "Identity", "NoOp", "Const")
 
 
 def _segment_function(program, segment, device, device_type):
@@ -143,32 +140,20 @@ class _SegmentFunction:
         self.checked = False
         self.failure = None
 
-    def check(self, samples, device):
+    def check(self):
         """None when TF's XLA bridge takes the segment, else (positions of the nodes it
-        names, or [] for the whole segment; its message's first line). `samples`: a value
-        per input where one is known (variables must be), else None. Checked once."""
-        if self.checked:
-            return self.failure
-        if any(spec.dtype == tf.resource and sample is None
-               for spec, sample in zip(self.specs, samples)):
-            return None  # a variable from an op-by-op node: XLA's verdict at run time
-        try:
-            with tf.device(device):
-                # the bridge takes all specs or all tensors: zeros stand in beside variables
-                if any(spec.dtype == tf.resource for spec in self.specs):
-                    args = [tf.zeros(spec.shape, spec.dtype) if sample is None else sample
-                            for spec, sample in zip(self.specs, samples)]
-                else:
-                    args = self.specs
-                self.function.experimental_get_compiler_ir(*args)(stage="hlo")
-        except (ValueError, tf.errors.OpError) as e:
-            text = str(e)
-            named = re.findall(r"node `([^`]+)`|\{\{node ([^}]+)\}\}", text)
-            positions = sorted({self.names[name] for pair in named for name in pair
-                                if name in self.names})
-            lines = [line for line in text.splitlines() if line.strip()]
-            self.failure = (positions, lines[0][:300] if lines else type(e).__name__)
-        self.checked = True
+        names, or [] for the whole segment; its message's first line). Checked once."""
+        if not self.checked:
+            self.checked = True
+            try:
+                self.function.experimental_get_compiler_ir(*self.specs)(stage="hlo")
+            except (ValueError, tf.errors.OpError) as e:
+                text = str(e)
+                named = re.findall(r"node `([^`]+)`|\{\{node ([^}]+)\}\}", text)
+                positions = sorted({self.names[name] for pair in named for name in pair
+                                    if name in self.names})
+                lines = [line for line in text.splitlines() if line.strip()]
+                self.failure = (positions, lines[0][:300] if lines else type(e).__name__)
         return self.failure
 
 
