@@ -154,6 +154,8 @@ def test_compile_time_constant_from_the_shard_index_falls_back(caplog):
         outs = run([xs])
     for d in range(mesh.size):
         np.testing.assert_allclose(outs[0][d].numpy(), xs[d] * 3.0 + 1.0, rtol=1e-6)
+        # segments of every CPU device run on the first one; outputs come back home
+        assert outs[0][d].backing_device.endswith(f"CPU:{d}"), outs[0][d].backing_device
     pad_name = graph.nodes[padded.node].name
     assert f"XLA cannot compile {pad_name} (Pad)" in caplog.text, caplog.text
     assert padded.node in run.plan.steps

@@ -163,6 +163,7 @@ class _XlaLowering(local._Lowering):
     def __init__(self, mesh, keys, plan):
         super().__init__(mesh, keys)
         self.plan = plan
+        self.runs_on = [_compile_device(mesh.devices, d) for d in range(mesh.size)]
 
     def lower(self, program, flat):
         n = self.mesh.size
@@ -174,7 +175,15 @@ class _XlaLowering(local._Lowering):
                 self._emit_segment(program, step, next(functions), values, op_of)
             else:
                 self.emit_node(program, step, values, op_of)
-        return [values[ref.node][ref.out][d] for ref in program.outputs for d in range(n)]
+        outputs = []
+        for ref in program.outputs:
+            for d in range(n):
+                tensor = values[ref.node][ref.out][d]
+                if self.runs_on[d] != self.devices[d]:
+                    with tf.device(self.devices[d]):  # outputs live on their device
+                        tensor = tf.identity(tensor)
+                outputs.append(tensor)
+        return outputs
 
     def _emit_segment(self, program, segment, function, values, op_of):
         inside = set(segment.nodes)
@@ -184,7 +193,7 @@ class _XlaLowering(local._Lowering):
         calls, results = [], []
         for d in range(self.mesh.size):
             args = [values[ref.node][ref.out][d] for ref in segment.inputs]
-            with tf.device(self.devices[d]), \
+            with tf.device(self.runs_on[d]), \
                     tf.control_dependencies([op_of[c][d] for c in control]):
                 outs = function.concrete(*args)
             outs = list(outs) if outs is not None else []
@@ -196,3 +205,24 @@ class _XlaLowering(local._Lowering):
             values[ref.node][ref.out] = [results[d][k] for d in range(self.mesh.size)]
         for i in segment.nodes:
             op_of[i] = calls
+
+
+def _compile_device(devices, d):
+    """Where device d's segments run: on CPU, the first CPU device of the mesh in d's
+    process, so that one XLA compilation serves every logical CPU device (TF keeps its
+    XLA compilation cache per device); elsewhere device d itself.
+
+    Logical CPU devices share the host's memory and cores, so a segment of device d run
+    there reads d's tensors in place (TF passes host tensors between the devices of a
+    process without copying) and the launches of all devices still run concurrently.
+    """
+    spec = tf.DeviceSpec.from_string(devices[d])
+    if (spec.device_type or "").upper() != "CPU":
+        return devices[d]
+    for name in devices:
+        other = tf.DeviceSpec.from_string(name)
+        if (other.device_type or "").upper() == "CPU" and (other.job, other.replica,
+                                                            other.task) == (
+                spec.job, spec.replica, spec.task):
+            return name
+    return devices[d]
