@@ -116,10 +116,18 @@ def cut(program, excluded=frozenset()):
     for i in range(len(nodes)):
         if kind[i] in ("compute", "barrier"):
             (computes if kind[i] == "compute" else barriers).setdefault(stage[i], []).append(i)
-    outputs = {ref.node for ref in program.outputs}
+    # constants barriers or outputs read, and the constants those read: emitted op by op
+    needed = {i for i in range(len(nodes)) if kind[i] == "constant" and any(
+        kind[r] == "barrier" for r in readers[i])}
+    needed |= {ref.node for ref in program.outputs if kind[ref.node] == "constant"}
+    pending = list(needed)
+    while pending:
+        for ref in nodes[pending.pop()].inputs:
+            if ref.node not in needed:
+                needed.add(ref.node)
+                pending.append(ref.node)
     steps = [i for i in range(len(nodes)) if kind[i] == "source"]
-    steps += [i for i in range(len(nodes)) if kind[i] == "constant" and (
-        i in outputs or any(kind[r] == "barrier" for r in readers[i]))]
+    steps += sorted(needed)
     for s in range(max(stage, default=0) + 1):
         if s in computes:
             steps.append(_segment(program, computes[s], readers, kind))
