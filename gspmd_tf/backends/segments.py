@@ -75,7 +75,9 @@ def cut(program, excluded=frozenset()):
     program's outputs read; a segment holds its own copy of every constant it reads
     (Const nodes and pure ops of constants only), so that XLA sees shapes and axes as
     compile-time constants, not arguments. Stateful nodes are all barriers and keep
-    their program order: none is in an earlier stage than the stateful node before it.
+    their program order per resource, as TF's automatic control dependencies do: none
+    is in an earlier stage than the node before it that touches one of its variables
+    (stateful nodes touching none: than the one before it of those).
     """
     nodes = program.nodes
     kind = []  # "source" | "constant" | "barrier" | "compute"
@@ -90,15 +92,16 @@ def cut(program, excluded=frozenset()):
         else:
             kind.append("compute")
     stage = [0] * len(nodes)
-    last_stateful = None
+    last_stateful = {}  # resource (or None: stateful ops without one) -> its last node
     for i, node in enumerate(nodes):
         if kind[i] in ("source", "constant"):
             continue
         producers = [ref.node for ref in node.inputs] + list(node.control_inputs)
         if _is_stateful(node):
-            if last_stateful is not None:
-                producers.append(last_stateful)
-            last_stateful = i
+            for resource in _resources(program, node) or [None]:
+                if resource in last_stateful:
+                    producers.append(last_stateful[resource])
+                last_stateful[resource] = i
         ready = 0
         for p in producers:
             if kind[p] in ("source", "constant"):
@@ -133,6 +136,19 @@ def cut(program, excluded=frozenset()):
             steps.append(_segment(program, computes[s], readers, kind))
         steps += barriers.get(s, [])
     return steps
+
+
+def _resources(program, node):
+    """The variables `node` touches: the Refs its resource inputs come from, through
+    Identity ops."""
+    out = []
+    for ref in node.inputs:
+        if program.dtype(ref) != tf.resource:
+            continue
+        while program.nodes[ref.node].op == "Identity" and program.nodes[ref.node].inputs:
+            ref = program.nodes[ref.node].inputs[0]
+        out.append(ref)
+    return out
 
 
 def _is_stateful(node):

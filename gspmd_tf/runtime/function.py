@@ -20,18 +20,20 @@ from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
 from gspmd_tf.runtime.variables import variable_of_handle
 
 
-# The built-in backends by name; see docs/INTERNALS.md, "XLA backend", for the default.
-BACKENDS = ("xla", "local")
-DEFAULT_BACKEND = "xla"
+# The built-in backends by name. The default stays op by op: on this TF (2.21, CPU) the
+# XLA backend was slower on matmul-heavy steps and its first call slower on small
+# programs (benchmarks/RESULTS.md, "Runtime: XLA bridge").
+BACKENDS = ("local", "xla")
+DEFAULT_BACKEND = "local"
 
 
 def backend_factory(backend, collective_timeout):
     """The factory (mesh -> gspmd_tf.backends.Backend) gt.function and gt.lower use.
 
     `backend`: a factory, used as it is; or "xla" (XlaBackend: compute between
-    collectives compiled by XLA), "local" (LocalBackend: every op emitted op by op, the
-    debug fallback) or None for the GSPMD_TF_BACKEND environment variable, else
-    DEFAULT_BACKEND. `collective_timeout` applies to the built-in backends only.
+    collectives compiled by XLA), "local" (LocalBackend: every op emitted op by op) or
+    None for the GSPMD_TF_BACKEND environment variable, else DEFAULT_BACKEND.
+    `collective_timeout` applies to the built-in backends only.
     """
     if callable(backend):
         if collective_timeout is not None:
@@ -61,9 +63,9 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     ShardedTensors in the structure `fn` returns. collective_timeout: seconds a call may
     take before it is cancelled with DeadlineExceededError (default: the
     GSPMD_TF_COLLECTIVE_TIMEOUT environment variable, else 300; 0 for no limit); for
-    the built-in backends only. `backend`: "xla", "local" (op by op, for debugging),
-    None (GSPMD_TF_BACKEND, else "xla"), or a factory mesh -> gspmd_tf.backends.Backend;
-    see backend_factory.
+    the built-in backends only. `backend`: "local" (op by op), "xla" (compute between
+    collectives compiled by XLA), None (GSPMD_TF_BACKEND, else DEFAULT_BACKEND), or a
+    factory mesh -> gspmd_tf.backends.Backend; see backend_factory.
     """
     if fn is None:
         return functools.partial(function, mesh=mesh, in_shardings=in_shardings,
