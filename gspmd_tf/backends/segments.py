@@ -1,10 +1,11 @@
 """Cutting an SPMD program into collective-free segments for the XLA backend.
 
 A segment is a set of TF ops that XLA compiles as one computation; the nodes between
-segments ("barriers": collectives, gt.Permute, control flow, ops XLA cannot compile) run
-op by op. Every node gets a stage: a compute node's stage is the lowest at which all its
-inputs are ready (a barrier's result is ready one stage after the barrier's own), a
-barrier's the highest stage among its inputs. The program then runs as
+segments ("barriers": collectives, gt.Permute, control flow, stateful ops such as
+variable reads and writes, ops XLA cannot compile) run op by op. Every node gets a
+stage: a compute node's stage is the lowest at which all its inputs are ready (a
+barrier's result is ready one stage after the barrier's own), a barrier's the highest
+stage among its inputs. The program then runs as
     segment 0, barriers of stage 0, segment 1, barriers of stage 1, ...
 so the number of segments is the length of the longest chain of barriers, and every
 compute node runs in the first segment where it can: independent collectives of one

@@ -3,10 +3,12 @@
 The program is cut into collective-free segments (segments.py). Each segment becomes one
 tf.function(jit_compile=True), traced once and shared by every device and by every
 segment with the same structure (identical layers of a model compile once); TF's XLA
-bridge compiles it on each device's first call. One outer tf.function holds, per device,
-the calls of the segments and the nodes between them, which are emitted op by op as in
-LocalBackend: collectives with their ordering tokens, keys and the call timeout,
-gt.Permute, control flow, and what XLA cannot compile. The outer graph has about
+bridge compiles it on its first call on a device, and on CPU the segments of every
+logical device run on the first one (_compile_device), so it compiles once. One outer
+tf.function holds, per device, the calls of the segments and the nodes between them,
+which are emitted op by op as in LocalBackend: collectives with their ordering tokens,
+keys and the call timeout, gt.Permute, control flow, variable reads and writes, and what
+XLA cannot compile. The outer graph has about
 (segments + collectives) x devices nodes instead of (all nodes) x devices.
 
 When the program is traced every distinct segment goes through TF's XLA bridge
@@ -38,7 +40,8 @@ _functions_lock = threading.Lock()
 
 class XlaBackend(local.LocalBackend):
     """Runs SPMD programs on the mesh's devices in this process, the compute between
-    collectives compiled by XLA (one compilation per distinct segment and device).
+    collectives compiled by XLA (one compilation per distinct segment; on devices other
+    than CPUs one per device).
 
     `collective_timeout` as for LocalBackend.
     """
@@ -114,8 +117,9 @@ class _SegmentFunction:
     outputs (segment.inputs / segment.outputs order), traced once."""
 
     def __init__(self, program, segment, device):
-        specs = [tf.TensorSpec(() if program.dtype(ref) == tf.resource else program.shape(ref),
-                               program.dtype(ref)) for ref in segment.inputs]
+        # no resources: variable reads and writes are never in a segment (segments.py)
+        specs = [tf.TensorSpec(program.shape(ref), program.dtype(ref))
+                 for ref in segment.inputs]
         self.names = {}  # op name in the function graph -> position in the segment
 
         def gt_segment(*args):
