@@ -187,3 +187,21 @@ def test_variable_reads_and_writes_keep_program_order(rng):
     for i, (g, w) in enumerate(zip(got, want)):
         assert_close(g, w, f"output {i}")
     assert_close(gv.numpy(), sv.numpy(), "v")
+
+
+def test_ops_xla_defines_otherwise_stay_op_by_op(rng):
+    """Max/min/arg-extrema over NaNs (XLA propagates NaN, TF's CPU kernels do not) and
+    an integer mean of no elements (XLA divides by zero to -1) equal single-device TF."""
+    mesh = gt.Mesh.create((8,), ("x",))
+
+    def fn(x, empty):
+        return (tf.reduce_max(x, 0), tf.reduce_min(x, 1), tf.argmax(x, 0),
+                tf.reduce_mean(empty, 0, keepdims=True))
+
+    x = randn(rng, 16, 6)
+    x[::3, 1] = np.nan
+    x[2, ::2] = np.inf
+    args = [x, np.zeros((0, 3), np.int32)]
+    got, _ = run_xla(fn, mesh, args, (P("x"), P(None, "x")))
+    for i, (g, w) in enumerate(zip(got, single_device(fn, args))):
+        assert_close(g, w, f"output {i}")

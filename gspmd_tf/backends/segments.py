@@ -28,6 +28,16 @@ SOURCES = (base.INPUT, base.SHARD_INDEX)
 # both backends give the same numbers.
 _RANDOM_WORDS = ("Random", "Multinomial", "TruncatedNormal")
 _UNCOMPILABLE_DTYPES = (tf.string, tf.resource, tf.variant)
+# Ops whose results XLA and TF's kernels define differently: on floats with NaNs
+# (XLA's max and min propagate NaN, TF's CPU reductions, arg-extrema and segment
+# extrema do not; tests/test_nonfinite.py), and integer division by zero (XLA gives -1;
+# an integer Mean of no elements divides by zero).
+_NAN_ORDERED = {"Max", "Min", "ArgMax", "ArgMin", "SegmentMax", "SegmentMin",
+                "SegmentMaxV2", "SegmentMinV2", "UnsortedSegmentMax", "UnsortedSegmentMin",
+                "MaxPool", "MaxPoolV2", "MaxPool3D", "MaxPoolGrad", "MaxPoolGradV2",
+                "MaxPool3DGrad", "MaxPoolWithArgmax"}
+_INTEGER_DIVISIONS = {"Div", "FloorDiv", "TruncateDiv", "FloorMod", "TruncateMod", "Mod",
+                      "Mean"}
 
 
 class Segment:
@@ -59,6 +69,11 @@ def why_not_compiled(program, node):
         # variable reads and writes too: segments stay pure functions of tensors, which
         # the compile check can take as TensorSpecs and XLA need not snapshot
         return "it reads strings, resources (variables) or variants"
+    operand = program.dtype(node.inputs[0]) if node.inputs else None
+    if node.op in _NAN_ORDERED and operand is not None and operand.is_floating:
+        return "XLA orders NaN against numbers otherwise than TF's kernel"
+    if node.op in _INTEGER_DIVISIONS and operand is not None and operand.is_integer:
+        return "XLA divides integers by zero otherwise than TF's kernel"
     if any(s is None or any(x is None or x < 0 for x in s) for s in node.out_shapes):
         return "its output shape depends on the data"
     if op_def_registry.get(node.op) is None:
