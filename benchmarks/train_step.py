@@ -12,18 +12,22 @@ W1 P(None, "model"), b1 P("model"), W2 P("model"), b2 replicated.
 
 Systems (--systems, comma-separated, all in this process, same initial values, same
 batch, same plain TF step function):
-  gspmd    gt.Variables + gt.function(step) on a --mesh of logical CPU devices
+  xla      gt.Variables + gt.function(step, backend="xla") on a --mesh of logical CPU
+           devices: the compute between collectives compiled by XLA
+  local    the same with backend="local": every op emitted op by op per device
   single   tf.Variables + tf.function(step) on /CPU:0
+  single_jit  the same with tf.function(step, jit_compile=True): XLA on one device
   dtensor  TF's DTensor (tf.experimental.dtensor): DVariables with the same layouts on
            the same logical CPU devices, inputs placed with dtensor.copy_to_mesh +
            relayout, a tf.function step
-Steps alternate between the systems (gspmd, single, dtensor, gspmd, ...) after --warmup
-untimed steps each, so that all see the same machine load; besides the ratio of medians
+Steps alternate between the systems (in --systems order, round after round) after
+--warmup untimed steps each, so that all see the same machine load; besides the ratio of medians
 the table gives the median over rounds of (system's step / single's step in that round),
 which is less sensitive to load that changes between rounds. A timed step ends when the
 loss is on the host. After timing, every system has taken the same number of steps from
 the same start: the losses (and one weight) of gspmd and dtensor are compared with
-single's.
+single's. "first call s" is the system's build (variables, lowering) plus its first
+step, in the order the systems run (with --steps=0 only that is measured).
 
 The logical devices of the mesh share the host's cores: on a 2-core host 8 logical
 devices cannot beat one device, so the ratio to single-device measures each system's
@@ -55,7 +59,8 @@ D_FF = flags.DEFINE_integer("d_ff", 2048, "hidden width")
 MESH = flags.DEFINE_string("mesh", "2,4", "mesh shape data,model")
 STEPS = flags.DEFINE_integer("steps", 10, "timed steps of each system (alternating)")
 WARMUP = flags.DEFINE_integer("warmup", 3, "untimed steps of each system first")
-SYSTEMS = flags.DEFINE_string("systems", "gspmd,single,dtensor", "systems to run")
+SYSTEMS = flags.DEFINE_string("systems", "xla,local,single,single_jit,dtensor",
+                              "systems to run, in this order")
 LR = flags.DEFINE_float("lr", 0.01, "SGD learning rate")
 PROFILE = flags.DEFINE_bool("profile", False, "print the gspmd-tf program's op and "
                             "collective counts")
@@ -162,30 +167,28 @@ def main(argv):
     cpu0 = tf.config.list_logical_devices("CPU")[0].name
 
     # ---------------------------------------------------------------- single device
-    if "single" in systems:
+    def build_single(jit):
         start = time.perf_counter()
         with tf.device(cpu0):
             svars = [{n: tf.Variable(layer[n], name=f"{n}_{i}") for n in NAMES}
                      for i, layer in enumerate(values)]
             sx, st = tf.constant(x), tf.constant(target)
-        single_step = tf.function(make_step(tf, svars, LR.value), autograph=False)
+        single_step = tf.function(make_step(tf, svars, LR.value), autograph=False,
+                                  jit_compile=jit)
 
         def run_single():
             with tf.device(cpu0):
                 return float(single_step(sx, st).numpy())
-        runners["single"] = run_single
-        finals["single"] = lambda: svars[0]["w1"].numpy()
-        weight_bytes["single"] = whole_bytes
-        builds["single"] = time.perf_counter() - start
+        return run_single, lambda: svars[0]["w1"].numpy(), whole_bytes, start
 
     # ---------------------------------------------------------------- gspmd-tf
-    if "gspmd" in systems:
+    def build_gspmd(backend):
         start = time.perf_counter()
         mesh = gt.Mesh.create(shape, AXES)
         gvars = [{n: gt.Variable(layer[n], mesh, specs[n], name=f"{n}_{i}") for n in NAMES}
                  for i, layer in enumerate(values)]
         gstep = gt.function(make_step(tf, gvars, LR.value), mesh=mesh,
-                            in_shardings=(P("data"), P("data")))
+                            in_shardings=(P("data"), P("data")), backend=backend)
         lowered = gstep.lower(tf.TensorSpec(x.shape, tf.float32),
                               tf.TensorSpec(target.shape, tf.float32))
         gx, gtgt = (gt.ShardedTensor.from_value(v, mesh, s.to_layout(mesh, v.ndim))
@@ -193,13 +196,17 @@ def main(argv):
 
         def run_gspmd():
             return float(gstep(gx, gtgt).numpy())
-        runners["gspmd"] = run_gspmd
-        finals["gspmd"] = lambda: gvars[0]["w1"].numpy()
-        weight_bytes["gspmd"] = sum(max(v.shard_bytes()) for layer in gvars
-                                    for v in layer.values())
-        builds["gspmd"] = time.perf_counter() - start
         if PROFILE.value:
             profile_program(lowered)
+        return run_gspmd, lambda: gvars[0]["w1"].numpy(), sum(
+            max(v.shard_bytes()) for layer in gvars for v in layer.values()), start
+
+    for system in systems:
+        if system in ("xla", "local", "single", "single_jit"):
+            built = (build_gspmd(system) if system in ("xla", "local")
+                     else build_single(system == "single_jit"))
+            runners[system], finals[system], weight_bytes[system], start = built
+            builds[system] = time.perf_counter() - start
 
     # ---------------------------------------------------------------- DTensor
     if "dtensor" in systems:
@@ -232,7 +239,7 @@ def main(argv):
             for layer in dvars for v in layer.values())
         builds["dtensor"] = time.perf_counter() - start
 
-    order = [s for s in ("gspmd", "single", "dtensor") if s in runners]
+    order = [s for s in systems if s in runners]
     fns = [runners[s] for s in order]
     warm = {}
     for s, fn in zip(order, fns):
@@ -252,17 +259,21 @@ def main(argv):
     weights = {s: finals[s]() for s in order}
 
     print("| system | median step ms | min ms | ratio to single (medians) "
-          "| paired ratio (median over rounds) | weights per device "
-          "| first call s (incl. build) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    med = {s: statistics.median(times[s]) for s in order}
+          "| paired ratio to single (median over rounds) | ratio to single_jit (medians) "
+          "| weights per device | first call s (incl. build) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    med = {s: statistics.median(times[s]) for s in order if times[s]}
     for s in order:
-        ratio = paired = "-"
-        if "single" in med:
-            ratio = f"{med[s] / med['single']:.2f}"
-            paired = f"{statistics.median(a / b for a, b in zip(times[s], times['single'])):.2f}"
-        print(f"| {LABEL[s]} | {med[s] * 1e3:.1f} | {min(times[s]) * 1e3:.1f} | {ratio} "
-              f"| {paired} | {fmt_bytes(weight_bytes[s])} | {builds[s] + warm[s]:.1f} |")
+        cells = ["-"] * 5
+        if s in med:
+            cells[:2] = [f"{med[s] * 1e3:.1f}", f"{min(times[s]) * 1e3:.1f}"]
+            if "single" in med:
+                cells[2] = f"{med[s] / med['single']:.2f}"
+                cells[3] = f"{statistics.median(a / b for a, b in zip(times[s], times['single'])):.2f}"
+            if "single_jit" in med:
+                cells[4] = f"{med[s] / med['single_jit']:.2f}"
+        print(f"| {LABEL[s]} | {' | '.join(cells)} | {fmt_bytes(weight_bytes[s])} "
+              f"| {builds[s] + warm[s]:.2f} |")
     print()
     if "single" in losses:
         for s in order:
@@ -315,8 +326,10 @@ def run_on_tpu(gt, tpu, shape):
           f"| {reference:.6f} | {abs(loss - reference) / abs(reference):.1e} |")
 
 
-LABEL = {"gspmd": "gspmd-tf (gt.Variable + gt.function)",
+LABEL = {"xla": "gspmd-tf, XLA backend (gt.Variable + gt.function)",
+         "local": "gspmd-tf, local backend (op by op)",
          "single": "single-device TF (tf.function, /CPU:0)",
+         "single_jit": "single-device TF + XLA (tf.function jit_compile, /CPU:0)",
          "dtensor": "TF DTensor (DVariable + tf.function)"}
 
 

@@ -2,5 +2,6 @@
 
 from gspmd_tf.backends.base import Backend
 from gspmd_tf.backends.local import LocalBackend
+from gspmd_tf.backends.xla import XlaBackend
 
-__all__ = ["Backend", "LocalBackend"]
+__all__ = ["Backend", "LocalBackend", "XlaBackend"]

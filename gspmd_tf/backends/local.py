@@ -107,8 +107,12 @@ class _Compiled:
         self.what = name or "an SPMD program"
         self._trace()
 
+    def _lowering(self):
+        """The lowering that emits the program."""
+        return _Lowering(self.mesh, self.keys)
+
     def _trace(self):
-        lowering = _Lowering(self.mesh, self.keys)
+        lowering = self._lowering()
         self.generation = collectives.generation()
 
         def spmd_program(*flat):
@@ -217,30 +221,35 @@ class _Lowering:
             self.args.append([None] * n)
             for d, x in zip(self.local, flat[i:i + k]):
                 self.args[-1][d] = x
-        values = []   # values[node][out][device]: tf.Tensor (None on other workers)
-        op_of = []    # op_of[node][device]: tf.Operation, for control inputs
+        values = {}   # values[node][out][device]: tf.Tensor (None on other workers)
+        op_of = {}    # op_of[node][device]: tf.Operation, for control inputs
         # Node-major order: every device's copy of node i is created before node i+1.
         # tf.function chains stateful ops without resource inputs in creation order, and
         # this order keeps those chains from waiting on a later collective.
-        for node in program.nodes:
-            emit = self._emitter(node)
-            ins = [values[ref.node][ref.out] for ref in node.inputs]
-            outs, node_ops = [None] * n, [None] * n
-            for d in self.local:
-                control = [op_of[c][d] for c in node.control_inputs]
-                with tf.device(self.devices[d]), tf.control_dependencies(control):
-                    result = emit(d, ins)
-                if isinstance(result, ops.Operation):
-                    outs[d] = result.outputs
-                    node_ops[d] = result
-                else:
-                    outs[d] = [result]
-                    node_ops[d] = result.op
-                _set_shapes(node, outs[d])
-            values.append([[None if outs[d] is None else outs[d][j] for d in range(n)]
-                           for j in range(len(outs[self.local[0]]))])
-            op_of.append(node_ops)
+        for index in range(len(program.nodes)):
+            self.emit_node(program, index, values, op_of)
         return [values[ref.node][ref.out][d] for ref in program.outputs for d in self.local]
+
+    def emit_node(self, program, index, values, op_of):
+        """Emits node `index` of `program` on every device of this process, filling
+        values[index] and op_of[index] (None entries for other workers' devices)."""
+        node = program.nodes[index]
+        emit = self._emitter(node)
+        ins = [values[ref.node][ref.out] for ref in node.inputs]
+        n = self.mesh.size
+        outs, node_ops = [None] * n, [None] * n
+        for d in self.local:
+            control = [op_of[c][d] for c in node.control_inputs]
+            with tf.device(self.devices[d]), tf.control_dependencies(control):
+                result = emit(d, ins)
+            if isinstance(result, ops.Operation):
+                outs[d], node_ops[d] = result.outputs, result
+            else:
+                outs[d], node_ops[d] = [result], result.op
+            _set_shapes(node, outs[d])
+        values[index] = [[None if outs[d] is None else outs[d][k] for d in range(n)]
+                         for k in range(len(outs[self.local[0]]))]
+        op_of[index] = node_ops
 
     def _emitter(self, node):
         """emit(d, inputs): `node` on device d, a tensor or an op (inputs[k][e] is input

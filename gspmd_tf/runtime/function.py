@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 import types
 
@@ -19,12 +20,36 @@ from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
 from gspmd_tf.runtime.variables import variable_of_handle
 
 
-def local_backend(collective_timeout):
-    """A backend factory: LocalBackend(mesh, collective_timeout)."""
+# The built-in backends by name. The default stays op by op: on this TF (2.21, CPU) the
+# XLA backend was slower on matmul-heavy steps and its first call slower on small
+# programs (benchmarks/RESULTS.md, "Runtime: XLA bridge").
+BACKENDS = ("local", "xla")
+DEFAULT_BACKEND = "local"
+
+
+def backend_factory(backend, collective_timeout):
+    """The factory (mesh -> gspmd_tf.backends.Backend) gt.function and gt.lower use.
+
+    `backend`: a factory, used as it is; or "xla" (XlaBackend: compute between
+    collectives compiled by XLA), "local" (LocalBackend: every op emitted op by op) or
+    None for the GSPMD_TF_BACKEND environment variable, else DEFAULT_BACKEND.
+    `collective_timeout` applies to the built-in backends only.
+    """
+    if callable(backend):
+        if collective_timeout is not None:
+            raise ValueError("collective_timeout applies to the built-in backends: give it "
+                             "to your backend instead")
+        return backend
+    name = backend or os.environ.get("GSPMD_TF_BACKEND") or DEFAULT_BACKEND
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r} (or GSPMD_TF_BACKEND): use one of {BACKENDS} or "
+                         "a factory mesh -> gspmd_tf.backends.Backend")
     from gspmd_tf.backends.local import LocalBackend, check_timeout
+    from gspmd_tf.backends.xla import XlaBackend
     if collective_timeout is not None:
         check_timeout(collective_timeout)
-    return functools.partial(LocalBackend, collective_timeout=collective_timeout)
+    cls = XlaBackend if name == "xla" else LocalBackend
+    return functools.partial(cls, collective_timeout=collective_timeout)
 
 
 def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=None,
@@ -38,17 +63,16 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     ShardedTensors in the structure `fn` returns. collective_timeout: seconds a call may
     take before it is cancelled with DeadlineExceededError (default: the
     GSPMD_TF_COLLECTIVE_TIMEOUT environment variable, else 300; 0 for no limit); for
-    the default backend only (`backend`: a factory mesh -> gspmd_tf.backends.Backend).
+    the built-in backends only. `backend`: "local" (op by op), "xla" (compute between
+    collectives compiled by XLA), None (GSPMD_TF_BACKEND, else DEFAULT_BACKEND), or a
+    factory mesh -> gspmd_tf.backends.Backend; see backend_factory.
     """
     if fn is None:
         return functools.partial(function, mesh=mesh, in_shardings=in_shardings,
                                  out_shardings=out_shardings, backend=backend,
                                  collective_timeout=collective_timeout)
-    if backend is not None and collective_timeout is not None:
-        raise ValueError("collective_timeout applies to the default backend: give it to "
-                         "your backend instead")
     return Function(fn, mesh, in_shardings, out_shardings,
-                    backend or local_backend(collective_timeout))
+                    backend_factory(backend, collective_timeout))
 
 
 class Function:

@@ -44,14 +44,11 @@ def lower(fn, mesh, in_shardings=None, out_shardings=None, *, args=None, backend
     gt.function (used by compile()). The returned object's `stage_seconds` gives the wall
     time of import, propagate and partition.
     """
-    from gspmd_tf.runtime.function import Function, local_backend
+    from gspmd_tf.runtime.function import Function, backend_factory
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"gt.lower needs a gt.Mesh, got {mesh!r}: build one with "
                             "gt.Mesh.create(shape, axis_names) or gt.Mesh.abstract(...)")
-    if backend is not None and collective_timeout is not None:
-        raise ValueError("collective_timeout applies to the default backend: give it to "
-                         "your backend instead")
-    backend = backend or local_backend(collective_timeout)
+    backend = backend_factory(backend, collective_timeout)
     traced = isinstance(fn, (Graph, tf.types.experimental.ConcreteFunction))
     if not traced:
         if args is None:

@@ -1,0 +1,222 @@
+"""Cutting an SPMD program into collective-free segments for the XLA backend.
+
+A segment is a set of TF ops that XLA compiles as one computation; the nodes between
+segments ("barriers": collectives, gt.Permute, control flow, stateful ops such as
+variable reads and writes, ops XLA cannot compile) run op by op. Every node gets a
+stage: a compute node's stage is the lowest at which all its inputs are ready (a
+barrier's result is ready one stage after the barrier's own), a barrier's the highest
+stage among its inputs. The program then runs as
+    segment 0, barriers of stage 0, segment 1, barriers of stage 1, ...
+so the number of segments is the length of the longest chain of barriers, and every
+compute node runs in the first segment where it can: independent collectives of one
+stage (the combiner's merged all-reduces, the gradient all-reduces of a layer) cut the
+program once, not once each. See docs/INTERNALS.md, "XLA backend".
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
+
+from gspmd_tf.backends import base
+
+# gt.* nodes a segment reads but never holds: emitted first, once per device
+SOURCES = (base.INPUT, base.SHARD_INDEX)
+# Values XLA computes differently from TF's kernels (random bits): kept op by op so that
+# both backends give the same numbers.
+_RANDOM_WORDS = ("Random", "Multinomial", "TruncatedNormal")
+_UNCOMPILABLE_DTYPES = (tf.string, tf.resource, tf.variant)
+# Ops whose results XLA and TF's kernels define differently: on floats with NaNs
+# (XLA's max and min propagate NaN, TF's CPU reductions, arg-extrema and segment
+# extrema do not; tests/test_nonfinite.py), and integer division by zero (XLA gives -1;
+# an integer Mean of no elements divides by zero).
+_NAN_ORDERED = {"Max", "Min", "ArgMax", "ArgMin", "SegmentMax", "SegmentMin",
+                "SegmentMaxV2", "SegmentMinV2", "UnsortedSegmentMax", "UnsortedSegmentMin",
+                "MaxPool", "MaxPoolV2", "MaxPool3D", "MaxPoolGrad", "MaxPoolGradV2",
+                "MaxPool3DGrad", "MaxPoolWithArgmax"}
+_INTEGER_DIVISIONS = {"Div", "FloorDiv", "TruncateDiv", "FloorMod", "TruncateMod", "Mod",
+                      "Mean"}
+
+
+class Segment:
+    """Nodes compiled together: `nodes` (program indices, program order), `inputs` (Refs
+    read from outside, in first-use order) and `outputs` (Refs used outside, sorted)."""
+
+    def __init__(self, nodes, inputs, outputs):
+        self.nodes = nodes
+        self.inputs = inputs
+        self.outputs = outputs
+
+    def __repr__(self):
+        return f"<Segment of {len(self.nodes)} nodes, {len(self.inputs)} in, " \
+               f"{len(self.outputs)} out>"
+
+
+def why_not_compiled(program, node):
+    """Why `node` of `program` must run op by op, or None when XLA may compile it (what
+    the program says; XLA's own verdict comes from its bridge, see xla.py)."""
+    if node.op.startswith("gt."):
+        return "a gspmd-tf collective or device op"
+    if node.regions:
+        return "control flow with regions"
+    if any(word in node.op for word in _RANDOM_WORDS):
+        return "a random op (XLA draws other numbers than TF's kernel)"
+    if any(d in _UNCOMPILABLE_DTYPES for d in node.out_dtypes):
+        return "its outputs are strings, resources or variants"
+    if any(program.dtype(ref) in _UNCOMPILABLE_DTYPES for ref in node.inputs):
+        # variable reads and writes too: segments stay pure functions of tensors, which
+        # the compile check can take as TensorSpecs and XLA need not snapshot
+        return "it reads strings, resources (variables) or variants"
+    operand = program.dtype(node.inputs[0]) if node.inputs else None
+    if node.op in _NAN_ORDERED and operand is not None and operand.is_floating:
+        return "XLA orders NaN against numbers otherwise than TF's kernel"
+    if node.op in _INTEGER_DIVISIONS and operand is not None and operand.is_integer:
+        return "XLA divides integers by zero otherwise than TF's kernel"
+    if any(s is None or any(x is None or x < 0 for x in s) for s in node.out_shapes):
+        return "its output shape depends on the data"
+    if op_def_registry.get(node.op) is None:
+        return "an op TF does not register"
+    if _is_stateful(node):
+        return "a stateful op"
+    return None
+
+
+def cut(program, excluded=frozenset()):
+    """The program as steps in run order: Segments and node indices (run op by op).
+
+    `excluded`: node indices to run op by op besides those why_not_compiled names.
+    Sources (gt.Input, gt.ShardIndex) come first, then the constants a barrier or the
+    program's outputs read; a segment holds its own copy of every constant it reads
+    (Const nodes and pure ops of constants only), so that XLA sees shapes and axes as
+    compile-time constants, not arguments. Stateful nodes are all barriers and keep
+    their program order per resource, as TF's automatic control dependencies do: none
+    is in an earlier stage than the node before it that touches one of its variables
+    (stateful nodes touching none: than the one before it of those).
+    """
+    nodes = program.nodes
+    kind = []  # "source" | "constant" | "barrier" | "compute"
+    for i, node in enumerate(nodes):
+        if node.op in SOURCES:
+            kind.append("source")
+        elif i in excluded or why_not_compiled(program, node) is not None:
+            kind.append("barrier")
+        elif not node.control_inputs and all(kind[r.node] == "constant"
+                                             for r in node.inputs):
+            kind.append("constant")  # a Const, or a pure op of constants only
+        else:
+            kind.append("compute")
+    stage = [0] * len(nodes)
+    last_stateful = {}  # resource (or None: stateful ops without one) -> its last node
+    for i, node in enumerate(nodes):
+        if kind[i] in ("source", "constant"):
+            continue
+        producers = [ref.node for ref in node.inputs] + list(node.control_inputs)
+        if _is_stateful(node):
+            for resource in _resources(program, node) or [None]:
+                if resource in last_stateful:
+                    producers.append(last_stateful[resource])
+                last_stateful[resource] = i
+        ready = 0
+        for p in producers:
+            if kind[p] in ("source", "constant"):
+                continue
+            # a compute node must wait for the stage after a barrier it reads; a barrier
+            # runs after the segment of its stage and after earlier barriers of it
+            late = kind[i] == "compute" and kind[p] == "barrier"
+            ready = max(ready, stage[p] + late)
+        stage[i] = ready
+    readers = [set() for _ in nodes]  # readers[i]: the nodes reading an output of node i
+    for i, node in enumerate(nodes):
+        for ref in node.inputs:
+            readers[ref.node].add(i)
+    computes, barriers = {}, {}  # stage -> node indices, in program order
+    for i in range(len(nodes)):
+        if kind[i] in ("compute", "barrier"):
+            (computes if kind[i] == "compute" else barriers).setdefault(stage[i], []).append(i)
+    # constants barriers or outputs read, and the constants those read: emitted op by op
+    needed = {i for i in range(len(nodes)) if kind[i] == "constant" and any(
+        kind[r] == "barrier" for r in readers[i])}
+    needed |= {ref.node for ref in program.outputs if kind[ref.node] == "constant"}
+    pending = list(needed)
+    while pending:
+        for ref in nodes[pending.pop()].inputs:
+            if ref.node not in needed:
+                needed.add(ref.node)
+                pending.append(ref.node)
+    steps = [i for i in range(len(nodes)) if kind[i] == "source"]
+    steps += sorted(needed)
+    for s in range(max(stage, default=0) + 1):
+        if s in computes:
+            steps.append(_segment(program, computes[s], readers, kind))
+        steps += barriers.get(s, [])
+    return steps
+
+
+def _resources(program, node):
+    """The variables `node` touches: the Refs its resource inputs come from, through
+    Identity ops."""
+    out = []
+    for ref in node.inputs:
+        if program.dtype(ref) != tf.resource:
+            continue
+        while program.nodes[ref.node].op == "Identity" and program.nodes[ref.node].inputs:
+            ref = program.nodes[ref.node].inputs[0]
+        out.append(ref)
+    return out
+
+
+def _is_stateful(node):
+    op_def = op_def_registry.get(node.op)
+    return bool(op_def is not None and op_def.is_stateful)
+
+
+def _segment(program, computes, readers, kind):
+    """The Segment of `computes` and copies of the constants they read."""
+    members = set(computes)
+    pending = list(computes)
+    while pending:  # the constants read, and the constants those read
+        for ref in program.nodes[pending.pop()].inputs:
+            if kind[ref.node] == "constant" and ref.node not in members:
+                members.add(ref.node)
+                pending.append(ref.node)
+    inputs, seen = [], set()
+    for i in sorted(members):
+        for ref in program.nodes[i].inputs:
+            if ref.node not in members and ref not in seen:
+                seen.add(ref)
+                inputs.append(ref)
+    inside = set(computes)  # a constant read outside is emitted there on its own
+    outputs = {ref for ref in program.outputs if ref.node in inside}
+    for i in computes:
+        for reader in readers[i] - inside:
+            outputs.update(ref for ref in program.nodes[reader].inputs if ref.node == i)
+    return Segment(sorted(members), inputs, sorted(outputs))
+
+
+def segment_key(program, segment, device_type):
+    """A digest of everything the compiled segment depends on: each node's op, attrs
+    (underscore attrs aside), inputs (as positions within the segment), control inputs,
+    shapes and dtypes, and the outputs; not node names. Identical layers of a model give
+    identical keys, so XLA compiles their segment once."""
+    position = {i: k for k, i in enumerate(segment.nodes)}
+    argument = {ref: k for k, ref in enumerate(segment.inputs)}
+
+    def where(ref):
+        return ("arg", argument[ref]) if ref in argument else \
+            ("node", position[ref.node], ref.out)
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr((device_type, [(program.shape(r), program.dtype(r).name)
+                                      for r in segment.inputs])).encode())
+    for i in segment.nodes:
+        node = program.nodes[i]
+        attrs = sorted((k, v.SerializeToString(deterministic=True))
+                       for k, v in node.attrs.items() if not k.startswith("_"))
+        digest.update(repr((
+            node.op, attrs, [where(r) for r in node.inputs],
+            [position.get(c) for c in node.control_inputs], node.out_shapes,
+            [d.name for d in node.out_dtypes])).encode())
+    digest.update(repr([where(r) for r in segment.outputs]).encode())
+    return digest.hexdigest()
+

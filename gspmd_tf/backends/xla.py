@@ -1,0 +1,237 @@
+"""XlaBackend: the per-device program's compute compiled by XLA, collectives through TF.
+
+The program is cut into collective-free segments (segments.py). Each segment becomes one
+tf.function(jit_compile=True), traced once and shared by every device and by every
+segment with the same structure (identical layers of a model compile once); TF's XLA
+bridge compiles it on its first call on a device, and on CPU the segments of every
+logical device run on the first one (_compile_device), so it compiles once. One outer
+tf.function holds, per device, the calls of the segments and the nodes between them,
+which are emitted op by op as in LocalBackend: collectives with their ordering tokens,
+keys and the call timeout, gt.Permute, control flow, variable reads and writes, and what
+XLA cannot compile. The outer graph has about
+(segments + collectives) x devices nodes instead of (all nodes) x devices.
+
+When the program is traced every distinct segment goes through TF's XLA bridge
+(experimental_get_compiler_ir); a node the bridge rejects (no XLA kernel, an argument
+that must be a compile-time constant but depends on the shard index, ...) is taken out
+of its segment and run op by op, with a warning naming it, and the program is cut again.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+
+import tensorflow as tf
+from tensorflow.python.framework import ops
+
+from gspmd_tf.backends import local, segments
+from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import Ref
+
+log = logging.getLogger("gspmd_tf")
+
+# segment key -> _SegmentFunction, for the process: programs that share a segment's
+# structure (the same model lowered again, a different step of it) share its function,
+# and so TF's XLA compilation cache entry on each device.
+_functions = {}
+_functions_lock = threading.Lock()
+
+
+class XlaBackend(local.LocalBackend):
+    """Runs SPMD programs on the mesh's devices in this process, the compute between
+    collectives compiled by XLA (one compilation per distinct segment; on devices other
+    than CPUs one per device).
+
+    `collective_timeout` as for LocalBackend.
+    """
+
+    def compile(self, program, name=None):
+        """Returns run(inputs) -> outputs, as LocalBackend.compile; `run.plan` holds the
+        segments."""
+        if not self.mesh.is_fully_addressable:
+            raise ShardingError(
+                f"backend='xla' runs meshes of one process; {self.mesh!r} spans several "
+                "workers: use backend='local' (the default) there")
+        return _XlaCompiled(self.mesh, program, self.collective_timeout, name)
+
+
+class _XlaCompiled(local._Compiled):
+    def _lowering(self):
+        if getattr(self, "plan", None) is None:  # kept when traced again
+            self.plan = _Plan(self.mesh, self.program, self.what)
+        return _XlaLowering(self.mesh, self.keys, self.plan)
+
+
+class _Plan:
+    """The program's steps (segments.cut) after the compile check, and each segment's
+    function (`functions[k]` for the k-th Segment of `steps`)."""
+
+    def __init__(self, mesh, program, what):
+        device_type = tf.DeviceSpec.from_string(mesh.devices[0]).device_type or "CPU"
+        excluded = set()
+        while True:
+            self.steps = segments.cut(program, excluded)
+            self.functions = []
+            rejected = set()
+            for step in self.steps:
+                if not isinstance(step, segments.Segment):
+                    continue
+                function = _segment_function(program, step, mesh.devices[0], device_type)
+                self.functions.append(function)
+                failed = function.check()
+                if failed is not None:
+                    positions, message = failed
+                    for k in positions or range(len(step.nodes)):
+                        node = program.nodes[step.nodes[k]]
+                        log.warning("gspmd_tf: XLA cannot compile %s (%s) of %s; it runs op "
+                                    "by op: %s", node.name, node.op, what, message)
+                        rejected.add(step.nodes[k])
+            if not rejected:
+                break
+            excluded |= rejected
+        reasons = {}
+        for i in self.steps:
+            if isinstance(i, segments.Segment) or i in excluded:
+                continue
+            why = segments.why_not_compiled(program, program.nodes[i])
+            if why and not program.nodes[i].op.startswith("gt.") and \
+                    program.nodes[i].op not in _EXPECTED:
+                reasons.setdefault((program.nodes[i].op, why), None)
+        if reasons:
+            log.warning("gspmd_tf: the XLA backend runs these ops of %s op by op: %s", what,
+                        "; ".join(f"{op} ({why})" for op, why in reasons))
+
+
+# Ops that run op by op by design (variables stay outside XLA): no warning for them.
+_EXPECTED = ("ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp",
+             "AssignSubVariableOp", "Identity", "NoOp", "Const")
+
+
+def _segment_function(program, segment, device, device_type):
+    key = segments.segment_key(program, segment, device_type)
+    with _functions_lock:
+        if key not in _functions:
+            _functions[key] = _SegmentFunction(program, segment, device)
+        return _functions[key]
+
+
+class _SegmentFunction:
+    """One segment as a tf.function(jit_compile=True) over its inputs, returning its
+    outputs (segment.inputs / segment.outputs order), traced once."""
+
+    def __init__(self, program, segment, device):
+        # no resources: variable reads and writes are never in a segment (segments.py)
+        specs = [tf.TensorSpec(program.shape(ref), program.dtype(ref))
+                 for ref in segment.inputs]
+        self.names = {}  # op name in the function graph -> position in the segment
+
+        def gt_segment(*args):
+            values = dict(zip(segment.inputs, args))
+            op_of = {}
+            for k, i in enumerate(segment.nodes):
+                node = program.nodes[i]
+                control = [op_of[c] for c in node.control_inputs if c in op_of]
+                with tf.control_dependencies(control):
+                    result = local._tf_op(node, [device])(0, [[values[r]] for r in node.inputs])
+                op = result if isinstance(result, ops.Operation) else result.op
+                outs = op.outputs if isinstance(result, ops.Operation) else [result]
+                local._set_shapes(node, outs)
+                values.update((Ref(i, out), t) for out, t in enumerate(outs))
+                op_of[i] = op
+                self.names[op.name] = k
+            return [values[ref] for ref in segment.outputs]
+        self.function = tf.function(gt_segment, jit_compile=True, autograph=False,
+                                    input_signature=specs)
+        self.concrete = self.function.get_concrete_function()
+        self.specs = specs
+        self.checked = False
+        self.failure = None
+
+    def check(self):
+        """None when TF's XLA bridge takes the segment, else (positions of the nodes it
+        names, or [] for the whole segment; its message's first line). Checked once."""
+        if not self.checked:
+            self.checked = True
+            try:
+                self.function.experimental_get_compiler_ir(*self.specs)(stage="hlo")
+            except (ValueError, tf.errors.OpError) as e:
+                text = str(e)
+                named = re.findall(r"node `([^`]+)`|\{\{node ([^}]+)\}\}", text)
+                positions = sorted({self.names[name] for pair in named for name in pair
+                                    if name in self.names})
+                lines = [line for line in text.splitlines() if line.strip()]
+                self.failure = (positions, lines[0][:300] if lines else type(e).__name__)
+        return self.failure
+
+
+class _XlaLowering(local._Lowering):
+    """Emits the plan's steps once per device: segment calls and op-by-op nodes."""
+
+    def __init__(self, mesh, keys, plan):
+        super().__init__(mesh, keys)
+        self.plan = plan
+        self.runs_on = [_compile_device(mesh.devices, d) for d in range(mesh.size)]
+
+    def lower(self, program, flat):
+        n = self.mesh.size
+        self.args = [flat[i:i + n] for i in range(0, len(flat), n)]
+        values, op_of = {}, {}
+        functions = iter(self.plan.functions)
+        for step in self.plan.steps:
+            if isinstance(step, segments.Segment):
+                self._emit_segment(program, step, next(functions), values, op_of)
+            else:
+                self.emit_node(program, step, values, op_of)
+        outputs = []
+        for ref in program.outputs:
+            for d in range(n):
+                tensor = values[ref.node][ref.out][d]
+                if self.runs_on[d] != self.devices[d]:
+                    with tf.device(self.devices[d]):  # outputs live on their device
+                        tensor = tf.identity(tensor)
+                outputs.append(tensor)
+        return outputs
+
+    def _emit_segment(self, program, segment, function, values, op_of):
+        inside = set(segment.nodes)
+        control = sorted({c for i in segment.nodes for c in program.nodes[i].control_inputs
+                          if c not in inside})
+        graph = ops.get_default_graph()
+        calls, results = [], []
+        for d in range(self.mesh.size):
+            args = [values[ref.node][ref.out][d] for ref in segment.inputs]
+            with tf.device(self.runs_on[d]), \
+                    tf.control_dependencies([op_of[c][d] for c in control]):
+                outs = function.concrete(*args)
+            outs = list(outs) if outs is not None else []
+            # the call op; with no outputs it is the op the call just added
+            calls.append(outs[0].op if outs else graph.get_operations()[-1])
+            results.append(outs)
+        for k, ref in enumerate(segment.outputs):
+            values.setdefault(ref.node, [None] * len(program.nodes[ref.node].out_dtypes))
+            values[ref.node][ref.out] = [results[d][k] for d in range(self.mesh.size)]
+        for i in segment.nodes:
+            op_of[i] = calls
+
+
+def _compile_device(devices, d):
+    """Where device d's segments run: on CPU, the first CPU device of the mesh in d's
+    process, so that one XLA compilation serves every logical CPU device (TF keeps its
+    XLA compilation cache per device); elsewhere device d itself.
+
+    Logical CPU devices share the host's memory and cores, so a segment of device d run
+    there reads d's tensors in place (TF passes host tensors between the devices of a
+    process without copying) and the launches of all devices still run concurrently.
+    """
+    spec = tf.DeviceSpec.from_string(devices[d])
+    if (spec.device_type or "").upper() != "CPU":
+        return devices[d]
+    for name in devices:
+        other = tf.DeviceSpec.from_string(name)
+        if (other.device_type or "").upper() == "CPU" and (other.job, other.replica,
+                                                            other.task) == (
+                spec.job, spec.replica, spec.task):
+            return name
+    return devices[d]
