@@ -24,7 +24,7 @@ from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.registry import op_def
 from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.combine import combine_all_reduces
-from gspmd_tf.spmd.dce import eliminate_dead_code
+from gspmd_tf.spmd.dce import live_nodes
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.program import Local, ProgramBuilder
 from gspmd_tf.spmd.regions import read_variables_whole
@@ -298,7 +298,9 @@ class Partitioner:
     def reshard(self, local, layout):
         """Cached reshard of a program tensor (keyed by all of it: equal constants are
         one node, so one ref can hold tensors of other global shapes or layouts)."""
-        if local.layout == layout:  # most requests: no lookup, no hashing of layouts
+        # most requests: no lookup, no hashing of layouts (propagation and decisions
+        # share Layout objects, so identity settles most)
+        if local.layout is layout or local.layout == layout:
             return local
         key = (local, layout)
         if key not in self._resharded:
@@ -321,6 +323,14 @@ class Partitioner:
                     ref, layout, node.out_shapes[0], node.out_dtypes[0])
                 continue
             rule = self.propagation.rules[index]
+            if node.op == "Const" and rule is not None and targets[0].is_replicated:
+                # the common constant: whole on every device, as whole_then_sliced
+                # emits it, without a decision to make
+                ref = b.replay(node, [], node.out_shapes, node.out_dtypes)[0]
+                self.values[Ref(index, 0)] = Local(ref, targets[0], node.out_shapes[0],
+                                                   node.out_dtypes[0])
+                self.operand_layouts[index] = []
+                continue
             ctx = OpContext(self, index, rule, targets)
             if rule is None or node.regions:
                 results = self._replicated(ctx)
@@ -330,15 +340,16 @@ class Partitioner:
             for k, (local, target) in enumerate(zip(results, targets)):
                 # a variable handle (e.g. one a loop hands through) points to this
                 # device's shard whatever layout propagation gave it: never resharded
-                self.values[Ref(index, k)] = (local if local.dtype == tf.resource
-                                              else self.reshard(local, target))
+                self.values[Ref(index, k)] = (
+                    local if local.layout is target or local.dtype == tf.resource
+                    else self.reshard(local, target))
         self._warn_replicated()
         outputs = []
         for ref, layout in zip(graph.outputs, output_layouts):
             local = self.reshard(self.values[ref], layout)
             outputs.append(local)
             b.graph.outputs.append(local.ref)
-        return SpmdProgram(combine_all_reduces(eliminate_dead_code(b.graph)),
+        return SpmdProgram(combine_all_reduces(b.graph, live=live_nodes(b.graph)),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops,
                            self.operand_layouts)
