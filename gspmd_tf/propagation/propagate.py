@@ -58,8 +58,8 @@ class _LazyLayouts:
             for k in range(len(self._graph.nodes[index].out_shapes)):
                 t = base[index] + k
                 rows = range(dim_start[t], dim_start[t + 1])
-                dims = tuple(tuple(self._names[a] for a in axes[r][:naxes[r]])
-                             for r in rows)
+                dims = tuple(tuple(self._names[a] for a in axes[r][:naxes[r]]) if naxes[r]
+                             else () for r in rows)
                 layout = interned.get(dims)
                 if layout is None:
                     layout = interned[dims] = Layout(dims)

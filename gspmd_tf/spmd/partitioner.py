@@ -263,9 +263,10 @@ class Partitioner:
         self.b = ProgramBuilder(mesh)
         self.values = {}
         self._resharded = {}
-        self._decisions = {}
-        self._rule_keys = {}
+        self._decisions = {}  # rule key -> {operands' and results' key -> Decision}
+        self._rule_decisions = {}  # id(rule) -> its rule key's table in _decisions
         self._local_shapes = {}
+        self._padded = {}
         self.replicated_ops = []
         self.operand_layouts = {}
 
@@ -274,15 +275,17 @@ class Partitioner:
         `targets`, memoised on everything _choose_factor_axes reads. A rule is keyed by
         its value (OpRule.key, computed once per rule object: propagation shares one
         object between ops with equal rules)."""
-        rule_key = self._rule_keys.get(id(rule))
-        if rule_key is None:
-            # the propagation holds every rule while we run, so ids are not reused
-            rule_key = self._rule_keys[id(rule)] = rule.key()
-        key = (rule_key, tuple((x.layout, x.shape, x.dtype) for x in inputs), tuple(targets),
+        decisions = self._rule_decisions.get(id(rule))
+        if decisions is None:
+            # the propagation holds every rule while we run, so ids are not reused;
+            # rules with equal keys share one table
+            decisions = self._rule_decisions[id(rule)] = self._decisions.setdefault(
+                rule.key(), {})
+        key = (tuple([(x.layout, x.shape, x.dtype) for x in inputs]), tuple(targets),
                tuple(node.out_shapes), tuple(node.out_dtypes))
-        decision = self._decisions.get(key)
+        decision = decisions.get(key)
         if decision is None:
-            decision = self._decisions[key] = Decision(
+            decision = decisions[key] = Decision(
                 _choose_factor_axes(self.b.mesh, rule, inputs, targets, node))
         return decision
 
@@ -294,6 +297,17 @@ class Partitioner:
         if local is None:
             local = self._local_shapes[key] = layout.local_shape(self.b.mesh, shape)
         return local
+
+    def padded(self, local):
+        """Whether Local `local` has a split dim its axes do not divide, i.e. its shards
+        are padded (cached: repeated layers ask about the same few)."""
+        dims, shape = local.layout.dims, local.shape
+        padded = self._padded.get((dims, shape))
+        if padded is None:
+            mesh = self.b.mesh
+            padded = self._padded[dims, shape] = any(
+                axes and n % mesh.axes_size(axes) for n, axes in zip(shape, dims))
+        return padded
 
     def reshard(self, local, layout):
         """Cached reshard of a program tensor (keyed by all of it: equal constants are

@@ -23,8 +23,8 @@ def masked_refs(ctx, operands):
     the reduction, so padding never reaches a result; and the padding of inputs the op
     checks (the op registry's safe_padding) set to a harmless value."""
     rule = ctx.rule
-    mesh = ctx.mesh
-    if not any(dims is not None and _padded(mesh, x) for x, dims in zip(operands, rule.operands)):
+    padded = ctx.p.padded
+    if not any(dims is not None and padded(x) for x, dims in zip(operands, rule.operands)):
         return [x.ref for x in operands]  # the common case: no shard has padding
     reduce_op = {"arg": "max"}.get(rule.reduce_op, rule.reduce_op)
     safe = dict(op_def(ctx.node.op).safe_padding)
@@ -42,12 +42,6 @@ def masked_refs(ctx, operands):
             ref = mask_padding(ctx.b, x._replace(ref=ref), checked, safe[i])
         refs.append(ref)
     return refs
-
-
-def _padded(mesh, x):
-    """Whether Local `x` has a split dim its axes do not divide (its shards are padded):
-    only such dims have padding to mask."""
-    return any(axes and n % mesh.axes_size(axes) for n, axes in zip(x.shape, x.layout.dims))
 
 
 def replay(ctx, operands, layouts, attrs=None, refs=None):
