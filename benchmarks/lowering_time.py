@@ -50,6 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+import ffn_flags  # noqa: E402
+
 MODEL = flags.DEFINE_enum("model", "transformer", ["transformer", "ffn_train"],
                           "program to lower (see the module docstring)")
 LAYERS = flags.DEFINE_list("layers", ["1", "4", "16", "64", "256"],
@@ -57,13 +59,10 @@ LAYERS = flags.DEFINE_list("layers", ["1", "4", "16", "64", "256"],
 DEVICES = flags.DEFINE_list("devices", ["8", "64", "512", "2048"],
                             "device counts for the mesh sweep (shapes from MESHES)")
 STACK = flags.DEFINE_integer("stack_layers", 16, "layers of the program of the mesh sweep")
-REPEATS = flags.DEFINE_integer("repeats", 5, "timed repeats per cell (median reported)")
-D_MODEL = flags.DEFINE_integer("d_model", 1024, "model width")
+BATCH, SEQ, D_MODEL, D_FF, REPEATS = ffn_flags.define_sizes(batch=64, d_model=1024,
+                                                            d_ff=4096)
 HEADS = flags.DEFINE_integer("heads", 64, "attention heads")
-D_FF = flags.DEFINE_integer("d_ff", 4096, "MLP hidden width")
 VOCAB = flags.DEFINE_integer("vocab", 32768, "vocabulary size")
-SEQ = flags.DEFINE_integer("seq", 128, "sequence length")
-BATCH = flags.DEFINE_integer("batch", 64, "batch size")
 NO_GC = flags.DEFINE_bool("disable_gc", False,
                           "turn Python's cyclic GC off while timing (to see its share)")
 NO_PAUSE = flags.DEFINE_bool("no_gc_pause", False,
@@ -71,8 +70,6 @@ NO_PAUSE = flags.DEFINE_bool("no_gc_pause", False,
                              "to measure what the pause saves")
 
 MESHES = {8: (2, 4), 64: (8, 8), 512: (16, 32), 2048: (32, 64)}
-FFN_WEIGHT_SPECS = ((None, "model"), ("model",), ("model",), ())  # W1, b1, W2, b2
-LR = 0.01
 
 
 def trace(cfg):
@@ -102,11 +99,11 @@ def trace_ffn_train(cfg):
                 h = tf.einsum("bsf,fd->bsd", hidden, w2) + b2 + h
             loss = tf.reduce_mean(tf.square(h - target))
         grads = tape.gradient(loss, weights)
-        return (loss,) + tuple(w - LR * g for w, g in zip(weights, grads))
+        return (loss,) + tuple(w - ffn_flags.LR * g for w, g in zip(weights, grads))
 
     act = tf.TensorSpec((cfg.batch, cfg.seq, d), tf.float32)
     per_layer = [tf.TensorSpec(s, tf.float32) for s in ((d, f), (f,), (f, d), (d,))]
-    weight_specs = [gt.P(*s) for s in FFN_WEIGHT_SPECS] * layers
+    weight_specs = [gt.P(*s) for s in ffn_flags.WEIGHT_SPECS] * layers
     concrete = tf.function(step, autograph=False).get_concrete_function(
         act, act, *per_layer * layers)
     return concrete, [gt.P("data")] * 2 + weight_specs, [gt.P()] + weight_specs

@@ -34,14 +34,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+import ffn_flags  # noqa: E402
+
 LAYERS = flags.DEFINE_integer("layers", 256, "feed-forward blocks")
-BATCH = flags.DEFINE_integer("batch", 16, "batch size")
-SEQ = flags.DEFINE_integer("seq", 128, "sequence length")
-D_MODEL = flags.DEFINE_integer("d_model", 512, "model width")
-D_FF = flags.DEFINE_integer("d_ff", 2048, "hidden width")
-REPEATS = flags.DEFINE_integer("repeats", 5, "timed repeats of each variant (median)")
-LR = 0.01
-WEIGHT_SPECS = (P(None, "model"), P("model"), P("model"), P())  # w1, b1, w2, b2
+BATCH, SEQ, D_MODEL, D_FF, REPEATS = ffn_flags.define_sizes(batch=16, d_model=512, d_ff=2048)
+WEIGHT_SPECS = tuple(P(*s) for s in ffn_flags.WEIGHT_SPECS)  # w1, b1, w2, b2
 
 
 def make_step(layers):
@@ -55,7 +52,7 @@ def make_step(layers):
                 h = jnp.einsum("bsf,fd->bsd", hidden, w2) + b2 + h
             return jnp.mean(jnp.square(h - target))
         loss, grads = jax.value_and_grad(loss_fn)(list(weights))
-        return (loss,) + tuple(w - LR * g for w, g in zip(weights, grads))
+        return (loss,) + tuple(w - ffn_flags.LR * g for w, g in zip(weights, grads))
     return step
 
 

@@ -25,6 +25,8 @@ every Ref of the graph is renumbered.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
@@ -91,7 +93,7 @@ def _const_of(graph, ref, values):
     if cached is not None:
         return cached[ref.out]
     node = graph.nodes[ref.node]
-    if node.op != "Const" or np.prod(node.out_shapes[0], dtype=np.int64) > MAX_ELEMENTS:
+    if node.op != "Const" or math.prod(node.out_shapes[0]) > MAX_ELEMENTS:
         return None
     value = np.asarray(node.attr("value"))
     values[ref.node] = [value]
@@ -107,7 +109,7 @@ def _fold_node(graph, index, node, values, unknown):
         return None
     shapes_known = all((index, k) not in unknown for k in range(len(node.out_shapes)))
     if shapes_known:
-        n_out = sum(int(np.prod(s, dtype=np.int64)) for s in node.out_shapes)
+        n_out = sum(math.prod(s) for s in node.out_shapes)
         if n_out > MAX_ELEMENTS:
             return None
     inputs = []

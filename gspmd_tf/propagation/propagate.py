@@ -38,10 +38,13 @@ class _LazyLayouts:
     """layouts[node][out] decoded from the core's arrays on first use."""
 
     def __init__(self, graph, names, tensor_base, dim_start, axes, naxes):
-        self._graph, self._names, self._axes = graph, names, axes
-        self._arrays = (tensor_base, dim_start, naxes)
+        self._graph, self._names = graph, names
+        self._arrays = (tensor_base, dim_start, naxes, axes)
         self._lists = None  # the arrays as lists (faster to index), made on first use
         self._cache = {}
+        # one Layout object per distinct dims: repeated layers share a few, and the
+        # partitioner's comparisons of shared objects are quick
+        self._interned = {}
 
     def __len__(self):
         return len(self._graph.nodes)
@@ -50,14 +53,18 @@ class _LazyLayouts:
         if index not in self._cache:
             if self._lists is None:
                 self._lists = [a.tolist() for a in self._arrays]
-            base, dim_start, naxes = self._lists
+            base, dim_start, naxes, axes = self._lists
             outs = []
+            interned = self._interned
             for k in range(len(self._graph.nodes[index].out_shapes)):
                 t = base[index] + k
                 rows = range(dim_start[t], dim_start[t + 1])
-                outs.append(Layout(tuple(
-                    tuple(self._names[a] for a in self._axes[r, :naxes[r]])
-                    for r in rows)))
+                dims = tuple(tuple(self._names[a] for a in axes[r][:naxes[r]]) if naxes[r]
+                             else () for r in rows)
+                layout = interned.get(dims)
+                if layout is None:
+                    layout = interned[dims] = Layout(dims)
+                outs.append(layout)
             self._cache[index] = outs
         return self._cache[index]
 

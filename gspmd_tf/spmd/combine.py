@@ -26,13 +26,14 @@ the combined all-reduce itself.
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.graph.ir import Graph, Node, Ref
-from gspmd_tf.spmd.dce import has_effect
+from gspmd_tf.spmd.dce import compact, has_effect
 from gspmd_tf.spmd.program import attr_value
 
 ALL_REDUCE = "gt.AllReduce"
@@ -60,14 +61,15 @@ def threshold_bytes():
     return value
 
 
-def combine_all_reduces(graph, threshold=None):
+def combine_all_reduces(graph, threshold=None, live=None):
     """`graph` (an SPMD program) with its independent small all-reduces merged (see the
     module doc); `threshold` in bytes, threshold_bytes() by default. The nodes are moved
-    into the returned graph, as dce.eliminate_dead_code does."""
+    into the returned graph, as dce.eliminate_dead_code does. `live` (dce.live_nodes of
+    `graph`) drops the dead nodes in the same pass: the program is renumbered once."""
     threshold = threshold_bytes() if threshold is None else threshold
-    order = _schedule(graph, threshold)
+    order = _schedule(graph, threshold, live)
     if not any(isinstance(item, list) for item in order):
-        return graph
+        return graph if live is None else compact(graph, live)
     return _rebuild(graph, order)
 
 
@@ -75,8 +77,7 @@ def _operand_bytes(graph, node):
     """Bytes of an all-reduce's operand, or None when `node` cannot be combined."""
     if node.op != ALL_REDUCE or node.out_dtypes[0] not in _DTYPES:
         return None
-    shape = graph.shape(node.inputs[0])
-    return int(np.prod(shape, dtype=np.int64)) * node.out_dtypes[0].size
+    return math.prod(graph.shape(node.inputs[0])) * node.out_dtypes[0].size
 
 
 class _Group:
@@ -88,9 +89,9 @@ class _Group:
         self.bytes = 0
 
 
-def _schedule(graph, threshold):
+def _schedule(graph, threshold, live=None):
     """The new program order: a list of old node indices and lists of node indices (a
-    group of all-reduces merged there, in program order)."""
+    group of all-reduces merged there, in program order); nodes not `live` are left out."""
     order = []
     open_groups = {}  # key -> _Group
     holds = {}        # member or deferred node -> the open groups it depends on
@@ -113,7 +114,10 @@ def _schedule(graph, threshold):
         deferred[:] = waiting
 
     for index, node in enumerate(graph.nodes):
-        depends = set().union(*(holds.get(i, ()) for i in _reads(node)))
+        if live is not None and not live[index]:
+            continue
+        held = [holds[i] for i in _reads(node) if i in holds] if holds else None
+        depends = set().union(*held) if held else _NOTHING
         if depends and not node.op.startswith("gt.") and not has_effect(node):
             holds[index] = depends
             deferred.append(index)
@@ -135,28 +139,37 @@ def _schedule(graph, threshold):
     return order
 
 
+_NOTHING = frozenset()  # the open groups a node that reads none of them depends on
+
+
 def _reads(node):
     """Indices of the nodes `node` reads (data and control inputs)."""
     return [ref.node for ref in node.inputs] + list(node.control_inputs)
 
 
 class _Rebuilt:
-    """The new program being built: nodes copied or made, old refs mapped to new ones."""
+    """The new program being built: nodes copied or made, old refs mapped to new ones.
 
-    def __init__(self, graph):
+    Old output k of node i is new output k of node index[i]: a merged all-reduce's
+    member (one output) maps to the Reshape that gives back its piece."""
+
+    def __init__(self, graph, order):
         self.old = graph
         self.graph = Graph()
-        self.ref = {}     # old Ref -> new Ref
-        self.index = {}   # old node index -> new node index (for control inputs)
-        self.names = {node.name for node in graph.nodes}
+        self.index = [-1] * len(graph.nodes)  # old node index -> new node index
+        self.names = {graph.nodes[i].name for item in order
+                      for i in (item if isinstance(item, list) else (item,))}
         self.consts = {}  # (shape, bytes) -> Ref of an int32 Const
 
+    def ref(self, old):
+        """The new Ref of old Ref `old`."""
+        return Ref(self.index[old.node], old.out)
+
     def copy(self, i, node):
-        node.inputs = [self.ref[r] for r in node.inputs]
-        node.control_inputs = [self.index[c] for c in node.control_inputs]
-        self.index[i] = self.graph.add(node)
-        for k in range(len(node.out_shapes)):
-            self.ref[Ref(i, k)] = Ref(self.index[i], k)
+        index = self.index
+        node.inputs = [Ref(index[r.node], r.out) for r in node.inputs]
+        node.control_inputs = [index[c] for c in node.control_inputs]
+        index[i] = self.graph.add(node)
 
     def add(self, name, op, inputs, shapes, dtype, attrs=None, params=None):
         """A new node named `name` (made unique) with outputs of `shapes`; its Refs."""
@@ -189,7 +202,7 @@ class _Rebuilt:
         stem = f"{last.name}/combined"
         sizes = [int(np.prod(node.out_shapes[0], dtype=np.int64)) for node in nodes]
         flats = [self.add(f"{stem}/flat_{j}", "Reshape",
-                          [self.ref[node.inputs[0]], self.const([size])], [(size,)], dtype,
+                          [self.ref(node.inputs[0]), self.const([size])], [(size,)], dtype,
                           attrs={"T": dtype, "Tshape": tf.int32})[0]
                  for j, (node, size) in enumerate(zip(nodes, sizes))]
         total = sum(sizes)
@@ -206,18 +219,17 @@ class _Rebuilt:
             shape = node.out_shapes[0]
             (ref,) = self.add(f"{node.name}/split", "Reshape", [piece, self.const(shape)],
                               [shape], dtype, attrs={"T": dtype, "Tshape": tf.int32})
-            self.ref[Ref(m, 0)] = ref
             self.index[m] = ref.node
 
 
 def _rebuild(graph, order):
     """The program in schedule `order` (see _schedule), groups merged."""
-    out = _Rebuilt(graph)
+    out = _Rebuilt(graph, order)
     for item in order:
         if isinstance(item, list):
             out.combined(item)
         else:
             out.copy(item, graph.nodes[item])
-    out.graph.inputs = [out.ref[r] for r in graph.inputs]
-    out.graph.outputs = [out.ref[r] for r in graph.outputs]
+    out.graph.inputs = [out.ref(r) for r in graph.inputs]
+    out.graph.outputs = [out.ref(r) for r in graph.outputs]
     return out.graph

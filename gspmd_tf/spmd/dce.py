@@ -38,6 +38,12 @@ def _is_stateful(op_type):
 def eliminate_dead_code(graph):
     """The graph of the nodes of `graph` that its outputs or side effects need (the kept
     nodes are moved into it, their inputs renumbered)."""
+    return compact(graph, live_nodes(graph))
+
+
+def live_nodes(graph):
+    """Per node of `graph`, whether its outputs or side effects need it (one walk back
+    from the outputs and the nodes with effects)."""
     nodes = graph.nodes
     live = [False] * len(nodes)
     stack = [ref.node for ref in graph.outputs]
@@ -49,10 +55,16 @@ def eliminate_dead_code(graph):
         live[i] = True
         stack.extend(ref.node for ref in nodes[i].inputs)
         stack.extend(nodes[i].control_inputs)
-    new_index = {}
+    return live
+
+
+def compact(graph, keep):
+    """The graph of the nodes of `graph` whose `keep` entry is true, in order (moved into
+    it, their inputs renumbered); kept nodes must read only kept nodes."""
+    new_index = [-1] * len(graph.nodes)
     pruned = Graph()
-    for i, node in enumerate(nodes):
-        if not live[i]:
+    for i, node in enumerate(graph.nodes):
+        if not keep[i]:
             continue
         node.inputs = [Ref(new_index[r.node], r.out) for r in node.inputs]
         node.control_inputs = [new_index[c] for c in node.control_inputs]

@@ -24,7 +24,7 @@ from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.registry import op_def
 from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.combine import combine_all_reduces
-from gspmd_tf.spmd.dce import eliminate_dead_code
+from gspmd_tf.spmd.dce import live_nodes
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.control_flow import partition_control_flow
 from gspmd_tf.spmd.program import Local, ProgramBuilder
@@ -268,9 +268,10 @@ class Partitioner:
         self.values = {}
         self._resharded = {}
         # a region's partitioner shares its parent's memos and list of replicated ops
-        self._decisions = parent._decisions if parent else {}
-        self._rule_keys = parent._rule_keys if parent else {}
+        self._decisions = parent._decisions if parent else {}  # rule key -> {key -> Decision}
+        self._rule_decisions = parent._rule_decisions if parent else {}  # id(rule) -> table
         self._local_shapes = parent._local_shapes if parent else {}
+        self._padded = parent._padded if parent else {}
         self.replicated_ops = parent.replicated_ops if parent else []
         self._replicated_kinds = parent._replicated_kinds if parent else {}
         self.operand_layouts = {}  # of this graph's ops (a region's are its own)
@@ -280,15 +281,17 @@ class Partitioner:
         `targets`, memoised on everything _choose_factor_axes reads. A rule is keyed by
         its value (OpRule.key, computed once per rule object: propagation shares one
         object between ops with equal rules)."""
-        rule_key = self._rule_keys.get(id(rule))
-        if rule_key is None:
-            # the propagation holds every rule while we run, so ids are not reused
-            rule_key = self._rule_keys[id(rule)] = rule.key()
-        key = (rule_key, tuple((x.layout, x.shape, x.dtype) for x in inputs), tuple(targets),
+        decisions = self._rule_decisions.get(id(rule))
+        if decisions is None:
+            # the propagation holds every rule while we run, so ids are not reused;
+            # rules with equal keys share one table
+            decisions = self._rule_decisions[id(rule)] = self._decisions.setdefault(
+                rule.key(), {})
+        key = (tuple([(x.layout, x.shape, x.dtype) for x in inputs]), tuple(targets),
                tuple(node.out_shapes), tuple(node.out_dtypes))
-        decision = self._decisions.get(key)
+        decision = decisions.get(key)
         if decision is None:
-            decision = self._decisions[key] = Decision(
+            decision = decisions[key] = Decision(
                 _choose_factor_axes(self.b.mesh, rule, inputs, targets, node))
         return decision
 
@@ -301,10 +304,23 @@ class Partitioner:
             local = self._local_shapes[key] = layout.local_shape(self.b.mesh, shape)
         return local
 
+    def padded(self, local):
+        """Whether Local `local` has a split dim its axes do not divide, i.e. its shards
+        are padded (cached: repeated layers ask about the same few)."""
+        dims, shape = local.layout.dims, local.shape
+        padded = self._padded.get((dims, shape))
+        if padded is None:
+            mesh = self.b.mesh
+            padded = self._padded[dims, shape] = any(
+                axes and n % mesh.axes_size(axes) for n, axes in zip(shape, dims))
+        return padded
+
     def reshard(self, local, layout):
         """Cached reshard of a program tensor (keyed by all of it: equal constants are
         one node, so one ref can hold tensors of other global shapes or layouts)."""
-        if local.layout == layout:  # most requests: no lookup, no hashing of layouts
+        # most requests: no lookup, no hashing of layouts (propagation and decisions
+        # share Layout objects, so identity settles most)
+        if local.layout is layout or local.layout == layout:
             return local
         if local.dtype == tf.variant:
             raise ShardingError(
@@ -322,7 +338,7 @@ class Partitioner:
         outputs = self._partition(output_layouts)
         self._warn_replicated()
         graph = self.graph
-        return SpmdProgram(combine_all_reduces(eliminate_dead_code(self.b.graph)),
+        return SpmdProgram(combine_all_reduces(self.b.graph, live=live_nodes(self.b.graph)),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops,
                            self.operand_layouts)
@@ -332,7 +348,7 @@ class Partitioner:
         parameters come in `input_layouts` (gt.Input nodes, in order), its results leave
         in `output_layouts` (a None entry: in the layout the result has)."""
         outputs = self._partition(output_layouts, input_layouts)
-        return (combine_all_reduces(eliminate_dead_code(self.b.graph)),
+        return (combine_all_reduces(self.b.graph, live=live_nodes(self.b.graph)),
                 [local.layout for local in outputs])
 
     def _partition(self, output_layouts, input_layouts=None):
@@ -355,6 +371,14 @@ class Partitioner:
                                                 else self.reshard(local, targets[0]))
                 continue
             rule = self.propagation.rules[index]
+            if node.op == "Const" and rule is not None and targets[0].is_replicated:
+                # the common constant: whole on every device, as whole_then_sliced
+                # emits it, without a decision to make
+                ref = b.replay(node, [], node.out_shapes, node.out_dtypes)[0]
+                self.values[Ref(index, 0)] = Local(ref, targets[0], node.out_shapes[0],
+                                                   node.out_dtypes[0])
+                self.operand_layouts[index] = []
+                continue
             ctx = OpContext(self, index, rule, targets)
             if node.regions:
                 results = partition_control_flow(self, index, ctx.inputs, targets)
@@ -367,8 +391,9 @@ class Partitioner:
                 # a variable handle (e.g. one a loop hands through) points to this
                 # device's shard whatever layout propagation gave it, and a TensorList
                 # holds its shards: never resharded
-                self.values[Ref(index, k)] = (local if local.dtype in UNMOVABLE
-                                              else self.reshard(local, target))
+                self.values[Ref(index, k)] = (
+                    local if local.layout is target or local.dtype in UNMOVABLE
+                    else self.reshard(local, target))
         outputs = []
         for ref, layout in zip(graph.outputs, output_layouts):
             local = self.values[ref]

@@ -94,8 +94,10 @@ class ProgramBuilder:
         """The TF op of an imported node re-created on local inputs; all its outputs.
 
         A control-flow op takes `regions`: its bodies' SPMD sub-programs."""
-        merged = dict(node.attrs)
-        merged.update({k: attr_value(v) for k, v in (attrs or {}).items()})
+        merged = node.attrs  # Node() copies it
+        if attrs:
+            merged = dict(node.attrs)
+            merged.update({k: attr_value(v) for k, v in attrs.items()})
         return self._add(node.op, inputs, merged, shapes, dtypes, name=node.name,
                          regions=regions)
 

@@ -23,6 +23,9 @@ def masked_refs(ctx, operands):
     the reduction, so padding never reaches a result; and the padding of inputs the op
     checks (the op registry's safe_padding) set to a harmless value."""
     rule = ctx.rule
+    padded = ctx.p.padded
+    if not any(dims is not None and padded(x) for x, dims in zip(operands, rule.operands)):
+        return [x.ref for x in operands]  # the common case: no shard has padding
     reduce_op = {"arg": "max"}.get(rule.reduce_op, rule.reduce_op)
     safe = dict(op_def(ctx.node.op).safe_padding)
     refs = []
