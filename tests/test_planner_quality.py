@@ -2,7 +2,8 @@
 benchmarks/transformer_scale.py's 1T-16x32 step): the planner now reduce-scatters a
 partial sum onto a dim the target splits out of order, and all-to-alls an axis onto such
 a dim, then reorders the dim with a collective-permute, so the big collective moves the
-small shards.
+small shards. And a Reshape merging an unevenly split dim with the dims after it
+re-blocks the merged dim by collective-permutes, as XLA does, instead of gathering it.
 
 XLA's answers were read from the collectives of XLA's compiled HLO (JAX 0.10.2 on 8 host
 CPU devices) for the cases of benchmarks/planner_quality_cases.py:
@@ -11,13 +12,17 @@ CPU devices) for the cases of benchmarks/planner_quality_cases.py:
         /work/jaxref/bin/python benchmarks/xla_planner_quality.py
 """
 
+import numpy as np
+import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.spmd.planner import (AllGather, AllReduce, AllToAll, CollectivePermute,
                                    ReduceScatter, cost, plan)
+from gspmd_tf.spmd.reshard import reblock_windows
 from test_planner import L, check_exact, mesh_of
+from util import check_partitioned
 
 MESH = Mesh.abstract((2, 4), ("data", "model"))
 MESH_1T = Mesh.abstract((16, 32), ("x", "y"))  # transformer_scale.py's 1T-16x32
@@ -110,3 +115,61 @@ def test_new_moves_give_exactly_the_target_shards(rng):
         steps = plan(src, dst, shape, tf.float32, mesh)
         assert CollectivePermute in [type(s) for s in steps], (src, dst, steps)
         check_exact(mesh, src, dst, value, rng)
+
+
+# ------------------------------------------------------------------------ reshapes
+
+LINE = Mesh.abstract((4,), ("x",))
+
+# XLA's collectives for reshaping a tensor split over x (4 devices) to one dim split
+# over x (benchmarks/planner_quality_cases.py RESHAPES, command at the top of this file)
+P_X = ("x",)
+XLA_RESHAPES = {
+    ((8, 6), ("x",)): [],
+    ((6, 8), (None, "x")): [("all-gather", 48, 4)],
+    ((6, 8), P_X): [("collective-permute", 48, 1)],
+    ((6, 6), P_X): [("collective-permute", 36, 1)],
+    ((10, 4), P_X): [("collective-permute", 24, 1)],
+    ((4, 6), (None, "x")): [("all-to-all", 32, 4)],
+    ((6, 10), (None, "x")): [("all-gather", 72, 4)],
+}
+
+
+@pytest.mark.parametrize("shape, spec", sorted(XLA_RESHAPES, key=str))
+def test_merging_reshape_moves_what_xla_does(shape, spec):
+    lowered = gt.lower(lambda x: tf.reshape(x * 2.0, (-1,)), LINE, (gt.P(*spec),), (gt.P("x"),),
+                       args=[tf.TensorSpec(shape)])
+    found = [(c.kind, c.bytes, 1 if c.kind == "collective-permute" else len(c.groups[0]))
+             for c in lowered.collectives()]
+    assert found == XLA_RESHAPES[(shape, spec)]
+
+
+@pytest.mark.parametrize("mesh_shape, axes, shape, spec, out_shape", [
+    ((4,), ("x",), (6, 8), P_X, (48,)),
+    ((4,), ("x",), (10, 4), P_X, (40,)),
+    ((8,), ("x",), (6, 8), P_X, (48,)),               # devices past the data get padding
+    ((8,), ("x",), (13, 3), P_X, (39,)),              # blocks two shards away
+    ((2, 4), ("a", "b"), (6, 2, 5), gt.P(None, "b"), (6, 10)),
+    ((2, 4), ("a", "b"), (5, 6, 3), gt.P("a", "b"), (5, 18)),
+    ((2, 4), ("a", "b"), (6, 3, 2, 4), gt.P(("a", "b"), None, None, None), (36, 4)),
+])
+def test_merging_reshape_reblocks_exactly(mesh_shape, axes, shape, spec, out_shape):
+    mesh = gt.Mesh.create(mesh_shape, axes)
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) - 11
+    out_spec = gt.P(*[spec[d] if d < len(spec) else None for d in range(len(out_shape))])
+    lowered = check_partitioned(lambda t: tf.reshape(t * 2.0, out_shape), (x,), mesh,
+                                (spec,), (out_spec,))
+    kinds = {c.kind for c in lowered.collectives()}
+    assert kinds == {"collective-permute"}, kinds
+    # an integer tensor takes the same path (selects, no arithmetic on the values)
+    check_partitioned(lambda t: tf.reshape(t + 1, out_shape), (x.astype(np.int32),), mesh,
+                      (spec,), (out_spec,))
+
+
+def test_reblock_windows():
+    # 6 rows of 8 split 4 ways (blocks of 16) to blocks of 12: every target but the
+    # first takes a window [4, 16) of its left neighbour's block; all keep some of their own
+    windows = reblock_windows(48, 4, 16, 12)
+    assert windows[1] == (4, 16, ((0, 1), (1, 2), (2, 3)))
+    assert windows[0] == (0, 12, ((0, 0), (1, 1), (2, 2)))
+    assert set(windows) == {0, 1}

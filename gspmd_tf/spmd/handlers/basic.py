@@ -168,6 +168,5 @@ def matmul(ctx, operands, layouts):
     return no_products(ctx, layouts)
 
 
-declare("Reshape", rules.reshape, emit=with_local_shape_input(1))
 declare("Fill", rules.source, emit=with_local_shape_input(0))
 declare(["BiasAdd", "BiasAddV1"], rules.bias_add, emit=bias_add)
