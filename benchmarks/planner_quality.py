@@ -1,4 +1,4 @@
-"""gspmd-tf's collectives for planner_quality_cases.py's reshards, dots and reshapes
+"""gspmd-tf's collectives for planner_quality_cases.py's reshards, dots, reshapes, splits
 (XLA's side: xla_planner_quality.py).
 
     .venv/bin/python benchmarks/planner_quality.py
@@ -22,7 +22,7 @@ import gspmd_tf as gt  # noqa: E402
 from gspmd_tf.layout import Layout  # noqa: E402
 from gspmd_tf.spmd import planner  # noqa: E402
 
-from planner_quality_cases import DOTS, RESHAPES, RESHARDS, flat_size  # noqa: E402
+from planner_quality_cases import DOTS, RESHAPES, RESHARDS, SPLITS, flat_size  # noqa: E402
 
 MESH = gt.Mesh.abstract((2, 4), ("data", "model"))
 LINE = gt.Mesh.abstract((4,), ("x",))
@@ -63,10 +63,10 @@ def dot_case(equation, shapes, specs, out_spec):
     return _found(lowered)
 
 
-def reshape_case(shape, spec, out_spec):
-    """Collectives of reshaping to one dim on the 1-D mesh (result `out_spec`, or left
-    to propagation when None)."""
-    lowered = gt.lower(lambda x: tf.reshape(x * 2.0, (flat_size(shape),)), LINE,
+def reshape_case(shape, spec, out_spec, new_shape=None):
+    """Collectives of reshaping to `new_shape` (default: one dim) on the 1-D mesh
+    (result `out_spec`, or left to propagation when None)."""
+    lowered = gt.lower(lambda x: tf.reshape(x * 2.0, new_shape or (flat_size(shape),)), LINE,
                        (gt.P(*spec),), None if out_spec is None else (gt.P(*out_spec),),
                        args=[tf.TensorSpec(shape)])
     return _found(lowered)
@@ -85,6 +85,9 @@ def main(argv):
         for label, out in (("", out_spec), (" (result left to propagation)", None)):
             found = reshape_case(shape, spec, out)
             print(f"{name}{label}: {found}  moved {moved(found)}")
+    for name, (size, new_shape) in SPLITS.items():
+        found = reshape_case((size,), ("x",), ("x",), new_shape)
+        print(f"{name}: {found}  moved {moved(found)}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,14 @@ RESHAPES = {
     "merge_uneven_minor_split": ((6, 10), (None, "x"), ("x",)),
 }
 
+# name -> (dim size, new shape): a dim split over x (4 devices) reshaped to `new shape`,
+# whose major dim is split over x (the reverse of the merges above)
+SPLITS = {
+    "split_into_uneven_major": (48, (6, 8)),
+    "split_into_uneven_major_6x6": (36, (6, 6)),
+    "split_into_uneven_major_10x4": (40, (10, 4)),
+}
+
 
 def flat_size(shape):
     """Elements of a shape."""

@@ -1,4 +1,4 @@
-"""XLA's collectives for planner_quality_cases.py's reshards, dots and reshapes (JAX
+"""XLA's collectives for planner_quality_cases.py's reshards, dots, reshapes and splits (JAX
 reference; records the answers tests/test_planner_quality.py holds as constants).
 
 NEEDS JAX (not a dependency of gspmd-tf; see benchmarks/xla_reference.py for the venv):
@@ -18,7 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from planner_quality_cases import DOTS, RESHAPES, RESHARDS, flat_size  # noqa: E402
+from planner_quality_cases import DOTS, RESHAPES, RESHARDS, SPLITS, flat_size  # noqa: E402
 from xla_collectives import MESH, collectives, reshard_case  # noqa: E402
 
 LINE = Mesh(np.array(jax.devices()[:4]), ("x",))
@@ -34,12 +34,12 @@ def dot_case(equation, shapes, specs, out_spec):
     return collectives(f.lower(*args).compile().as_text())
 
 
-def reshape_case(shape, spec, out_spec):
-    """Collectives of reshaping a `spec`-sharded tensor to one dim (the result
-    constrained to `out_spec`, or left to XLA when None)."""
+def reshape_case(shape, spec, out_spec, new_shape=None):
+    """Collectives of reshaping a `spec`-sharded tensor to `new_shape` (default: one dim;
+    the result constrained to `out_spec`, or left to XLA when None)."""
     def fn(x):
         y = jax.lax.with_sharding_constraint(x * 2, NamedSharding(LINE, P(*spec)))
-        z = jnp.reshape(y, (flat_size(shape),))
+        z = jnp.reshape(y, new_shape or (flat_size(shape),))
         if out_spec is not None:
             z = jax.lax.with_sharding_constraint(z, NamedSharding(LINE, P(*out_spec)))
         return jnp.sum(z * z)
@@ -56,6 +56,8 @@ def main(argv):
     for name, (shape, spec, out_spec) in RESHAPES.items():
         print(f"{name}: {reshape_case(shape, spec, out_spec)}")
         print(f"{name} (result left to XLA): {reshape_case(shape, spec, None)}")
+    for name, (size, new_shape) in SPLITS.items():
+        print(f"{name}: {reshape_case((size,), ('x',), ('x',), new_shape)}")
 
 
 if __name__ == "__main__":

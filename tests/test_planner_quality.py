@@ -3,7 +3,8 @@ benchmarks/transformer_scale.py's 1T-16x32 step): the planner now reduce-scatter
 partial sum onto a dim the target splits out of order, and all-to-alls an axis onto such
 a dim, then reorders the dim with a collective-permute, so the big collective moves the
 small shards. And a Reshape merging an unevenly split dim with the dims after it
-re-blocks the merged dim by collective-permutes, as XLA does, instead of gathering it.
+re-blocks the merged dim by collective-permutes, as XLA does, instead of gathering it (and
+the reverse reshape re-blocks the other way, where XLA gathers over half the axis).
 
 XLA's answers were read from the collectives of XLA's compiled HLO (JAX 0.10.2 on 8 host
 CPU devices) for the cases of benchmarks/planner_quality_cases.py:
@@ -164,6 +165,41 @@ def test_merging_reshape_reblocks_exactly(mesh_shape, axes, shape, spec, out_sha
     # an integer tensor takes the same path (selects, no arithmetic on the values)
     check_partitioned(lambda t: tf.reshape(t + 1, out_shape), (x.astype(np.int32),), mesh,
                       (spec,), (out_spec,))
+
+
+# XLA's collectives for reshaping a dim of the size split over x to the shape, whose
+# major dim is split over x (planner_quality_cases.py SPLITS): a gather over half the
+# axis, then a permute
+XLA_SPLITS = {
+    (48, (6, 8)): [("all-gather", 48, 2), ("collective-permute", 32, 1)],
+    (36, (6, 6)): [("all-gather", 36, 2), ("collective-permute", 24, 1)],
+    (40, (10, 4)): [("all-gather", 40, 2), ("collective-permute", 16, 1)],
+}
+
+
+@pytest.mark.parametrize("size, shape", sorted(XLA_SPLITS))
+def test_splitting_reshape_moves_less_than_xla(size, shape):
+    lowered = gt.lower(lambda x: tf.reshape(x * 2.0, shape), LINE, (gt.P("x"),),
+                       (gt.P("x"),), args=[tf.TensorSpec((size,))])
+    found = [(c.kind, c.bytes, 1) for c in lowered.collectives()]
+    assert [kind for kind, _, _ in found] == ["collective-permute"]
+    assert cost([_STEP[kind](nbytes, k) for kind, nbytes, k in found]).bytes < \
+        cost([_STEP[kind](nbytes, k) for kind, nbytes, k in XLA_SPLITS[(size, shape)]]).bytes
+
+
+@pytest.mark.parametrize("mesh_shape, axes, shape, spec, out_shape", [
+    ((4,), ("x",), (48,), P_X, (6, 8)),
+    ((8,), ("x",), (39,), P_X, (13, 3)),
+    ((2, 4), ("a", "b"), (6, 10), gt.P(None, "b"), (6, 2, 5)),
+    ((2, 4), ("a", "b"), (36, 4), gt.P(("a", "b")), (6, 3, 2, 4)),
+])
+def test_splitting_reshape_reblocks_exactly(mesh_shape, axes, shape, spec, out_shape):
+    mesh = gt.Mesh.create(mesh_shape, axes)
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) - 11
+    out_spec = gt.P(*[spec[d] if d < len(spec) else None for d in range(len(out_shape))])
+    lowered = check_partitioned(lambda t: tf.reshape(t * 2.0, out_shape), (x,), mesh,
+                                (spec,), (out_spec,))
+    assert {c.kind for c in lowered.collectives()} == {"collective-permute"}
 
 
 def test_reblock_windows():
