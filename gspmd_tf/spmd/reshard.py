@@ -5,7 +5,7 @@ decides the steps and prices them; `emit` turns each step into the collective an
 pads and slices around it; `exchange_halo` emits the collective-permutes that bring a
 split dim's neighbouring elements to a windowed op (handlers/conv.py); `rotate` the
 cyclic one of a rolled split dim (handlers/roll.py); `reblock` those that move a split
-dim's block boundaries (a merged, unevenly split dim: handlers/reshape.py).
+dim's block boundaries (an unevenly split dim merged or split: handlers/reshape.py).
 """
 
 from __future__ import annotations
@@ -167,7 +167,6 @@ def exchange_halo(b, ref, dim, axes, halo_lo, halo_hi):
         right.append(_collective(b, "gt.Permute", send, b.shape_of(send),
                                  pairs=_shift_pairs(b.mesh, axes, -hop)))
     return concat_dim(b, left + [ref] + right, dim)
-
 
 
 # ------------------------------------------------------------------------ re-blocking
