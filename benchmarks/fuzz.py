@@ -59,6 +59,8 @@ FAMILIES = flags.DEFINE_list("families", ["all"], "op families to draw from: all
 GRAD = flags.DEFINE_float("grad_prob", 0.15, "fraction of programs that take a gradient")
 VARIABLES = flags.DEFINE_float("variable_prob", 0.1, "fraction of programs that read and "
                                "update gt.Variables (run twice, variables compared)")
+VOLUMES = flags.DEFINE_float("volume_prob", 0.25, "fraction of programs whose conv and "
+                             "pool ops are 3-D (Conv3D, MaxPool3D, AvgPool3D)")
 ZERO = flags.DEFINE_float("zero_prob", 0.04, "chance of a zero-size dim in each drawn dim "
                           "(0: only slices empty a dim)")
 BATCH = flags.DEFINE_integer("batch", 100, "programs per worker process (one TF import)")
@@ -491,7 +493,7 @@ def main(argv):
             raise app.UsageError(f"mesh {shape}: use at most 3 axes and 8 devices")
     indices = range(START.value, START.value + PROGRAMS.value)
     programs = {i: generate(SEED.value, i, (lo, hi), families, GRAD.value, meshes,
-                            ZERO.value, VARIABLES.value)
+                            ZERO.value, VARIABLES.value, VOLUMES.value)
                 for i in indices}
     print(f"fuzz: {len(programs)} programs, seed {SEED.value}, {JOBS.value} workers of "
           f"{BATCH.value} programs, load average {os.getloadavg()[0]:.2f}", flush=True)

@@ -7,6 +7,7 @@ collectives and runs it on the mesh.
 
 from gspmd_tf import keras
 from gspmd_tf.annotations import mesh_split
+from gspmd_tf.cluster import initialize_cluster
 from gspmd_tf.devices import configure_cpu_devices
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh, P, PartitionSpec
@@ -16,11 +17,12 @@ from gspmd_tf.runtime.function import Function, function
 from gspmd_tf.runtime.lowered import Collective, Lowered
 from gspmd_tf.runtime.lowering import lower
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
-from gspmd_tf.runtime.variables import Variable
+from gspmd_tf.runtime.variables import Variable, save_checkpoint
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.visualize import visualize_sharding
 
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
-           "Variable", "function", "keras", "lower", "mesh_split", "pipeline", "register_op",
+           "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split",
+           "pipeline", "register_op", "save_checkpoint",
            "visualize_sharding"]

@@ -6,6 +6,7 @@ import numbers
 
 import numpy as np
 
+from gspmd_tf import cluster
 from gspmd_tf.errors import ShardingError
 
 
@@ -85,9 +86,11 @@ class Mesh:
     names (or tf.config.LogicalDevice) in any order; its shape is the mesh shape.
     Every device has a device id, the number XLA tile assignments use: the devices of the
     mesh numbered 0..N-1 in this process's device order (so /device:CPU:k has id k on a
-    mesh of all local CPUs). `device_ids` holds the id at each mesh position (any
-    permutation of 0..N-1); `devices[i]` is the TF device name of device id i (None for an
-    abstract mesh, which serves lowering and reports).
+    mesh of all local CPUs; after gt.initialize_cluster, the devices of all workers,
+    worker-major). `device_ids` holds the id at each mesh position (any permutation of
+    0..N-1); `devices[i]` is the TF device name of device id i (None for an abstract mesh,
+    which serves lowering and reports). `addressable_ids` are the ids of this process's
+    devices (all of them unless the mesh spans several workers).
     """
 
     def __init__(self, devices, axis_names):
@@ -111,14 +114,23 @@ class Mesh:
         self._position_of = np.argsort(device_ids.ravel(), kind="stable")
         self._position_of.setflags(write=False)
         self.devices = devices
+        self.addressable_ids = () if devices is None else tuple(
+            i for i, name in enumerate(devices) if cluster.is_addressable(name))
         self._groups = {}
 
     @classmethod
     def create(cls, shape, axis_names, device_type=None):
-        """A mesh over local devices 0..N-1 in row-major order."""
+        """A mesh over devices 0..N-1 in row-major order: this process's devices, or
+        after gt.initialize_cluster those of every worker, worker-major."""
         shape, axis_names = _check_axes(shape, axis_names)
-        names = local_device_names(device_type)
+        names = cluster.global_device_names(local_device_names(device_type))
         needed = int(np.prod(shape))
+        if needed > len(names) and cluster.current() is not None:
+            raise ShardingError(
+                f"mesh {tuple(shape)} needs {needed} devices but the cluster's "
+                f"{cluster.current().num_workers} workers have {len(names)}; call "
+                "gt.configure_cpu_devices(n) on every worker before gt.initialize_cluster, "
+                "with n * workers >= the mesh size")
         if needed > len(names):
             raise ShardingError(
                 f"mesh {tuple(shape)} needs {needed} devices but this process has "
@@ -146,6 +158,11 @@ class Mesh:
         mesh = cls.__new__(cls)
         mesh._init(shape, axis_names, ids, None)
         return mesh
+
+    @property
+    def is_fully_addressable(self):
+        """True when every device of the mesh belongs to this process."""
+        return len(self.addressable_ids) == self.size
 
     @property
     def is_abstract(self):
@@ -296,10 +313,11 @@ def _check_devices(devices):
 
 
 def _local_names():
-    """Full names of every logical device of this process, in TF's order."""
+    """Full names of every logical device of this process, in TF's order; after
+    gt.initialize_cluster, of every worker's devices, worker-major."""
     import tensorflow as tf  # late: configure_cpu_devices must run before TF starts
 
-    return [d.name for d in tf.config.list_logical_devices()]
+    return cluster.global_device_names(d.name for d in tf.config.list_logical_devices())
 
 
 def _local_order(names):
@@ -316,7 +334,11 @@ def _resolve_device(name, local):
     except (TypeError, ValueError) as e:
         raise ShardingError(f"mesh device {name!r} is not a TF device name: {e}") from None
     # local logical devices leave job, replica and task unset: those of this process
-    this_task = _device_spec("/job:localhost/replica:0/task:0")
+    joined = cluster.current()
+    this_task = _device_spec("/job:localhost/replica:0/task:0" if joined is None else
+                             joined.device_prefix(joined.task_index))
+    if joined is not None:  # a name without a task means one of this worker's devices
+        spec = this_task.make_merged_spec(spec)
     matches = [full for full in local
                if _spec_matches(spec, this_task.make_merged_spec(_device_spec(full)))]
     if len(matches) != 1:

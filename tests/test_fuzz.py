@@ -53,3 +53,26 @@ def test_accuracy_rule_excuses_only_tf_rounding():
     check_values(ours, tf_sum, "sum", "float32", exact=exact)
     with pytest.raises(Mismatch):
         check_values(np.float32([-0.0063]), tf_sum, "sum", "float32", exact=exact)
+
+
+def test_overflow_rule_excuses_only_disputed_non_finite_kinds():
+    """A non-finite value of another kind than TF's passes only where the float64 program
+    disagrees with TF: ours of the float64 program's kind (seed 21 #8884), or any
+    non-finite kind where TF's and the float64 program's are both non-finite (seed 20
+    #4063: an overflowing sum whose sign is an accident of order)."""
+    import numpy as np
+    import pytest
+    from fuzz_worker import Mismatch, check_values
+
+    inf, nan = np.inf, np.nan
+    # 8884: TF NaN, float64 -Inf, ours -Inf; 4063: TF -Inf, float64 +Inf, ours NaN.
+    check_values(np.float32([-inf]), np.float32([nan]), "prod", "float32", exact=[-inf])
+    check_values(np.float32([nan]), np.float32([-inf]), "sum", "float32", exact=[inf])
+    for ours, tf_value, exact in (
+            ([nan], [-inf], [-inf]),   # TF and float64 agree: ours must match
+            ([1.0], [-inf], [inf]),    # finite where both overflowed
+            ([nan], [2.0], [inf]),     # not the float64 program's kind
+            ([-inf], [nan], None)):    # no float64 program
+        with pytest.raises(Mismatch):
+            check_values(np.float32(ours), np.float32(tf_value), "x", "float32",
+                         exact=exact if exact is None else np.array(exact))

@@ -206,3 +206,14 @@ def test_sub_factor_unsplit_in_another_tensor_blocks_the_minor_one():
     x = np.random.default_rng(198).standard_normal((12, 8, 2)).astype(np.float32)
     check_partitioned(lambda x: tf.reshape(x, [2, 24, 2, 2]), (x,), mesh,
                       (P(None, ("b", "a")),))
+
+
+def test_more_dims_than_tf_slice_and_pad_take():
+    """TF's CPU Slice and Pad take at most 8 dims; the partitioner's slices and pads of an
+    uneven split run on a three-dim view of a larger tensor (hypothesis found a rank-9
+    Pad in a reshape's factor decomposition)."""
+    mesh = gt.Mesh.create((2, 4), ("a", "b"))
+    x = np.random.default_rng(9).standard_normal((3, 1, 1, 1, 1, 1, 1, 1, 2)).astype(
+        np.float32)
+    check_partitioned(lambda x: tf.reshape(x, [6]) * 2.0, (x,), mesh, (P("a"),),
+                      out_shardings=(P("a"),))

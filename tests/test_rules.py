@@ -16,7 +16,7 @@ from gspmd_tf.graph import import_graph
 from gspmd_tf.propagation.rules import einsum_rule
 from gspmd_tf.registry import ops_with_rules, rule_for
 from gspmd_tf.spmd.handlers.replayed import BINARY, UNARY
-from util import check_partitioned
+from util import check_partitioned, tensor_lists
 
 
 def f32(*shape):
@@ -177,12 +177,93 @@ POOL_ROWS = [
      [f32(2, 4, 4, 3)], f"(_, {POOLED})->({POOLED})" + POOL_SIZES),
 ]
 
+# the 3-D convolutions and pools: the same factors with three spatial dims; MirrorPad(Grad)
+# shares a factor between a padded dim of x and y, as Pad does
+C3 = {"strides": [1, 1, 1, 1, 1], "padding": "SAME"}
+P3 = {"ksize": [1, 2, 2, 2, 1], "strides": [1, 2, 2, 2, 1], "padding": "VALID"}
+X3, W3, Y3 = [2, 6, 8, 8, 3], [3, 3, 3, 3, 5], [2, 6, 8, 8, 5]
+CONV3D_SIZES = " {i=2, j=6, k=8, l=8, m=3, n=5, o=3, p=3, q=3}"
+POOLED3 = "[i, k, l, m, j]"
+POOL3D_SIZES = " {i=2, j=3, k=6, l=8, m=8}"
+POOL_ROWS += [
+    ("Conv3D", lambda x, w: tf.raw_ops.Conv3D(input=x, filter=w, **C3), [f32(*X3), f32(*W3)],
+     "([i, j, k, l, m], [o, p, q, m, n])->([i, j, k, l, n])" + CONV3D_SIZES
+     + " reduction={m} need_replication={o, p, q}"),
+    ("Conv3DBackpropInputV2",
+     lambda w, dy: tf.raw_ops.Conv3DBackpropInputV2(input_sizes=X3, filter=w, out_backprop=dy,
+                                                   **C3), [f32(*W3), f32(*Y3)],
+     "(_, [o, p, q, m, n], [i, j, k, l, n])->([i, j, k, l, m])" + CONV3D_SIZES
+     + " reduction={n} need_replication={o, p, q}"),
+    ("Conv3DBackpropFilterV2",
+     lambda x, dy: tf.raw_ops.Conv3DBackpropFilterV2(input=x, filter_sizes=W3, out_backprop=dy,
+                                                    **C3), [f32(*X3), f32(*Y3)],
+     "([i, j, k, l, m], _, [i, j, k, l, n])->([o, p, q, m, n])" + CONV3D_SIZES
+     + " reduction={i, j, k, l} need_replication={o, p, q}"),
+    ("MaxPool3D", lambda x: tf.raw_ops.MaxPool3D(input=x, **P3), [f32(*X3)],
+     f"({POOLED3})->({POOLED3})" + POOL3D_SIZES),
+    ("AvgPool3D", lambda x: tf.raw_ops.AvgPool3D(input=x, **P3), [f32(*X3)],
+     f"({POOLED3})->({POOLED3})" + POOL3D_SIZES),
+    ("MaxPool3DGrad", lambda x, y, dy: tf.raw_ops.MaxPool3DGrad(orig_input=x, orig_output=y,
+                                                                grad=dy, **P3),
+     [f32(*X3), f32(2, 3, 4, 4, 3), f32(2, 3, 4, 4, 3)],
+     f"({POOLED3}, {POOLED3}, {POOLED3})->({POOLED3})" + POOL3D_SIZES),
+    ("AvgPool3DGrad", lambda dy: tf.raw_ops.AvgPool3DGrad(orig_input_shape=X3, grad=dy, **P3),
+     [f32(2, 3, 4, 4, 3)], f"(_, {POOLED3})->({POOLED3})" + POOL3D_SIZES),
+    ("MirrorPad", lambda x: tf.raw_ops.MirrorPad(input=x, paddings=[[1, 2], [0, 0]],
+                                                 mode="REFLECT"), [f32(8, 6)],
+     "([i, j], _)->([i, j]) {i=11, j=6}"),
+    ("MirrorPadGrad", lambda dy: tf.raw_ops.MirrorPadGrad(input=dy, paddings=[[1, 2], [0, 0]],
+                                                          mode="SYMMETRIC"), [f32(11, 6)],
+     "([i, j], _)->([i, j]) {i=11, j=6}"),
+]
+
+# stateless draws with distribution parameters, categorical draws, shuffles: sources too
+# (every input replicated, the whole draw sliced)
+STATELESS_SHAPE = (4, 6)
+POOL_ROWS += [
+    (op, lambda seed, draw=draw: draw(seed), [i32(2)],
+     f"({', '.join(['_'] * n)})->([i, j]) {{i=4, j=6}}")
+    for op, draw, n in [
+        ("StatelessRandomBinomial", lambda seed: tf.random.stateless_binomial(
+            STATELESS_SHAPE, seed, counts=[5.0] * 6, probs=0.3), 4),
+        ("StatelessRandomGammaV2", lambda seed: tf.raw_ops.StatelessRandomGammaV2(
+            shape=STATELESS_SHAPE, seed=seed, alpha=[1.0] * 6), 3),
+        ("StatelessRandomGammaV3", lambda seed: tf.random.stateless_gamma(
+            STATELESS_SHAPE, seed, alpha=[1.0] * 6), 5),
+        ("StatelessRandomPoisson", lambda seed: tf.random.stateless_poisson(
+            STATELESS_SHAPE, seed, lam=[2.0] * 6), 3),
+        ("StatelessParameterizedTruncatedNormal",
+         lambda seed: tf.random.stateless_parameterized_truncated_normal(
+             STATELESS_SHAPE, seed, 0.5, 2.0, -1.0, 1.5), 6),
+        ("StatelessMultinomial", lambda seed: tf.random.stateless_categorical(
+            tf.zeros([4, 3]), 6, seed), 3),
+        ("StatelessShuffle", lambda seed: tf.random.experimental.stateless_shuffle(
+            tf.zeros(STATELESS_SHAPE), seed), 4)]]
+
 def select(condition, x, y):
     return tf.raw_ops.Select(condition=condition, x=x, y=y)
 
 
 MATMUL = "([i, j], [j, k])->([i, k]) {i=4, j=8, k=16} reduction={j}"
-ROWS = UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_ROWS + [
+
+
+ELEMENT = "{i=4, j=6}"
+# lists and elements share the element dims' factors; the list index dim is whole
+TENSOR_LIST_ROWS = [(op, tensor_lists, [f32(3, 4, 6), f32(4, 6)], expected) for op, expected in [
+    ("EmptyTensorList", f"(_, _)->([i, j]) {ELEMENT}"),
+    ("TensorListReserve", f"(_, _)->([i, j]) {ELEMENT}"),
+    ("TensorListFromTensor", "([k, i, j], _)->([i, j]) {i=4, j=6, k=3} need_replication={k}"),
+    ("TensorListSetItem", f"([i, j], _, [i, j])->([i, j]) {ELEMENT}"),
+    ("TensorListPushBack", f"([i, j], [i, j])->([i, j]) {ELEMENT}"),
+    ("TensorListGetItem", f"([i, j], _, _)->([i, j]) {ELEMENT}"),
+    ("TensorListPopBack", f"([i, j], _)->([i, j], [i, j]) {ELEMENT}"),
+    ("TensorListResize", f"([i, j], _)->([i, j]) {ELEMENT}"),
+    ("TensorListLength", f"([i, j])->([]) {ELEMENT}"),
+    ("TensorListStack", "([i, j], _)->([k, i, j]) {i=4, j=6, k=3} need_replication={k}"),
+]]
+
+ROWS = (UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_ROWS
+        + TENSOR_LIST_ROWS) + [
     ("XlaSharding", lambda x: xs.replicate(x, use_sharding_op=True), [f32(4, 6)], SAME_2D),
     # a bitcast to a narrower type adds a minor dim, to a wider one removes it: that dim
     # is in one tensor only and stays whole

@@ -61,3 +61,25 @@ def assert_replicas_equal(variable):
         for device in devices[1:]:
             np.testing.assert_array_equal(variable.shard_variables[device].numpy()[inside],
                                           first, err_msg=f"{variable.name} device {device}")
+
+
+def tensor_lists(x, item):
+    """Every TensorList op with a rule, on lists of [4, 6] elements (a list has its
+    element's shape in the IR)."""
+    from tensorflow.python.ops import list_ops
+    lst = list_ops.tensor_list_from_tensor(x, element_shape=[4, 6])
+    lst = list_ops.tensor_list_set_item(lst, 1, item)
+    lst = list_ops.tensor_list_push_back(lst, item)
+    got = list_ops.tensor_list_get_item(lst, 0, tf.float32, element_shape=[4, 6])
+    lst, popped = list_ops.tensor_list_pop_back(lst, tf.float32)
+    lst = tf.raw_ops.TensorListResize(input_handle=lst, size=3)
+    stacked = list_ops.tensor_list_stack(lst, tf.float32, element_shape=[4, 6],
+                                         num_elements=3)
+    empty = list_ops.tensor_list_push_back(
+        list_ops.empty_tensor_list([4, 6], tf.float32), item)
+    reserved = tf.raw_ops.TensorListReserve(element_shape=[4, 6], num_elements=3,
+                                            element_dtype=tf.float32)
+    return (stacked, got, popped, list_ops.tensor_list_length(lst),
+            list_ops.tensor_list_stack(empty, tf.float32, num_elements=1),
+            list_ops.tensor_list_stack(list_ops.tensor_list_set_item(reserved, 0, item),
+                                       tf.float32, num_elements=3))

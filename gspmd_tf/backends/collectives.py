@@ -22,6 +22,7 @@ from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
 
 from gspmd_tf.backends import base
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import walk
 
 MERGE_OPS = {"sum": "Add", "max": "Max", "min": "Min", "prod": "Mul"}
 
@@ -118,19 +119,28 @@ def program_fingerprint(program):
     see ProgramKeys) is safe for them.
     """
     digest = hashlib.blake2b(digest_size=16)
-    for node in program.nodes:
+    _digest_graph(digest, program)
+    return digest.hexdigest()
+
+
+def _digest_graph(digest, graph):
+    """Feed a graph's structure (and its regions', in place) to `digest`."""
+    for node in graph.nodes:
         digest.update(repr((
             node.op, [tuple(r) for r in node.inputs], node.control_inputs,
             node.out_shapes, [d.name for d in node.out_dtypes],
             sorted(node.params.items()))).encode())
-    digest.update(repr([tuple(r) for r in program.outputs]).encode())
-    return digest.hexdigest()
+        for region in node.regions:
+            digest.update(b"region")
+            _digest_graph(digest, region)
+    digest.update(repr([tuple(r) for r in graph.outputs]).encode())
 
 
 class ProgramKeys:
     """The collective instance keys of one SPMD program and the lock its calls hold.
 
-    The i-th keyed collective of the program (in program order) has instance key
+    The i-th keyed collective of the program (in program order, the collectives of a
+    control-flow op's bodies after the op: ir.walk) has instance key
     `first + i`, where `first` comes from the program's fingerprint: every process that
     builds the program gives it the same keys, whatever else it compiled and in what
     order. Programs with different fingerprints get disjoint key ranges in a process;
@@ -140,7 +150,14 @@ class ProgramKeys:
     """
 
     def __init__(self, program):
-        names = [node.name for node in program.nodes if node.op in KEYED]
+        # gt.Permute takes keys too: across workers its pairs are collectives, inside a
+        # body it is pair_send / pair_receive
+        nodes = [node for node in walk(program) if node.op in KEYED + (base.PERMUTE,)]
+        # a permute inside a body sends both ways between two devices (a 2-cycle) in
+        # two broadcasts of one group: the way back takes a key of its own, after all
+        # the others
+        names = [node.name for node in nodes] + [
+            reverse_key_name(node.name) for node in nodes if node.op == base.PERMUTE]
         self.fingerprint = program_fingerprint(program)
         self.first, self.lock = _program_range(self.fingerprint, len(names))
         self._ordinal = {name: i for i, name in enumerate(names)}
@@ -148,6 +165,18 @@ class ProgramKeys:
     def instance_key(self, node_name):
         """The instance key of collective node `node_name`."""
         return self.first + self._ordinal[node_name]
+
+
+def reverse_key_name(node_name):
+    """The name ProgramKeys gives the key of a permute's copies from a higher device id
+    to a lower one (pair_send / pair_receive), apart from the other way's."""
+    return node_name + "#reverse"
+
+
+def named_keys(name, count=1):
+    """(first instance key, lock) of `count` keys reserved for the collectives of a
+    helper outside any program (e.g. the workers' barrier), the same in every process."""
+    return _program_range(("named", name), count)
 
 
 def _program_range(fingerprint, count):
@@ -274,6 +303,27 @@ class Group:
         received.set_shape([k] + chunk)
         merged = _merge_leading(_pick(received, self.rank_of_shard), concat_dim, chunk)
         return _restore(merged, x.dtype)
+
+
+def pair_send(x, source, target, instance_key):
+    """CollectiveBcastSendV2 of x from device `source` to device `target` (names), a
+    group of the two: a point-to-point copy a function running on `source` alone can
+    make (inside a loop body). Measured with TF 2.21: it completes without waiting for
+    the receive, so sends and receives chained in any order on each device (a cyclic
+    shift) do not deadlock; the op takes no ordering token."""
+    return gen_collective_ops.collective_bcast_send_v2(
+        _carry(x), group_size=2, group_key=group_key([source, target]),
+        instance_key=instance_key)
+
+
+def pair_receive(shape, dtype, source, target, instance_key):
+    """The tensor of `shape` and `dtype` that pair_send sends from `source` to `target`,
+    received on `target`."""
+    received = gen_collective_ops.collective_bcast_recv_v2(
+        group_size=2, group_key=group_key([source, target]), instance_key=instance_key,
+        shape=list(shape), T=_CARRIERS.get(dtype, dtype))
+    received.set_shape(shape)
+    return _restore(received, dtype)
 
 
 def chunk(x, dim, k, index):
@@ -406,12 +456,18 @@ class GuardedCall:
 
     def timeout_error(self):
         """The DeadlineExceededError to raise for this call."""
+        from gspmd_tf import cluster
+        joined = cluster.current()
+        after = ("later calls run normally." if joined is None or joined.num_workers == 1
+                 else "a worker of the cluster may have died or be unreachable; this "
+                 "worker's collective keys have moved on, so restart every worker (from the "
+                 "last checkpoint).")
         return errors.DeadlineExceededError(
             None, None,
             f"{self.what} did not finish within {self.seconds:g} s, so it was cancelled: a "
             "collective waited for peers that did not come (or the program is slower than "
             "the limit: raise it with collective_timeout= or GSPMD_TF_COLLECTIVE_TIMEOUT). "
-            "Variables it assigns may be partly updated; later calls run normally.")
+            f"Variables it assigns may be partly updated; {after}")
 
 
 watchdog = Watchdog()

@@ -4,7 +4,8 @@ One tf.function holds the whole program for every device: each node is emitted o
 device under tf.device, gt.* collectives become TF collective ops (see collectives.py),
 gt.Permute becomes point-to-point copies, and TF's multi-device function runtime runs the
 per-device parts concurrently. A control-flow op (a node with regions) is re-created on
-each device with TF functions built from its regions.
+each device with TF functions built from its regions (SPMD sub-programs, collectives
+included: see _Lowering._region_op).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util_v2
 
+from gspmd_tf import cluster
 from gspmd_tf.backends import base, collectives
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.graph.ir import REGION_OPS
+from gspmd_tf.graph.ir import REGION_OPS, walk
 
 
 # Generous: a call that waits this long is hung, not slow, on the meshes of one host.
@@ -68,8 +70,10 @@ class LocalBackend(base.Backend):
     def compile(self, program, name=None):
         """Traces `program` into one tf.function; returns run(inputs) -> outputs.
 
-        inputs[i][d]: shard of program input i for device id d (tensors or arrays);
-        outputs[j][d]: shard of program.outputs[j], held in device d's memory (its
+        inputs[i][d]: shard of program input i for device id d (tensors or arrays; only
+        those of this process's devices, mesh.addressable_ids, are read);
+        outputs[j][d]: shard of program.outputs[j] (None on other workers' devices),
+        held in device d's memory (its
         `backing_device`; TF labels every output of a function call with the call's device
         in `.device`). `name` names the program in errors.
         Calls of one compiled program (and of programs with the same fingerprint, which
@@ -89,11 +93,15 @@ class _Compiled:
         self.program = program
         self.timeout = timeout
         self.inputs = base.program_inputs(program)
-        n = mesh.size
+        if not mesh.addressable_ids:
+            raise ShardingError(
+                f"{name or 'an SPMD program'}: mesh {mesh!r} has no device of this worker; "
+                "every worker of the cluster must hold devices of the meshes it runs")
+        self.local = mesh.addressable_ids
         # a variable's handle is a scalar, whatever the shape of the value it holds
         self.specs = [tf.TensorSpec(() if node.out_dtypes[0] == tf.resource
                                     else node.out_shapes[0], node.out_dtypes[0])
-                      for node in self.inputs for _ in range(n)]
+                      for node in self.inputs for _ in self.local]
         self.keys = collectives.ProgramKeys(program)
         self.lock = self.keys.lock
         self.what = name or "an SPMD program"
@@ -120,7 +128,7 @@ class _Compiled:
         in program order: the keys its next call runs with (group keys: one per group of
         mesh.groups(axes), sorted; a group of one device runs no collective)."""
         out = []
-        for node in self.program.nodes:
+        for node in walk(self.program):
             if node.op not in collectives.KEYED:
                 continue
             rows = self.mesh.groups(tuple(node.params["axes"]))
@@ -136,7 +144,7 @@ class _Compiled:
                 f"expected {len(self.inputs)} inputs with {n} shards each, got "
                 f"{[len(s) for s in shards]}")
         flat = [x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x, spec.dtype)
-                for x, spec in zip((x for s in shards for x in s), self.specs)]
+                for x, spec in zip((s[d] for s in shards for d in self.local), self.specs)]
         with self.lock:
             if self.generation != collectives.generation():
                 self._trace()
@@ -148,7 +156,14 @@ class _Compiled:
                         raise call.timeout_error() from None
                     e.add_note(f"while running {self.what}")
                     raise
-        return [outs[j * n:(j + 1) * n] for j in range(len(self.program.outputs))]
+        k = len(self.local)
+        results = []
+        for j in range(len(self.program.outputs)):
+            shards = [None] * n
+            for d, out in zip(self.local, outs[j * k:(j + 1) * k]):
+                shards[d] = out
+            results.append(shards)
+        return results
 
     def _execute(self, inputs, call):
         """Runs the traced function, under the call's CancellationManager if guarded."""
@@ -161,7 +176,15 @@ class _Compiled:
                                                  call.manager)
 
 
-def _safe_name(name):
+def traced_region_op(node, operands):
+    """The control-flow op `node` of a traced (not SPMD) graph re-created once in the
+    current graph, with no device, on the tensors `operands`: its regions, which hold no
+    collectives, become TF functions as the backend builds them (for the annotated
+    global graph, runtime/annotated.py). Returns the tf.Operation."""
+    return _Lowering(None, None, devices=[None])._region_op(node)(0, [[t] for t in operands])
+
+
+def safe_name(name):
     """`name` made into a valid TF op name."""
     name = re.sub(r"[^A-Za-z0-9_.\-/]", "_", name).strip("/")
     return name if re.match(r"[A-Za-z0-9.]", name) else "n" + name
@@ -170,18 +193,31 @@ def _safe_name(name):
 class _Lowering:
     """Emits an SPMD program into the current (function) graph, once per device."""
 
-    def __init__(self, mesh, keys):
+    def __init__(self, mesh, keys, devices=None):
+        """With `devices` (TF device names, or None for no device) instead of a mesh, it
+        emits graphs without collectives on those devices (see traced_region_op)."""
         self.mesh = mesh
         self.keys = keys
-        self.devices = mesh.devices
-        self.tokens = [collectives.ordering_token(name) for name in self.devices]
+        if mesh is None:
+            self.devices, self.local = devices, tuple(range(len(devices)))
+            self.tokens = dict.fromkeys(self.local)
+        else:
+            self.devices = mesh.devices
+            # this process's devices: the others belong to other workers, which emit theirs
+            self.local = mesh.addressable_ids
+            self.tokens = {d: collectives.ordering_token(self.devices[d]) for d in self.local}
         self.args = None
 
     def lower(self, program, flat):
-        """Emits every node for every device; returns the outputs, output-major."""
-        n = self.mesh.size
-        self.args = [flat[i:i + n] for i in range(0, len(flat), n)]
-        values = []   # values[node][out][device]: tf.Tensor
+        """Emits every node for every device of this process; returns the outputs,
+        output-major."""
+        n, k = self.mesh.size, len(self.local)
+        self.args = []
+        for i in range(0, len(flat), k):
+            self.args.append([None] * n)
+            for d, x in zip(self.local, flat[i:i + k]):
+                self.args[-1][d] = x
+        values = []   # values[node][out][device]: tf.Tensor (None on other workers)
         op_of = []    # op_of[node][device]: tf.Operation, for control inputs
         # Node-major order: every device's copy of node i is created before node i+1.
         # tf.function chains stateful ops without resource inputs in creation order, and
@@ -189,21 +225,22 @@ class _Lowering:
         for node in program.nodes:
             emit = self._emitter(node)
             ins = [values[ref.node][ref.out] for ref in node.inputs]
-            outs, node_ops = [], []
-            for d in range(n):
+            outs, node_ops = [None] * n, [None] * n
+            for d in self.local:
                 control = [op_of[c][d] for c in node.control_inputs]
                 with tf.device(self.devices[d]), tf.control_dependencies(control):
                     result = emit(d, ins)
                 if isinstance(result, ops.Operation):
-                    outs.append(result.outputs)
-                    node_ops.append(result)
+                    outs[d] = result.outputs
+                    node_ops[d] = result
                 else:
-                    outs.append([result])
-                    node_ops.append(result.op)
-                _set_shapes(node, outs[-1])
-            values.append([[outs[d][k] for d in range(n)] for k in range(len(outs[0]))])
+                    outs[d] = [result]
+                    node_ops[d] = result.op
+                _set_shapes(node, outs[d])
+            values.append([[None if outs[d] is None else outs[d][j] for d in range(n)]
+                           for j in range(len(outs[self.local[0]]))])
             op_of.append(node_ops)
-        return [values[ref.node][ref.out][d] for ref in program.outputs for d in range(n)]
+        return [values[ref.node][ref.out][d] for ref in program.outputs for d in self.local]
 
     def _emitter(self, node):
         """emit(d, inputs): `node` on device d, a tensor or an op (inputs[k][e] is input
@@ -214,14 +251,61 @@ class _Lowering:
         if node.op == base.SHARD_INDEX:
             return lambda d, ins: tf.constant(self.mesh.shard_index(d, p["axes"]), tf.int32)
         if node.op == base.PERMUTE:
-            return _permute(p["pairs"])
+            return self._permute(node)
         if node.op in collectives.KEYED:
             return self._collective(node)
         if node.op.startswith("gt."):
             raise ShardingError(f"LocalBackend cannot lower {node.op} (node {node.name})")
         if node.regions:
-            return _region_op(node, self.devices)
+            return self._region_op(node)
         return _tf_op(node, self.devices)
+
+    def _permute(self, node):
+        """Emitter of gt.Permute: targets read their source's tensor, the others get zeros.
+
+        A pair within this process is a copy: an identity on the target reading the
+        source's tensor, for which TF inserts the Send/Recv pair. A pair across workers
+        cannot be one (each worker runs its own function), so the two devices all-gather
+        their tensors in a group of two (the non-sending one gives zeros) and the target
+        keeps its source's block; one gather serves a pair exchanging both ways. Every
+        device joins its crossing pairs in one global order (sorted pairs), so the pair
+        collectives, chained per device by the ordering tokens, cannot wait in a cycle.
+        """
+        pairs = node.params["pairs"]
+        source_of = {}
+        for source, target in pairs:
+            if int(target) in source_of:
+                raise ShardingError(
+                    f"gt.Permute pairs {pairs} send twice to device {target}: each device "
+                    "may receive from one source")
+            source_of[int(target)] = int(source)
+        task = [cluster.task_of(name) for name in self.devices]
+        crossing = sorted({tuple(sorted((s, t))) for t, s in source_of.items()
+                           if task[s] != task[t]})
+        if crossing and not collectives.carries(node.out_dtypes[0]):
+            raise ShardingError(
+                f"node {node.name} (gt.Permute) would send {node.out_dtypes[0].name} values "
+                "between worker processes, which TF's collectives cannot carry; keep the "
+                "halo'd or shifted dim of that tensor unsplit across workers")
+        instance_key = self.keys.instance_key(node.name) if crossing else None
+
+        def emit(d, ins):
+            x = ins[0][d]
+            received = None
+            for pair in (pair for pair in crossing if d in pair):
+                other = pair[1] if pair[0] == d else pair[0]
+                group = collectives.Group([self.devices[m] for m in pair], instance_key,
+                                          self.tokens[d])
+                sent = x if source_of.get(other) == d else tf.zeros_like(x)
+                blocks = group.all_gather(tf.expand_dims(sent, 0), 0)
+                if source_of.get(d) == other:
+                    received = blocks[pair.index(other)]
+            if d not in source_of:
+                return tf.zeros_like(x)
+            if received is not None:
+                return received
+            return tf.identity(ins[0][source_of[d]])
+        return emit
 
     def _collective(self, node):
         p = node.params
@@ -255,6 +339,12 @@ class _Lowering:
         member of its group, and TF inserts the Send/Recv pairs, as for gt.Permute."""
         p = node.params
         dtype = node.out_dtypes[0]
+        if any(len({cluster.task_of(self.devices[m]) for m in row}) > 1
+               for row in row_of.values()):
+            raise ShardingError(
+                f"node {node.name} ({node.op}) would move {dtype.name} values between "
+                "worker processes, which TF's collectives cannot carry; keep the dims of "
+                "that tensor split over one worker's devices only")
         if node.op in (base.ALL_REDUCE, base.REDUCE_SCATTER) and (
                 dtype == tf.string or p["reduce_op"] not in _STACKED_REDUCE):
             raise ShardingError(
@@ -281,6 +371,147 @@ class _Lowering:
             return collectives.chunk(reduced, p["dim"] % x[d].shape.rank, len(row), row.index(d))
         return emit
 
+    def _region_op(self, node):
+        """Emitter of a control-flow op (a node with regions): the TF op re-created on
+        device d, each of its function attrs naming a TF function built from its region
+        (an SPMD sub-program) for d.
+
+        When the regions hold collectives, the device's ordering token is one more
+        operand (a loop hands it through as one more loop value) and the bodies' ordering
+        token: the op then orders with the device's other collectives, not in one chain
+        with every device's stateful ops (which would deadlock, see
+        collectives.ordering_token), and it is the stateful op type. Each collective
+        keeps one instance key for every iteration: measured with TF 2.21, a functional
+        While (not lowered to Switch/Merge: the backend drops TF's
+        _lower_using_switch_merge attr) runs the body's collectives once per iteration
+        on every device with the same keys, correctly."""
+        attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
+        name = safe_name(node.name)
+        threads_token = any(n.op in collectives.KEYED + (base.PERMUTE,)
+                            for region in node.regions for n in walk(region))
+        op_type = _STATEFUL.get(node.op, node.op) if threads_token else node.op
+        loop = "While" in node.op
+        body = len(node.regions) - 1
+
+        def emit(d, ins):
+            functions = iter([
+                self._region_function(region, d, f"{name}_region{k}_d{d}", threads_token,
+                                      threads_token and loop and k == body)
+                for k, region in enumerate(node.regions)])
+            op_attrs = dict(attrs)
+            for attr in REGION_OPS[node.op][0]:
+                if attrs[attr].HasField("list"):  # list(func): one region per function
+                    count = len(attrs[attr].list.func)
+                    op_attrs[attr] = attr_value_pb2.AttrValue(
+                        list=attr_value_pb2.AttrValue.ListValue(func=[
+                            attr_value_pb2.NameAttrList(name=next(functions))
+                            for _ in range(count)]))
+                else:
+                    op_attrs[attr] = attr_value_pb2.AttrValue(
+                        func=attr_value_pb2.NameAttrList(name=next(functions)))
+            inputs, dtypes = [x[d] for x in ins], list(node.out_dtypes)
+            if threads_token:
+                inputs.append(self.tokens[d])
+                _append_type(op_attrs, "T" if loop else "Tin", tf.resource)
+                if loop:
+                    dtypes.append(tf.resource)
+                    if "output_shapes" in op_attrs:
+                        shapes = list(op_attrs["output_shapes"].list.shape)
+                        op_attrs["output_shapes"] = attr_value_pb2.AttrValue(
+                            list=attr_value_pb2.AttrValue.ListValue(
+                                shape=shapes + [tf.TensorShape([]).as_proto()]))
+            return ops.get_default_graph()._create_op_internal(
+                op_type, inputs, dtypes=dtypes, attrs=op_attrs, name=f"{name}_d{d}")
+        return emit
+
+    def _region_function(self, region, d, name, threads_token, returns_token):
+        """Builds a TF function running the sub-program `region` on device d, adds it to
+        the current graph's library, and returns its (unique) name. With
+        `threads_token` it takes the device's ordering token as one more (last)
+        parameter, which its collectives use (and a loop body returns last)."""
+        signature = [tf.TensorSpec(() if node.out_dtypes[0] in (tf.resource, tf.variant)
+                                   else node.out_shapes[0], node.out_dtypes[0])
+                     for node in (region.nodes[ref.node] for ref in region.inputs)]
+        if threads_token:
+            signature.append(tf.TensorSpec((), tf.resource))
+
+        def body(*args):
+            outer = self.tokens[d]
+            if threads_token:
+                self.tokens[d], args = args[-1], args[:-1]
+            try:
+                with tf.device(self.devices[d]):
+                    outs = self._lower_region(region, args, d)
+                if returns_token:
+                    outs.append(self.tokens[d])
+            finally:
+                self.tokens[d] = outer
+            return outs
+        # unique: every traced program registers its functions in one eager context
+        graph = func_graph_module.func_graph_from_py_func(
+            f"{name}_{ops.uid()}", body, None, None, signature=signature,
+            add_control_dependencies=True)
+        return control_flow_util_v2.create_new_tf_function(graph)
+
+    def _permute_in_region(self, node):
+        """Emitter of gt.Permute inside a body, where a device reaches no other device's
+        tensor (the Send/Recv pairs TF inserts between devices outside bodies): each
+        source sends to its targets and each target receives from its source with
+        collectives.pair_send / pair_receive, groups of two devices, the node's instance
+        key (copies to a lower device id: its reverse key, so that the two ways of a
+        2-cycle are two broadcasts); a device that is no target gets zeros."""
+        targets_of, source_of = {}, {}
+        for source, target in node.params["pairs"]:
+            targets_of.setdefault(int(source), []).append(int(target))
+            source_of[int(target)] = int(source)
+        keys = (self.keys.instance_key(node.name),
+                self.keys.instance_key(collectives.reverse_key_name(node.name)))
+        names = self.devices
+
+        def emit(d, ins):
+            x = ins[0][d]
+            for t in targets_of.get(d, ()):
+                if t != d:  # run by the body's automatic control dependencies
+                    collectives.pair_send(x, names[d], names[t], keys[t < d])
+            s = source_of.get(d)
+            if s is None:
+                return tf.zeros_like(x)
+            if s == d:
+                return tf.identity(x)
+            return collectives.pair_receive(x.shape.as_list(), x.dtype, names[s], names[d],
+                                            keys[d < s])
+        return emit
+
+    def _lower_region(self, region, args, d):
+        """Emits the nodes of sub-program `region` for device d into the current graph,
+        its parameters (gt.Input nodes) bound to the tensors `args`; returns the tensors
+        of its outputs."""
+        bound = {ref.node: arg for ref, arg in zip(region.inputs, args)}
+        values, op_of = [], []  # per node: its output tensors; its tf.Operation
+        for index, node in enumerate(region.nodes):
+            if index in bound:
+                values.append([bound[index]])
+                op_of.append(bound[index].op)
+                continue
+            if node.op in collectives.KEYED + (base.PERMUTE,) and \
+                    not collectives.carries(node.out_dtypes[0]):
+                # made of copies that read other devices' tensors, which a body running
+                # on one device cannot reach
+                raise ShardingError(
+                    f"LocalBackend cannot run {node.op} of {node.out_dtypes[0].name} inside "
+                    f"a control-flow body (node {node.name}): TF's collectives do not take "
+                    "that dtype; keep the split that needs it out of the body")
+            emit = (self._permute_in_region(node) if node.op == base.PERMUTE
+                    else self._emitter(node))
+            with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
+                # one device: inputs[k] maps it to its tensor, as emitters index them
+                result = emit(d, [{d: values[ref.node][ref.out]} for ref in node.inputs])
+            outs = list(result.outputs) if isinstance(result, ops.Operation) else [result]
+            _set_shapes(node, outs)
+            values.append(outs)
+            op_of.append(result if isinstance(result, ops.Operation) else result.op)
+        return [values[ref.node][ref.out] for ref in region.outputs]
+
 
 _STACKED_REDUCE = {"sum": tf.reduce_sum, "prod": tf.reduce_prod, "max": tf.reduce_max,
                    "min": tf.reduce_min}
@@ -289,9 +520,10 @@ _STACKED_REDUCE = {"sum": tf.reduce_sum, "prod": tf.reduce_prod, "max": tf.reduc
 def _set_shapes(node, tensors):
     """Gives `tensors` the program's static local shapes, which TF's shape inference
     cannot always derive (collectives' outputs, reads of variable handles fed without
-    handle data). A resource tensor is a scalar handle: its program shape is the value's."""
+    handle data). A resource or TensorList tensor is a scalar handle: its program shape
+    is its value's (a TensorList's: its element's)."""
     for tensor, shape in zip(tensors, node.out_shapes):
-        if tensor.dtype == tf.resource:
+        if tensor.dtype in (tf.resource, tf.variant):  # scalar handles to TF
             continue
         try:
             tensor.set_shape(shape)
@@ -306,9 +538,9 @@ def _tf_op(node, devices):
     # Underscore attrs (_class, _XlaSharding, ...) describe the traced graph, not the op;
     # colocation constraints in particular would fight the per-device placement.
     attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
-    name = _safe_name(node.name)
+    name = safe_name(node.name)
     if node.op in _NCHW_ON_CPU and attrs.get("data_format") is not None and \
-            attrs["data_format"].s == b"NCHW":
+            attrs["data_format"].s in _CHANNELS_LAST:
         return _nhwc_on_cpu(node, attrs, name, devices)
 
     def emit(d, ins):
@@ -333,25 +565,30 @@ _NCHW_ON_CPU = {
     "AvgPool": ((0,), (), True),
     "MaxPoolGrad": ((0, 1, 2), (), True),
     "AvgPoolGrad": ((1,), (0,), True),
+    "MaxPool3DGrad": ((0, 1, 2), (), True),  # the other 3-D CPU kernels take NCDHW
 }
-_TO_NHWC, _TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
+_CHANNELS_LAST = {b"NCHW": b"NHWC", b"NCDHW": b"NDHWC"}
 
 
 def _nhwc_on_cpu(node, attrs, name, devices):
-    """Emitter of an NCHW windowed op: on CPU devices as the NHWC op between transposes
-    (per-dim attrs permuted); elsewhere as it is."""
+    """Emitter of an NCHW (NCDHW) windowed op: on CPU devices as the NHWC (NDHWC) op
+    between transposes (per-dim attrs permuted); elsewhere as it is."""
     data, vectors, nchw_out = _NCHW_ON_CPU[node.op]
-    nhwc = dict(attrs, data_format=attr_value_pb2.AttrValue(s=b"NHWC"))
+    channels_first = attrs["data_format"].s
+    rank = len(channels_first)
+    to_last = [0] + list(range(2, rank)) + [1]  # NCHW -> NHWC, NCDHW -> NDHWC
+    to_first = [0, rank - 1] + list(range(1, rank - 1))
+    nhwc = dict(attrs, data_format=attr_value_pb2.AttrValue(s=_CHANNELS_LAST[channels_first]))
     for key in ("strides", "dilations", "ksize"):
-        if key in attrs and len(attrs[key].list.i) == 4:
+        if key in attrs and len(attrs[key].list.i) == rank:
             values = list(attrs[key].list.i)
             nhwc[key] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
-                i=[values[k] for k in _TO_NHWC]))
-    if "explicit_paddings" in attrs and len(attrs["explicit_paddings"].list.i) == 8:
+                i=[values[k] for k in to_last]))
+    if "explicit_paddings" in attrs and len(attrs["explicit_paddings"].list.i) == 2 * rank:
         pairs = list(attrs["explicit_paddings"].list.i)
         nhwc["explicit_paddings"] = attr_value_pb2.AttrValue(
             list=attr_value_pb2.AttrValue.ListValue(
-                i=[v for k in _TO_NHWC for v in pairs[2 * k:2 * k + 2]]))
+                i=[v for k in to_last for v in pairs[2 * k:2 * k + 2]]))
 
     def emit(d, ins):
         graph = ops.get_default_graph()
@@ -362,97 +599,24 @@ def _nhwc_on_cpu(node, attrs, name, devices):
         args = []
         for k, x in enumerate(ins):
             if k in data:
-                args.append(tf.transpose(x[d], _TO_NHWC))
+                args.append(tf.transpose(x[d], to_last))
             elif k in vectors:
-                args.append(tf.gather(x[d], _TO_NHWC))
+                args.append(tf.gather(x[d], to_last))
             else:
                 args.append(x[d])
         op = graph._create_op_internal(node.op, args, dtypes=node.out_dtypes, attrs=nhwc,
                                        name=f"{name}_d{d}")
-        return tf.transpose(op.outputs[0], _TO_NCHW) if nchw_out else op.outputs[0]
+        return tf.transpose(op.outputs[0], to_first) if nchw_out else op.outputs[0]
     return emit
 
 
-def _permute(pairs):
-    """Emitter of gt.Permute: targets read their source's tensor, the others get zeros."""
-    source_of = {}
-    for source, target in pairs:
-        if int(target) in source_of:
-            raise ShardingError(
-                f"gt.Permute pairs {pairs} send twice to device {target}: each device may "
-                "receive from one source")
-        source_of[int(target)] = int(source)
 
-    def emit(d, ins):
-        if d in source_of:
-            # An identity on the target reading the source's tensor: TF inserts the
-            # Send/Recv pair between the two devices.
-            return tf.identity(ins[0][source_of[d]])
-        return tf.zeros_like(ins[0][d])
-    return emit
+# The stateful op of a stateless control-flow op whose bodies now hold collectives.
+_STATEFUL = {"StatelessWhile": "While", "StatelessIf": "If", "StatelessCase": "Case"}
 
 
-def _region_op(node, devices):
-    """Emitter of a control-flow op (a node with regions): the TF op re-created on device
-    d, each of its function attrs naming a TF function built from its region for d.
+def _append_type(attrs, key, dtype):
+    """attrs[key], a list(type) attr, with `dtype` appended."""
+    types = list(attrs[key].list.type) + [dtype.as_datatype_enum]
+    attrs[key] = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=types))
 
-    The regions run whole: they hold TF ops only, no gt.* ops (see docs/INTERNALS.md,
-    "Regions")."""
-    attrs = {k: v for k, v in node.attrs.items() if not k.startswith("_")}
-    name = _safe_name(node.name)
-
-    def emit(d, ins):
-        functions = iter([_region_function(region, devices[d], f"{name}_region{k}_d{d}")
-                          for k, region in enumerate(node.regions)])
-        op_attrs = dict(attrs)
-        for attr in REGION_OPS[node.op][0]:
-            if attrs[attr].HasField("list"):  # list(func): one region per function
-                count = len(attrs[attr].list.func)
-                op_attrs[attr] = attr_value_pb2.AttrValue(
-                    list=attr_value_pb2.AttrValue.ListValue(func=[
-                        attr_value_pb2.NameAttrList(name=next(functions))
-                        for _ in range(count)]))
-            else:
-                op_attrs[attr] = attr_value_pb2.AttrValue(
-                    func=attr_value_pb2.NameAttrList(name=next(functions)))
-        return ops.get_default_graph()._create_op_internal(
-            node.op, [x[d] for x in ins], dtypes=node.out_dtypes, attrs=op_attrs,
-            name=f"{name}_d{d}")
-    return emit
-
-
-def _region_function(region, device, name):
-    """Builds a TF function running the Graph `region` whole on `device`, adds it to the
-    current graph's library, and returns its (unique) name."""
-    signature = [tf.TensorSpec(() if node.out_dtypes[0] in (tf.resource, tf.variant)
-                               else node.out_shapes[0], node.out_dtypes[0])
-                 for node in (region.nodes[ref.node] for ref in region.inputs)]
-
-    def body(*args):
-        with tf.device(device):
-            return _lower_region(region, args, device)
-    # unique: every traced program registers its functions in one eager context
-    graph = func_graph_module.func_graph_from_py_func(
-        f"{name}_{ops.uid()}", body, None, None, signature=signature,
-        add_control_dependencies=True)
-    return control_flow_util_v2.create_new_tf_function(graph)
-
-
-def _lower_region(region, args, device):
-    """Emits the nodes of `region` on `device` into the current graph, its inputs bound
-    to the tensors `args`; returns the tensors of its outputs."""
-    bound = {ref.node: arg for ref, arg in zip(region.inputs, args)}
-    values, op_of = [], []  # per node: its output tensors; its tf.Operation
-    for index, node in enumerate(region.nodes):
-        if index in bound:
-            values.append([bound[index]])
-            op_of.append(bound[index].op)
-            continue
-        emit = _region_op(node, [device]) if node.regions else _tf_op(node, [device])
-        with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
-            result = emit(0, [[values[ref.node][ref.out]] for ref in node.inputs])
-        outs = result.outputs if isinstance(result, ops.Operation) else [result]
-        _set_shapes(node, outs)
-        values.append(outs)
-        op_of.append(result if isinstance(result, ops.Operation) else result.op)
-    return [values[ref.node][ref.out] for ref in region.outputs]

@@ -28,6 +28,7 @@ from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.fold import VALUE_SHAPED, fold
 from gspmd_tf.graph.ir import REGION_OPS, Graph, Node, Ref
 from gspmd_tf.graph.rotate import rotations_as_rolls
+from gspmd_tf.graph.tensor_lists import infer_element_shapes
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 # Handles: their shape is () whatever they point to, and TF may leave it unknown.
@@ -73,9 +74,10 @@ def import_graph(fn, inputs=None, outputs=None) -> Graph:
     for t, ref in zip(inputs, ins):
         if t.dtype == tf.resource:
             _record_variable(t, ir.nodes[ref.node])
-    # shape computations become constants (see fold.py), then rotations written as
-    # slices and a concat become Roll (rotate.py)
-    return rotations_as_rolls(fold(ir))
+    # shape computations become constants (see fold.py), rotations written as slices and
+    # a concat become Roll (rotate.py), TensorLists take the shape of their elements
+    # (tensor_lists.py)
+    return infer_element_shapes(rotations_as_rolls(fold(ir)))
 
 
 class _Importer:

@@ -159,3 +159,12 @@ class Graph:
         if node.op != "Const":
             return None
         return np.asarray(node.attr("value"))
+
+
+def walk(graph):
+    """Every node of `graph`, each control-flow node followed by the nodes of its regions
+    (recursively, region by region): one fixed order for a program and its bodies."""
+    for node in graph.nodes:
+        yield node
+        for region in node.regions:
+            yield from walk(region)

@@ -22,6 +22,7 @@ import numpy as np
 from gspmd_tf import _encode, _propagation
 from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
+from gspmd_tf.propagation.regions import TIE, RegionPropagation, flatten, tie_rule
 from gspmd_tf.registry import has_rule, rule_for
 
 log = logging.getLogger("gspmd_tf")
@@ -65,11 +66,17 @@ class Propagation:
     """Result: a Layout per tensor (layouts[node][out]), the rule of every node, and
     where each tensor's sharding came from (origin)."""
 
-    def __init__(self, layouts, rules, sweeps, origins):
+    def __init__(self, layouts, rules, sweeps, origins, region_start=None):
         self.layouts = layouts
         self.rules = rules
         self.sweeps = sweeps
         self._origins = origins
+        self._region_start = region_start or {}
+
+    def region(self, index, r):
+        """The propagation (a RegionPropagation) of region r of control-flow node
+        `index`: its nodes' layouts and rules, by the region's own node indices."""
+        return RegionPropagation(self, self._region_start[index][r])
 
     def layout(self, ref):
         """Layout of tensor `ref`."""
@@ -88,10 +95,36 @@ def propagate(graph, mesh, seeds, layered=True):
     `seeds` maps Refs to the Layouts users asked for; those are fixed. With `layered`
     False all ops take part from the start, in one layer (for comparison). Returns a
     Propagation with the layouts, the OpRule of every node (None: no rule) and origins.
+    The regions of control-flow ops are propagated with the graph (propagation/regions.py;
+    Propagation.region gives theirs), annotations inside them seeding like any other.
     """
-    encoded = encode(graph, mesh, seeds, layered)
+    flat = flatten(graph)
+    if flat is not graph:
+        seeds = dict(seeds)
+        for ref, proto in flat.annotations.items():
+            if ref.node >= len(graph.nodes):
+                seeds[ref] = _annotation_layout(flat, mesh, ref, proto)
+    encoded = encode(flat, mesh, seeds, layered)
     sweeps = run(encoded)
-    return decode(graph, mesh, encoded, sweeps)
+    return decode(flat, mesh, encoded, sweeps)
+
+
+def _annotation_layout(graph, mesh, ref, proto):
+    """The Layout of a gt.mesh_split / xla_sharding annotation on tensor `ref`."""
+    from gspmd_tf.sharding import Sharding
+    tensor = graph.tensor_name(ref)
+    return Sharding.from_proto(proto).to_layout(mesh, len(graph.shape(ref)),
+                                                f"tensor {tensor!r}")
+
+
+def _has_rule(op_type):
+    return op_type == TIE or has_rule(op_type)
+
+
+def _rule_for(graph, node):
+    if node.op == TIE:
+        return tie_rule([graph.shape(r) for r in node.inputs], node.out_shapes[0])
+    return rule_for(graph, node)
 
 
 class Encoded:
@@ -119,7 +152,7 @@ def encode(graph, mesh, seeds, layered=True):
         (rules, rank, tensor_base, slot_tensor, dim_factors, dim_counts, factor_size,
          factor_kind, op_slots, op_factors, tensor_op_start, tensor_ops, slot_layer,
          op_node) = _encode.encode_rules(
-            graph.nodes, has_rule, lambda i: rule_for(graph, graph.nodes[i]),
+            graph.nodes, _has_rule, lambda i: _rule_for(graph, graph.nodes[i]),
             MAX_FACTORS)
     finally:
         if gc_was_enabled:
@@ -181,7 +214,8 @@ def decode(graph, mesh, encoded, sweeps):
     lazily)."""
     layouts = _LazyLayouts(graph, mesh.axis_names, encoded.tensor_base, encoded.dim_start,
                            encoded.axes, encoded.naxes)
-    return Propagation(layouts, encoded.rules, sweeps, _Origins(graph, mesh, encoded))
+    return Propagation(layouts, encoded.rules, sweeps, _Origins(graph, mesh, encoded),
+                       getattr(graph, "region_start", None))
 
 
 @dataclass(frozen=True)

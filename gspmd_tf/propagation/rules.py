@@ -926,3 +926,44 @@ def equation_rule(ctx, equation):
     rule = einsum_rule(equation, ctx.in_shapes[:n], ctx.out_shapes[0])
     rule.operands += [None] * (len(ctx.in_shapes) - n)
     return rule
+
+
+@dataclass(frozen=True)
+class TensorListParams:
+    """What a TensorList op's emitter needs: the input holding the element_shape (None
+    when the op has none), and the global element shape with its dims' factors."""
+
+    shape_input: object
+    element_shape: tuple
+    element_dims: tuple
+
+
+def tensor_list(ctx, elements_in, stacked_in, elements_out, stacked_out, shape_input):
+    """TensorList ops. In the IR a list has the shape of its elements
+    (graph/tensor_lists.py): the lists and elements listed in `elements_in` /
+    `elements_out` share a PASS factor per element dim; the tensors in `stacked_in` /
+    `stacked_out` are [list length] + element shape, the length dim whole (a list is
+    never split along its index). Other inputs are not data, other outputs have no
+    factor. None when the shapes disagree (a list whose element shape is unknown)."""
+    shapes = ([ctx.in_shapes[i] for i in elements_in]
+              + [ctx.out_shapes[k] for k in elements_out])
+    stacked = [ctx.in_shapes[i] for i in stacked_in] + [ctx.out_shapes[k] for k in stacked_out]
+    element = tuple(shapes[0]) if shapes else tuple(stacked[0][1:])
+    if any(tuple(s) != element for s in shapes) or \
+            any(len(s) != len(element) + 1 or tuple(s[1:]) != element for s in stacked):
+        return None
+    rule = OpRule()
+    dims = _passing(rule, element)
+    rule.params = TensorListParams(shape_input, element, dims)
+
+    def tensor_dims(i, shape, as_elements, as_stacked):
+        if i in as_elements:
+            return dims
+        if i in as_stacked:
+            return (_whole(rule, shape[0]),) + dims
+        return None
+    rule.operands = [tensor_dims(i, s, elements_in, stacked_in)
+                     for i, s in enumerate(ctx.in_shapes)]
+    rule.results = [tensor_dims(k, s, elements_out, stacked_out) or tuple(() for _ in s)
+                    for k, s in enumerate(ctx.out_shapes)]
+    return rule

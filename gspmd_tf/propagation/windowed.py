@@ -1,4 +1,4 @@
-"""Rules of windowed ops: 2-D convolutions, pooling and their gradients.
+"""Rules of windowed ops: 2-D and 3-D convolutions, pooling and their gradients.
 
 Every op here is seen through its forward geometry: an input x [batch, spatial...,
 channels] (or channels first), windows over the spatial dims, an output y. Factors:
@@ -10,15 +10,19 @@ channels] (or channels first), windows over the spatial dims, an output y. Facto
                (gspmd_tf/spmd/handlers/conv.py). REDUCE in Conv2DBackpropFilter. When
                either side has size 1 the dims are REPLICATE instead.
   kernel dims  REPLICATE (the filter's spatial dims stay whole)
+  (the same factors for 2 or 3 spatial dims: NHWC/NCHW and NDHWC/NCDHW)
   in channels  REDUCE in Conv2D (shared with the filter's in dim: partial result)
   out channels PASS (the filter's out dim)
   depthwise    channels PASS, the output channel dim made of (channel, multiplier)
   pooling      channels PASS (ksize/strides 1 there, else no rule)
   pool grads   the spatial factor spans x, y, dy and dx
 
-Every rule carries a WindowedParams (OpRule.params): the geometry and layout its emitter
-needs. The op types these builders serve, with their parameters, are declared beside the
-emitters (gspmd_tf/spmd/handlers/conv.py).
+MirrorPad and MirrorPadGrad: a padded dim is one factor shared by x and y, PASS-like as a
+Pad's (its result blocks read mirrored ranges of the operand; MirrorPadParams).
+
+Every windowed op's rule carries a WindowedParams (OpRule.params): the geometry and layout
+its emitter needs. The op types these builders serve, with their parameters, are declared
+beside the emitters (gspmd_tf/spmd/handlers/conv.py, slicing.py for MirrorPad).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gspmd_tf.propagation.rules import PASS, REDUCE, REPLICATE, OpRule
+import numpy as np
+
+from gspmd_tf.propagation.rules import PASS, REDUCE, REPLICATE, OpRule, same_rank_slicing
 
 
 @dataclass(frozen=True)
@@ -94,25 +100,38 @@ def _padding(node, n, window, stride, dilation, dim, data_format):
     return None
 
 
+# data formats of windowed ops: the channel dim (batch is dim 0, the rest are spatial)
+_CHANNEL_DIM = {"NHWC": 3, "NCHW": 1, "NDHWC": 4, "NCDHW": 1}
+
+
 def geometry(node, x_shape, y_shape, window_sizes=None):
-    """Geometry of a Conv2D-family or pooling node (x, y shapes of the forward op).
+    """Geometry of a convolution or pooling node, 2-D or 3-D (x, y shapes of the
+    forward op).
 
     `window_sizes`: kernel sizes of the spatial dims (a filter's); pooling ops read
     ksize. None when the node's attrs are not understood (the op then has no rule).
     """
-    data_format = node.attr("data_format") or "NHWC"
+    rank = len(x_shape)
+    data_format = node.attr("data_format") or ("NHWC" if rank == 4 else "NDHWC")
     if isinstance(data_format, bytes):
         data_format = data_format.decode()
-    rank = len(x_shape)
-    if rank != 4 or len(y_shape) != 4 or data_format not in ("NHWC", "NCHW"):
+    if (data_format not in _CHANNEL_DIM or rank != len(data_format)
+            or len(y_shape) != rank):
         return None
-    channel = 1 if data_format == "NCHW" else 3
-    spatial_dims = (2, 3) if data_format == "NCHW" else (1, 2)
-    strides = node.attr("strides") or [1] * 4
-    dilations = node.attr("dilations") or [1] * 4
+    channel = _CHANNEL_DIM[data_format]
+    spatial_dims = tuple(d for d in range(1, rank) if d != channel)
+    strides = node.attr("strides") or [1] * rank
+    dilations = node.attr("dilations") or [1] * rank
+    if len(strides) != rank or len(dilations) != rank:
+        return None
+    if rank == 5 and dilations[spatial_dims[1]] != dilations[spatial_dims[2]]:
+        # TF's Conv3D shape function swaps the H and W dilations: the local op (VALID
+        # on a window) would get a static shape its kernel does not compute. The
+        # global op (SAME, or shapes where it does not matter) runs replicated.
+        return None
     if window_sizes is None:
         ksize = node.attr("ksize")
-        if ksize is None or any(ksize[d] != 1 for d in (0, channel)):
+        if ksize is None or len(ksize) != rank or any(ksize[d] != 1 for d in (0, channel)):
             return None
         window_sizes = [ksize[d] for d in spatial_dims]
     if any(strides[d] != 1 or dilations[d] != 1 for d in (0, channel)):
@@ -170,22 +189,22 @@ def _spatial_factors(b, geo, x_dims, y_dims, kind=PASS):
                       else b.factor(size, REPLICATE))
 
 
-def _filter_spatial(b, w_dims, w_shape):
-    for d in (0, 1):
-        b.put(w_dims, d, b.factor(w_shape[d], REPLICATE))
-
-
-def conv_family(ctx, x_at, w_at, y_at, reduced, depthwise):
-    """The convolutions and their gradients, one rule: image x [N,H,W,C], filter w
-    [KH,KW,C,O] (O is the multiplier M when `depthwise`) and image y [N,H',W',O] (C*M
-    when depthwise), each an input index or "out". Batch and the spatial factors (shared
-    by x and y: halo exchange) and the C and O factors are PASS unless named in `reduced`
-    ("batch" covers the spatial factors too, as a filter gradient sums over both)."""
+def conv_family(ctx, x_at, w_at, y_at, reduced, depthwise, explicit_padding):
+    """The convolutions and their gradients, one rule: image x [N,H,W,C] (or [N,D,H,W,C]),
+    filter w [KH,KW,C,O] ([KD,KH,KW,C,O]; O is the multiplier M when `depthwise`) and
+    image y [N,H',W',O] (C*M when depthwise), each an input index or "out". Batch and the
+    spatial factors (shared by x and y: halo exchange) and the C and O factors are PASS
+    unless named in `reduced` ("batch" covers the spatial factors too, as a filter
+    gradient sums over both). `explicit_padding`: the op takes per-dim explicit padding
+    (the 2-D ones; Conv3D takes SAME or VALID only)."""
     def shape(at):
         return ctx.out_shapes[0] if at == "out" else ctx.in_shapes[at]
     x, w, y = shape(x_at), shape(w_at), shape(y_at)
-    geo = geometry(ctx.node, x, y, w[:2])
-    if geo is None or w[2] != x[geo.channel_dim]:
+    spatial = len(w) - 2
+    if len(x) != spatial + 2:
+        return None
+    geo = geometry(ctx.node, x, y, w[:spatial])
+    if geo is None or w[spatial] != x[geo.channel_dim]:
         return None
     kind = lambda part: REDUCE if part in reduced else PASS
     b = _Builder(len(ctx.in_shapes))
@@ -194,20 +213,21 @@ def conv_family(ctx, x_at, w_at, y_at, reduced, depthwise):
     b.put(xd, 0, n)
     b.put(yd, 0, n)
     _spatial_factors(b, geo, xd, yd, kind=kind("batch"))
-    c = b.factor(w[2], kind("C"))
+    c = b.factor(w[spatial], kind("C"))
     b.put(xd, geo.channel_dim, c)
-    b.put(wd, 2, c)
-    o = b.factor(w[3], kind("O"))
-    b.put(wd, 3, o)
+    b.put(wd, spatial, c)
+    o = b.factor(w[spatial + 1], kind("O"))
+    b.put(wd, spatial + 1, o)
     b.put(yd, geo.channel_dim,
           tuple(f for f in (c, o) if f is not None) if depthwise else o)
-    _filter_spatial(b, wd, w)
+    for d in range(spatial):  # the filter's spatial dims stay whole
+        b.put(wd, d, b.factor(w[d], REPLICATE))
     tensors = {x_at: xd, w_at: wd, y_at: yd}
     rule = b.done({at: dims for at, dims in tensors.items() if at != "out"},
                   [tensors["out"]])
     shape_input = next((i for i in range(len(ctx.in_shapes)) if i not in tensors), None)
-    rule.params = WindowedParams(geo, None, True, (y_at,) if x_at == "out" else (x_at,),
-                                 None, shape_input)
+    rule.params = WindowedParams(geo, None, explicit_padding,
+                                 (y_at,) if x_at == "out" else (x_at,), None, shape_input)
     return rule
 
 
@@ -220,7 +240,7 @@ def _batch_and_channels(b, shape, geo, *tensors_dims):
 
 
 def pool(ctx, pooling, explicit_padding):
-    """MaxPool/AvgPool: batch and channels pass, spatial dims shared by x and y.
+    """MaxPool/AvgPool (2-D or 3-D): batch and channels pass, spatial dims shared by x and y.
     `pooling` ("max" or "avg") and `explicit_padding` (whether the op takes per-dim
     explicit padding) go to the emitter in WindowedParams."""
     x = ctx.in_shapes[0]
@@ -237,9 +257,10 @@ def pool(ctx, pooling, explicit_padding):
     return rule
 
 
-def max_pool_grad(ctx):
-    """MaxPoolGrad(x, y, dy) -> dx: batch and channels pass; each spatial dim one factor
-    shared by x, dx and the window dims of y, dy (halo exchange on all three)."""
+def max_pool_grad(ctx, explicit_padding):
+    """MaxPoolGrad / MaxPool3DGrad (x, y, dy) -> dx: batch and channels pass; each
+    spatial dim one factor shared by x, dx and the window dims of y, dy (halo exchange
+    on all three). `explicit_padding` as for pool."""
     x, y, dy = ctx.in_shapes
     geo = geometry(ctx.node, x, y)
     if geo is None or dy != y:
@@ -249,13 +270,13 @@ def max_pool_grad(ctx):
     _batch_and_channels(b, x, geo, xd, yd, dyd, dxd)
     _spatial_factors(b, geo, (xd, dxd), (yd, dyd))
     rule = b.done({0: xd, 1: yd, 2: dyd}, [dxd])
-    rule.params = WindowedParams(geo, "max", True, (1, 2), 0, None)
+    rule.params = WindowedParams(geo, "max", explicit_padding, (1, 2), 0, None)
     return rule
 
 
 def avg_pool_grad(ctx):
-    """AvgPoolGrad(x_shape, dy) -> dx: batch and channels pass; spatial dims of dy and dx
-    share a factor (halo exchange on dy)."""
+    """AvgPoolGrad / AvgPool3DGrad (x_shape, dy) -> dx: batch and channels pass;
+    spatial dims of dy and dx share a factor (halo exchange on dy)."""
     dy = ctx.in_shapes[1]
     dx = ctx.out_shapes[0]
     geo = geometry(ctx.node, dx, dy)
@@ -269,3 +290,57 @@ def avg_pool_grad(ctx):
     rule.params = WindowedParams(geo, "avg", False, (1,), None, 0)
     return rule
 
+
+
+@dataclass(frozen=True)
+class MirrorDim:
+    """A dim MirrorPad pads that may stay split: x's size n and the pad amounts."""
+
+    dim: int
+    n: int
+    pad_lo: int
+    pad_hi: int
+
+
+@dataclass(frozen=True)
+class MirrorPadParams:
+    """OpRule.params of MirrorPad / MirrorPadGrad: the padded dims that share a factor
+    between x and y, and the mode (SYMMETRIC repeats the edge element, REFLECT not)."""
+
+    dims: tuple
+    symmetric: bool
+
+
+def mirror_pad(ctx, grad):
+    """MirrorPad x -> y, or MirrorPadGrad dy -> dx (`grad`), by constant paddings: a
+    dim it does not pad passes; a padded dim is one factor shared by x and y, PASS-like
+    as a Pad's (each result block reads a contiguous range of the operand, mirrored at
+    the edges: the handler exchanges halos); whole where either size is 1. Without
+    constant paddings the padded dims stay whole (the op is then replayed as it is)."""
+    operand, result = ctx.in_shapes[0], ctx.out_shapes[0]
+    x, y = (result, operand) if grad else (operand, result)  # x unpadded, y padded
+    paddings = ctx.const(1)
+    mode = ctx.node.attr("mode")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if paddings is None or len(x) != len(y) or mode not in ("REFLECT", "SYMMETRIC"):
+        return same_rank_slicing(ctx)
+    paddings = np.asarray(paddings, np.int64).reshape(len(x), 2)
+    b = _Builder(len(ctx.in_shapes))
+    xd, yd = b.tensor(x), b.tensor(y)
+    dims = []
+    for d, (n, m) in enumerate(zip(x, y)):
+        if n == m:
+            f = b.factor(n)
+            b.put(xd, d, f)
+            b.put(yd, d, f)
+        elif n > 1 and m > 1:
+            f = b.factor(m)
+            b.put(xd, d, f)
+            b.put(yd, d, f)
+            dims.append(MirrorDim(d, int(n), int(paddings[d, 0]), int(paddings[d, 1])))
+        else:
+            b.put(xd, d, b.factor(n, REPLICATE))
+            b.put(yd, d, b.factor(m, REPLICATE))
+    rule = b.done({0: yd if grad else xd}, [xd if grad else yd])
+    rule.params = MirrorPadParams(tuple(dims), mode == "SYMMETRIC")
+    return rule

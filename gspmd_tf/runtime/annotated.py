@@ -20,7 +20,7 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 from tensorflow.python.framework import ops
 
-from gspmd_tf.backends.local import _region_op, _safe_name
+from gspmd_tf.backends.local import safe_name, traced_region_op
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.sharding import Sharding
 
@@ -86,13 +86,13 @@ class AnnotatedGraph:
                     if node.regions:
                         # bodies as TF functions, as the local backend builds them (no
                         # device): XLA propagates the shardings into them
-                        op = _region_op(node, [None])(0, [[t] for t in operands])
+                        op = traced_region_op(node, operands)
                     else:
                         attrs = {k: v for k, v in node.attrs.items()
                                  if not k.startswith("_")}
                         op = default_graph._create_op_internal(
                             node.op, operands, dtypes=node.out_dtypes, attrs=attrs,
-                            name=_safe_name(node.name))
+                            name=safe_name(node.name))
                 op_of.append(op)
                 outs = [t if s is None else _annotate(t, s)
                         for t, s in zip(op.outputs, self._shardings[index])]
@@ -154,7 +154,7 @@ def compiler_ir(lowered, stage="hlo", operand_shardings=True):
 
     def program(*args):
         return annotated.emit(*args, *[v.handle for v in handles])
-    program.__name__ = _safe_name(lowered.name or "program").replace("/", "_")
+    program.__name__ = safe_name(lowered.name or "program").replace("/", "_")
     fn = tf.function(program, jit_compile=True, autograph=False)
     return fn.experimental_get_compiler_ir(*specs)(stage=stage)
 

@@ -254,11 +254,12 @@ class Function:
         resharded onto this mesh, appended to `copies`)."""
         variable = variable_of_handle(value)
         if variable is not None and variable.mesh == self.mesh:
-            return [v.handle for v in variable.shard_variables]
+            return [None if v is None else v.handle for v in variable.shard_variables]
         if variable is not None:
             handles = [None] * self.mesh.size
+            local = set(self.mesh.addressable_ids)
             for devices, piece in variable.sharded().pieces_on(self.mesh, layout):
-                for device in devices:
+                for device in (d for d in devices if d in local):
                     with tf.device(self.mesh.devices[device]):
                         copies.append(tf.Variable(piece, trainable=False))
                     handles[device] = copies[-1].handle

@@ -95,10 +95,11 @@ class Lowered:
         return self.propagation.layout(self.graph.ref(name))
 
     def collectives(self):
-        """Every collective of the SPMD program, in program order."""
+        """Every collective of the SPMD program, in program order; a control-flow op's
+        are followed by those of its bodies (listed once, though a loop body's run on
+        every iteration)."""
         out = []
-        g = self.program.graph
-        for node in g.nodes:
+        for g, node in _with_graphs(self.program.graph):
             if node.op not in COLLECTIVES:
                 continue
             operand = node.inputs[0]
@@ -191,3 +192,12 @@ class Lowered:
             self._run = self._backend_factory(self.mesh).compile(self.program.graph,
                                                                  name=self.name)
         return self._run
+
+
+def _with_graphs(graph):
+    """(graph, node) for every node of `graph` and of its regions, in ir.walk order."""
+    for node in graph.nodes:
+        yield graph, node
+        for region in node.regions:
+            yield from _with_graphs(region)
+

@@ -49,10 +49,29 @@ def split_value(value, mesh, layout):
                            for device in range(mesh.size))]
 
 
+def shard_bytes(mesh, layout, shape, dtype):
+    """Bytes each device holds for a tensor: every shard has the padded local shape, on
+    this process's devices and on other workers'."""
+    size = int(np.prod(layout.local_shape(mesh, shape))) * tf.as_dtype(dtype).size
+    return [size] * mesh.size
+
+
+def readable_on_every_worker(mesh, layout, shape):
+    """True when every worker of the mesh holds a copy of every distinct shard, so each
+    can assemble the global value from its own devices (always so on one process)."""
+    if mesh.is_fully_addressable:
+        return True
+    from gspmd_tf import cluster
+    tasks = {cluster.task_of(name) for name in mesh.devices}
+    return all({cluster.task_of(mesh.devices[d]) for d in devices} == tasks
+               for _, devices in distinct_boxes(mesh, layout, shape))
+
+
 class ShardedTensor:
     """A tensor of global `shape` split over `mesh` by `layout`.
 
-    `shards[d]` is the tensor device d holds (padded to equal size along uneven dims);
+    `shards[d]` is the tensor device d holds (padded to equal size along uneven dims;
+    None for devices of other workers on a multi-worker mesh: see addressable_shards);
     `numpy()` assembles the global value; `sharding` is the gt.Sharding.
     """
 
@@ -67,11 +86,17 @@ class ShardedTensor:
     def from_value(cls, value, mesh, layout):
         """Split a global value (array or tensor) and place the pieces on the devices."""
         value = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-        shards = []
-        for device, piece in zip(mesh.devices, split_value(value, mesh, layout)):
-            with tf.device(device):
-                shards.append(tf.identity(tf.constant(piece)))
+        shards = [None] * mesh.size
+        pieces = split_value(value, mesh, layout)
+        for device in mesh.addressable_ids:  # each worker places only its own shards
+            with tf.device(mesh.devices[device]):
+                shards[device] = tf.identity(tf.constant(pieces[device]))
         return cls(mesh, layout, value.shape, tf.as_dtype(value.dtype), shards)
+
+    @property
+    def addressable_shards(self):
+        """{device id: shard} of this process's devices (all of them on one process)."""
+        return {d: self.shards[d] for d in self.mesh.addressable_ids}
 
     @property
     def sharding(self):
@@ -85,18 +110,31 @@ class ShardedTensor:
         return self.layout.to_spec()
 
     def numpy(self):
-        """The global value."""
-        return self.read_box(tuple((0, n) for n in self.shape))
+        """The global value, on every worker.
+
+        On a multi-worker mesh where some shard is not on every worker, this is a
+        collective (an all-gather program): every worker must call it, in the same order
+        as its other gt.function calls.
+        """
+        whole = tuple((0, n) for n in self.shape)
+        if readable_on_every_worker(self.mesh, self.layout, self.shape):
+            return self.read_box(whole)
+        return _replicated(self).read_box(whole)
 
     def read_box(self, box):
         """numpy value of the global elements in `box` ((start, stop) per dim), copied
-        from the shards that overlap it: at most one whole shard is read at a time."""
+        from the shards that overlap it: at most one whole shard is read at a time. Every
+        overlapping shard must be on a device of this process."""
         out = np.empty([b - a for a, b in box], self.dtype.as_numpy_dtype)
         for held, devices in distinct_boxes(self.mesh, self.layout, self.shape):
             overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, held)]
             if any(lo >= hi for lo, hi in overlap):
                 continue
-            local = _as_numpy(self.shards[devices[0]])
+            holder = next((d for d in devices if self.shards[d] is not None), None)
+            if holder is None:
+                raise ValueError(f"{self!r}: elements {held} are held only by other "
+                                 "workers' devices; read them with numpy() on every worker")
+            local = _as_numpy(self.shards[holder])
             out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, box))] = \
                 local[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, held))]
         return out
@@ -104,7 +142,11 @@ class ShardedTensor:
     def pieces_on(self, mesh, layout):
         """Yield (device ids, numpy piece) of this value resharded to `layout` on `mesh`
         (any mesh: only the shard boxes matter), one distinct piece at a time, padded to
-        the local shape."""
+        the local shape. When some shard is on other workers only, the value is first
+        replicated on its mesh (a collective call, see numpy())."""
+        if not readable_on_every_worker(self.mesh, self.layout, self.shape):
+            yield from _replicated(self).pieces_on(mesh, layout)
+            return
         local = layout.local_shape(mesh, self.shape)
         for box, devices in distinct_boxes(mesh, layout, self.shape):
             yield devices, pad_piece(self.read_box(box), box, local)
@@ -115,11 +157,25 @@ class ShardedTensor:
 
     def shard_bytes(self):
         """Bytes each device holds for this tensor."""
-        return [int(np.prod(s.shape)) * self.dtype.size for s in self.shards]
+        return shard_bytes(self.mesh, self.layout, self.shape, self.dtype)
 
     def __repr__(self):
         return (f"<ShardedTensor shape={self.shape} dtype={self.dtype.name} "
                 f"spec={self.layout.to_spec()!r} on {self.mesh!r}>")
+
+
+_REPLICATE = {}  # mesh -> the gt.function copying a tensor of that mesh to every device
+
+
+def _replicated(tensor):
+    """`tensor` replicated on every device of its mesh, by a gt.function whose outputs
+    are replicated (its all-gathers run over TF's collectives between the workers)."""
+    mesh = tensor.mesh
+    if mesh not in _REPLICATE:
+        from gspmd_tf.mesh import PartitionSpec
+        from gspmd_tf.runtime.function import function
+        _REPLICATE[mesh] = function(tf.identity, mesh=mesh, out_shardings=(PartitionSpec(),))
+    return _REPLICATE[mesh](tensor)
 
 
 def _as_numpy(shard):

@@ -9,10 +9,16 @@ copies resharded onto its mesh; see gt.function.)
 
 Checkpoints store each distinct shard as a slice of the global variable, so saving and
 restoring move one shard at a time, and any mesh, spec or plain tf.Variable restores them.
+
+On a mesh spanning several workers each worker creates, updates, saves and restores
+only the shards of its own devices (shard_variables[d] is None for the others):
+save_checkpoint writes one checkpoint from all of them, and tf.train.Checkpoint.read
+restores it on any number of workers.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy as np
@@ -21,15 +27,19 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import base as trackable
 from tensorflow.python.training.saving import saveable_object
 
+from gspmd_tf import cluster
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import PartitionSpec
 from gspmd_tf.runtime.sharded_tensor import (ShardedTensor, distinct_boxes, pad_piece,
-                                             padding, split_value)
+                                             padding, shard_bytes, split_value)
 
 # id(handle tensor) -> Variable, so a traced function's captured handles lead back to
 # their variables
 _BY_HANDLE = weakref.WeakValueDictionary()
+# True while save_checkpoint gathers this worker's entries: each distinct shard is then
+# saved by one worker only, the one holding its first device
+_saving_own_shards = False
 
 
 def variable_of_handle(handle):
@@ -88,27 +98,42 @@ class Variable(_WholeValueCheckpoint):
         # in place (a variable's shards cannot be resharded).
         self.layout = Layout(tuple(() if n <= 1 else axes
                                    for n, axes in zip(shape, layout.dims)))
+        local = set(mesh.addressable_ids)
         pieces = (self._global_pieces(np.asarray(value)) if value is not None
                   else self._initial_pieces(initial_value))
         self.shard_variables = [None] * mesh.size
         for devices, piece in pieces:
             for device in devices:
+                if device not in local:
+                    continue
                 with tf.device(mesh.devices[device]):
                     self.shard_variables[device] = tf.Variable(
                         piece, trainable=False, dtype=dtype, name=f"{self._shared_name}_shard")
         _BY_HANDLE[id(self.handle)] = self
 
+    def _local_boxes(self):
+        """[(box, device ids)] of the distinct shards some device of this process holds,
+        the ids narrowed to this process's devices."""
+        local = set(self.mesh.addressable_ids)
+        boxes = []
+        for box, devices in distinct_boxes(self.mesh, self.layout, self.shape):
+            mine = [d for d in devices if d in local]
+            if mine:
+                boxes.append((box, mine))
+        return boxes
+
     def _global_pieces(self, value):
         """Yield (device ids, piece) of a global numpy value, one distinct shard at a time."""
         local = self.layout.local_shape(self.mesh, self.shape)
-        for box, devices in distinct_boxes(self.mesh, self.layout, self.shape):
+        for box, devices in self._local_boxes():
             yield devices, pad_piece(value[tuple(slice(a, b) for a, b in box)], box, local)
 
     def _initial_pieces(self, init):
-        """Yield (device ids, piece): one call of `init` per distinct shard, checked and
-        padded on the first device that holds it; one piece is alive at a time."""
+        """Yield (device ids, piece): one call of `init` per distinct shard (of this
+        process's devices), checked and padded on the first device that holds it; one
+        piece is alive at a time."""
         local = self.layout.local_shape(self.mesh, self.shape)
-        for box, devices in distinct_boxes(self.mesh, self.layout, self.shape):
+        for box, devices in self._local_boxes():
             extent = tuple(b - a for a, b in box)
             with tf.device(self.mesh.devices[devices[0]]):
                 piece = self._checked_piece(init(extent, self.dtype), extent)
@@ -145,8 +170,9 @@ class Variable(_WholeValueCheckpoint):
 
     @property
     def shards(self):
-        """The per-device shard values (padded to equal size along uneven dims)."""
-        return [v.read_value() for v in self.shard_variables]
+        """The per-device shard values (padded to equal size along uneven dims; None on
+        other workers' devices)."""
+        return [None if v is None else v.read_value() for v in self.shard_variables]
 
     def sharded(self):
         """The current value as a ShardedTensor."""
@@ -158,7 +184,7 @@ class Variable(_WholeValueCheckpoint):
 
     def shard_bytes(self):
         """Bytes each device holds for this variable."""
-        return [int(np.prod(v.shape)) * self.dtype.size for v in self.shard_variables]
+        return shard_bytes(self.mesh, self.layout, self.shape, self.dtype)
 
     def assign_global(self, value):
         """Set the global value from the host (each device takes its shard)."""
@@ -184,7 +210,8 @@ class Variable(_WholeValueCheckpoint):
         shard by shard."""
         pieces = split_value(value, self.mesh, self.layout)
         for var, piece in zip(self.shard_variables, pieces):
-            getattr(var, update)(piece)
+            if var is not None:
+                getattr(var, update)(piece)
 
     # Eagerly (between steps: metrics, get/set weights, checkpoints) a read is the global
     # value assembled from the shards and an update is split over them; in traced code
@@ -231,12 +258,24 @@ class Variable(_WholeValueCheckpoint):
         """This variable's checkpoint entries: each distinct shard is one slice of the
         full variable, so save and restore move one shard at a time and any mesh, spec or
         plain tf.Variable can restore the checkpoint."""
-        boxes = [(box, devices) for box, devices in
+        # On a cluster each worker restores the shards of its own devices, and saves
+        # (through save_checkpoint) those whose first device is its own.
+        local = set(self.mesh.addressable_ids)
+
+        def ours(devices):
+            return devices[0] in local if _saving_own_shards else bool(local & set(devices))
+        boxes = [(box, [d for d in devices if d in local]) for box, devices in
                  distinct_boxes(self.mesh, self.layout, self.shape)
-                 if all(b > a for a, b in box)]
-        if not boxes:  # no elements: one empty entry, nothing to write back
-            boxes = [(tuple((0, n) for n in self.shape), [])]
-        return [_ShardSaveable(self, box, devices, name) for box, devices in boxes]
+                 if all(b > a for a, b in box) and ours(devices)]
+        if boxes:
+            return [_ShardSaveable(self, box, devices, name) for box, devices in boxes]
+        if 0 in self.shape:  # no elements: one empty entry, nothing to write back
+            return [_ShardSaveable(self, tuple((0, n) for n in self.shape), [], name,
+                                   saved_here=0 in local or not _saving_own_shards)]
+        # Other workers hold (save) every shard. TF wants an entry all the same: the
+        # first shard, which this worker neither writes nor restores.
+        box, _ = distinct_boxes(self.mesh, self.layout, self.shape)[0]
+        return [_ShardSaveable(self, box, [], name, saved_here=False)]
 
     def __repr__(self):
         return (f"<gt.Variable {self.name!r} shape={tuple(self.shape)} "
@@ -245,24 +284,37 @@ class Variable(_WholeValueCheckpoint):
 
 class _ShardSaveable(saveable_object.SaveableObject):
     """One distinct shard of a gt.Variable in a checkpoint: saved as the slice `box` of
-    the full variable, restored by reading just that slice into the devices holding it.
+    the full variable, restored by reading just that slice into the devices holding it
+    (`devices`: this process's).
 
     Reading the slice with its full-shape slice spec makes TF's RestoreV2 check the
     stored shape and dtype before any restored value is written.
     """
 
-    def __init__(self, variable, box, devices, name):
+    def __init__(self, variable, box, devices, name, saved_here=True):
+        self.saved_here = saved_here  # False: another worker saves this entry
         self._variable = variable
         self._box = box
         self._devices = devices
         self._extent = tuple(b - a for a, b in box)
-        source = variable.shard_variables[devices[0] if devices else 0]
+        source = variable.shard_variables[devices[0] if devices else
+                                          variable.mesh.addressable_ids[0]]
         spec = saveable_object.SaveSpec(self._read, _slice_spec(variable.shape, box), name,
                                         dtype=variable.dtype, device=source.device)
         super().__init__(source, [spec], name)
 
     def _read(self):
         variable = self._variable
+        if not self.saved_here:  # only worker 0's checkpoint.write gets here
+            raise ShardingError(
+                f"variable {variable.name!r} has no shard that worker 0 saves: "
+                "gt.save_checkpoint needs device 0 of every variable's mesh on worker 0 "
+                "(gt.Mesh.create puts it there)")
+        if not variable.mesh.is_fully_addressable and not _saving_own_shards:
+            raise ShardingError(
+                f"variable {variable.name!r} lives on several workers: save its checkpoint "
+                "with gt.save_checkpoint(checkpoint, prefix) on every worker, which writes "
+                "each shard once (tf.train.Checkpoint.read restores it)")
         if not self._devices:  # a variable with no elements
             return tf.zeros(self._extent, variable.dtype)
         source = variable.shard_variables[self._devices[0]]
@@ -299,3 +351,58 @@ def _slice_spec(shape, box):
     return tf.Variable.SaveSliceInfo(
         full_name="", full_shape=list(shape), var_offset=[a for a, _ in box],
         var_shape=[b - a for a, b in box]).spec
+
+
+def save_checkpoint(checkpoint, prefix):
+    """Write `checkpoint` (a tf.train.Checkpoint) to `prefix`; returns `prefix`.
+
+    On one process this is checkpoint.write(prefix). On a cluster every worker must call
+    it: each writes the shards its devices hold first (no worker ever holds a whole split
+    variable), the first worker also the object graph and the other (replicated) values,
+    into `prefix`_parts/; the first worker merges the parts into the one checkpoint
+    `prefix` (TF's MergeV2Checkpoints keeps every slice), and all return once it exists.
+    `prefix` must be on a filesystem every worker sees. `checkpoint.read(prefix)` (or
+    restore) then restores it on any number of workers, mesh or spec, or into plain
+    tf.Variables: each variable reads only the slices its devices hold.
+    """
+    global _saving_own_shards
+    joined = cluster.current()
+    if joined is None or joined.num_workers == 1:
+        return checkpoint.write(prefix)
+    from tensorflow.python.ops import gen_io_ops
+    parts = [f"{prefix}_parts/worker-{task}" for task in range(joined.num_workers)]
+    _saving_own_shards = True
+    try:
+        if joined.task_index == 0:
+            checkpoint.write(parts[0])
+        else:
+            _write_own_shards(checkpoint, parts[joined.task_index])
+    finally:
+        _saving_own_shards = False
+    cluster.barrier()
+    if joined.task_index == 0:
+        written = [part for part in parts if tf.io.gfile.exists(part + ".index")]
+        gen_io_ops.merge_v2_checkpoints(written, prefix, delete_old_dirs=True)
+    cluster.barrier()
+    return prefix
+
+
+def _write_own_shards(checkpoint, part):
+    """Save the gt.Variable shards this worker saves (their checkpoint keys and slice
+    specs as tf.train.Checkpoint names them) to the bundle `part`; nothing if none."""
+    from tensorflow.python.ops import gen_io_ops
+    # the saveables TF's checkpoint would write, with their keys (a private TF API: the
+    # public one writes the object graph too, which only one part may hold)
+    serialized = checkpoint._saver._gather_serialized_tensors(None)[0]  # pylint: disable=protected-access
+    names, slices, tensors = [], [], []
+    for trackable in serialized:
+        for saveable in getattr(trackable, "saveables", ()):
+            if not isinstance(saveable, _ShardSaveable) or not saveable.saved_here:
+                continue
+            for spec in saveable.specs:
+                names.append(spec.name)
+                slices.append(spec.slice_spec)
+                tensors.append(spec.tensor)
+    if names:
+        tf.io.gfile.makedirs(os.path.dirname(part))
+        gen_io_ops.save_v2(part, names, slices, tensors)

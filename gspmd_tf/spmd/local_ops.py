@@ -19,6 +19,34 @@ def shard_offset(b, axes, shard_size):
     return b.op("Mul", [index, b.const(shard_size, tf.int32)], (), tf.int32, T=tf.int32)
 
 
+# TF's CPU Slice and Pad kernels take at most 8 dims; a reshape's factor decomposition
+# can have more (tests/test_reshape.py), so ops along one dim of such a tensor run on a
+# view of three dims: the dims before `dim`, `dim`, the dims after.
+MAX_KERNEL_RANK = 8
+
+
+def along_dim(op):
+    """Decorator of `op(b, ref, dim, *args) -> Ref` that changes only dim `dim` of `ref`:
+    on a tensor of more than MAX_KERNEL_RANK dims it runs on the three-dim view."""
+    def wrapped(b, ref, dim, *args):
+        shape = b.shape_of(ref)
+        if len(shape) <= MAX_KERNEL_RANK:
+            return op(b, ref, dim, *args)
+        view = (int(np.prod(shape[:dim])), shape[dim], int(np.prod(shape[dim + 1:])))
+        out = op(b, reshape(b, ref, view), 1, *args)
+        return reshape(b, out, replace_dim(shape, dim, b.shape_of(out)[1]))
+    wrapped.__name__, wrapped.__doc__ = op.__name__, op.__doc__
+    return wrapped
+
+
+def reshape(b, ref, shape):
+    """`ref` reshaped to the static `shape`."""
+    dtype = b.graph.dtype(ref)
+    return b.op("Reshape", [ref, b.const(np.asarray(shape, np.int32))], tuple(shape), dtype,
+                T=dtype, Tshape=tf.int32)
+
+
+@along_dim
 def dynamic_slice_dim(b, ref, dim, start, size):
     """ref[..., start:start+size, ...] along `dim`; `start` an int32 scalar Ref."""
     shape = b.shape_of(ref)
@@ -31,6 +59,7 @@ def dynamic_slice_dim(b, ref, dim, start, size):
                 b.graph.dtype(ref), T=b.graph.dtype(ref), Index=tf.int32)
 
 
+@along_dim
 def static_slice_dim(b, ref, dim, start, size):
     """ref[..., start:start+size, ...] along `dim` with python ints."""
     shape = b.shape_of(ref)
@@ -41,6 +70,7 @@ def static_slice_dim(b, ref, dim, start, size):
                 Index=tf.int32)
 
 
+@along_dim
 def pad_dim(b, ref, dim, extra):
     """Zero-pad `extra` elements at the end of `dim`."""
     shape = b.shape_of(ref)

@@ -4,9 +4,9 @@ For every op, in graph order: pick the mesh axes of each factor of its rule (the
 target layout decides the factors it has, the operands' layouts the reduced ones), reshard
 the operands to match, emit the local op through the handler the op registry gives it
 (or replay it, where the registry declares that exact), and reshard each result to the
-layout propagation chose for it. Ops without a rule run replicated, and so do
-control-flow ops (While, If, Case: nodes with regions) until their bodies are
-partitioned: operands gathered, the op and its bodies whole on every device.
+layout propagation chose for it. Ops without a rule run replicated. Control-flow ops
+(While, If, Case: nodes with regions) have each region partitioned once into a
+sub-program of its own (spmd/control_flow.py).
 """
 
 from __future__ import annotations
@@ -26,13 +26,17 @@ from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.combine import combine_all_reduces
 from gspmd_tf.spmd.dce import eliminate_dead_code
 from gspmd_tf.spmd.handlers import replay
+from gspmd_tf.spmd.control_flow import partition_control_flow
 from gspmd_tf.spmd.program import Local, ProgramBuilder
-from gspmd_tf.spmd.regions import read_variables_whole
 from gspmd_tf.spmd.reshard import reshard
 
 log = logging.getLogger("gspmd_tf")
 _NAMES_SHOWN = 10  # op names a grouped replicated-op warning lists
 PROGRESS_EVERY = 10_000  # ops between two progress lines (log level INFO)
+# Handles whose shards cannot be resharded: a variable's (each device's points to its
+# shard) and a TensorList's (each device's holds its shards of the elements). They keep
+# the layout they have; the ops using them adapt their other operands.
+UNMOVABLE = (tf.resource, tf.variant)
 
 
 @dataclass
@@ -143,7 +147,7 @@ def _split_candidates(mesh, rule, dims_factors, layout):
 def _choose_factor_axes(mesh, rule, inputs, targets, node):
     """Mesh axes for every factor, each axis used once.
 
-    Variables come first (their shards cannot move). Then a few greedy orders are tried
+    Variables and TensorLists come first (their shards cannot move). Then a few greedy orders are tried
     and the one whose reshards cost least (planner.cost of every operand's and result's
     plan) wins, the first on a tie: the result targets before the operands; the operands'
     split reduced factors first (compute a partial result and reduce-scatter it, rather
@@ -151,9 +155,9 @@ def _choose_factor_axes(mesh, rule, inputs, targets, node):
     (when operands' splits conflict, keep the larger one's: it is the costlier to move).
     """
     operands = [(dims, x) for dims, x in zip(rule.operands, inputs) if dims is not None]
-    fixed = [(dims, x.layout) for dims, x in operands if x.dtype == tf.resource]
+    fixed = [(dims, x.layout) for dims, x in operands if x.dtype in UNMOVABLE]
     results = [(dims, t) for dims, t in zip(rule.results, targets) if dims is not None]
-    movable = [(dims, x) for dims, x in operands if x.dtype != tf.resource]
+    movable = [(dims, x) for dims, x in operands if x.dtype not in UNMOVABLE]
     others = [(dims, x.layout) for dims, x in movable]
     pinned = _assign(mesh, rule, fixed)
     # a variable's unsplit dims are as binding as its split ones
@@ -257,17 +261,19 @@ def _keep_sub_factors_exact(mesh, rule, chosen):
 class Partitioner:
     """Builds the SPMD program of an imported graph from its propagated layouts."""
 
-    def __init__(self, graph, mesh, propagation):
+    def __init__(self, graph, mesh, propagation, parent=None, prefix=""):
         self.graph = graph
         self.propagation = propagation
-        self.b = ProgramBuilder(mesh)
+        self.b = ProgramBuilder(mesh, prefix)
         self.values = {}
         self._resharded = {}
-        self._decisions = {}
-        self._rule_keys = {}
-        self._local_shapes = {}
-        self.replicated_ops = []
-        self.operand_layouts = {}
+        # a region's partitioner shares its parent's memos and list of replicated ops
+        self._decisions = parent._decisions if parent else {}
+        self._rule_keys = parent._rule_keys if parent else {}
+        self._local_shapes = parent._local_shapes if parent else {}
+        self.replicated_ops = parent.replicated_ops if parent else []
+        self._replicated_kinds = parent._replicated_kinds if parent else {}
+        self.operand_layouts = {}  # of this graph's ops (a region's are its own)
 
     def decide(self, rule, inputs, targets, node):
         """The Decision for an op with `rule`, operands `inputs` (Locals) and result
@@ -300,6 +306,12 @@ class Partitioner:
         one node, so one ref can hold tensors of other global shapes or layouts)."""
         if local.layout == layout:  # most requests: no lookup, no hashing of layouts
             return local
+        if local.dtype == tf.variant:
+            raise ShardingError(
+                f"a TensorList whose elements are split as {local.layout.to_spec()!r} would "
+                f"need them resharded to {layout.to_spec()!r}, which gspmd-tf cannot do "
+                "inside a list; split the tensors written into it the same way everywhere "
+                "(or keep them whole)")
         key = (local, layout)
         if key not in self._resharded:
             self._resharded[key] = reshard(self.b, local, layout)
@@ -307,6 +319,26 @@ class Partitioner:
 
     def run(self, output_layouts):
         """Partition every node; outputs resharded to `output_layouts`."""
+        outputs = self._partition(output_layouts)
+        self._warn_replicated()
+        graph = self.graph
+        return SpmdProgram(combine_all_reduces(eliminate_dead_code(self.b.graph)),
+                           [self.values[r].layout for r in graph.inputs],
+                           [o.layout for o in outputs], self.replicated_ops,
+                           self.operand_layouts)
+
+    def partition_region(self, input_layouts, output_layouts):
+        """The SPMD program (a Graph) of a region and its results' layouts: its
+        parameters come in `input_layouts` (gt.Input nodes, in order), its results leave
+        in `output_layouts` (a None entry: in the layout the result has)."""
+        outputs = self._partition(output_layouts, input_layouts)
+        return (combine_all_reduces(eliminate_dead_code(self.b.graph)),
+                [local.layout for local in outputs])
+
+    def _partition(self, output_layouts, input_layouts=None):
+        """Partition every node; returns the outputs (Locals) in `output_layouts`.
+        Inputs come in their propagated layouts, or in `input_layouts` (then resharded
+        to the propagated ones)."""
         graph, b = self.graph, self.b
         input_index = {ref.node: i for i, ref in enumerate(graph.inputs)}
         for index, node in enumerate(graph.nodes):
@@ -314,53 +346,47 @@ class Partitioner:
                 log.info("gspmd_tf: partitioned %d of %d ops", index, len(graph.nodes))
             targets = self.propagation.layouts[index]
             if index in input_index:
-                layout = targets[0]
-                ref = b.input(input_index[index], layout.local_shape(b.mesh, node.out_shapes[0]),
-                              node.out_dtypes[0])
-                self.values[graph.inputs[input_index[index]]] = Local(
-                    ref, layout, node.out_shapes[0], node.out_dtypes[0])
+                i = input_index[index]
+                shape, dtype = node.out_shapes[0], node.out_dtypes[0]
+                layout = targets[0] if input_layouts is None else input_layouts[i]
+                ref = b.input(i, layout.local_shape(b.mesh, shape), dtype)
+                local = Local(ref, layout, shape, dtype)
+                self.values[graph.inputs[i]] = (local if dtype in UNMOVABLE
+                                                else self.reshard(local, targets[0]))
                 continue
             rule = self.propagation.rules[index]
             ctx = OpContext(self, index, rule, targets)
-            if rule is None or node.regions:
+            if node.regions:
+                results = partition_control_flow(self, index, ctx.inputs, targets)
+            elif rule is None:
                 results = self._replicated(ctx)
             else:
                 entry = op_def(node.op)
                 results = self._by_rule(ctx, replay if entry.replay else entry.emit)
             for k, (local, target) in enumerate(zip(results, targets)):
                 # a variable handle (e.g. one a loop hands through) points to this
-                # device's shard whatever layout propagation gave it: never resharded
-                self.values[Ref(index, k)] = (local if local.dtype == tf.resource
+                # device's shard whatever layout propagation gave it, and a TensorList
+                # holds its shards: never resharded
+                self.values[Ref(index, k)] = (local if local.dtype in UNMOVABLE
                                               else self.reshard(local, target))
-        self._warn_replicated()
         outputs = []
         for ref, layout in zip(graph.outputs, output_layouts):
-            local = self.reshard(self.values[ref], layout)
+            local = self.values[ref]
+            local = local if layout is None else self.reshard(local, layout)
             outputs.append(local)
             b.graph.outputs.append(local.ref)
-        return SpmdProgram(combine_all_reduces(eliminate_dead_code(b.graph)),
-                           [self.values[r].layout for r in graph.inputs],
-                           [o.layout for o in outputs], self.replicated_ops,
-                           self.operand_layouts)
+        return outputs
 
     def _warn_replicated(self):
         """One warning per op type that ran replicated, with the count and the names (an
         RNN's hundreds of cells give one line, not hundreds)."""
         by_type = {}
         for name in self.replicated_ops:
-            node = self.graph.nodes[self.graph.node_index(name)]
-            by_type.setdefault((bool(node.regions), node.op), []).append(name)
-        for (control_flow, op), names in by_type.items():
+            by_type.setdefault(self._replicated_kinds[name], []).append(name)
+        for op, names in by_type.items():
             shown = ", ".join(names[:_NAMES_SHOWN]) + (
                 f", ... ({len(names) - _NAMES_SHOWN} more)" if len(names) > _NAMES_SHOWN else "")
-            if control_flow and len(names) == 1:
-                log.warning("gspmd_tf: control-flow op %s (%s) runs replicated: its operands "
-                            "are gathered and its bodies run whole on every device", shown, op)
-            elif control_flow:
-                log.warning("gspmd_tf: %d control-flow ops (%s) run replicated: their operands "
-                            "are gathered and their bodies run whole on every device: %s",
-                            len(names), op, shown)
-            elif len(names) == 1:
+            if len(names) == 1:
                 log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
                             "(inputs gathered)", shown, op)
             else:
@@ -385,35 +411,28 @@ class Partitioner:
                 in zip(refs, layouts, node.out_shapes, node.out_dtypes)]
 
     def _replicated(self, ctx):
-        """No rule: gather the inputs, run the op whole on every device (a control-flow
-        op with its regions, which then hold no collectives)."""
+        """No rule: gather the inputs, run the op whole on every device."""
         node = ctx.node
-        if node.regions or not op_def(node.op).silent_replicated:
+        if not op_def(node.op).silent_replicated:
             # warned once per op type when the program is done (_warn_replicated)
             self.replicated_ops.append(node.name)
-        operands, through = ctx.inputs, {}
-        if node.regions:  # bodies that only read sharded variables take their values
-            node, operands, through = read_variables_whole(self.b, node, operands)
-        for ref, x in zip(node.inputs, operands):
-            if x.dtype == tf.resource and not x.layout.is_replicated and node.regions:
-                raise ShardingError(
-                    f"control-flow op {node.name!r} ({node.op}) writes the sharded variable "
-                    f"{self.graph.tensor_name(ref)!r} in a body (or hands its handle to an op "
-                    "other than a read), and bodies run whole on every device (control flow "
-                    "is not partitioned yet), where one device's shard cannot stand for the "
-                    "variable; update it outside the control-flow op, or make that variable "
-                    "replicated (spec P())")
+            self._replicated_kinds[node.name] = node.op
+        for ref, x in zip(node.inputs, ctx.inputs):
             if x.dtype == tf.resource and not x.layout.is_replicated:
                 raise ShardingError(
                     f"op {node.name!r} ({node.op}) uses the sharded variable "
                     f"{self.graph.tensor_name(ref)!r} but has no partitioning rule; make that "
                     "variable replicated (spec P()) or add a rule for the op")
-        inputs = [self.reshard(x, Layout.replicated(len(x.shape))) for x in operands]
+            if x.dtype == tf.variant and not x.layout.is_replicated:
+                raise ShardingError(
+                    f"op {node.name!r} ({node.op}) reads the TensorList "
+                    f"{self.graph.tensor_name(ref)!r}, whose elements are split, but has no "
+                    "partitioning rule; keep the tensors written into that list whole, or "
+                    "add a rule for the op")
+        inputs = [self.reshard(x, Layout.replicated(len(x.shape))) for x in ctx.inputs]
         refs = self.b.replay(node, [x.ref for x in inputs], node.out_shapes, node.out_dtypes)
-        return [through.get(k) or Local(ref, Layout.replicated(len(shape)), shape, dtype)
-                for k, (ref, shape, dtype)
-                in enumerate(zip(refs, node.out_shapes, node.out_dtypes))]
-
+        return [Local(ref, Layout.replicated(len(shape)), shape, dtype)
+                for ref, shape, dtype in zip(refs, node.out_shapes, node.out_dtypes)]
 
 
 def partition(graph, mesh, propagation, output_layouts):

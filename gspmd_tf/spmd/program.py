@@ -58,10 +58,14 @@ def _all_empty(op, shapes, dtypes):
 
 
 class ProgramBuilder:
-    """Appends nodes to the SPMD program; every method returns Refs of local tensors."""
+    """Appends nodes to the SPMD program; every method returns Refs of local tensors.
 
-    def __init__(self, mesh):
+    `prefix` starts the names it makes up (a region's sub-program has its own, so that
+    node names are unique across a program and its regions: collective keys go by name)."""
+
+    def __init__(self, mesh, prefix=""):
         self.mesh = mesh
+        self.prefix = prefix
         self.graph = Graph()
         self._consts = {}
         # handlers' per-program caches, by handler (e.g. halo windows reused by a conv's
@@ -74,7 +78,7 @@ class ProgramBuilder:
             # fragile (grappler's Mul-by-ones rewrite divides by a zero dim: SIGFPE).
             return [self.const(np.zeros(shape, dtype.as_numpy_dtype), dtype)
                     for shape, dtype in zip(shapes, dtypes)]
-        name = name or f"{op.replace('gt.', 'gt_')}_{len(self.graph.nodes)}"
+        name = name or f"{self.prefix}{op.replace('gt.', 'gt_')}_{len(self.graph.nodes)}"
         if name in self.graph._by_name:
             name = f"{name}_{len(self.graph.nodes)}"
         index = self.graph.add(Node(name, op, inputs, attrs, shapes, dtypes, params=params,
@@ -86,14 +90,14 @@ class ProgramBuilder:
         return self._add(op_type, inputs, {k: attr_value(v) for k, v in attrs.items()},
                          [shape], [out_dtype], name=name)[0]
 
-    def replay(self, node, inputs, shapes, dtypes, attrs=None):
+    def replay(self, node, inputs, shapes, dtypes, attrs=None, regions=()):
         """The TF op of an imported node re-created on local inputs; all its outputs.
 
-        A control-flow op keeps its regions as imported: their bodies run whole."""
+        A control-flow op takes `regions`: its bodies' SPMD sub-programs."""
         merged = dict(node.attrs)
         merged.update({k: attr_value(v) for k, v in (attrs or {}).items()})
         return self._add(node.op, inputs, merged, shapes, dtypes, name=node.name,
-                         regions=node.regions)
+                         regions=regions)
 
     def const(self, value, dtype=None):
         """A constant (deduplicated by value)."""

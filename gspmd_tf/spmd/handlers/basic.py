@@ -9,7 +9,7 @@ from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import REDUCE
 from gspmd_tf.registry import declare, op_def, op_family
-from gspmd_tf.spmd.local_ops import identity_of, mask_padding
+from gspmd_tf.spmd.local_ops import cast, identity_of, mask_padding
 from gspmd_tf.spmd.program import Local
 
 
@@ -80,12 +80,16 @@ def squeeze(ctx, operands, layouts):
                   attrs={"squeeze_dims": sorted(int(d) % len(shape) for d in dims)})
 
 
-# stateless random ops of a shape and a seed (key, counter, algorithm; bounds): the same
-# inputs give the same numbers, so every device draws the whole tensor and keeps its slice
+# stateless random ops of a shape and a seed (key, counter, algorithm; bounds or
+# distribution parameters; StatelessMultinomial: logits, StatelessShuffle: the value):
+# the same inputs give the same numbers, so every device draws the whole tensor from its
+# replicated inputs and keeps its slice
 STATELESS_RANDOM = """StatelessRandomUniform StatelessRandomNormal StatelessTruncatedNormal
 StatelessRandomUniformInt StatelessRandomUniformFullInt StatelessRandomUniformV2
 StatelessRandomNormalV2 StatelessTruncatedNormalV2 StatelessRandomUniformIntV2
-StatelessRandomUniformFullIntV2""".split()
+StatelessRandomUniformFullIntV2 StatelessRandomBinomial StatelessRandomGammaV2
+StatelessRandomGammaV3 StatelessRandomPoisson StatelessParameterizedTruncatedNormal
+StatelessMultinomial StatelessShuffle""".split()
 
 
 @op_family("Const", rules.source)
@@ -105,8 +109,11 @@ def whole_then_sliced(ctx, operands, layouts):
 
 @op_family({"Mean": "sum"}, rules.reduction)
 def mean(ctx, operands, layouts):
-    """Mean over a split dim: local sums scaled by 1/global count (partial sums). An
-    integer mean divides (truncating, as TF does) only after the sums are combined."""
+    """Mean over a split dim: the local sums are combined, then divided by the global
+    count once, as TF's kernel divides its sum. Scaling each partial sum first rounds
+    every shard's share: a float16 mean of round(x) whose sum is 0 came out 6e-05
+    (fuzzer, seed 21 #1464). The mean of nothing is NaN for floats (0 / 0); TF's integer
+    mean of nothing is 0 (the sum, 0, divided by 1)."""
     if not ctx.split_reduce_axes():
         return replay(ctx, operands, layouts)
     b = ctx.b
@@ -117,15 +124,69 @@ def mean(ctx, operands, layouts):
     shape = local_shapes(ctx, layouts)[0]
     total = b.op("Sum", refs[:2], shape, dtype, T=dtype, Tidx=ctx.node.attrs["Tidx"],
                  keep_dims=bool(ctx.node.attr("keep_dims")))
-    if dtype.is_floating:  # the mean of nothing is NaN
-        scale = b.const(np.asarray(1.0 / count if count else np.nan), dtype)
-        return [b.op("Mul", [total, scale], shape, dtype, name=ctx.node.name, T=dtype)]
     whole = Layout(layouts[0].dims)
     total = ctx.reshard(Local(total, layouts[0], ctx.node.out_shapes[0], dtype), whole)
-    # TF's integer mean of nothing is 0: the sum (0) divided by 1
-    ref = b.op("Div", [total.ref, b.const(np.asarray(max(count, 1)), dtype)], shape, dtype,
-               name=ctx.node.name, T=dtype)
+    if dtype in (tf.float16, tf.bfloat16):
+        # the count may not be a half-precision number (1001 in bfloat16): divide in
+        # float32 and round once, as TF's bfloat16 reductions do
+        quotient = b.op("Div", [cast(b, total.ref, dtype, tf.float32),
+                                b.const(np.asarray(count), tf.float32)], shape, tf.float32,
+                        T=tf.float32)
+        ref = b.op("Cast", [quotient], shape, dtype, name=ctx.node.name, SrcT=tf.float32,
+                   DstT=dtype, Truncate=False)
+    else:
+        divisor = b.const(np.asarray(count if dtype.is_floating else max(count, 1)), dtype)
+        ref = b.op("Div", [total.ref, divisor], shape, dtype, name=ctx.node.name, T=dtype)
     return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
+
+
+HALF_TYPES = (tf.float16, tf.bfloat16)
+
+
+def reduced_in(ctx, operands, layouts, wide):
+    """The op's reduction over split dims computed in the wider float type `wide`: each
+    device reduces its shard in `wide`, the partial results are combined in `wide`, and
+    the result is rounded to the op's type once (see reduce_sum, reduce_prod)."""
+    b = ctx.b
+    dtype = ctx.node.out_dtypes[0]
+    refs = [cast(b, ref, x.dtype, wide) if x.dtype == dtype else ref
+            for ref, x in zip(masked_refs(ctx, operands), operands)]
+    shape = local_shapes(ctx, layouts)[0]
+    attrs = dict(ctx.node.attrs)
+    attrs["T"] = wide
+    partial = b.op(ctx.node.op, refs, shape, wide, **attrs)
+    out_shape = ctx.node.out_shapes[0]
+    whole = Layout(layouts[0].dims)
+    total = ctx.reshard(Local(partial, layouts[0], out_shape, wide), whole)
+    ref = b.op("Cast", [total.ref], shape, dtype, name=ctx.node.name, SrcT=wide, DstT=dtype,
+               Truncate=False)
+    return [Local(ref, whole, out_shape, dtype)]
+
+
+@op_family({"Sum": "sum"}, rules.reduction)
+def reduce_sum(ctx, operands, layouts):
+    """Sum: replayed (a split reduced dim leaves a partial sum the partitioner combines),
+    except a float16/bfloat16 sum over split dims, summed in float32 and rounded once:
+    in the half type every shard's sum and every combining add rounds again, and TF
+    itself sums float16 sequentially in float16, so a partition of that order is no
+    closer to the exact sum (fuzzer, seed 21 #5883: a float16 einsum 'abc->' over a
+    split dim further from the float64 program than TF's)."""
+    if ctx.node.out_dtypes[0] in HALF_TYPES and ctx.split_reduce_axes():
+        return reduced_in(ctx, operands, layouts, tf.float32)
+    return replay(ctx, operands, layouts)
+
+
+@op_family({"Prod": "prod"}, rules.reduction)
+def reduce_prod(ctx, operands, layouts):
+    """Prod: replayed, except a float32/half product over split dims, multiplied in
+    float64 and rounded once. In the narrow type a shard's product of finite values can
+    underflow to 0 (or overflow to Inf) where TF's order of the same factors does not,
+    and 0 * Inf is NaN: 180 normals with one +Inf and one -Inf gave NaN, TF and the
+    float64 program -Inf (fuzzer, seed 21 #7937)."""
+    dtype = ctx.node.out_dtypes[0]
+    if dtype in HALF_TYPES + (tf.float32,) and ctx.split_reduce_axes():
+        return reduced_in(ctx, operands, layouts, tf.float64)
+    return replay(ctx, operands, layouts)
 
 
 def bias_add(ctx, operands, layouts):
@@ -166,6 +227,45 @@ def matmul(ctx, operands, layouts):
     if contracted:
         return replay(ctx, operands, layouts)
     return no_products(ctx, layouts)
+
+
+@op_family(["BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"], rules.batch_matmul)
+def batch_matmul(ctx, operands, layouts):
+    """Batch matmul: replayed, except that batch dims the kernel would broadcast are made
+    explicit. TF's oneDNN BatchMatMul corrupts the heap (wrong values, then SIGSEGV or
+    SIGABRT; single-device eager TF too, fine with TF_ENABLE_ONEDNN_OPTS=0) for some
+    in-kernel broadcasts: (3, 1, 6, 3) @ (3, 1) (fuzzer, seed 21 #7078). So an operand
+    whose batch dims are all 1 loses them (rank 2), the other's batch dims (broadcast to
+    the common batch shape if both have some) become one dim, and the result is
+    reshaped back: the same dot products without any broadcast in the kernel."""
+    refs = masked_refs(ctx, operands)
+    local = [x.layout.local_shape(ctx.mesh, x.shape) for x in operands]
+    rank = max(len(shape) for shape in local)
+    batches = [(1,) * (rank - len(shape)) + tuple(shape[:-2]) for shape in local]
+    if batches[0] == batches[1]:
+        return replay(ctx, operands, layouts, refs=refs)
+    b = ctx.b
+    batch = tuple(np.broadcast_shapes(*batches))
+    rows = int(np.prod(batch))
+    for k, (x, shape) in enumerate(zip(operands, local)):
+        matrix = tuple(shape[-2:])
+        if all(n == 1 for n in batches[k]):
+            flat = matrix
+        else:
+            if batches[k] != batch:
+                whole = batch + matrix
+                refs[k] = b.op("BroadcastTo", [refs[k], b.const(np.asarray(whole, np.int32))],
+                               whole, x.dtype, T=x.dtype, Tidx=tf.int32)
+            flat = (rows,) + matrix
+        refs[k] = b.op("Reshape", [refs[k], b.const(np.asarray(flat, np.int32))], flat,
+                       x.dtype, T=x.dtype, Tshape=tf.int32)
+    shape = local_shapes(ctx, layouts)[0]
+    dtype = ctx.node.out_dtypes[0]
+    # batches differ, so one operand has batch dims > 1 and is now rank 3
+    product = b.op(ctx.node.op, refs, (rows,) + tuple(shape[-2:]), dtype,
+                   **dict(ctx.node.attrs))
+    return [b.op("Reshape", [product, b.const(np.asarray(shape, np.int32))], shape, dtype,
+                 name=ctx.node.name, T=dtype, Tshape=tf.int32)]
 
 
 declare("Fill", rules.source, emit=with_local_shape_input(0))

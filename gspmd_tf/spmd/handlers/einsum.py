@@ -19,14 +19,18 @@ from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import REDUCE
 from gspmd_tf.registry import declare
-from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
+from gspmd_tf.spmd.handlers.basic import (HALF_TYPES, local_shapes, masked_refs,
+                                          reduced_in, replay)
 from gspmd_tf.spmd.program import Local
 
 
 def einsum(ctx, operands, layouts):
-    """Einsum of two operands (see the module docstring); others are replayed."""
+    """Einsum of two operands (see the module docstring); others are replayed, a
+    half-precision one over split dims summed in float32 (as basic.reduce_sum)."""
     rule = ctx.rule
     if len(operands) != 2:
+        if ctx.node.out_dtypes[0] in HALF_TYPES and ctx.split_reduce_axes():
+            return reduced_in(ctx, operands, layouts, tf.float32)
         return replay(ctx, operands, layouts)
     refs = masked_refs(ctx, operands)
     summed_axes = []

@@ -11,7 +11,7 @@ from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 
 
-def _index_dtype(ctx, attr):
+def index_dtype(ctx, attr):
     """numpy dtype of an int32/int64 index input whose type is attr `attr`."""
     dtype = ctx.node.attr(attr)
     return np.int64 if dtype == tf.int64 else np.int32
@@ -25,7 +25,7 @@ def tile(ctx, operands, layouts):
     out = local_shapes(ctx, layouts)[0]
     local_in = ctx.b.shape_of(refs[0])
     multiples = [o // i if i else 1 for o, i in zip(out, local_in)]
-    refs[1] = ctx.b.const(np.asarray(multiples, _index_dtype(ctx, "Tmultiples")))
+    refs[1] = ctx.b.const(np.asarray(multiples, index_dtype(ctx, "Tmultiples")))
     return replay(ctx, operands, layouts, refs=refs)
 
 
@@ -34,5 +34,5 @@ def broadcast_to(ctx, operands, layouts):
     """BroadcastTo the local result shape."""
     refs = masked_refs(ctx, operands)
     shape = local_shapes(ctx, layouts)[0]
-    refs[1] = ctx.b.const(np.asarray(shape, _index_dtype(ctx, "Tidx")))
+    refs[1] = ctx.b.const(np.asarray(shape, index_dtype(ctx, "Tidx")))
     return replay(ctx, operands, layouts, refs=refs)

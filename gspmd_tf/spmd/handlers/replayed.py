@@ -41,9 +41,8 @@ declare("Bitcast", rules.bitcast, replay=True)  # the changed minor dim stays wh
 
 # contractions and reductions: a split contracted or reduced dim gives a partial result
 # the partitioner combines (its padding masked to the reduction's identity first)
-declare(["BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"], rules.batch_matmul, replay=True)
 declare("BiasAddGrad", rules.bias_add_grad, replay=True)
-declare({"Sum": "sum", "Max": "max", "Min": "min", "Prod": "prod", "All": "min",
+declare({"Max": "max", "Min": "min", "All": "min",
          "Any": "max"}, rules.reduction, replay=True)
 
 # data movement whose moved dims stay whole: the local op moves the local block
@@ -90,6 +89,8 @@ PlaceholderWithDefault
 """.split(), fold=FOLD_VALUES)
 # naturally whole (scalars, shapes): no warning when they run replicated
 declare(["Shape", "Size", "Rank", "NoOp", "Range"], silent_replicated=True)
-# a random op's key and counter from its seed (a few scalars)
+# a random op's key and counter from its seed (a few scalars); a random crop box (begin
+# and size vectors, one box)
 declare(["StatelessRandomGetKeyCounter", "StatelessRandomGetAlg",
-         "StatelessRandomGetKeyCounterAlg"], silent_replicated=True)
+         "StatelessRandomGetKeyCounterAlg", "StatelessSampleDistortedBoundingBox"],
+        silent_replicated=True)

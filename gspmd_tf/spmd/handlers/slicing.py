@@ -1,8 +1,9 @@
-"""Slice, StridedSlice, Pad and PadV2 with a split dim whose size they change.
+"""Slice, StridedSlice, Pad, PadV2 and MirrorPad(Grad) with a split dim whose size they
+change.
 
 Such a dim is a window of one element (stride s, low padding -first element read for a
 slice, the pad amount for a pad: rules._sliced_factors), so the method is that of the
-convolutions' spatial dims (conv.py; XLA pads and slices a split dim the same way): the
+convolutions' spatial dims (windows.py; XLA pads and slices a split dim the same way): the
 result keeps the dim split over the same axes in blocks of W = ceil(out / k), and shard
 i's block reads the operand elements [i*W*s - pad_lo, ...) with stride s; the parts of
 them held by neighbours come in by collective-permute (reshard.exchange_halo), the
@@ -11,19 +12,28 @@ value. The local op then runs with bounds that leave the windowed dims alone (be
 their local extent; no padding on them) and does the rest: dims it does not change,
 dims that are not split. When the halos would span more blocks than gathering the dim
 costs, the dim is gathered whole and each device slices its block from it.
+
+MirrorPad is no window (its padding repeats elements near the edges), but each result
+block still reads one contiguous range of x, mirrored where the block meets a global
+edge: that range comes in the same way (gspmd_tf._halo.range_plan), and a gather with a
+per-shard index table picks the block's elements; MirrorPadGrad sums the dy elements
+mirroring onto each position of its block (a segment sum).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import tensorflow as tf
 
-from gspmd_tf.propagation import rules
+from gspmd_tf import _halo
+from gspmd_tf.layout import Layout
+from gspmd_tf.propagation import rules, windowed
 from gspmd_tf.propagation.windowed import Geometry
 from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
-from gspmd_tf.spmd.handlers.grads import _index_dtype
-from gspmd_tf.spmd.handlers.conv import (_affine_start, _extend_and_slice, _mask_outside,
-                                         _needs_mask, _prepare_input)
+from gspmd_tf.spmd.handlers.grads import index_dtype
+from gspmd_tf.spmd.handlers.windows import (extend_and_slice, halos_worth_it, mask_edges,
+                                            per_shard, prepare_input)
 
 
 def _windowed_input(ctx, operands, layouts, fill, index=0):
@@ -36,18 +46,13 @@ def _windowed_input(ctx, operands, layouts, fill, index=0):
     if not split:
         return None, ()
     geo = Geometry("", 0, 0, split)  # only its spatial dims are read
-    x, plans = _prepare_input(ctx, operands, index, geo, lambda s: y_layout.dims[s.y_dim])
+    x, plans = prepare_input(ctx, operands, index, geo, lambda s: y_layout.dims[s.y_dim])
     b = ctx.b
     resharded = list(operands)
     resharded[index] = x
-    window = _extend_and_slice(b, masked_refs(ctx, resharded)[index], plans,
-                               lambda dp: dp.s.x_dim)
-    for dp in plans:
-        if _needs_mask(dp, fill == 0):
-            start = _affine_start(b, dp.axes, dp.plan["out_shard"] * dp.s.stride,
-                                  -dp.s.pad_lo)
-            window = _mask_outside(b, window, dp.s.x_dim, start, dp.s.n, fill)
-    return window, tuple(s.x_dim for s in split)
+    window = extend_and_slice(b, masked_refs(ctx, resharded)[index], plans,
+                              lambda dp: dp.s.x_dim)
+    return mask_edges(b, window, plans, fill), tuple(s.x_dim for s in split)
 
 
 @op_family({"Slice": "slice"}, rules.pad_or_slice)
@@ -108,7 +113,7 @@ def strided_slice_grad(ctx, operands, layouts):
         refs[4] = window
     node = ctx.node
     shape = local_shapes(ctx, layouts)[0]
-    dtype = _index_dtype(ctx, "Index")
+    dtype = index_dtype(ctx, "Index")
     begin = np.array(ctx.graph.const_value(node.inputs[1]))
     end = np.array(ctx.graph.const_value(node.inputs[2]))
     spec = ctx.rule.params.spec
@@ -118,4 +123,130 @@ def strided_slice_grad(ctx, operands, layouts):
     refs[0] = ctx.b.const(np.asarray(shape, dtype))
     refs[1] = ctx.b.const(begin.astype(dtype))
     refs[2] = ctx.b.const(end.astype(dtype))
+    return replay(ctx, operands, layouts, refs=refs)
+
+
+# ------------------------------------------------------------------------ MirrorPad
+
+def _mirrored(j, n, symmetric):
+    """x index that position j of x's padded line reads (j < 0 and j >= n are padding,
+    mirrored at the edges; SYMMETRIC repeats the edge element, REFLECT does not)."""
+    edge = 1 if symmetric else 0
+    j = np.where(j < 0, -j - edge, j)
+    return np.where(j >= n, 2 * n - 2 + edge - j, j)
+
+
+def _pad_reads(m, k, symmetric):
+    """MirrorPad along MirrorDim m split k ways: each shard's block of y reads a
+    contiguous range of x. (starts, span, table, useful): shard i reads x[starts[i]:
+    starts[i] + span], its block gathers elements table[i] of that range."""
+    size = m.n + m.pad_lo + m.pad_hi
+    per = -(-size // k)
+    j = np.arange(k * per).reshape(k, per)
+    src = _mirrored(j - m.pad_lo, m.n, symmetric)
+    real = j < size
+    starts = np.where(real, src, m.n).min(axis=1)
+    starts = np.where(starts == m.n, 0, starts)  # shards of padding only
+    span = int(np.where(real, src - starts[:, None] + 1, 1).max())
+    return starts, span, np.where(real, src - starts[:, None], 0), -(-size // per)
+
+
+def _grad_reads(m, k, symmetric):
+    """MirrorPadGrad along MirrorDim m, dx split k ways: shard i sums the elements of dy
+    mirroring onto its block, within dy[starts[i]: starts[i] + span] (segment ids
+    table[i]: the position in the block, -1 for the others)."""
+    size = m.n + m.pad_lo + m.pad_hi
+    per = -(-m.n // k)
+    src = _mirrored(np.arange(size) - m.pad_lo, m.n, symmetric)
+    owner = src // per
+    useful = -(-m.n // per)
+    starts = np.array([np.flatnonzero(owner == i).min() if i < useful else 0
+                       for i in range(k)])
+    span = max(int(np.flatnonzero(owner == i).max()) - starts[i] + 1
+               for i in range(useful))
+    j = starts[:, None] + np.arange(span)
+    inside = np.minimum(j, size - 1)
+    mine = (j < size) & (owner[inside] == np.arange(k)[:, None])
+    return starts, span, np.where(mine, src[inside] - owner[inside] * per, -1), useful
+
+
+class _MirrorPlan:
+    """How one split padded dim of a MirrorPad(Grad) reads its operand: halo exchange
+    of the range each shard reads (gspmd_tf._halo.range_plan), or the dim gathered whole
+    when the operand does not split it or the halos would cost more than gathering."""
+
+    def __init__(self, mesh, m, axes, grad, symmetric, operand_split):
+        self.dim, self.axes = m.dim, tuple(axes)
+        self.k = mesh.axes_size(self.axes)
+        self.grad = grad
+        reads = _grad_reads if grad else _pad_reads
+        starts, span, self.table, useful = reads(m, self.k, symmetric)
+        self.useful = useful
+        self.per = -(-m.n // self.k)
+        n = m.n + m.pad_lo + m.pad_hi if grad else m.n  # the operand's size
+        self.whole = not operand_split
+        self.plan = _halo.range_plan(starts, span, n, self.k, self.whole, useful)
+        if not self.whole and not halos_worth_it(self.plan, self.k):
+            self.whole = True
+            self.plan = _halo.range_plan(starts, span, n, self.k, True, useful)
+
+    @property
+    def split(self):
+        """True when the range comes from neighbours (the dim stays split)."""
+        return not self.whole
+
+    def local(self, b, window):
+        """This shard's block along the dim, from the range it reads."""
+        rows = per_shard(b, self.axes, self.table, self.useful)
+        dtype = b.graph.dtype(window)
+        shape = list(b.shape_of(window))
+        if not self.grad:  # a gather of the mirrored elements
+            shape[self.dim] = self.table.shape[1]
+            return b.op("GatherV2", [window, rows, b.const(np.int32(self.dim))],
+                        tuple(shape), dtype, Tparams=dtype, Tindices=tf.int32,
+                        Taxis=tf.int32, batch_dims=0)
+        # a sum of the elements mirroring onto each position: a segment sum (not a
+        # product with a 0/1 matrix: 0 * Inf would be NaN) over the dim moved first
+        order = [self.dim] + [d for d in range(len(shape)) if d != self.dim]
+        moved = b.op("Transpose", [window, b.const(np.asarray(order, np.int32))],
+                     tuple(shape[d] for d in order), dtype, T=dtype, Tperm=tf.int32)
+        summed_shape = (self.per,) + tuple(shape[d] for d in order[1:])
+        summed = b.op("UnsortedSegmentSum", [moved, rows, b.const(np.int32(self.per))],
+                      summed_shape, dtype, T=dtype, Tindices=tf.int32,
+                      Tnumsegments=tf.int32)
+        back = np.argsort(order).astype(np.int32)
+        shape[self.dim] = self.per
+        return b.op("Transpose", [summed, b.const(back)], tuple(shape), dtype, T=dtype,
+                    Tperm=tf.int32)
+
+
+@op_family({"MirrorPad": False, "MirrorPadGrad": True}, windowed.mirror_pad)
+def mirror_pad(ctx, operands, layouts):
+    """MirrorPad / MirrorPadGrad with a split padded dim: each shard's block reads a
+    contiguous range of the operand, mirrored at the global edges (the first and last
+    shards read their own neighbourhood backwards); that range comes in by halo
+    exchange and a gather (MirrorPad) or a segment sum (MirrorPadGrad, where elements
+    mirroring onto the same position add up) makes the block. The local op then pads
+    the dims that are not split."""
+    params = ctx.rule.params
+    refs = masked_refs(ctx, operands)
+    grad = ctx.node.op == "MirrorPadGrad"
+    dims = [m for m in getattr(params, "dims", ()) if layouts[0].dims[m.dim]]
+    if not dims:
+        return replay(ctx, operands, layouts, refs=refs)
+    original = ctx.inputs[0]
+    plans = [_MirrorPlan(ctx.mesh, m, layouts[0].dims[m.dim], grad, params.symmetric,
+                         bool(original.layout.dims[m.dim])) for m in dims]
+    x = operands[0]
+    whole = {p.dim for p in plans if p.whole}
+    wanted = Layout(tuple(() if d in whole else a for d, a in enumerate(x.layout.dims)),
+                    x.layout.partial, x.layout.reduce_op)
+    if wanted != x.layout:
+        refs[0] = masked_refs(ctx, [ctx.reshard(original, wanted)] + operands[1:])[0]
+    window = extend_and_slice(ctx.b, refs[0], plans, lambda p: p.dim)
+    for p in plans:
+        window = p.local(ctx.b, window)
+    paddings = np.array(ctx.graph.const_value(ctx.node.inputs[1]))
+    paddings[[m.dim for m in dims]] = 0
+    refs[0], refs[1] = window, ctx.b.const(paddings)
     return replay(ctx, operands, layouts, refs=refs)

@@ -1,0 +1,204 @@
+"""Multi-worker: this process as one task of a TF cluster, so a mesh spans every worker.
+
+`gt.initialize_cluster()` reads TF's standard TF_CONFIG (or takes the same as arguments)
+and starts this process's gRPC server with TF's collective ops enabled, the way
+tf.distribute.MultiWorkerMirroredStrategy does: collective ops then run between devices
+of all workers, over gRPC. Every worker runs the same program (multi-client SPMD); each
+emits and runs only its own devices' part (see docs/INTERNALS.md, "Multi-worker").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from gspmd_tf.errors import ShardingError
+
+JOB = "worker"
+# The task whose collective executor resolves every group (TF's collective_leader).
+LEADER_TASK = 0
+
+
+class Cluster:
+    """The workers' addresses and this process's task index."""
+
+    def __init__(self, workers, task_index):
+        self.workers = tuple(workers)
+        self.task_index = task_index
+
+    @property
+    def num_workers(self):
+        """How many worker processes run the program."""
+        return len(self.workers)
+
+    def device_prefix(self, task):
+        """The TF device name prefix of task `task`'s devices."""
+        return f"/job:{JOB}/replica:0/task:{task}"
+
+    def __repr__(self):
+        return f"<Cluster task {self.task_index} of {self.num_workers}: {list(self.workers)}>"
+
+
+_cluster = None
+
+
+def current():
+    """The Cluster this process joined with initialize_cluster, or None (one process)."""
+    return _cluster
+
+
+def initialize_cluster(cluster=None, task_index=None):
+    """Join this process to a cluster of worker processes; call it before TF starts.
+
+    `cluster` is {"worker": ["host:port", ...]} (or the list of addresses) and
+    `task_index` this process's index in it; without them both come from the TF_CONFIG
+    environment variable, `{"cluster": {"worker": [...]}, "task": {"type": "worker",
+    "index": i}}`. Call gt.configure_cpu_devices(n) first for n local devices; every
+    worker must have the same number. Afterwards gt.Mesh.create spans the devices of
+    all workers, worker-major (global device id = task * local devices + local id), and
+    every worker must run the same gt.functions in the same order. Returns the Cluster.
+    """
+    global _cluster
+    workers, task = _parse(cluster, task_index)
+    if _cluster is not None:
+        if (_cluster.workers, _cluster.task_index) == (tuple(workers), task):
+            return _cluster
+        raise ShardingError(f"initialize_cluster: this process already joined {_cluster}; "
+                            "a process can join one cluster, once")
+    import tensorflow as tf  # late: importing gspmd_tf must not start TF
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    if ctx._context_handle is not None:  # pylint: disable=protected-access
+        raise ShardingError(
+            "initialize_cluster: TensorFlow already started in this process (an op ran or "
+            "its devices were listed); call gt.configure_cpu_devices(n) and then "
+            "gt.initialize_cluster() first thing, before any TensorFlow op")
+    port = _port_of(workers[task])
+    spec = tf.train.ClusterSpec({JOB: list(workers)})
+    ctx.configure_collective_ops(
+        collective_leader=f"/job:{JOB}/replica:0/task:{LEADER_TASK}",
+        device_filters=(f"/job:{JOB}/task:{task}",))
+    server = tensorflow_server_pb2.ServerDef(
+        cluster=spec.as_cluster_def(), default_session_config=ctx.config, job_name=JOB,
+        task_index=task, protocol="grpc", port=port)
+    ctx.enable_collective_ops(server)
+    ctx.ensure_initialized()
+    _cluster = Cluster(workers, task)
+    return _cluster
+
+
+def global_device_names(local_names):
+    """Names of the devices of every worker, worker-major, given this process's devices
+    (every worker is assumed to have the same ones); `local_names` unchanged without a
+    cluster."""
+    if _cluster is None:
+        return list(local_names)
+    own = _cluster.device_prefix(_cluster.task_index)
+    suffixes = []
+    for name in local_names:
+        if not name.startswith(own + "/"):
+            raise ShardingError(f"device {name} is not on this worker ({own}): "
+                                "gt.initialize_cluster names the local devices")
+        suffixes.append(name[len(own):])
+    return [_cluster.device_prefix(task) + suffix
+            for task in range(_cluster.num_workers) for suffix in suffixes]
+
+
+def task_of(device_name):
+    """The worker task of a device name (0 without a cluster)."""
+    if _cluster is None:
+        return 0
+    import tensorflow as tf
+    return tf.DeviceSpec.from_string(device_name).task or 0
+
+
+def is_addressable(device_name):
+    """True when `device_name` is a device of this process."""
+    return _cluster is None or task_of(device_name) == _cluster.task_index
+
+
+_barriers = {}  # device name suffix -> the traced barrier function
+
+
+def barrier():
+    """Returns once every worker has called it: an all-reduce of one number between the
+    first devices of every worker, under the collective timeout (GSPMD_TF_COLLECTIVE_
+    TIMEOUT) so that a dead worker makes it fail instead of hang."""
+    if _cluster is None or _cluster.num_workers == 1:
+        return
+    import tensorflow as tf
+    from gspmd_tf.backends import collectives
+    from gspmd_tf.backends.local import default_timeout
+
+    first = tf.config.list_logical_devices()[0].name
+    names = global_device_names([first])
+    own = names[_cluster.task_index]
+    if own not in _barriers:
+        instance_key, _ = collectives.named_keys("barrier")
+        group = collectives.Group(names, instance_key, collectives.ordering_token(own))
+        group.kwargs["timeout_seconds"] = default_timeout()
+
+        def wait():
+            with tf.device(own):
+                return group.all_reduce(tf.constant(1.0), "sum")
+        _barriers[own] = tf.function(wait, autograph=False)
+    arrived = int(_barriers[own]().numpy())
+    if arrived != _cluster.num_workers:
+        raise ShardingError(f"barrier: {arrived} of {_cluster.num_workers} workers arrived")
+
+
+def _parse(cluster, task_index):
+    """(worker addresses, task index) from the arguments or TF_CONFIG, checked."""
+    if cluster is None and task_index is None:
+        text = os.environ.get("TF_CONFIG")
+        if not text:
+            raise ShardingError(
+                "initialize_cluster: no cluster given and TF_CONFIG is not set; set "
+                'TF_CONFIG=\'{"cluster": {"worker": ["host:port", ...]}, "task": '
+                '{"type": "worker", "index": i}}\' or pass cluster= and task_index=')
+        try:
+            config = json.loads(text)
+        except ValueError as e:
+            raise ShardingError(f"initialize_cluster: TF_CONFIG is not JSON ({e})") from None
+        if not isinstance(config, dict) or not isinstance(config.get("task"), dict):
+            raise ShardingError(
+                "initialize_cluster: TF_CONFIG needs a \"cluster\" and a \"task\" "
+                f'({{"type": "worker", "index": i}}) entry, got {text!r}')
+        kind = config["task"].get("type")
+        if kind != JOB:
+            raise ShardingError(
+                f"initialize_cluster: TF_CONFIG task type {kind!r}: gspmd-tf runs every "
+                "process as a \"worker\" (no chief, ps or evaluator tasks)")
+        cluster, task_index = config.get("cluster"), config["task"].get("index")
+    if cluster is None or task_index is None:
+        raise ShardingError("initialize_cluster: give both cluster= and task_index=")
+    workers = cluster.get(JOB) if isinstance(cluster, dict) else cluster
+    if isinstance(cluster, dict) and set(cluster) - {JOB}:
+        raise ShardingError(
+            f"initialize_cluster: cluster jobs {sorted(cluster)}: gspmd-tf runs only "
+            "\"worker\" tasks; list every process under \"worker\"")
+    if not isinstance(workers, (list, tuple)) or not workers or \
+            not all(isinstance(w, str) and ":" in w for w in workers):
+        raise ShardingError(
+            f"initialize_cluster: cluster {cluster!r}: give the workers as a non-empty list "
+            "of \"host:port\" strings")
+    if len(set(workers)) != len(workers):
+        raise ShardingError(f"initialize_cluster: workers {list(workers)} repeat an address")
+    if isinstance(task_index, bool) or not isinstance(task_index, int) or \
+            not 0 <= task_index < len(workers):
+        raise ShardingError(
+            f"initialize_cluster: task index {task_index!r} is not one of the "
+            f"{len(workers)} workers' (0..{len(workers) - 1})")
+    _port_of(workers[task_index])
+    return list(workers), task_index
+
+
+def _port_of(address):
+    """The port of a "host:port" address; ShardingError if it has none."""
+    try:
+        return int(address.rsplit(":", 1)[1])
+    except ValueError:
+        raise ShardingError(f"initialize_cluster: worker address {address!r} has no port "
+                            "number (give \"host:port\")") from None

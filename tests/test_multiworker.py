@@ -1,0 +1,184 @@
+"""Multi-worker meshes with loopback worker processes (tests/multiworker_probe.py): each
+worker's results equal single-device TF, a training step updates the shards each worker
+holds, Keras fit through gt.keras.shard_model equals one device, a checkpoint saved by 2
+workers x 4 devices restores on 4 workers x 2, and a dead worker makes the others fail
+within the collective timeout."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gspmd_tf as gt
+from gspmd_tf import cluster
+from multiworker_values import checkpoint_values
+
+PROBE = os.path.join(os.path.dirname(__file__), "multiworker_probe.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A loopback cluster that takes longer than this is hung: the test fails, nothing waits.
+LAUNCH_TIMEOUT = 150
+
+
+def free_ports(count):
+    """`count` localhost ports that were free a moment ago."""
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def launch(workers, local_devices, scenarios, collective_timeout=60, **env):
+    """Runs the probe's `scenarios` on `workers` loopback processes with `local_devices`
+    each; returns {task: {scenario: facts}} of the workers that printed results."""
+    addresses = [f"localhost:{port}" for port in free_ports(workers)]
+    runs = []
+    for task in range(workers):
+        config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": task}}
+        runs.append(subprocess.Popen(
+            [sys.executable, PROBE, str(local_devices)] + scenarios,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, PYTHONPATH=ROOT, TF_CONFIG=json.dumps(config),
+                     GSPMD_TF_COLLECTIVE_TIMEOUT=str(collective_timeout), **env)))
+    results, failures = {}, []
+    try:
+        for task, run in enumerate(runs):
+            out, err = run.communicate(timeout=LAUNCH_TIMEOUT)
+            lines = out.strip().splitlines()
+            if run.returncode == 0 and lines:
+                results[task] = json.loads(lines[-1])
+            elif run.returncode:
+                failures.append(f"worker {task} exited {run.returncode}:\n{err[-3000:]}")
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
+    assert not failures, "\n".join(failures)
+    return results
+
+
+@pytest.fixture(scope="module")
+def saved_2x4(tmp_path_factory):
+    """2 workers x 4 devices: programs, training, Keras fit and a checkpoint saved to a
+    prefix."""
+    prefix = str(tmp_path_factory.mktemp("multiworker") / "ckpt")
+    results = launch(2, 4, ["programs", "training", "keras_fit", "save"],
+                     MULTIWORKER_CHECKPOINT=prefix)
+    return results, prefix
+
+
+def check_programs(results, workers, local_devices):
+    assert sorted(results) == list(range(workers))
+    for task, facts in results.items():
+        programs = facts["programs"]
+        assert programs["addressable"] == list(range(task * local_devices,
+                                                     (task + 1) * local_devices))
+        assert programs["all_to_all_ops"] == ["all-to-all"]
+        assert programs["conv_ops"] == ["collective-permute"]
+        for name in ("ffn", "all_gather", "all_to_all", "conv", "other_mesh"):
+            assert programs[name] <= 1e-5, (task, name, programs[name])
+
+
+def test_programs_and_training_on_2_workers_x_4_devices(saved_2x4):
+    results, _ = saved_2x4
+    check_programs(results, 2, 4)
+    for task, facts in results.items():
+        training = facts["training"]
+        assert max(training["losses"]) <= 1e-5 and training["w1"] <= 1e-5
+        assert training["w2"] <= 1e-5
+        # each worker holds the shards of its own devices only
+        assert training["held"] == [task == d // 4 for d in range(8)]
+        save = facts["save"]
+        assert save["held"] == 4 and save["saved"]
+        assert "gt.save_checkpoint(checkpoint, prefix) on every worker" in save["plain_write"]
+
+
+def test_keras_shard_model_fit_on_2_workers_matches_single_device(saved_2x4):
+    results, _ = saved_2x4
+    for facts in results.values():
+        fit = facts["keras_fit"]
+        assert fit.pop("sharded") is True
+        assert len(fit) == 15  # the losses, 4 weights, 2 counters and 8 Adam slots
+        assert max(fit.values()) <= 1e-5, fit
+
+
+def test_checkpoint_of_2x4_restores_on_4_workers_x_2_devices_with_other_specs(saved_2x4):
+    _, prefix = saved_2x4
+    results = launch(4, 2, ["programs", "restore"], MULTIWORKER_CHECKPOINT=prefix)
+    check_programs(results, 4, 2)
+    for facts in results.values():
+        restored = facts["restore"]
+        assert restored["step"] == 7
+        assert max(restored[n] for n in ("split", "rows", "replicated")) <= 1e-5
+
+
+def test_checkpoint_of_2x4_is_one_tf_checkpoint_plain_variables_restore(saved_2x4):
+    _, prefix = saved_2x4
+    want = checkpoint_values()
+    with tf.device("/device:CPU:0"):
+        variables = {name: tf.Variable(np.zeros_like(value)) for name, value in want.items()}
+        step = tf.Variable(0, dtype=tf.int64)
+    tf.train.Checkpoint(step=step, **variables).read(prefix).assert_consumed()
+    assert step.numpy() == 7
+    for name, value in want.items():
+        np.testing.assert_array_equal(variables[name].numpy(), value)
+    # one bundle, merged from the workers' parts, which are gone
+    assert os.path.exists(prefix + ".index") and not os.path.exists(prefix + "_parts")
+
+
+def test_dead_worker_fails_the_others_within_the_collective_timeout():
+    # worker 0 is the collective leader, which resolves every group: the harder loss
+    results = launch(2, 4, ["dead_peer"], collective_timeout=5, MULTIWORKER_DEAD_TASK="0")
+    assert list(results) == [1]  # worker 0 left without a word
+    facts = results[1]["dead_peer"]
+    assert facts["error"] == "DeadlineExceededError", facts
+    assert "did not finish within 5 s" in facts["message"]
+    assert "a worker of the cluster may have died" in facts["message"]
+    assert facts["seconds"] < 5 + 30  # the timeout, plus the watchdog's grace at most
+
+
+@pytest.mark.parametrize("config, problem", [
+    ("not json", "not JSON"),
+    ('{"cluster": {"worker": ["localhost:1"]}}', "needs a \"cluster\" and a \"task\""),
+    ('{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "chief", "index": 0}}',
+     "task type 'chief'"),
+    ('{"cluster": {"worker": ["localhost:1"], "ps": ["localhost:2"]}, '
+     '"task": {"type": "worker", "index": 0}}', "only \"worker\" tasks"),
+    ('{"cluster": {"worker": ["localhost"]}, "task": {"type": "worker", "index": 0}}',
+     "list of \"host:port\""),
+    ('{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 1}}',
+     "task index 1"),
+])
+def test_bad_tf_config_is_a_sharding_error(monkeypatch, config, problem):
+    monkeypatch.setenv("TF_CONFIG", config)
+    with pytest.raises(gt.ShardingError, match="initialize_cluster") as error:
+        gt.initialize_cluster()
+    assert problem in str(error.value)
+    assert cluster.current() is None
+
+
+def test_initialize_cluster_after_tensorflow_started_is_a_sharding_error(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(gt.ShardingError, match="TF_CONFIG is not set"):
+        gt.initialize_cluster()
+    tf.constant(1.0)  # TF runs in this test process
+    with pytest.raises(gt.ShardingError, match="already started"):
+        gt.initialize_cluster({"worker": ["localhost:1", "localhost:2"]}, 0)
+    assert cluster.current() is None
+
+
+def test_one_process_mesh_is_fully_addressable():
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+    assert mesh.addressable_ids == tuple(range(8)) and mesh.is_fully_addressable
+    layout = gt.Sharding.from_spec(mesh, gt.P("model"), 1).to_layout(mesh, 1)
+    x = gt.ShardedTensor.from_value(np.arange(8.0), mesh, layout)
+    assert sorted(x.addressable_shards) == list(range(8))
+    np.testing.assert_array_equal(x.numpy(), np.arange(8.0))
