@@ -419,6 +419,13 @@ class Partitioner:
                             "replicated (inputs gathered): %s", len(names), op, shown)
 
     def _by_rule(self, ctx, emit):
+        # a handler may partition the op from its operands' own layouts (where the
+        # factors' reshards would move more): emit.without_reshard(ctx) -> Locals or None
+        direct = getattr(emit, "without_reshard", None)
+        results = direct(ctx) if direct else None
+        if results is not None:
+            self.operand_layouts[ctx.index] = [x.layout for x in ctx.inputs]
+            return results
         layouts = ctx.result_layouts()
         refs = emit(ctx, ctx.operands(), layouts)
         node = ctx.node

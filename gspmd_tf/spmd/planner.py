@@ -303,15 +303,29 @@ class _Space:
         # reduce-scatter the partial axes the target wants next in a dim (all of them, or
         # some, the others reduced later on a smaller tensor)
         for d, (cd, td) in enumerate(zip(layout.dims, self.target.dims)):
-            if td[:len(cd)] != cd:
-                continue
-            for m in range(len(cd) + 1, len(td) + 1):
-                extra = td[len(cd):m]
-                if extra[-1] not in partial:
-                    break
+            for extra in self._appendable(cd, td, partial):
                 if self._nests(d, cd, extra):
                     padded = {d: self.k(extra) * self.local(d, cd + extra)}
                     yield ReduceScatter(d, extra, self.nbytes(layout, padded), self.k(extra))
+
+    @staticmethod
+    def _appendable(cd, td, available):
+        """Axes sequences (from `available`) to append to a dim holding `cd` whose target
+        is `td`: the target's next axes when `cd` is a prefix of `td`, else single axes
+        `td` holds elsewhere in its order. The second kind leaves the dim's axes out of
+        the target's order, for a permute to reorder later: e.g. a partial sum over y
+        reduce-scattered onto a dim split over x, (x, y), then permuted to (y, x) and its
+        x all-to-all'd away moves the reduced tensor instead of the unreduced one."""
+        if td[:len(cd)] == cd:
+            for m in range(len(cd) + 1, len(td) + 1):
+                extra = td[len(cd):m]
+                if extra[-1] not in available:
+                    return
+                yield extra
+        else:
+            for a in td:
+                if a in available and a not in cd:
+                    yield (a,)
 
     def _free(self, layout):
         used = set(layout.used_axes)
@@ -343,13 +357,23 @@ class _Space:
                 if not self._nests(d1, cd1[:j], moved):
                     continue
                 for d2, c2 in enumerate(dims):
-                    if d2 == d1 or self.target.dims[d2][:len(c2) + len(moved)] != c2 + moved:
+                    if d2 == d1 or not self._wants(d2, c2, moved):
                         continue
                     if not self._nests(d2, c2, moved):
                         continue
                     k = self.k(moved)
                     padded = {d2: k * self.local(d2, c2 + moved)}
                     yield AllToAll(moved, d1, d2, self.nbytes(layout, padded), k)
+
+    def _wants(self, d, cd, added):
+        """True when the target wants `added` appended to dim `d` (holding `cd`): its
+        next axes, or axes it holds out of this order (a permute reorders them later;
+        e.g. x all-to-all'd onto a dim split over y, (y, x), then permuted to (x, y) so
+        y can be gathered, moves the small shards, not the gathered ones)."""
+        td = self.target.dims[d]
+        if td[:len(cd) + len(added)] == cd + added:
+            return True
+        return td[:len(cd)] != cd and set(added) <= set(td)
 
     def _permutes(self, layout):
         dims, target = layout.dims, self.target.dims

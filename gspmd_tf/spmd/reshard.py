@@ -4,7 +4,8 @@ This is the one module that calls ProgramBuilder.collective. The planner (planne
 decides the steps and prices them; `emit` turns each step into the collective and the local
 pads and slices around it; `exchange_halo` emits the collective-permutes that bring a
 split dim's neighbouring elements to a windowed op (handlers/conv.py); `rotate` the
-cyclic one of a rolled split dim (handlers/roll.py).
+cyclic one of a rolled split dim (handlers/roll.py); `reblock` those that move a split
+dim's block boundaries (an unevenly split dim merged or split: handlers/reshape.py).
 """
 
 from __future__ import annotations
@@ -167,3 +168,85 @@ def exchange_halo(b, ref, dim, axes, halo_lo, halo_hi):
                                  pairs=_shift_pairs(b.mesh, axes, -hop)))
     return concat_dim(b, left + [ref] + right, dim)
 
+
+# ------------------------------------------------------------------------ re-blocking
+
+def reblock_windows(n, k, block_in, block_out):
+    """How a dim of n elements split k ways in blocks of `block_in` (shard s holds
+    [s * block_in, (s + 1) * block_in), padding past n) becomes blocks of `block_out`:
+    {distance: (lo, hi, pairs)}, where target shard i takes from source shard i - distance
+    the elements it needs, all within the static window [lo, hi) of the source's block,
+    and `pairs` lists the (source, target) shard indices that need any."""
+    windows = {}
+    for i in range(k):
+        start, stop = i * block_out, min(n, (i + 1) * block_out)
+        for s in range(start // block_in, k):
+            lo, hi = max(start, s * block_in), min(stop, (s + 1) * block_in)
+            if lo >= hi:
+                break
+            w_lo, w_hi, pairs = windows.get(i - s, (block_in, 0, ()))
+            windows[i - s] = (min(w_lo, lo - s * block_in), max(w_hi, hi - s * block_in),
+                              pairs + ((s, i),))
+    return windows
+
+
+def reblock(b, ref, dim, axes, n, block_out):
+    """`ref`, a dim of n elements split over `axes` in blocks of its local size (shard s
+    holding [s * size, (s + 1) * size), padding past n), returned in blocks of
+    `block_out` (shard i holding [i * block_out, ...)): per distance between source and
+    target shards, one collective-permute of the window of each block some target needs
+    (none for a device's own block), each window then placed at its offset in the new
+    block (this device's offset: linear in its shard index) and the places selected.
+    XLA's reshape of a merged unevenly split dim does the same exchange."""
+    block_in = b.shape_of(ref)[dim]
+    groups = b.mesh.groups(axes)
+    index = b.shard_index(axes)
+    out_shape = replace_dim(b.shape_of(ref), dim, block_out)
+    dtype = b.graph.dtype(ref)
+    out = b.const(np.zeros(out_shape, dtype.as_numpy_dtype), dtype)
+    for distance, (lo, hi, pairs) in sorted(reblock_windows(n, groups.shape[1], block_in,
+                                                            block_out).items()):
+        piece = static_slice_dim(b, ref, dim, lo, hi - lo)
+        if distance:
+            piece = _collective(b, "gt.Permute", piece, b.shape_of(piece),
+                                pairs=tuple((int(g[s]), int(g[t])) for g in groups
+                                            for s, t in pairs))
+        # the window starts at `shift` in this device's new block (shard index i):
+        # (i - distance) * block_in + lo - i * block_out
+        shift = b.op("AddV2", [b.op("Mul", [index, b.const(block_in - block_out, tf.int32)],
+                                    (), tf.int32, T=tf.int32),
+                               b.const(lo - distance * block_in, tf.int32)],
+                     (), tf.int32, T=tf.int32)
+        out = _place(b, out, piece, dim, shift)
+    return out
+
+
+def _place(b, out, piece, dim, shift):
+    """`out` with `piece` written at offset `shift` (an int32 scalar; parts outside `out`
+    dropped) along `dim`: the piece padded by out's size on both sides, the window of
+    out's size sliced at the (clamped) offset, then selected where it lands."""
+    size, length = b.shape_of(out)[dim], b.shape_of(piece)[dim]
+    padded = pad_dim(b, _pad_front(b, piece, dim, size), dim, size)
+    start = b.op("Sub", [b.const(size, tf.int32), shift], (), tf.int32, T=tf.int32)
+    start = b.op("ClipByValue", [start, b.const(0, tf.int32), b.const(size + length, tf.int32)],
+                 (), tf.int32, T=tf.int32)
+    aligned = dynamic_slice_dim(b, padded, dim, start, size)
+    rank = len(b.shape_of(out))
+    bshape = [1] * rank
+    bshape[dim] = size
+    iota = b.const(np.arange(size, dtype=np.int32).reshape(bshape))
+    after = b.op("GreaterEqual", [iota, shift], tuple(bshape), tf.bool, T=tf.int32)
+    end = b.op("AddV2", [shift, b.const(length, tf.int32)], (), tf.int32, T=tf.int32)
+    before = b.op("Less", [iota, end], tuple(bshape), tf.bool, T=tf.int32)
+    inside = b.op("LogicalAnd", [after, before], tuple(bshape), tf.bool)
+    return b.op("SelectV2", [inside, aligned, out], b.shape_of(out), b.graph.dtype(out),
+                T=b.graph.dtype(out))
+
+
+def _pad_front(b, ref, dim, extra):
+    """Zero-pad `extra` elements at the start of `dim`."""
+    shape = b.shape_of(ref)
+    paddings = np.zeros((len(shape), 2), np.int32)
+    paddings[dim, 0] = extra
+    return b.op("Pad", [ref, b.const(paddings)], replace_dim(shape, dim, shape[dim] + extra),
+                b.graph.dtype(ref), T=b.graph.dtype(ref), Tpaddings=tf.int32)

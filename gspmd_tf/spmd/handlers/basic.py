@@ -271,6 +271,5 @@ def batch_matmul(ctx, operands, layouts):
                  name=ctx.node.name, T=dtype, Tshape=tf.int32)]
 
 
-declare("Reshape", rules.reshape, emit=with_local_shape_input(1))
 declare("Fill", rules.source, emit=with_local_shape_input(0))
 declare(["BiasAdd", "BiasAddV1"], rules.bias_add, emit=bias_add)
