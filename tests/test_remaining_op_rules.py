@@ -1,6 +1,7 @@
 """Rules for ops that real programs hit and that ran replicated: the TensorList ops of
-tf.TensorArray.gather / scatter (and their gradients). Values equal single-device TF,
-on elements split over both mesh axes, with nothing replicated."""
+tf.TensorArray.gather / scatter (and their gradients), TensorListElementShape, and the
+stateful random ops (tf.random.*, tf.nn.dropout with a seed). Values equal single-device
+TF, on tensors split over both mesh axes, with nothing replicated."""
 
 import numpy as np
 import tensorflow as tf
@@ -107,3 +108,52 @@ def test_element_shape_is_the_declared_one(mesh, caplog):
     low, warnings = run(fn, (randn(rng, 3, 4, 6),), mesh, (P(None, "data", "model"),), caplog)
     assert not warnings, warnings
     assert single_device(fn, (np.zeros((3, 4, 6), np.float32),))[0].tolist() == [-1, 6]
+
+
+def seeded_random(x):
+    """Every stateful random op with an op seed, split like x by what reads it."""
+    uniform = tf.random.uniform((8, 12), seed=7)
+    normal = tf.random.normal((8, 12), seed=9)
+    truncated = tf.random.truncated_normal((8, 12), seed=10)
+    ints = tf.random.uniform((8, 12), 0, 100, dtype=tf.int32, seed=12)
+    dropped = tf.nn.dropout(x, rate=0.5, seed=11)
+    return (x * uniform + normal, truncated * x, tf.cast(ints, tf.float32) * x, dropped)
+
+
+def test_seeded_stateful_random_ops_draw_the_single_device_values(mesh, caplog):
+    """A stateful kernel's stream: equal on every call of one function, not just the
+    first (each device's kernel advances as the single-device one does)."""
+    x = randn(np.random.default_rng(9), 8, 12)
+    f = gt.function(seeded_random, mesh=mesh, in_shardings=(P("data", "model"),))
+    with tf.device("/device:CPU:0"):
+        single = tf.function(seeded_random, autograph=False)
+    caplog.set_level("WARNING", logger="gspmd_tf")
+    for call in range(3):
+        got = f(x)
+        with tf.device("/device:CPU:0"):
+            want = single(x)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close(g.numpy(), w.numpy(), f"call {call}, output {i}")
+    assert not [r.getMessage() for r in caplog.records]
+    low = f.lower(x)
+    assert low.output_shardings[0] == gt.Sharding.from_spec(mesh, P("data", "model"), 2)
+    assert low.collectives() == []
+
+
+def test_unseeded_stateful_random_ops_agree_across_devices(mesh, caplog):
+    """Without a seed no value can equal another program's; the devices must still draw
+    one tensor: the replicated output and the split one are the same draw."""
+    def fn(x):
+        r = tf.random.normal((8, 12))
+        return r, x * r
+
+    x = np.ones((8, 12), np.float32)
+    f = gt.function(fn, mesh=mesh, in_shardings=(P("data", "model"),),
+                    out_shardings=(P(), P("data", "model")))
+    caplog.set_level("WARNING", logger="gspmd_tf")
+    whole, split = f(x)
+    assert_close(split.numpy(), whole.numpy(), "split draw")
+    for shard in whole.shards:
+        np.testing.assert_array_equal(shard.numpy(), whole.shards[0].numpy())
+    assert np.std(whole.numpy()) > 0.5  # a real draw, not zeros
+    assert not [r.getMessage() for r in caplog.records]
