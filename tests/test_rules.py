@@ -262,8 +262,38 @@ TENSOR_LIST_ROWS = [(op, tensor_lists, [f32(3, 4, 6), f32(4, 6)], expected) for 
     ("TensorListStack", "([i, j], _)->([k, i, j]) {i=4, j=6, k=3} need_replication={k}"),
 ]]
 
+
+def scattered_lists(x):
+    """TensorArray.scatter / gather's list ops (values: tests/test_remaining_op_rules.py)."""
+    from tensorflow.python.ops import gen_list_ops as lists
+    one = lists.tensor_list_scatter(x, [0, 2, 1], element_shape=[4, 6])
+    two = lists.tensor_list_scatter_v2(x, [0, 2, 1], element_shape=[4, 6], num_elements=3)
+    two = lists.tensor_list_scatter_into_existing_list(two, x, [2, 1, 0])
+    return (lists.tensor_list_gather(two, [1, 0], element_shape=[4, 6],
+                                     element_dtype=tf.float32),
+            lists.tensor_list_element_shape(one, shape_type=tf.int32))
+
+
+TENSOR_LIST_ROWS += [(op, scattered_lists, [f32(3, 4, 6)], expected) for op, expected in [
+    ("TensorListScatter", "([k, i, j], _, _)->([i, j]) {i=4, j=6, k=3} need_replication={k}"),
+    ("TensorListScatterV2",
+     "([k, i, j], _, _, _)->([i, j]) {i=4, j=6, k=3} need_replication={k}"),
+    ("TensorListScatterIntoExistingList",
+     "([i, j], [k, i, j], _)->([i, j]) {i=4, j=6, k=3} need_replication={k}"),
+    ("TensorListGather", "([i, j], _, _)->([k, i, j]) {i=4, j=6, k=2} need_replication={k}"),
+    ("TensorListElementShape", f"([i, j])->([1]) {ELEMENT}"),
+]]
+# stateful random ops: sources, as the stateless ones (values: test_remaining_op_rules.py)
+STATEFUL_RANDOM_ROWS = [(op, fn, [], "(_)->([i, j]) {i=4, j=6}") for op, fn in [
+    ("RandomUniform", lambda: tf.random.uniform((4, 6), seed=1)),
+    ("RandomStandardNormal", lambda: tf.random.normal((4, 6), seed=1)),
+    ("TruncatedNormal", lambda: tf.random.truncated_normal((4, 6), seed=1))]] + [
+    ("RandomUniformInt", lambda: tf.random.uniform((4, 6), 0, 5, dtype=tf.int32, seed=1), [],
+     "(_, _, _)->([i, j]) {i=4, j=6}")]
+
+
 ROWS = (UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_ROWS
-        + TENSOR_LIST_ROWS) + [
+        + TENSOR_LIST_ROWS + STATEFUL_RANDOM_ROWS) + [
     ("XlaSharding", lambda x: xs.replicate(x, use_sharding_op=True), [f32(4, 6)], SAME_2D),
     # a bitcast to a narrower type adds a minor dim, to a wider one removes it: that dim
     # is in one tensor only and stays whole

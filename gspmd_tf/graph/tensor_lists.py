@@ -25,7 +25,8 @@ from gspmd_tf.graph.ir import Ref
 # ops whose output 0 is a list of the elements of their list input (at this position):
 # the list updated, passed on, or (ZerosLike, in TF's gradients) zeros like it
 _LIST_IN_OUT = {"TensorListSetItem": 0, "TensorListPushBack": 0, "TensorListPopBack": 0,
-                "TensorListResize": 0, "Identity": 0, "ZerosLike": 0}
+                "TensorListResize": 0, "TensorListScatterIntoExistingList": 0,
+                "Identity": 0, "ZerosLike": 0}
 
 
 def _element_evidence(graph, node):
@@ -42,12 +43,14 @@ def _element_evidence(graph, node):
         return [(ins[0], outs[1])]
     if op in ("TensorListStack", "TensorListGather"):
         return [(ins[0], outs[0][1:])]
+    if op == "TensorListScatterIntoExistingList":
+        return [(ins[0], graph.shape(ins[1])[1:])]
     return []
 
 
 def _made_with(graph, node, index):
     """(list Ref, element shape) of a list op that makes a list, when it says."""
-    if node.op == "TensorListFromTensor":
+    if node.op in ("TensorListFromTensor", "TensorListScatter", "TensorListScatterV2"):
         return Ref(index, 0), graph.shape(node.inputs[0])[1:]
     if node.op in ("EmptyTensorList", "TensorListReserve"):
         value = graph.const_value(node.inputs[0])

@@ -127,6 +127,11 @@ class RegionPropagation:
         """The propagation of region r of this region's node `index`."""
         return self._propagation.region(self._start + index, r)
 
+    def origin(self, ref):
+        """The Origins of the region's tensor `ref` (see Propagation.origin; the names
+        in them are the flat graph's)."""
+        return self._propagation.origin(_shift(ref, self._start))
+
 
 class _Shifted:
     def __init__(self, items, start):

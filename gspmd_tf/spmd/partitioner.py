@@ -32,6 +32,7 @@ from gspmd_tf.spmd.reshard import reshard
 
 log = logging.getLogger("gspmd_tf")
 _NAMES_SHOWN = 10  # op names a grouped replicated-op warning lists
+_LOST_SHOWN = 3  # ops of one type whose gathered splits that warning spells out
 PROGRESS_EVERY = 10_000  # ops between two progress lines (log level INFO)
 # Handles whose shards cannot be resharded: a variable's (each device's points to its
 # shard) and a TensorList's (each device's holds its shards of the elements). They keep
@@ -274,6 +275,8 @@ class Partitioner:
         self._padded = parent._padded if parent else {}
         self.replicated_ops = parent.replicated_ops if parent else []
         self._replicated_kinds = parent._replicated_kinds if parent else {}
+        # replicated op name -> (its partitioner, [(operand Ref, Layout) arrived split])
+        self._lost_splits = parent._lost_splits if parent else {}
         self.operand_layouts = {}  # of this graph's ops (a region's are its own)
 
     def decide(self, rule, inputs, targets, node):
@@ -404,19 +407,51 @@ class Partitioner:
 
     def _warn_replicated(self):
         """One warning per op type that ran replicated, with the count and the names (an
-        RNN's hundreds of cells give one line, not hundreds)."""
+        RNN's hundreds of cells give one line, not hundreds), and for the first few of
+        them whose operands arrived split, which user shardings those splits came from
+        (the annotation, argument or variable whose split the op drops)."""
         by_type = {}
         for name in self.replicated_ops:
             by_type.setdefault(self._replicated_kinds[name], []).append(name)
         for op, names in by_type.items():
             shown = ", ".join(names[:_NAMES_SHOWN]) + (
                 f", ... ({len(names) - _NAMES_SHOWN} more)" if len(names) > _NAMES_SHOWN else "")
+            lost = self._lost_text(names)
             if len(names) == 1:
                 log.warning("gspmd_tf: op %s (%s) has no partitioning rule; it runs replicated "
-                            "(inputs gathered)", shown, op)
+                            "(inputs gathered)%s", shown, op, lost)
             else:
                 log.warning("gspmd_tf: %d ops (%s) have no partitioning rule; they run "
-                            "replicated (inputs gathered): %s", len(names), op, shown)
+                            "replicated (inputs gathered): %s%s", len(names), op, shown, lost)
+
+    def _lost_text(self, names):
+        """'; splits lost: 'op' gathers 'x' (split P('data', None): 'data' from the
+        annotation on 'h')' for the first _LOST_SHOWN of the ops `names` that gathered
+        split operands ('' when none did). Origins are traced only for those."""
+        gathering = [name for name in names if name in self._lost_splits]
+        if not gathering:
+            return ""
+        parts = []
+        for name in gathering[:_LOST_SHOWN]:
+            partitioner, splits = self._lost_splits[name]
+            parts.append(f"{name!r} gathers " + ", ".join(
+                partitioner._split_source(ref, layout) for ref, layout in splits))
+        more = len(gathering) - _LOST_SHOWN
+        return "; splits lost: " + "; ".join(parts) + (
+            f"; ... ({more} more of these ops gather split operands)" if more > 0 else "")
+
+    def _split_source(self, ref, layout):
+        """"'x' (split P('data', None): 'data' from the annotation on 'h')": operand
+        `ref`, its layout, and the user sharding each of its mesh axes came from."""
+        by_seed = {}
+        for origin in self.propagation.origin(ref):
+            by_seed.setdefault((origin.seed_kind, origin.seed), []).append(origin.axis)
+        sources = ", ".join(
+            f"{' and '.join(map(repr, axes))} from "
+            + (f"the annotation on {seed!r}" if kind == "annotation" else f"{kind} {seed!r}")
+            for (kind, seed), axes in by_seed.items())
+        return (f"{self.graph.tensor_name(ref)!r} (split {layout.to_spec()!r}"
+                + (f": {sources})" if sources else ")"))
 
     def _by_rule(self, ctx, emit):
         # a handler may partition the op from its operands' own layouts (where the
@@ -442,6 +477,10 @@ class Partitioner:
             # warned once per op type when the program is done (_warn_replicated)
             self.replicated_ops.append(node.name)
             self._replicated_kinds[node.name] = node.op
+            split = [(ref, x.layout) for ref, x in zip(node.inputs, ctx.inputs)
+                     if not x.layout.is_replicated]
+            if split:
+                self._lost_splits[node.name] = (self, split)
         for ref, x in zip(node.inputs, ctx.inputs):
             if x.dtype == tf.resource and not x.layout.is_replicated:
                 raise ShardingError(

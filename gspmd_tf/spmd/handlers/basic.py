@@ -95,19 +95,43 @@ StatelessRandomGammaV3 StatelessRandomPoisson StatelessParameterizedTruncatedNor
 StatelessMultinomial StatelessShuffle""".split()
 
 
+# stateful random ops (tf.random.uniform / normal / truncated_normal, tf.nn.dropout): an
+# op seed makes a kernel's stream deterministic, one draw after another, so every
+# device's kernel, seeded the same and drawing the whole tensor each step, draws what
+# the single-device kernel draws
+STATEFUL_RANDOM = ["RandomUniform", "RandomStandardNormal", "TruncatedNormal",
+                   "RandomUniformInt"]
+
+
 @op_family("Const", rules.source)
 @op_family(STATELESS_RANDOM, rules.source)
-def whole_then_sliced(ctx, operands, layouts):
+def whole_then_sliced(ctx, operands, layouts, attrs=None):
     """A constant, or a stateless random tensor: the whole value (its other inputs
     replicated), then this device's slice of it (no communication). A random tensor's
     slice is what the single-device program draws there, at the cost of drawing the
-    whole tensor on every device."""
+    whole tensor on every device. `attrs` override the node's."""
     b = ctx.b
     node = ctx.node
-    ref = b.replay(node, [x.ref for x in operands], [node.out_shapes[0]], node.out_dtypes)[0]
+    ref = b.replay(node, [x.ref for x in operands], [node.out_shapes[0]], node.out_dtypes,
+                   attrs)[0]
     whole = Local(ref, Layout.replicated(len(node.out_shapes[0])), node.out_shapes[0],
                   node.out_dtypes[0])
     return [ctx.reshard(whole, layouts[0]).ref]
+
+
+@op_family(STATEFUL_RANDOM, rules.source)
+def seeded_whole_then_sliced(ctx, operands, layouts):
+    """A stateful random tensor drawn whole on every device, then sliced, as
+    whole_then_sliced. Without a seed (seed and seed2 0) TF seeds each kernel at random,
+    so the devices could draw different tensors; they get one random seed pair, drawn
+    here, instead: the same stream on every device, a new one per lowering (no
+    single-device program draws reproducible values there either)."""
+    node = ctx.node
+    attrs = None
+    if not node.attr("seed", 0) and not node.attr("seed2", 0):
+        seeds = np.random.default_rng().integers(1, 2**31, size=2)
+        attrs = {"seed": int(seeds[0]), "seed2": int(seeds[1])}
+    return whole_then_sliced(ctx, operands, layouts, attrs)
 
 
 @op_family({"Mean": "sum"}, rules.reduction)
