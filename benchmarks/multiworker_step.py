@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,17 +67,6 @@ CONV_LAYERS = flags.DEFINE_integer("conv_layers", 4, "--model=halo: convolutions
 
 FLAGS = flags.FLAGS
 MESH_SHAPE = (2, 4)
-
-
-def free_ports(count):
-    """`count` localhost ports that were free a moment ago."""
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def problem():
@@ -195,7 +183,8 @@ class System:
     def __init__(self, name):
         self.name = name
         workers = 1 if name == "one" else WORKERS.value
-        addresses = [f"localhost:{port}" for port in free_ports(workers)]
+        from gspmd_tf.cluster import loopback_addresses
+        addresses = loopback_addresses(workers)
         args = [a for a in sys.argv[1:] if not a.startswith(("--role", "--run"))]
         self.runs, self.logs = [], []
         for task in range(workers):

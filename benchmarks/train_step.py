@@ -131,6 +131,18 @@ def fmt_bytes(n):
     return f"{n:.2f} GiB"
 
 
+def make_problem(gt):
+    """(weight specs by name, per-layer weights, x, target) of the flags' model, from
+    seed 0: every system and the --tpu step start from these."""
+    P = gt.P
+    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model"), "b2": P()}
+    rng = np.random.default_rng(0)
+    values = init_values(rng, LAYERS.value, D_MODEL.value, D_FF.value)
+    x = rng.standard_normal((BATCH.value, SEQ.value, D_MODEL.value)).astype(np.float32)
+    target = rng.standard_normal((BATCH.value, SEQ.value, D_MODEL.value)).astype(np.float32)
+    return specs, values, x, target
+
+
 def main(argv):
     del argv
     shape = tuple(int(x) for x in MESH.value.split(","))
@@ -146,13 +158,8 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # DTensor's mesh log lines
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
     P = gt.P
-    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model"), "b2": P()}
-
-    rng = np.random.default_rng(0)
+    specs, values, x, target = make_problem(gt)
     d, f = D_MODEL.value, D_FF.value
-    values = init_values(rng, LAYERS.value, d, f)
-    x = rng.standard_normal((BATCH.value, SEQ.value, d)).astype(np.float32)
-    target = rng.standard_normal((BATCH.value, SEQ.value, d)).astype(np.float32)
     whole_bytes = sum(v.nbytes for layer in values for v in layer.values())
 
     print("# training step: gspmd-tf vs single-device TF vs DTensor (one process, "
@@ -291,12 +298,8 @@ def run_on_tpu(gt, tpu, shape):
     single-device TF's on the host CPU after as many."""
     import tensorflow as tf
     P = gt.P
-    specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model"), "b2": P()}
-    rng = np.random.default_rng(0)
+    specs, values, x, target = make_problem(gt)
     d, f = D_MODEL.value, D_FF.value
-    values = init_values(rng, LAYERS.value, d, f)
-    x = rng.standard_normal((BATCH.value, SEQ.value, d)).astype(np.float32)
-    target = rng.standard_normal((BATCH.value, SEQ.value, d)).astype(np.float32)
     weights = [layer[n] for layer in values for n in NAMES]
     step_fn = make_functional_step(tf, LAYERS.value, LR.value)
     lowered = gt.lower(step_fn, tpu.mesh(shape, AXES),

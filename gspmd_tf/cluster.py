@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 from gspmd_tf.errors import ShardingError
 
@@ -147,6 +148,19 @@ def barrier():
     arrived = int(_barriers[own]().numpy())
     if arrived != _cluster.num_workers:
         raise ShardingError(f"barrier: {arrived} of {_cluster.num_workers} workers arrived")
+
+
+def loopback_addresses(count):
+    """`count` "localhost:PORT" worker addresses on ports that were free a moment ago: a
+    cluster of worker processes on this host (tests, benchmarks, trying a multi-worker
+    script without several machines)."""
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return [f"localhost:{port}" for port in ports]
 
 
 def _parse(cluster, task_index):

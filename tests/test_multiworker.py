@@ -6,7 +6,6 @@ within the collective timeout."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -24,21 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH_TIMEOUT = 150
 
 
-def free_ports(count):
-    """`count` localhost ports that were free a moment ago."""
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def launch(workers, local_devices, scenarios, collective_timeout=60, **env):
     """Runs the probe's `scenarios` on `workers` loopback processes with `local_devices`
     each; returns {task: {scenario: facts}} of the workers that printed results."""
-    addresses = [f"localhost:{port}" for port in free_ports(workers)]
+    addresses = cluster.loopback_addresses(workers)
     runs = []
     for task in range(workers):
         config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": task}}

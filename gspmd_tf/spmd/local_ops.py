@@ -28,12 +28,12 @@ MAX_KERNEL_RANK = 8
 def along_dim(op):
     """Decorator of `op(b, ref, dim, *args) -> Ref` that changes only dim `dim` of `ref`:
     on a tensor of more than MAX_KERNEL_RANK dims it runs on the three-dim view."""
-    def wrapped(b, ref, dim, *args):
+    def wrapped(b, ref, dim, *args, **kwargs):
         shape = b.shape_of(ref)
         if len(shape) <= MAX_KERNEL_RANK:
-            return op(b, ref, dim, *args)
+            return op(b, ref, dim, *args, **kwargs)
         view = (int(np.prod(shape[:dim])), shape[dim], int(np.prod(shape[dim + 1:])))
-        out = op(b, reshape(b, ref, view), 1, *args)
+        out = op(b, reshape(b, ref, view), 1, *args, **kwargs)
         return reshape(b, out, replace_dim(shape, dim, b.shape_of(out)[1]))
     wrapped.__name__, wrapped.__doc__ = op.__name__, op.__doc__
     return wrapped
@@ -71,11 +71,11 @@ def static_slice_dim(b, ref, dim, start, size):
 
 
 @along_dim
-def pad_dim(b, ref, dim, extra):
-    """Zero-pad `extra` elements at the end of `dim`."""
+def pad_dim(b, ref, dim, extra, at_start=False):
+    """Zero-pad `extra` elements at the end of `dim` (at its start with `at_start`)."""
     shape = b.shape_of(ref)
     paddings = np.zeros((len(shape), 2), np.int32)
-    paddings[dim, 1] = extra
+    paddings[dim, 0 if at_start else 1] = extra
     return b.op("Pad", [ref, b.const(paddings)], replace_dim(shape, dim, shape[dim] + extra),
                 b.graph.dtype(ref), T=b.graph.dtype(ref), Tpaddings=tf.int32)
 

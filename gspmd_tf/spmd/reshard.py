@@ -226,7 +226,7 @@ def _place(b, out, piece, dim, shift):
     dropped) along `dim`: the piece padded by out's size on both sides, the window of
     out's size sliced at the (clamped) offset, then selected where it lands."""
     size, length = b.shape_of(out)[dim], b.shape_of(piece)[dim]
-    padded = pad_dim(b, _pad_front(b, piece, dim, size), dim, size)
+    padded = pad_dim(b, pad_dim(b, piece, dim, size, at_start=True), dim, size)
     start = b.op("Sub", [b.const(size, tf.int32), shift], (), tf.int32, T=tf.int32)
     start = b.op("ClipByValue", [start, b.const(0, tf.int32), b.const(size + length, tf.int32)],
                  (), tf.int32, T=tf.int32)
@@ -241,12 +241,3 @@ def _place(b, out, piece, dim, shift):
     inside = b.op("LogicalAnd", [after, before], tuple(bshape), tf.bool)
     return b.op("SelectV2", [inside, aligned, out], b.shape_of(out), b.graph.dtype(out),
                 T=b.graph.dtype(out))
-
-
-def _pad_front(b, ref, dim, extra):
-    """Zero-pad `extra` elements at the start of `dim`."""
-    shape = b.shape_of(ref)
-    paddings = np.zeros((len(shape), 2), np.int32)
-    paddings[dim, 0] = extra
-    return b.op("Pad", [ref, b.const(paddings)], replace_dim(shape, dim, shape[dim] + extra),
-                b.graph.dtype(ref), T=b.graph.dtype(ref), Tpaddings=tf.int32)
