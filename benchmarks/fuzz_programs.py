@@ -35,7 +35,7 @@ FAMILIES = {
 # Families drawn only by control-flow programs (a fraction --control_flow_prob of them,
 # decided by a random stream of their own, so every other program of a seed stays the
 # same as before these families existed).
-CONTROL_FLOW_FAMILIES = {"roll": 4, "while": 5, "cond": 4}
+CONTROL_FLOW_FAMILIES = {"roll": 12, "while": 15, "cond": 12}
 
 # Shape-preserving steps of while bodies and cond branches ({v}: the value stepped). They
 # keep values bounded over a few iterations and make no NaN/Inf of finite values.
