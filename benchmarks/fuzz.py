@@ -61,6 +61,9 @@ VARIABLES = flags.DEFINE_float("variable_prob", 0.1, "fraction of programs that 
                                "update gt.Variables (run twice, variables compared)")
 VOLUMES = flags.DEFINE_float("volume_prob", 0.25, "fraction of programs whose conv and "
                              "pool ops are 3-D (Conv3D, MaxPool3D, AvgPool3D)")
+CONTROL_FLOW = flags.DEFINE_float("control_flow_prob", 0.2, "fraction of programs that "
+                                  "may also draw tf.roll, tf.while_loop and tf.cond ops "
+                                  "(always when --families names roll, while or cond)")
 ZERO = flags.DEFINE_float("zero_prob", 0.04, "chance of a zero-size dim in each drawn dim "
                           "(0: only slices empty a dim)")
 BATCH = flags.DEFINE_integer("batch", 100, "programs per worker process (one TF import)")
@@ -325,6 +328,21 @@ def promoted(program, k):
     return dead_code_eliminated(p)
 
 
+def simplified(program, k, variant):
+    """Op k in a simpler form (a while with fewer trips or body steps, one branch of a
+    cond); None where the form changes the shape of a value other ops read."""
+    p = copy.deepcopy(program)
+    op = p["ops"][k]
+    if variant["shape"] != op["shape"] and any(op["out"] in o["args"] for o in p["ops"]):
+        return None
+    op.update(expr=variant["expr"], args=list(variant["args"]), shape=list(variant["shape"]))
+    if op["hint"] is not None and len(op["hint"]) > len(op["shape"]):
+        op["hint"] = None
+    op["variants"] = [v for v in op["variants"] if v is not variant and
+                      v["expr"] != variant["expr"]]
+    return dead_code_eliminated(p)
+
+
 def candidates(program):
     """Smaller or simpler variants of a program, most aggressive first."""
     p = program
@@ -344,6 +362,11 @@ def candidates(program):
         c = promoted(p, k)
         if c is not None:
             yield c
+    for k, op in enumerate(p["ops"]):
+        for variant in op.get("variants", ()):
+            c = simplified(p, k, variant)
+            if c is not None:
+                yield c
     if p["out_shardings"] is not None:
         yield dict(copy.deepcopy(p), out_shardings=None)
         for i, s in enumerate(p["out_shardings"]):
@@ -493,7 +516,7 @@ def main(argv):
             raise app.UsageError(f"mesh {shape}: use at most 3 axes and 8 devices")
     indices = range(START.value, START.value + PROGRAMS.value)
     programs = {i: generate(SEED.value, i, (lo, hi), families, GRAD.value, meshes,
-                            ZERO.value, VARIABLES.value, VOLUMES.value)
+                            ZERO.value, VARIABLES.value, VOLUMES.value, CONTROL_FLOW.value)
                 for i in indices}
     print(f"fuzz: {len(programs)} programs, seed {SEED.value}, {JOBS.value} workers of "
           f"{BATCH.value} programs, load average {os.getloadavg()[0]:.2f}", flush=True)

@@ -32,6 +32,16 @@ FAMILIES = {
     "einsum": 5, "matmul": 5, "bias_add": 3, "conv": 4, "pool": 3, "segment": 3,
     "select": 3, "cast": 3, "add_n": 1, "broadcast": 2, "no_rule": 2,
 }
+# Families drawn only by control-flow programs (a fraction --control_flow_prob of them,
+# decided by a random stream of their own, so every other program of a seed stays the
+# same as before these families existed).
+CONTROL_FLOW_FAMILIES = {"roll": 12, "while": 15, "cond": 12}
+
+# Shape-preserving steps of while bodies and cond branches ({v}: the value stepped). They
+# keep values bounded over a few iterations and make no NaN/Inf of finite values.
+BODY_UNARY = ["tf.tanh({v})", "tf.sin({v})", "tf.nn.relu({v})", "tf.negative({v})",
+              "tf.abs({v})", "tf.sigmoid({v})", "{v} * 0.5"]
+BODY_BINARY = ["tf.add", "tf.subtract", "tf.maximum", "tf.minimum"]
 
 # Elementwise ops by dtype class. "ill" ops amplify rounding differences (division by a
 # small value, discontinuities): they are not applied to tensors whose value depends on
@@ -99,7 +109,7 @@ class Generator:
     """Builds one random program from a numpy Generator."""
 
     def __init__(self, rng, num_ops, families=None, grad_prob=0.15, meshes=None,
-                 zero_prob=0.04, variables=False, volumes=False):
+                 zero_prob=0.04, variables=False, volumes=False, control_flow=False):
         self.rng = rng
         self.volumes = volumes  # the conv and pool families draw 3-D ops (op_conv3d...)
         self.with_variables = variables  # read and update gt.Variables (see new_variable)
@@ -108,6 +118,9 @@ class Generator:
         self.num_ops = num_ops
         self.families = {k: v for k, v in FAMILIES.items()
                          if families is None or k in families}
+        if control_flow:  # roll, while, cond (see CONTROL_FLOW_FAMILIES)
+            self.families.update({k: v for k, v in CONTROL_FLOW_FAMILIES.items()
+                                  if families is None or k in families})
         self.grad = rng.random() < grad_prob
         meshes = meshes or MESHES
         shape = meshes[rng.integers(len(meshes))]
@@ -197,8 +210,10 @@ class Generator:
         r = rank if rank is not None else int(self.rng.integers(max(min_rank, 1), 4))
         return self.operand(ok, lambda: self.new_input(self.shape(r), self.float_dtype()))
 
-    def emit(self, expr, args, shape, dtype, rounded=False, nonfinite=None, family=""):
-        """Append an op; its result becomes a tensor of the program."""
+    def emit(self, expr, args, shape, dtype, rounded=False, nonfinite=None, family="",
+             variants=None):
+        """Append an op; its result becomes a tensor of the program. variants: simpler
+        forms of the op ({"expr", "args", "shape"}) for the shrinker to try."""
         name = f"t{len(self.ops)}"
         if nonfinite is None:
             nonfinite = any(a.nonfinite for a in args)
@@ -209,6 +224,8 @@ class Generator:
         self.ops.append({"out": name, "expr": expr, "args": [a.name for a in args],
                          "shape": list(shape), "dtype": dtype, "family": family,
                          "hint": hint, "precision": precision})
+        if variants:
+            self.ops[-1]["variants"] = variants
         self.used.update(a.name for a in args)
         t = Tensor(name, shape, dtype, rounded or any(a.rounded for a in args), nonfinite,
                    precision)
@@ -878,6 +895,133 @@ class Generator:
             return
         self.emit(f"tf.broadcast_to({{0}}, {shape})", [x], shape, x.dtype, family="broadcast")
 
+    # ------------------------------------------------------------ roll, while, cond
+    def op_roll(self):
+        """tf.roll with constant shifts (negative, or past the dim) on one or more axes."""
+        x = self.operand(lambda t: any(t.shape),
+                         lambda: self.new_input(self.shape(), self.any_dtype()))
+        dims = [d for d, n in enumerate(x.shape) if n > 0]
+        if not dims:
+            return
+        k = int(self.rng.integers(1, min(3, len(dims)) + 1))
+        axes = [int(d) for d in self.rng.choice(dims, k, replace=False)]
+        shifts = [int(self.rng.integers(-2 * x.shape[d] - 1, 2 * x.shape[d] + 2))
+                  for d in axes]
+        axes = [d - x.rank if self.chance(0.3) else d for d in axes]
+        if k == 1 and self.chance(0.5):
+            expr = f"tf.roll({{0}}, {shifts[0]}, axis={axes[0]})"
+        else:
+            expr = f"tf.roll({{0}}, shift={shifts}, axis={axes})"
+        self.emit(expr, [x], x.shape, x.dtype, family="roll")
+
+    def captured(self, shape, dtype, args):
+        """A program tensor of `shape` and `dtype` (an existing one or a new input) used
+        inside a body: appended to args, returned as its placeholder."""
+        same = [t for t in self.tensors if t.shape == list(shape) and t.dtype == dtype]
+        t = self.pick(same) if same and self.chance(0.5) else self.new_input(shape, dtype)
+        args.append(t)
+        return f"{{{len(args) - 1}}}"
+
+    def body_step(self, v, shape, dtype, args, partners):
+        """One shape-preserving step of a while body or cond branch applied to the text
+        `v` (a value of `shape` and `dtype`): (text, whether it sums). partners: other
+        texts of that shape and dtype in scope; captured tensors are appended to args."""
+        kinds = ["unary", "binary", "reduce", "roll"] + (["matmul"] if len(shape) >= 2 else [])
+        kind = self.pick(kinds)
+        if kind == "unary":
+            return self.pick(BODY_UNARY).format(v=v), False
+        if kind == "binary":
+            other = self.pick(partners) if partners and self.chance(0.6) else \
+                self.captured(shape, dtype, args)
+            return f"{self.pick(BODY_BINARY)}({v}, {other})", False
+        if kind == "matmul":  # scaled by 1/4 (exactly) so a few iterations stay bounded
+            w = self.captured([shape[-1], shape[-1]], dtype, args)
+            return f"tf.matmul({v}, {w}) * 0.25", True
+        axis = int(self.rng.integers(len(shape)))
+        if kind == "roll":
+            n = shape[axis]
+            return f"tf.roll({v}, {int(self.rng.integers(-2 * n - 1, 2 * n + 2))}, " \
+                f"axis={axis})", False
+        fn = self.pick(["reduce_mean", "reduce_max", "reduce_sum"])
+        return (f"{v} * 0.5 - tf.{fn}({v}, axis={axis}, keepdims=True) * 0.25",
+                fn != "reduce_max")
+
+    def op_while(self):
+        """tf.while_loop with a fixed trip count over 1-2 carried tensors of fixed shape,
+        1-3 body steps, optionally a TensorArray of a per-iteration value, stacked."""
+        x = self.operand(lambda t: t.is_float and 1 <= t.rank <= 3 and t.size <= 96,
+                         lambda: self.new_input(self.shape(int(self.rng.integers(1, 4))),
+                                                self.float_dtype()))
+        if not (x.is_float and 1 <= x.rank <= 3 and x.size <= 96):
+            return
+        args = [x]
+        if self.chance(0.4):
+            self.captured(x.shape, x.dtype, args)
+        names = [f"c{k}_" for k in range(len(args))]
+        counter = f"tf.cast(i_, tf.{x.dtype})"
+        chains = [[name] for name in names]  # each carried value after each body step
+        rounded = False
+        for _ in range(int(self.rng.integers(1, 4))):
+            j = int(self.rng.integers(len(names)))
+            partners = [n for n in names if n != names[j]] + [counter]
+            text, sums = self.body_step(chains[j][-1], x.shape, x.dtype, args, partners)
+            chains[j].append(text)
+            rounded = rounded or sums
+        array = None
+        if self.chance(0.35):
+            array = self.pick(["{}", "tf.reduce_sum({}, axis=0)", "{} * " + counter])
+        result = len(names) if array else int(self.rng.integers(len(names)))
+        trips = int(self.rng.integers(1, 5))
+
+        def render(trips, news):
+            params = ", ".join(["i_"] + names + (["ta_"] if array else []))
+            new = ["i_ + 1"] + news + ([f"ta_.write(i_, {array.format(news[0])})"]
+                                       if array else [])
+            init = ["tf.constant(0)"] + [f"{{{k}}}" for k in range(len(names))] + (
+                [f"tf.TensorArray(tf.{x.dtype}, size={trips})"] if array else [])
+            loop = (f"tf.while_loop(lambda {params}: i_ < {trips}, lambda {params}: "
+                    f"({', '.join(new)}), ({', '.join(init)}))[{result + 1}]")
+            return loop + ".stack()" if array else loop
+
+        def shape(trips):
+            if not array:
+                return list(x.shape)
+            element = x.shape[1:] if "reduce_sum" in array else x.shape
+            return [trips] + list(element)
+
+        news = [chain[-1] for chain in chains]
+        simpler = [(1, news)] + [(trips, news[:j] + [chain[-2]] + news[j + 1:])
+                                 for j, chain in enumerate(chains) if len(chain) > 1]
+        variants = [{"expr": render(t, n), "args": [a.name for a in args], "shape": shape(t)}
+                    for t, n in simpler if (t, n) != (trips, news)]
+        self.emit(render(trips, news), args, shape(trips), x.dtype, rounded=rounded,
+                  family="while", variants=variants)
+
+    def op_cond(self):
+        """tf.cond on a data-dependent scalar predicate with two drawn branches of x's
+        shape and dtype."""
+        x = self.operand(lambda t: t.is_float and t.rank >= 1,
+                         lambda: self.new_input(self.shape(), self.float_dtype()))
+        args = [x]
+        p = x if self.chance(0.5) else self.operand()
+        if p is not x:
+            args.append(p)
+        # a max is exact in any order; a sum of a tensor that already went through sums
+        # could round to the other side of 0 when partitioned
+        fn = "reduce_max" if p.rounded or self.chance(0.3) else "reduce_sum"
+        pred = f"tf.{fn}(tf.cast({{{len(args) - 1}}}, tf.float32)) > 0"
+        branches, rounded = [], False
+        for _ in range(2):
+            text = "{0}"
+            for _ in range(int(self.rng.integers(1, 3))):
+                text, sums = self.body_step(text, x.shape, x.dtype, args, [])
+                rounded = rounded or sums
+            branches.append(text)
+        names = [a.name for a in args]
+        variants = [{"expr": b, "args": names, "shape": x.shape} for b in branches]
+        self.emit(f"tf.cond({pred}, lambda: {branches[0]}, lambda: {branches[1]})", args,
+                  x.shape, x.dtype, rounded=rounded, family="cond", variants=variants)
+
     def op_no_rule(self):
         x = self.operand(lambda t: t.rank >= 1 and t.dtype in ("float32", "int32"))
         if x is None:
@@ -894,21 +1038,25 @@ def _is_index(item):
 
 
 def generate(seed, index, ops=(2, 12), families=None, grad_prob=0.15, meshes=None,
-             zero_prob=0.04, variable_prob=0.1, volume_prob=0.25):
+             zero_prob=0.04, variable_prob=0.1, volume_prob=0.25, control_flow_prob=0.2):
     """Program number `index` of the run with `seed` (independent of every other).
 
     ops: (min, max) number of ops; families: op families to draw from (None: all);
     meshes: mesh shapes to draw from (None: MESHES); zero_prob: chance of a 0 in each
     drawn dim (slices may still empty a dim); variable_prob: chance that the program
     reads and updates variables (drawn apart, so the other programs stay the same);
-    volume_prob: chance that its conv and pool ops are 3-D (drawn apart too)."""
+    volume_prob: chance that its conv and pool ops are 3-D (drawn apart too);
+    control_flow_prob: chance that it may also draw the roll, while and cond families
+    (drawn apart too; always when `families` names one of them)."""
     rng = np.random.default_rng([seed, index])
     variables = np.random.default_rng([seed, index, 1]).random() < variable_prob
     volumes = np.random.default_rng([seed, index, 2]).random() < volume_prob
+    control_flow = (np.random.default_rng([seed, index, 3]).random() < control_flow_prob
+                    or bool(families and set(families) & set(CONTROL_FLOW_FAMILIES)))
     # short programs are cheaper and shrink faster; long ones still come up often
     num_ops = min(ops[1], ops[0] + int(rng.geometric(1 / (1 + (ops[1] - ops[0]) / 3))) - 1)
     return Generator(rng, num_ops, families, grad_prob, meshes, zero_prob,
-                     variables, volumes).program()
+                     variables, volumes, control_flow).program()
 
 
 # ---------------------------------------------------------------------- rendering
@@ -1105,7 +1253,7 @@ def describe(program):
 
 def all_families():
     """Every op family the generator knows."""
-    return list(FAMILIES)
+    return list(FAMILIES) + list(CONTROL_FLOW_FAMILIES)
 
 
 __all__ = ["generate", "source", "snippet", "describe", "all_families", "spec_source",

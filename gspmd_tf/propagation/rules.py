@@ -840,7 +840,8 @@ def roll(ctx):
         return per_dim(ctx, set(axes))
     net = {}
     for a, s in zip(axes, np.broadcast_to(np.atleast_1d(shift), (len(axes),))):
-        net[a] = (net.get(a, 0) + int(s)) % x[a]
+        # an empty dim has nothing to roll (TF accepts any shift of it)
+        net[a] = (net.get(a, 0) + int(s)) % x[a] if x[a] else 0
     rule = per_dim(ctx, set())
     rule.params = RollParams(tuple(sorted((a, s) for a, s in net.items() if s)))
     return rule
