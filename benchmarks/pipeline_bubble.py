@@ -52,8 +52,6 @@ D_FF = flags.DEFINE_integer("d_ff", 512, "hidden width")
 REPEATS = flags.DEFINE_integer("repeats", 7, "timed rounds (one call per M each)")
 WARMUP = flags.DEFINE_integer("warmup", 2, "untimed calls per M first")
 TRAIN_STEPS = flags.DEFINE_integer("train_steps", 0, "Transformer SGD steps (0: skip)")
-UNROLL = flags.DEFINE_bool("unroll", False, "gt.pipeline(unroll=True): straight-line "
-                           "iterations instead of one tf.while_loop")
 
 
 def stage(w, x):
@@ -69,7 +67,7 @@ def _step_fn(gt, tf, mesh, microbatch_spec):
         with tf.GradientTape() as tape:
             tape.watch([w1, w2])
             y = gt.pipeline(stage, {"w1": w1, "w2": w2}, x, mesh=mesh,
-                            microbatch_spec=microbatch_spec, unroll=UNROLL.value)
+                            microbatch_spec=microbatch_spec)
             loss = tf.reduce_mean(tf.square(y))
         grads = tape.gradient(loss, [w1, w2])
         return loss, tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])

@@ -14,7 +14,6 @@ The schedule is one tf.while_loop over the M + S - 1 iterations (`_iteration` is
 body): partitioned control flow partitions the body once, so the program does not grow
 with M, and the shift is a collective-permute inside the body, run on every iteration.
 Each iteration's buffer is written to a TensorArray (a list of stage-split elements).
-`unroll=True` traces the iterations as straight-line code instead (same `_iteration`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from gspmd_tf.mesh import P
 
 
 def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="stage",
-             microbatch_spec=None, vectorize=True, unroll=False):
+             microbatch_spec=None, vectorize=True):
     """Run `stage_fn` as an S-stage pipeline over M microbatches (GPipe schedule).
 
     Equal to the unpipelined model `for s in range(S): x = stage_fn(params[s], x)` applied
@@ -55,9 +54,6 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="sta
       microbatch_spec: the PartitionSpec of one microbatch [b, ...], e.g. P("data")
         (default: not split).
       vectorize: whether to vectorize stage_fn over the stage dim (tf.vectorized_map).
-      unroll: trace the M + S - 1 iterations as straight-line code instead of one
-        tf.while_loop: a program that grows with M (slower first call) but, on TF's CPU
-        runtime, a faster step (docs/INTERNALS.md, "Pipeline parallelism").
 
     Returns:
       A tensor [M, b, ...]: the last stage's output for each microbatch.
@@ -83,27 +79,18 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="sta
     drain = tf.zeros([num_stages - 1] + shape[1:], microbatches.dtype)
     feeds = tf.concat([microbatches, drain], 0)
 
-    state = annotate(tf.zeros(shape, microbatches.dtype))
-    if unroll:
-        states = []
-        for t in range(iterations):
-            state = _iteration(run_stages, params, state, feeds[t], first_stage, annotate)
-            states.append(state)
-        states = tf.stack(states)
-    else:
-        def body(t, state, states):
-            state = _iteration(run_stages, params, state, tf.gather(feeds, t),
-                               first_stage, annotate)
-            return t + 1, state, states.write(t, state)
+    def body(t, state, states):
+        state = _iteration(run_stages, params, state, tf.gather(feeds, t), first_stage,
+                           annotate)
+        return t + 1, state, states.write(t, state)
 
-        _, _, states = tf.while_loop(
-            lambda t, *_: t < iterations, body,
-            (tf.constant(0), state,
-             tf.TensorArray(microbatches.dtype, size=iterations, element_shape=shape)),
-            maximum_iterations=iterations)
-        states = states.stack()
+    _, _, states = tf.while_loop(
+        lambda t, *_: t < iterations, body,
+        (tf.constant(0), annotate(tf.zeros(shape, microbatches.dtype)),
+         tf.TensorArray(microbatches.dtype, size=iterations, element_shape=shape)),
+        maximum_iterations=iterations)
     # the last stage holds microbatch t - (S - 1) after iteration t
-    return _last_stage(states[num_stages - 1:], num_stages)
+    return _last_stage(states.stack()[num_stages - 1:], num_stages)
 
 
 def _iteration(run_stages, params, state, feed, first_stage, annotate):

@@ -116,19 +116,6 @@ def test_forward_is_one_loop_with_one_permute_in_its_body():
     assert _body_collectives(loop) == [("gt.Permute", (1, BATCH, D))], low.report()
 
 
-def test_unrolled_schedule_has_one_permute_per_iteration():
-    args = _args(np.random.default_rng(8))
-    run = loss_and_grads(lambda p, x: gt.pipeline(mlp_stage, p, x, mesh=_LINE, unroll=True))
-    f = gt.function(run, mesh=_LINE, in_shardings=(P("stage"),) * 3 + (P(),))
-    _assert_equal_to_sequential([t.numpy() for t in f(*args)], args)
-    low = f.lower(*args)
-    assert not _loops(low) and not low.program.replicated_ops
-    permutes = [shape for kind, shape in _collectives(low) if kind == "collective-permute"]
-    # M + S - 1 shifts forward, M + S - 2 backward (the first roll, of zeros, has none)
-    assert permutes == [(1, BATCH, D)] * (2 * (MICROBATCHES + STAGES) - 3), low.report()
-    assert "all-gather" not in [kind for kind, _ in _collectives(low)], low.report()
-
-
 def test_backward_loop_shifts_with_one_permute_and_keeps_lists_split():
     # TF's gradient of the while loop is a second loop reading the forward loop's
     # TensorList accumulators: they hold each device's own stage (element [1, ...])
