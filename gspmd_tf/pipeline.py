@@ -10,9 +10,10 @@ microbatch has passed all stages; the last stage's outputs are collected and red
 of the stage dim once, at the end. Gradients are TF's through the same program, so the
 backward pass is the reversed pipeline (the rolls' gradients are rolls the other way).
 
-The schedule is an unrolled Python loop in the traced function: a tf.while_loop body
-runs replicated until control flow is partitioned (issue 8, item 1). `_iteration` is the
-loop body either way; a while_loop form would carry (state, outputs) through it.
+The schedule is one tf.while_loop over the M + S - 1 iterations (`_iteration` is its
+body): partitioned control flow partitions the body once, so the program does not grow
+with M, and the shift is a collective-permute inside the body, run on every iteration.
+Each iteration's buffer is written to a TensorArray (a list of stage-split elements).
 """
 
 from __future__ import annotations
@@ -73,14 +74,23 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="sta
     run_stages = _vectorized(stage_fn) if vectorize else stage_fn
     shape = [num_stages] + microbatches.shape[1:].as_list()
     first_stage = tf.reshape(tf.range(num_stages) == 0, [num_stages] + [1] * (len(shape) - 1))
-    state = tf.zeros(shape, microbatches.dtype)
-    outputs = []
-    for t in range(num_microbatches + num_stages - 1):
-        feed = microbatches[t] if t < num_microbatches else tf.zeros_like(microbatches[0])
-        state = _iteration(run_stages, params, state, feed, first_stage, annotate)
-        if t >= num_stages - 1:
-            outputs.append(state)  # the last stage now holds microbatch t - (S - 1)
-    return _last_stage(tf.stack(outputs), num_stages)
+    iterations = num_microbatches + num_stages - 1
+    # the S - 1 drain iterations feed zeros: microbatch t is row t of the padded feed
+    drain = tf.zeros([num_stages - 1] + shape[1:], microbatches.dtype)
+    feeds = tf.concat([microbatches, drain], 0)
+
+    def body(t, state, states):
+        state = _iteration(run_stages, params, state, tf.gather(feeds, t), first_stage,
+                           annotate)
+        return t + 1, state, states.write(t, state)
+
+    _, _, states = tf.while_loop(
+        lambda t, *_: t < iterations, body,
+        (tf.constant(0), annotate(tf.zeros(shape, microbatches.dtype)),
+         tf.TensorArray(microbatches.dtype, size=iterations, element_shape=shape)),
+        maximum_iterations=iterations)
+    # the last stage holds microbatch t - (S - 1) after iteration t
+    return _last_stage(states.stack()[num_stages - 1:], num_stages)
 
 
 def _iteration(run_stages, params, state, feed, first_stage, annotate):

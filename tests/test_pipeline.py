@@ -12,6 +12,8 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
+from gspmd_tf.graph.ir import walk
+from gspmd_tf.spmd.program import COLLECTIVES
 from util import assert_close, randn, single_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -94,14 +96,39 @@ def test_stage_mesh_values_and_one_permute_per_shift():
     assert kinds.count("all-reduce") == 1, low.report()
 
 
-def test_forward_has_exactly_one_permute_per_iteration():
+def _loops(low):
+    return [n for n in low.program.graph.nodes if n.regions]
+
+
+def _body_collectives(loop):
+    return [(n.op, tuple(n.out_shapes[0])) for region in loop.regions
+            for n in walk(region) if n.op in COLLECTIVES]
+
+
+def test_forward_is_one_loop_with_one_permute_in_its_body():
     args = _args(np.random.default_rng(2))
     low = gt.lower(lambda w1, b1, w2, x: gt.pipeline(mlp_stage, dict(w1=w1, b1=b1, w2=w2),
                                                       x, mesh=_LINE),
                    _LINE, (P("stage"),) * 3 + (P(),), args=args)
-    assert _collectives(low) == (
-        [("collective-permute", (1, BATCH, D))] * (MICROBATCHES + STAGES - 1)
-        + [("all-reduce", (MICROBATCHES, BATCH, D))]), low.report()
+    assert _collectives(low) == [("collective-permute", (1, BATCH, D)),
+                                 ("all-reduce", (MICROBATCHES, BATCH, D))], low.report()
+    [loop] = _loops(low)
+    assert _body_collectives(loop) == [("gt.Permute", (1, BATCH, D))], low.report()
+
+
+def test_backward_loop_shifts_with_one_permute_and_keeps_lists_split():
+    # TF's gradient of the while loop is a second loop reading the forward loop's
+    # TensorList accumulators: they hold each device's own stage (element [1, ...])
+    args = _args(np.random.default_rng(7))
+    run = loss_and_grads(lambda p, x: gt.pipeline(mlp_stage, p, x, mesh=_LINE))
+    low = gt.lower(run, _LINE, (P("stage"),) * 3 + (P(),), args=args)
+    loops = _loops(low)
+    assert len(loops) == 2, low.report()
+    for loop in loops:
+        assert _body_collectives(loop) == [("gt.Permute", (1, BATCH, D))], low.report()
+    lists = [n for n in walk(low.program.graph)
+             if n.op in ("EmptyTensorList", "TensorListReserve") and n.out_shapes[0]]
+    assert lists and all(n.out_shapes[0][0] == 1 for n in lists), low.report()
 
 
 def test_3d_mesh_with_data_and_model_splits():

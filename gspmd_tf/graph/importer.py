@@ -249,6 +249,12 @@ class _Body:
     def __init__(self, graph_def, arg_names, feeds, return_names, control_names=()):
         arg_ops = {name.split(":")[0] for name in arg_names}
         kept = [node for node in graph_def.node if node.name not in arg_ops]
+        for node in kept:
+            # Colocation with nodes outside the body (a while gradient's body colocates
+            # a GatherV2 gradient's Shape with the forward graph's params) would fail the
+            # import; placement is the backend's anyway.
+            if "_class" in node.attr:
+                del node.attr["_class"]
         del graph_def.node[:]
         graph_def.node.extend(kept)
         # import_graph_def rejects mappings of tensors that are neither in graph_def nor
