@@ -120,3 +120,23 @@ def test_prod_over_split_dims_does_not_underflow_to_nan():
     want = tf.reduce_prod(x, axis=[0, 1, 2], keepdims=True).numpy()
     assert np.isneginf(want).all() and np.isneginf(np.prod(x.astype(np.float64)))
     np.testing.assert_array_equal(prod(x).numpy(), want)
+
+
+@pytest.mark.parametrize("mesh_shape, spec", [((1, 1), P()), ((2, 1), P(None, "a"))])
+def test_depthwise_conv_with_a_cut_window_feeding_bias_add(mesh_shape, spec):
+    """A strided one-window dim of a depthwise conv is cut to its window, which needs
+    explicit padding on the other dim; TF's graph optimizer aborts the process on a
+    DepthwiseConv2dNative with EXPLICIT padding feeding a BiasAdd (seed 22 #2960,
+    #9704), so the padding is a PadV2 of the input and the conv runs VALID."""
+    rng = np.random.default_rng(2960)
+    x = rng.standard_normal((2, 3, 4, 3)).astype(np.float32)
+    w = rng.standard_normal((1, 2, 3, 2)).astype(np.float32)
+    bias = rng.standard_normal((6,)).astype(np.float32)
+    mesh = gt.Mesh.create(mesh_shape, ("a", "b"))
+
+    def f(x, w, bias):
+        y = tf.nn.depthwise_conv2d(x, w, strides=[1, 3, 3, 1], padding="SAME")
+        return tf.nn.bias_add(y, bias)
+
+    got = gt.function(f, mesh=mesh, in_shardings=(spec, P(), P()))(x, w, bias)
+    np.testing.assert_allclose(got.numpy(), f(x, w, bias).numpy(), rtol=1e-5, atol=1e-6)
