@@ -60,14 +60,16 @@ def block(w, x, heads=2):
                          w["w2"])
 
 
-def sequential(stage_params, microbatches):
-    """The unpipelined model: every microbatch through the S blocks in order."""
+def sequential(stage_params, microbatches, stage_fn=None):
+    """The unpipelined model: every microbatch through the S stages in order, each
+    `stage_fn(params of one stage, x)` (default: this module's Transformer block)."""
+    stage_fn = stage_fn or block
     stages = tf.nest.flatten(stage_params)[0].shape[0]
     outputs = []
     for m in range(microbatches.shape[0]):
         x = microbatches[m]
         for s in range(stages):
-            x = block(tf.nest.map_structure(lambda p: p[s], stage_params), x)
+            x = stage_fn(tf.nest.map_structure(lambda p: p[s], stage_params), x)
         outputs.append(x)
     return tf.stack(outputs)
 

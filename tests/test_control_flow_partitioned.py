@@ -8,7 +8,8 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.graph.ir import walk
-from util import assert_close, randn, single_device, tensor_lists
+from util import assert_close, randn, single_device
+from util import run_and_compare as run, tensor_lists
 
 P = gt.P
 
@@ -17,20 +18,6 @@ P = gt.P
 def xw():
     rng = np.random.default_rng(11)
     return randn(rng, 8, 16), randn(rng, 16, 16) / 4
-
-
-def run(fn, args, mesh, specs, out_specs=None, caplog=None):
-    """fn partitioned and on one device: equal values; returns (Lowered, warnings)."""
-    f = gt.function(fn, mesh=mesh, in_shardings=specs, out_shardings=out_specs)
-    if caplog is not None:
-        caplog.set_level("WARNING", logger="gspmd_tf")
-    got = tf.nest.flatten(f(*args))
-    want = single_device(fn, args)
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert_close(g.numpy(), w, f"output {i}")
-    warnings = [r.getMessage() for r in caplog.records] if caplog is not None else []
-    return f.lower(*args), warnings
 
 
 def region_op(low, op_types):

@@ -35,18 +35,6 @@ def mlp_params(rng, stages=STAGES):
             "w2": randn(rng, stages, F, D) * 0.3}
 
 
-def sequential(stage_fn, params, microbatches):
-    """The unpipelined model: each microbatch through the stages in order."""
-    stages = tf.nest.flatten(params)[0].shape[0]
-    outputs = []
-    for m in range(microbatches.shape[0]):
-        x = microbatches[m]
-        for s in range(stages):
-            x = stage_fn(tf.nest.map_structure(lambda p: p[s], params), x)
-        outputs.append(x)
-    return tf.stack(outputs)
-
-
 def loss_and_grads(run):
     """f(w1, b1, w2, x) -> (y, dloss/dw1, dloss/db1, dloss/dw2) of loss = sum(y * y)."""
     def f(w1, b1, w2, x):
@@ -65,7 +53,8 @@ def _args(rng, stages=STAGES):
 
 
 def _assert_equal_to_sequential(got, args):
-    want = single_device(loss_and_grads(lambda p, x: sequential(mlp_stage, p, x)), args)
+    unpipelined = lambda p, x: pipeline_model.sequential(p, x, mlp_stage)  # noqa: E731
+    want = single_device(loss_and_grads(unpipelined), args)
     for name, g, w in zip(["output", "dw1", "db1", "dw2"], got, want):
         assert_close(np.asarray(g), w, name)
 

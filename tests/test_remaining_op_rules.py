@@ -9,20 +9,9 @@ import tensorflow as tf
 import gspmd_tf as gt
 from gspmd_tf.graph.ir import walk
 from util import assert_close, randn, single_device
+from util import run_and_compare as run
 
 P = gt.P
-
-
-def run(fn, args, mesh, specs, caplog):
-    """fn partitioned and on one device: equal values; returns (Lowered, warnings)."""
-    f = gt.function(fn, mesh=mesh, in_shardings=specs)
-    caplog.set_level("WARNING", logger="gspmd_tf")
-    got = tf.nest.flatten(f(*args))
-    want = single_device(fn, args)
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert_close(g.numpy(), w, f"output {i}")
-    return f.lower(*args), [r.getMessage() for r in caplog.records]
 
 
 def gather_scatter(x, w):
@@ -44,7 +33,7 @@ def test_tensor_array_gather_and_scatter_on_split_elements(mesh, caplog):
     rng = np.random.default_rng(5)
     args = (randn(rng, 3, 8, 16), randn(rng, 16, 16) / 4)
     low, warnings = run(gather_scatter, args, mesh, (P(None, "data"), P(None, "model")),
-                        caplog)
+                        caplog=caplog)
     assert not warnings, warnings
     ops = {n.op for n in walk(low.program.graph)}
     assert {"TensorListGather", "TensorListScatterIntoExistingList"} <= ops
@@ -63,7 +52,7 @@ def test_gradient_of_gather_and_scatter(mesh, caplog):
 
     rng = np.random.default_rng(6)
     args = (randn(rng, 3, 8, 16), randn(rng, 16, 16) / 4)
-    low, warnings = run(grad, args, mesh, (P(None, "data"), P(None, "model")), caplog)
+    low, warnings = run(grad, args, mesh, (P(None, "data"), P(None, "model")), caplog=caplog)
     assert not warnings, warnings
     ops = {n.op for n in walk(low.program.graph)}
     assert {"TensorListGather", "TensorListScatterIntoExistingList",
@@ -79,7 +68,8 @@ def test_raw_scatter_v1_and_gather(mesh, caplog):
                                                element_dtype=tf.float32)
 
     rng = np.random.default_rng(7)
-    low, warnings = run(fn, (randn(rng, 3, 4, 6),), mesh, (P(None, "data", "model"),), caplog)
+    low, warnings = run(fn, (randn(rng, 3, 4, 6),), mesh, (P(None, "data", "model"),),
+                        caplog=caplog)
     assert not warnings, warnings
     assert low.collectives() == []
 
@@ -105,7 +95,8 @@ def test_element_shape_is_the_declared_one(mesh, caplog):
                                                         element_shape=[4, 6])])
 
     rng = np.random.default_rng(8)
-    low, warnings = run(fn, (randn(rng, 3, 4, 6),), mesh, (P(None, "data", "model"),), caplog)
+    low, warnings = run(fn, (randn(rng, 3, 4, 6),), mesh, (P(None, "data", "model"),),
+                        caplog=caplog)
     assert not warnings, warnings
     assert single_device(fn, (np.zeros((3, 4, 6), np.float32),))[0].tolist() == [-1, 6]
 

@@ -83,3 +83,18 @@ def tensor_lists(x, item):
             list_ops.tensor_list_stack(empty, tf.float32, num_elements=1),
             list_ops.tensor_list_stack(list_ops.tensor_list_set_item(reserved, 0, item),
                                        tf.float32, num_elements=3))
+
+
+def run_and_compare(fn, args, mesh, specs, out_specs=None, caplog=None):
+    """fn partitioned on `mesh` and on one device: equal values (assert_close per
+    output); returns (Lowered, the gspmd_tf warnings logged, when `caplog` is given)."""
+    f = gt.function(fn, mesh=mesh, in_shardings=specs, out_shardings=out_specs)
+    if caplog is not None:
+        caplog.set_level("WARNING", logger="gspmd_tf")
+    got = tf.nest.flatten(f(*args))
+    want = single_device(fn, args)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g.numpy(), w, f"output {i}")
+    warnings = [r.getMessage() for r in caplog.records] if caplog is not None else []
+    return f.lower(*args), warnings
