@@ -148,3 +148,17 @@ def test_unseeded_stateful_random_ops_agree_across_devices(mesh, caplog):
         np.testing.assert_array_equal(shard.numpy(), whole.shards[0].numpy())
     assert np.std(whole.numpy()) > 0.5  # a real draw, not zeros
     assert not [r.getMessage() for r in caplog.records]
+
+
+def test_einsum_with_ellipsis_and_erf_keep_their_splits(mesh, caplog):
+    """Issue 8's list: Einsum with an ellipsis and Erf partition by their rules (the
+    ellipsis dims are batch dims), nothing replicated, values equal single device."""
+    rng = np.random.default_rng(8)
+
+    def fn(x, w):
+        return tf.math.erf(tf.einsum("...d,df->...f", x, w))
+    low, warnings = run(fn, (randn(rng, 4, 6, 8), randn(rng, 8, 12)), mesh,
+                        (P("data"), P(None, "model")), caplog=caplog)
+    assert not warnings, warnings
+    assert not low.program.replicated_ops
+    assert low.output_shardings[0] == gt.Sharding.from_spec(mesh, P("data", None, "model"), 3)
