@@ -140,3 +140,18 @@ def test_depthwise_conv_with_a_cut_window_feeding_bias_add(mesh_shape, spec):
 
     got = gt.function(f, mesh=mesh, in_shardings=(spec, P(), P()))(x, w, bias)
     np.testing.assert_allclose(got.numpy(), f(x, w, bias).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_grappler_arithmetic_optimizer_does_not_rewrite_the_program():
+    """TF's arithmetic optimizer rewrites tf.maximum(x, tf.add_n([x, x])) into a wrong
+    value (x where x > 0) in a tf.function; the SPMD program is called with it off
+    (fuzzer seed 24 #2965, seed 47 #129)."""
+    mesh = gt.Mesh.create((1, 1, 1), ("data", "model", "pipe"))
+    x = np.random.default_rng(16535736).standard_normal((4,)).astype(np.float32)
+
+    def f(x):
+        doubled = gt.mesh_split(tf.add_n([x, x]), mesh, P(None))
+        return tf.maximum(x, doubled)
+
+    got = gt.function(f, mesh=mesh, in_shardings=(P(None),))(x)
+    np.testing.assert_array_equal(got.numpy(), np.maximum(x, x + x))

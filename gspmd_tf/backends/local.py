@@ -10,13 +10,13 @@ included: see _Lowering._region_op).
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 
 import tensorflow as tf
 from tensorflow.python.eager import context, execute
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.framework import func_graph as func_graph_module
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util_v2
@@ -173,11 +173,30 @@ class _Compiled:
         """Runs the traced function, under the call's CancellationManager if guarded."""
         ctx = context.context()
         name = self.function.name.decode()
-        attrs = tuple(itertools.chain(*ctx.function_call_options.as_attrs().items()))
+        attrs = _call_attrs(ctx.function_call_options)
         if call is None:
             return execute.execute(name, self.num_outputs, inputs, attrs, ctx)
         return execute.execute_with_cancellation(name, self.num_outputs, inputs, attrs, ctx,
                                                  call.manager)
+
+
+def _call_attrs(options):
+    """The function call attrs of `options` (the context's) with grappler's arithmetic
+    optimizer off: on the SPMD program, where annotations no longer separate the ops, it
+    rewrites tf.maximum(x, tf.add_n([x, x])) into a wrong value (x where x > 0; fuzzer
+    seed 24 #2965, seed 47 #129; a single-device tf.function of the same ops is wrong
+    too) and ArgMax(Sign(x)) into ArgMax(x)."""
+    key = (options.config_proto_serialized, options.executor_type or "")
+    if key not in _CALL_ATTRS:
+        config = config_pb2.ConfigProto.FromString(key[0])
+        config.graph_options.rewrite_options.arithmetic_optimization = \
+            rewriter_config_pb2.RewriterConfig.OFF
+        _CALL_ATTRS[key] = ("executor_type", key[1],
+                            "config_proto", config.SerializeToString())
+    return _CALL_ATTRS[key]
+
+
+_CALL_ATTRS = {}  # (the context's serialized ConfigProto, executor type) -> call attrs
 
 
 def traced_region_op(node, operands):
