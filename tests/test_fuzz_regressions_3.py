@@ -155,3 +155,16 @@ def test_grappler_arithmetic_optimizer_does_not_rewrite_the_program():
 
     got = gt.function(f, mesh=mesh, in_shardings=(P(None),))(x)
     np.testing.assert_array_equal(got.numpy(), np.maximum(x, x + x))
+
+
+def test_reshape_to_an_annotated_split_of_an_empty_tensor():
+    """Re-blocking a merged dim of no elements moves nothing (ZeroDivisionError in
+    reshard.reblock_windows: fuzzer seed 24 #944)."""
+    mesh = gt.Mesh.create((2,), ("data",))
+    x = np.zeros((0,), np.float32)
+
+    def f(x):
+        return gt.mesh_split(tf.reshape(x, [3, 0, 2, 3]), mesh, P("data"))
+
+    got = gt.function(f, mesh=mesh, in_shardings=(P("data"),))(x)
+    assert got.numpy().shape == (3, 0, 2, 3)

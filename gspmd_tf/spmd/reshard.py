@@ -176,7 +176,10 @@ def reblock_windows(n, k, block_in, block_out):
     [s * block_in, (s + 1) * block_in), padding past n) becomes blocks of `block_out`:
     {distance: (lo, hi, pairs)}, where target shard i takes from source shard i - distance
     the elements it needs, all within the static window [lo, hi) of the source's block,
-    and `pairs` lists the (source, target) shard indices that need any."""
+    and `pairs` lists the (source, target) shard indices that need any. Empty blocks (a
+    dim of no elements) move nothing."""
+    if not block_in:
+        return {}
     windows = {}
     for i in range(k):
         start, stop = i * block_out, min(n, (i + 1) * block_out)
