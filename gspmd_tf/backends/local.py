@@ -185,7 +185,8 @@ def _call_attrs(options):
     optimizer off: on the SPMD program, where annotations no longer separate the ops, it
     rewrites tf.maximum(x, tf.add_n([x, x])) into a wrong value (x where x > 0; fuzzer
     seed 24 #2965, seed 47 #129; a single-device tf.function of the same ops is wrong
-    too) and ArgMax(Sign(x)) into ArgMax(x)."""
+    too) and ArgMax(Sign(x)) into ArgMax(x), another index where Sign ties (seed 21
+    #165)."""
     key = (options.config_proto_serialized, options.executor_type or "")
     if key not in _CALL_ATTRS:
         config = config_pb2.ConfigProto.FromString(key[0])

@@ -12,7 +12,7 @@ import tensorflow as tf
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
 from gspmd_tf.registry import declare, op_family
-from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
+from gspmd_tf.spmd.handlers.basic import local_shapes, replay
 from gspmd_tf.spmd.local_ops import (binary, cast, global_index, identity_of, mask_padding,
                                      reduce_last, select, shard_offset, unary)
 from gspmd_tf.spmd.program import Local
@@ -116,21 +116,14 @@ def arg_reduce(ctx, operands, layouts):
     (dtype.min for ArgMax, dtype.max for ArgMin); index 0 when nothing is a candidate.
 
     Each device takes its best candidate value and its global index; all devices agree on
-    the best value, then on the smallest index that holds it.
-
-    Over a whole dim the op is replayed on a Snapshot of its operand: grappler's
-    arithmetic optimizer rewrites ArgMax(f(x)) to ArgMax(x) for an elementwise monotonic
-    f with no other consumer, which changes the index where f ties (Sign, Floor, Ceil,
-    Rint, Relu; Log of negatives), so a tf.function differs from the eager kernel on one
-    device too (fuzzer, seed 21 #165). It does not look through a Snapshot."""
+    the best value, then on the smallest index that holds it. (Over a whole dim it is
+    replayed; grappler's rewrite of ArgMax(Sign(x)) into ArgMax(x), seed 21 #165, does
+    not run on the SPMD program: backends/local.py _call_attrs.)"""
     x = operands[0]
     axis, = ctx.rule.params.axes
     axes = x.layout.dims[axis]
     if not axes:
-        refs = masked_refs(ctx, operands)
-        local_x = x.layout.local_shape(ctx.mesh, x.shape)
-        refs[0] = ctx.b.op("Snapshot", [refs[0]], local_x, x.dtype, T=x.dtype)
-        return replay(ctx, operands, layouts, refs=refs)
+        return replay(ctx, operands, layouts)
     b = ctx.b
     node = ctx.node
     best = "max" if node.op == "ArgMax" else "min"
