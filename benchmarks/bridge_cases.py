@@ -75,6 +75,30 @@ def case_control_flow(gt, tf, rng):
     return loop, values, (gt.P("data"), None)
 
 
+def case_swap_axes(gt, tf, rng):
+    """x split P(data, model) constrained to P(model, data): the planner swaps the axes
+    through layouts with the mesh's devices in other orders (all-to-all, permute,
+    all-to-all; RESULTS section 7.1), which the annotated graph carries step by step."""
+    mesh = gt.Mesh.abstract(MESH_SHAPE, AXES)
+
+    def swap(x):
+        return gt.mesh_split(x * 2.0, mesh, gt.P("model", "data")) + 1.0
+    return swap, [rng.standard_normal((64, 256)).astype(np.float32)], (gt.P("data", "model"),)
+
+
+def case_partial_sum_to_batch_split(gt, tf, rng):
+    """einsum bsh,hm->bsm with h split over model and m over data, the result constrained
+    to P(data, None, model): the partial sum is reduce-scattered, permuted and
+    all-to-all'd (RESULTS section 7.1)."""
+    mesh = gt.Mesh.abstract(MESH_SHAPE, AXES)
+
+    def dot(a, b):
+        y = tf.einsum("bsh,hm->bsm", a, b)
+        return gt.mesh_split(y, mesh, gt.P("data", None, "model")) * 2.0
+    values = [rng.standard_normal(s).astype(np.float32) for s in ((2, 128, 64), (64, 256))]
+    return dot, values, (gt.P(None, None, "model"), gt.P("model", "data"))
+
+
 def case_transformer(gt, tf, rng):
     """The demo's 2-layer Transformer LM loss (embedding, attention, layer norm, MLP,
     cross entropy), Megatron annotations."""

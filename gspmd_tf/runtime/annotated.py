@@ -5,9 +5,15 @@ Instead of the per-device SPMD program, the imported graph (global shapes) is em
 again as TF ops, and every tensor it makes is followed by an XlaSharding op carrying the
 sharding propagation chose for it (TF's own xla_sharding annotation: the serialized
 OpSharding of gt.Sharding.from_layout). Where the partitioner resharded an operand before
-an op (SpmdProgram.operand_layouts), the op reads it through a second XlaSharding op with
-that layout, so XLA's partitioner reshards where ours did instead of choosing its own
-strategy for the op. Arguments that are placeholders of the graph being built also get
+an op (SpmdProgram.operand_layouts), the op reads it through XlaSharding ops with that
+layout, so XLA's partitioner reshards where ours did instead of choosing its own
+strategy for the op. Every reshard is annotated step by step: one XlaSharding op per
+layout the planner's plan passes through (spmd/planner.py; e.g. a dim split over
+(y, x), the mesh's devices in another order, between a reduce-scatter and an
+all-to-all), and an op whose results came out in other layouts than their own
+(SpmdProgram.result_layouts, e.g. a dot's partial sum reduce-scattered) is annotated
+with the first of them XLA can express, then the rest of the plan, so XLA moves what
+ours moves. Arguments that are placeholders of the graph being built also get
 the `_XlaSharding` attr, which TF's bridge turns into the HLO parameter's sharding.
 XLA's SPMD partitioner then partitions the program with our decisions, and XLA compiles
 it whole (see docs/INTERNALS.md, "TPU / XLA bridge").
@@ -23,6 +29,7 @@ from tensorflow.python.framework import ops
 from gspmd_tf.backends.local import safe_name, traced_region_op
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.sharding import Sharding
+from gspmd_tf.spmd import planner
 
 # Tensors that carry no array for XLA to split.
 _UNSHARDED_DTYPES = (tf.resource, tf.variant)
@@ -74,7 +81,7 @@ class AnnotatedGraph:
                 f"inputs (arguments, then captured variables), got {len(inputs)}")
         bound = {ref.node: tf.convert_to_tensor(x) for ref, x in zip(graph.inputs, inputs)}
         values, op_of = [], []
-        resharded = {}  # (ref, sharding) -> the tensor annotated with it
+        resharded = {}  # (ref, layout) -> the tensor annotated with it
         default_graph = ops.get_default_graph()
         for index, node in enumerate(graph.nodes):
             if index in bound:
@@ -94,15 +101,47 @@ class AnnotatedGraph:
                             node.op, operands, dtypes=node.out_dtypes, attrs=attrs,
                             name=safe_name(node.name))
                 op_of.append(op)
-                outs = [t if s is None else _annotate(t, s)
-                        for t, s in zip(op.outputs, self._shardings[index])]
+                outs = [self._result(index, k, t) for k, t in enumerate(op.outputs)]
             values.append(outs)
         return [values[r.node][r.out] for r in graph.outputs]
 
+    def _result(self, index, out, tensor):
+        """Output `out` of node `index` annotated: with its sharding, and first with the
+        layouts the partitioner's result went through to reach it, if any."""
+        sharding = self._shardings[index][out]
+        if sharding is None:
+            return tensor
+        computed = self.lowered.program.result_layouts.get(index)
+        target = self.lowered.propagation.layouts[index][out]
+        if self.operand_shardings and computed is not None and computed[out] != target:
+            node = self.lowered.graph.nodes[index]
+            layouts = self._path(computed[out], target, node.out_shapes[out],
+                                 node.out_dtypes[out])
+            if not computed[out].partial:
+                layouts.insert(0, computed[out])
+            for layout in layouts[:-1]:
+                tensor = _annotate(tensor, Sharding.from_layout(self.lowered.mesh, layout))
+        return _annotate(tensor, sharding)
+
+    def _path(self, src, dst, shape, dtype):
+        """The layouts a tensor passes through from Layout `src` to `dst` along the
+        planner's plan (the steps the partitioner emitted), `dst` last; partial ones
+        left out (an XLA sharding cannot say a sum is pending)."""
+        if src == dst:
+            return [dst]
+        layouts, layout = [], src
+        for step in planner.plan(src, dst, shape, dtype, self.lowered.mesh):
+            layout = step.apply(layout)
+            if not layout.partial:
+                layouts.append(layout)
+        return layouts
+
     def _operands(self, index, values, resharded):
         """The inputs of node `index`, each in the layout the partitioner resharded it
-        to when that differs from its own (an XlaSharding op on the edge)."""
-        node = self.lowered.graph.nodes[index]
+        to when that differs from its own (XlaSharding ops on the edge, one per layout
+        of the reshard's plan)."""
+        graph = self.lowered.graph
+        node = graph.nodes[index]
         tensors = [values[r.node][r.out] for r in node.inputs]
         layouts = self.lowered.program.operand_layouts.get(index)
         if not self.operand_shardings or layouts is None:
@@ -110,12 +149,15 @@ class AnnotatedGraph:
         own = self.lowered.propagation.layouts
         for k, (ref, layout) in enumerate(zip(node.inputs, layouts)):
             if (tensors[k].dtype in _UNSHARDED_DTYPES or layout == own[ref.node][ref.out]
-                    or self.lowered.graph.nodes[ref.node].op == "Const"):
+                    or graph.nodes[ref.node].op == "Const"):
                 continue
-            sharding = Sharding.from_layout(self.lowered.mesh, layout)
-            key = (ref, sharding)
+            key = (ref, layout)
             if key not in resharded:
-                resharded[key] = _annotate(tensors[k], sharding)
+                tensor = tensors[k]
+                for step in self._path(own[ref.node][ref.out], layout, graph.shape(ref),
+                                       graph.dtype(ref)):
+                    tensor = _annotate(tensor, Sharding.from_layout(self.lowered.mesh, step))
+                resharded[key] = tensor
             tensors[k] = resharded[key]
         return tensors
 

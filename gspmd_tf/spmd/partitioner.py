@@ -45,14 +45,16 @@ class SpmdProgram:
     """The partitioned program (dead code eliminated, small independent all-reduces
     combined) with its input/output layouts. `operand_layouts` maps the index of each
     op of the traced graph partitioned by its rule to the layouts its operands were
-    resharded to (the annotated global graph for XLA carries them, see
-    runtime/annotated.py)."""
+    resharded to, `result_layouts` the index of each op whose results came out of it in
+    other layouts than propagation's (e.g. partial sums) to those layouts (the annotated
+    global graph for XLA carries both, see runtime/annotated.py)."""
 
     graph: object
     input_layouts: list
     output_layouts: list
     replicated_ops: list
     operand_layouts: dict = field(default_factory=dict)
+    result_layouts: dict = field(default_factory=dict)
 
 
 class OpContext:
@@ -278,6 +280,7 @@ class Partitioner:
         # replicated op name -> (its partitioner, [(operand Ref, Layout) arrived split])
         self._lost_splits = parent._lost_splits if parent else {}
         self.operand_layouts = {}  # of this graph's ops (a region's are its own)
+        self.result_layouts = {}
 
     def decide(self, rule, inputs, targets, node):
         """The Decision for an op with `rule`, operands `inputs` (Locals) and result
@@ -344,7 +347,7 @@ class Partitioner:
         return SpmdProgram(combine_all_reduces(self.b.graph, live=live_nodes(self.b.graph)),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops,
-                           self.operand_layouts)
+                           self.operand_layouts, self.result_layouts)
 
     def partition_region(self, input_layouts, output_layouts):
         """The SPMD program (a Graph) of a region and its results' layouts: its
@@ -390,6 +393,9 @@ class Partitioner:
             else:
                 entry = op_def(node.op)
                 results = self._by_rule(ctx, replay if entry.replay else entry.emit)
+            if any(local.layout is not target and local.layout != target
+                   for local, target in zip(results, targets)):
+                self.result_layouts[index] = [local.layout for local in results]
             for k, (local, target) in enumerate(zip(results, targets)):
                 # a variable handle (e.g. one a loop hands through) points to this
                 # device's shard whatever layout propagation gave it, and a TensorList
