@@ -99,6 +99,25 @@ def case_partial_sum_to_batch_split(gt, tf, rng):
     return dot, values, (gt.P(None, None, "model"), gt.P("model", "data"))
 
 
+def case_train_step_variables(gt, tf, rng):
+    """One SGD step of the Megatron MLP whose weights are captured gt.Variables (W1
+    columns and W2 rows over model), batch over data: the variables enter the HLO as
+    sharded parameters and leave updated, sharded, after the loss. Returns a 4th item:
+    the variables' (initial value, spec); the function is built from the variables."""
+    def make_step(w1, w2):
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(tf.nn.relu(x @ w1) @ w2))
+            g1, g2 = tape.gradient(loss, [w1, w2])
+            w1.assign_sub(0.01 * g1)
+            w2.assign_sub(0.01 * g2)
+            return loss
+        return step
+    x, w1, w2 = (rng.standard_normal(s).astype(np.float32) for s in
+                 ((16, 32), (32, 64), (64, 32)))
+    return make_step, [x], (gt.P("data"),), [(w1, gt.P(None, "model")), (w2, gt.P("model"))]
+
+
 def case_transformer(gt, tf, rng):
     """The demo's 2-layer Transformer LM loss (embedding, attention, layer norm, MLP,
     cross entropy), Megatron annotations."""
@@ -115,16 +134,29 @@ CASES = {name[len("case_"):]: fn for name, fn in sorted(globals().items())
 
 
 def write_case(name, out_dir):
-    """Lowers case `name`, writes its three files into `out_dir`; returns the Lowered."""
+    """Lowers case `name`, writes its three files into `out_dir`; returns the Lowered.
+
+    A case with captured variables (a 4th item, see case_train_step_variables) runs on
+    a mesh of this process's 8 CPU devices (gt.Variables live on devices); their
+    initial values follow the arguments in NAME.npz, their final values the outputs."""
     import gspmd_tf as gt
     import tensorflow as tf
-    fn, values, specs = CASES[name](gt, tf, np.random.default_rng(0))
-    mesh = gt.Mesh.abstract(MESH_SHAPE, AXES)
-    lowered = gt.lower(fn, mesh, specs, args=[tf.TensorSpec(v.shape, v.dtype)
-                                              for v in values])
-    with tf.device("/CPU:0"):
-        expected = tf.nest.flatten(tf.function(fn, autograph=False)(*values))
-    arrays = {f"in{i}": v for i, v in enumerate(values)}
+    fn, values, specs, *initial = CASES[name](gt, tf, np.random.default_rng(0))
+    initial = initial[0] if initial else []
+    arg_specs = [tf.TensorSpec(v.shape, v.dtype) for v in values]
+    if initial:
+        mesh = gt.Mesh.create(MESH_SHAPE, AXES)
+        lowered = gt.lower(fn(*[gt.Variable(v, mesh, spec) for v, spec in initial]), mesh,
+                           specs, args=arg_specs)
+        with tf.device("/CPU:0"):
+            reference = [tf.Variable(v) for v, _ in initial]
+            expected = tf.nest.flatten(tf.function(fn(*reference), autograph=False)(*values))
+            expected += [v.read_value() for v in reference]
+    else:
+        lowered = gt.lower(fn, gt.Mesh.abstract(MESH_SHAPE, AXES), specs, args=arg_specs)
+        with tf.device("/CPU:0"):
+            expected = tf.nest.flatten(tf.function(fn, autograph=False)(*values))
+    arrays = {f"in{i}": v for i, v in enumerate(values + [v for v, _ in initial])}
     arrays.update({f"out{j}": t.numpy() for j, t in enumerate(expected)})
     np.savez(os.path.join(out_dir, f"{name}.npz"), **arrays)
     _write_program(lowered, name, out_dir)
@@ -150,11 +182,15 @@ def _write_program(lowered, name, out_dir, operand_shardings=True):
     """NAME.hlo.pb (the bridge's HloModuleProto) and NAME.json (shardings, device count,
     gspmd-tf's collectives)."""
     from gspmd_tf.runtime.annotated import compiler_ir
+    from gspmd_tf.sharding import Sharding
     with open(os.path.join(out_dir, f"{name}.hlo.pb"), "wb") as f:
         f.write(compiler_ir(lowered, "hlo_serialized", operand_shardings))
+    # captured variables: parameters after the arguments, final values after the outputs
+    variables = [str(Sharding.from_layout(lowered.mesh, layout)) for layout in
+                 lowered.program.input_layouts[len(lowered.input_shardings):]]
     meta = {"num_devices": lowered.mesh.size,
-            "input_shardings": [str(s) for s in lowered.input_shardings],
-            "output_shardings": [str(s) for s in lowered.output_shardings],
+            "input_shardings": [str(s) for s in lowered.input_shardings] + variables,
+            "output_shardings": [str(s) for s in lowered.output_shardings] + variables,
             "gt_collectives": [[c.kind, c.bytes] for c in lowered.collectives()]}
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -165,6 +201,8 @@ def main(argv):
     import logging
     from absl import flags
     logging.getLogger("gspmd_tf").setLevel(logging.WARNING)
+    from gspmd_tf.devices import configure_cpu_devices
+    configure_cpu_devices(8)  # before TF starts: the variable cases need 8 devices
     out = flags.FLAGS.out
     os.makedirs(out, exist_ok=True)
     names = list(CASES) if flags.FLAGS.case == "all" else flags.FLAGS.case.split(",")

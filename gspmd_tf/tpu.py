@@ -78,18 +78,40 @@ class TPUSystem:
         called with the program's global arguments, returns its flat outputs (the
         strategy's values of its one replica).
 
-        Variables are not carried over: a program that captures gt.Variables raises
-        ShardingError (pass the weights as arguments)."""
+        Captured gt.Variables become variables of the strategy (`run.variables`, in
+        capture order), initialized from their global values; the gt.Variables are not
+        changed (copy back with gt_variable.assign_global(v.numpy())). Each step reads
+        them, runs the graph on their values (AnnotatedGraph.emit_with_values: the
+        values carry the variables' shardings, so XLA computes on shards) and assigns
+        the ones the program writes. TPUStrategy keeps a whole copy of every variable
+        on each core, so XLA gathers each written variable's update once per step."""
         from gspmd_tf.runtime.annotated import AnnotatedGraph
-        if lowered.graph.captures:
-            raise ShardingError(
-                f"{lowered.name} captures {len(lowered.graph.captures)} variables; the TPU "
-                "program takes every tensor as an argument: pass the weights to the "
-                "function")
+        from gspmd_tf.runtime.variables import variable_of_handle
+        graph = lowered.graph
+        sources = [variable_of_handle(handle) for handle in graph.captures]
+        first = len(graph.inputs) - len(graph.captures)
+        for ref, source in zip(graph.inputs[first:], sources):
+            if source is None:
+                raise ShardingError(
+                    f"{lowered.name} captures {graph.nodes[ref.node].name!r}, which is not "
+                    "a gt.Variable; the TPU program takes captured gt.Variables only: pass "
+                    "other tensors to the function as arguments")
+        with self.strategy.scope():
+            variables = [tf.Variable(source.numpy(), name=f"tpu_{k}")
+                         for k, source in enumerate(sources)]
         annotated = AnnotatedGraph(lowered)
+        written = annotated.written_variables()
         strategy = self.strategy
+        num_outputs = len(graph.outputs)
+
+        def step(*args):
+            results = annotated.emit_with_values(*args, *[v.read_value() for v in variables])
+            updates = [variables[k].assign(results[num_outputs + k]) for k in written]
+            with tf.control_dependencies(updates):
+                return [tf.identity(t) for t in results[:num_outputs]]
 
         @tf.function(autograph=False)
         def run(*args):
-            return strategy.run(annotated.emit, args=args)
+            return strategy.run(step, args=args)
+        run.variables = variables
         return run

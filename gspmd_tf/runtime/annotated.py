@@ -33,6 +33,11 @@ from gspmd_tf.spmd import planner
 
 # Tensors that carry no array for XLA to split.
 _UNSHARDED_DTYPES = (tf.resource, tf.variant)
+# The ops on a captured variable that AnnotatedGraph.emit_with_values turns into value
+# flow: reads, and writes of a new value.
+_VARIABLE_OPS = {"ReadVariableOp": "read", "ResourceGather": "read",
+                 "AssignVariableOp": "write", "AssignAddVariableOp": "write",
+                 "AssignSubVariableOp": "write"}
 
 
 def _annotate(tensor, sharding):
@@ -47,6 +52,9 @@ class AnnotatedGraph:
     `emit(*inputs)` (inside a tf.function or a TPUStrategy replica function) re-creates
     every op of the traced graph on `inputs` (the program's flat arguments, then its
     captured variables' handles, at global shapes) and returns the flat outputs.
+    `emit_with_values(*inputs)` takes the captured variables' values instead of their
+    handles and returns the flat outputs, then every captured variable's final value:
+    reads and writes of the variables become value flow (see _VARIABLE_OPS).
     With `operand_shardings=False` only the tensors are annotated, not the operand
     reshards (XLA then picks each op's strategy; benchmarks compare the two).
     """
@@ -74,6 +82,31 @@ class AnnotatedGraph:
 
     def emit(self, *inputs):
         """The program's flat outputs, computed by TF ops on the global `inputs`."""
+        return self._emit(inputs, variables=None)
+
+    def emit_with_values(self, *inputs):
+        """The program's flat outputs, then the final value of every captured variable
+        (in capture order), computed on the global `inputs`: the flat arguments, then
+        the captured variables' values. Each variable's value carries its sharding on
+        entry and after every write (the update written back sharded)."""
+        graph = self.lowered.graph
+        count = len(graph.inputs) - len(graph.captures)
+        variables = {ref.node: None for ref in graph.inputs[count:]}
+        outputs = self._emit(inputs, variables)
+        return outputs + [variables[ref.node] for ref in graph.inputs[count:]]
+
+    def written_variables(self):
+        """Positions (in capture order) of the captured variables the program writes."""
+        graph = self.lowered.graph
+        count = len(graph.inputs) - len(graph.captures)
+        position = {ref.node: k for k, ref in enumerate(graph.inputs[count:])}
+        return sorted({position[node.inputs[0].node] for node in graph.nodes
+                       if _VARIABLE_OPS.get(node.op) == "write"
+                       and node.inputs[0].node in position})
+
+    def _emit(self, inputs, variables):
+        """emit(); with `variables` (a dict: captured input node -> None), the captured
+        inputs are values, and `variables` ends holding each one's final value."""
         graph = self.lowered.graph
         if len(inputs) != len(graph.inputs):
             raise ShardingError(
@@ -87,6 +120,13 @@ class AnnotatedGraph:
             if index in bound:
                 outs = [self._argument(bound[index], self._shardings[index][0])]
                 op_of.append(bound[index].op)
+                if variables is not None and index in variables:
+                    variables[index] = outs[0]
+            elif variables is not None and any(r.node in variables for r in node.inputs):
+                operands = self._operands(index, values, resharded)
+                with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
+                    outs, op = self._variable_op(index, operands, variables)
+                op_of.append(op)
             else:
                 operands = self._operands(index, values, resharded)
                 with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
@@ -104,6 +144,38 @@ class AnnotatedGraph:
                 outs = [self._result(index, k, t) for k, t in enumerate(op.outputs)]
             values.append(outs)
         return [values[r.node][r.out] for r in graph.outputs]
+
+    def _variable_op(self, index, operands, variables):
+        """(outputs, op) of node `index`, an op on a captured variable, as value flow on
+        the variable's current value in `variables` (updated for a write)."""
+        graph = self.lowered.graph
+        node = graph.nodes[index]
+        handle = node.inputs[0].node
+        kind = _VARIABLE_OPS.get(node.op)
+        if kind is None or handle not in variables or any(
+                r.node in variables for r in node.inputs[1:]):
+            raise ShardingError(
+                f"op {node.name!r} ({node.op}) uses the captured variable "
+                f"{graph.nodes[handle].name!r} in a way the annotated graph cannot carry "
+                "as values (it reads variables with ReadVariableOp or ResourceGather and "
+                "writes them with Assign/AssignAdd/AssignSubVariableOp); update the "
+                "variable with assign ops (e.g. a Keras optimizer, or v.assign_sub), or "
+                "pass the weight to the function as an argument")
+        current = variables[handle]
+        if kind == "write":
+            update = {"AssignVariableOp": lambda old, new: new,
+                      "AssignAddVariableOp": tf.add,
+                      "AssignSubVariableOp": tf.subtract}[node.op]
+            written = _annotate(update(current, operands[1]), self._shardings[handle][0])
+            variables[handle] = written
+            return [], written.op
+        if node.op == "ReadVariableOp":
+            read = tf.identity(current, name=safe_name(node.name))
+        else:  # ResourceGather: a gather of the table's first dim after the batch dims
+            batch_dims = node.attrs["batch_dims"].i if "batch_dims" in node.attrs else 0
+            read = tf.gather(current, operands[1], axis=batch_dims, batch_dims=batch_dims,
+                             name=safe_name(node.name))
+        return [self._result(index, 0, read)], read.op
 
     def _result(self, index, out, tensor):
         """Output `out` of node `index` annotated: with its sharding, and first with the
@@ -186,24 +258,22 @@ def compiler_ir(lowered, stage="hlo", operand_shardings=True):
     host's XLA device (XLA_CPU_JIT here): `stage` as tf.function's
     experimental_get_compiler_ir takes it ("hlo", "hlo_serialized", "optimized_hlo", ...).
 
-    Captured variables enter as zero-filled variables of their global shape on this
-    host (TF's bridge refuses uninitialized ones), so that much memory is allocated
-    while it compiles; nothing runs. `operand_shardings` as AnnotatedGraph takes it."""
+    Captured variables enter as values (AnnotatedGraph.emit_with_values): parameters
+    after the arguments, sharded as the variables, and their final values are outputs
+    after the program's, so a step that updates its variables compiles too (as a
+    resource the bridge would need a sharding on every output, which a tf.function
+    cannot give; docs/INTERNALS.md). Nothing is allocated or run; abstract meshes work.
+    `operand_shardings` as AnnotatedGraph takes it."""
     graph = lowered.graph
     annotated = AnnotatedGraph(lowered, operand_shardings)
-    specs = argument_specs(lowered)
-    handles = [_stand_in_variable(graph, ref) for ref in graph.inputs[len(specs):]]
-
-    def program(*args):
-        return annotated.emit(*args, *[v.handle for v in handles])
-    program.__name__ = safe_name(lowered.name or "program").replace("/", "_")
-    fn = tf.function(program, jit_compile=True, autograph=False)
+    specs = argument_specs(lowered) + [_variable_spec(graph, ref)
+                                       for ref in graph.inputs[len(argument_specs(lowered)):]]
+    fn = tf.function(annotated.emit_with_values, jit_compile=True, autograph=False)
     return fn.experimental_get_compiler_ir(*specs)(stage=stage)
 
 
-def _stand_in_variable(graph, ref):
-    """A zero-filled variable standing for the captured tensor `ref`: the captured
-    variable's global shape and dtype."""
+def _variable_spec(graph, ref):
+    """The TensorSpec of the value of the captured variable `ref` (global shape)."""
     node = graph.nodes[ref.node]
     if graph.dtype(ref) != tf.resource:
         raise ShardingError(
@@ -212,4 +282,4 @@ def _stand_in_variable(graph, ref):
     shape, dtype = node.params.get("var_shape"), node.params.get("var_dtype")
     if shape is None or dtype is None:
         raise ShardingError(f"captured variable {node.name!r} has no recorded shape/dtype")
-    return tf.Variable(tf.zeros(shape, dtype), trainable=False)
+    return tf.TensorSpec(shape, dtype)

@@ -282,6 +282,8 @@ def _first_writer(graph, ref):
 def _mesh_text(mesh):
     """A mesh's shape and devices (row-major positions), for errors about two meshes
     with the same axes."""
+    if mesh.devices is None:
+        return f"{mesh!r} (abstract: no devices)"
     names = [mesh.devices[i].rsplit("device:", 1)[-1] for i in mesh.device_ids.ravel()]
     return f"{mesh!r} (devices {', '.join(names)})"
 
