@@ -81,7 +81,7 @@ class TPUSystem:
         Captured gt.Variables become variables of the strategy (`run.variables`, in
         capture order), initialized from their global values; the gt.Variables are not
         changed (copy back with gt_variable.assign_global(v.numpy())). Each step reads
-        them, runs the graph on their values (AnnotatedGraph.emit_with_values: the
+        them, runs the graph on their values (AnnotatedGraph.emit: the
         values carry the variables' shardings, so XLA computes on shards) and assigns
         the ones the program writes. TPUStrategy keeps a whole copy of every variable
         on each core, so XLA gathers each written variable's update once per step."""
@@ -105,7 +105,7 @@ class TPUSystem:
         num_outputs = len(graph.outputs)
 
         def step(*args):
-            results = annotated.emit_with_values(*args, *[v.read_value() for v in variables])
+            results = annotated.emit(*args, *[v.read_value() for v in variables])
             updates = [variables[k].assign(results[num_outputs + k]) for k in written]
             with tf.control_dependencies(updates):
                 return [tf.identity(t) for t in results[:num_outputs]]

@@ -33,8 +33,8 @@ from gspmd_tf.spmd import planner
 
 # Tensors that carry no array for XLA to split.
 _UNSHARDED_DTYPES = (tf.resource, tf.variant)
-# The ops on a captured variable that AnnotatedGraph.emit_with_values turns into value
-# flow: reads, and writes of a new value.
+# The ops on a captured variable that AnnotatedGraph.emit turns into value flow: reads,
+# and writes of a new value.
 _VARIABLE_OPS = {"ReadVariableOp": "read", "ResourceGather": "read",
                  "AssignVariableOp": "write", "AssignAddVariableOp": "write",
                  "AssignSubVariableOp": "write"}
@@ -51,11 +51,9 @@ class AnnotatedGraph:
 
     `emit(*inputs)` (inside a tf.function or a TPUStrategy replica function) re-creates
     every op of the traced graph on `inputs` (the program's flat arguments, then its
-    captured variables' handles, at global shapes) and returns the flat outputs.
-    `emit_with_values(*inputs)` takes the captured variables' values instead of their
-    handles and returns the flat outputs, then every captured variable's final value:
-    reads and writes of the variables become value flow (see _VARIABLE_OPS).
-    With `operand_shardings=False` only the tensors are annotated, not the operand
+    captured variables' values, at global shapes) and returns the flat outputs, then
+    every captured variable's final value: reads and writes of the variables become
+    value flow (see _VARIABLE_OPS). With `operand_shardings=False` only the tensors are annotated, not the operand
     reshards (XLA then picks each op's strategy; benchmarks compare the two).
     """
 
@@ -81,38 +79,18 @@ class AnnotatedGraph:
         return Sharding.from_layout(self.lowered.mesh, layout)
 
     def emit(self, *inputs):
-        """The program's flat outputs, computed by TF ops on the global `inputs`."""
-        return self._emit(inputs, variables=None)
-
-    def emit_with_values(self, *inputs):
         """The program's flat outputs, then the final value of every captured variable
-        (in capture order), computed on the global `inputs`: the flat arguments, then
-        the captured variables' values. Each variable's value carries its sharding on
-        entry and after every write (the update written back sharded)."""
-        graph = self.lowered.graph
-        count = len(graph.inputs) - len(graph.captures)
-        variables = {ref.node: None for ref in graph.inputs[count:]}
-        outputs = self._emit(inputs, variables)
-        return outputs + [variables[ref.node] for ref in graph.inputs[count:]]
-
-    def written_variables(self):
-        """Positions (in capture order) of the captured variables the program writes."""
-        graph = self.lowered.graph
-        count = len(graph.inputs) - len(graph.captures)
-        position = {ref.node: k for k, ref in enumerate(graph.inputs[count:])}
-        return sorted({position[node.inputs[0].node] for node in graph.nodes
-                       if _VARIABLE_OPS.get(node.op) == "write"
-                       and node.inputs[0].node in position})
-
-    def _emit(self, inputs, variables):
-        """emit(); with `variables` (a dict: captured input node -> None), the captured
-        inputs are values, and `variables` ends holding each one's final value."""
+        (in capture order), computed by TF ops on the global `inputs`: the flat
+        arguments, then the captured variables' values. Each variable's value carries
+        its sharding on entry and after every write (the update written back sharded)."""
         graph = self.lowered.graph
         if len(inputs) != len(graph.inputs):
             raise ShardingError(
                 f"the annotated graph of {self.lowered.name} takes {len(graph.inputs)} "
                 f"inputs (arguments, then captured variables), got {len(inputs)}")
         bound = {ref.node: tf.convert_to_tensor(x) for ref, x in zip(graph.inputs, inputs)}
+        captured = graph.inputs[len(graph.inputs) - len(graph.captures):]
+        variables = {ref.node: None for ref in captured}  # -> the current value
         values, op_of = [], []
         resharded = {}  # (ref, layout) -> the tensor annotated with it
         default_graph = ops.get_default_graph()
@@ -120,9 +98,9 @@ class AnnotatedGraph:
             if index in bound:
                 outs = [self._argument(bound[index], self._shardings[index][0])]
                 op_of.append(bound[index].op)
-                if variables is not None and index in variables:
+                if index in variables:
                     variables[index] = outs[0]
-            elif variables is not None and any(r.node in variables for r in node.inputs):
+            elif any(r.node in variables for r in node.inputs):
                 operands = self._operands(index, values, resharded)
                 with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
                     outs, op = self._variable_op(index, operands, variables)
@@ -143,7 +121,17 @@ class AnnotatedGraph:
                 op_of.append(op)
                 outs = [self._result(index, k, t) for k, t in enumerate(op.outputs)]
             values.append(outs)
-        return [values[r.node][r.out] for r in graph.outputs]
+        return ([values[r.node][r.out] for r in graph.outputs]
+                + [variables[ref.node] for ref in captured])
+
+    def written_variables(self):
+        """Positions (in capture order) of the captured variables the program writes."""
+        graph = self.lowered.graph
+        count = len(graph.inputs) - len(graph.captures)
+        position = {ref.node: k for k, ref in enumerate(graph.inputs[count:])}
+        return sorted({position[node.inputs[0].node] for node in graph.nodes
+                       if _VARIABLE_OPS.get(node.op) == "write"
+                       and node.inputs[0].node in position})
 
     def _variable_op(self, index, operands, variables):
         """(outputs, op) of node `index`, an op on a captured variable, as value flow on
@@ -154,9 +142,10 @@ class AnnotatedGraph:
         kind = _VARIABLE_OPS.get(node.op)
         if kind is None or handle not in variables or any(
                 r.node in variables for r in node.inputs[1:]):
+            used = next(r.node for r in node.inputs if r.node in variables)
             raise ShardingError(
                 f"op {node.name!r} ({node.op}) uses the captured variable "
-                f"{graph.nodes[handle].name!r} in a way the annotated graph cannot carry "
+                f"{graph.nodes[used].name!r} in a way the annotated graph cannot carry "
                 "as values (it reads variables with ReadVariableOp or ResourceGather and "
                 "writes them with Assign/AssignAdd/AssignSubVariableOp); update the "
                 "variable with assign ops (e.g. a Keras optimizer, or v.assign_sub), or "
@@ -258,7 +247,7 @@ def compiler_ir(lowered, stage="hlo", operand_shardings=True):
     host's XLA device (XLA_CPU_JIT here): `stage` as tf.function's
     experimental_get_compiler_ir takes it ("hlo", "hlo_serialized", "optimized_hlo", ...).
 
-    Captured variables enter as values (AnnotatedGraph.emit_with_values): parameters
+    Captured variables enter as values (AnnotatedGraph.emit): parameters
     after the arguments, sharded as the variables, and their final values are outputs
     after the program's, so a step that updates its variables compiles too (as a
     resource the bridge would need a sharding on every output, which a tf.function
@@ -266,9 +255,13 @@ def compiler_ir(lowered, stage="hlo", operand_shardings=True):
     `operand_shardings` as AnnotatedGraph takes it."""
     graph = lowered.graph
     annotated = AnnotatedGraph(lowered, operand_shardings)
-    specs = argument_specs(lowered) + [_variable_spec(graph, ref)
-                                       for ref in graph.inputs[len(argument_specs(lowered)):]]
-    fn = tf.function(annotated.emit_with_values, jit_compile=True, autograph=False)
+    specs = argument_specs(lowered)
+    specs += [_variable_spec(graph, ref) for ref in graph.inputs[len(specs):]]
+
+    def program(*inputs):
+        return annotated.emit(*inputs)
+    program.__name__ = safe_name(lowered.name or "program").replace("/", "_")
+    fn = tf.function(program, jit_compile=True, autograph=False)
     return fn.experimental_get_compiler_ir(*specs)(stage=stage)
 
 
