@@ -118,6 +118,24 @@ def case_train_step_variables(gt, tf, rng):
     return make_step, [x], (gt.P("data"),), [(w1, gt.P(None, "model")), (w2, gt.P("model"))]
 
 
+def case_embedding_step_variables(gt, tf, rng):
+    """A captured gt.Variable embedding table (replicated, as gspmd-tf keeps tables that
+    sparse updates write) read with a gather of the batch's rows and updated sparsely,
+    as Keras' SGD updates an Embedding (ResourceGather, ResourceScatterSub); batch over
+    data. Returns the table's (initial value, spec) as a 4th item."""
+    def make_step(table):
+        def step(ids, target):
+            rows = tf.gather(table, ids)
+            loss = tf.reduce_sum(tf.square(rows - target))
+            table.scatter_sub(tf.IndexedSlices(0.2 * (rows - target), ids))
+            return loss
+        return step
+    ids = rng.integers(0, 24, (16,)).astype(np.int32)
+    target = rng.standard_normal((16, 8)).astype(np.float32)
+    table = rng.standard_normal((24, 8)).astype(np.float32)
+    return make_step, [ids, target], (gt.P("data"), gt.P("data")), [(table, gt.P())]
+
+
 def case_transformer(gt, tf, rng):
     """The demo's 2-layer Transformer LM loss (embedding, attention, layer norm, MLP,
     cross entropy), Megatron annotations."""

@@ -37,7 +37,25 @@ _UNSHARDED_DTYPES = (tf.resource, tf.variant)
 # and writes of a new value.
 _VARIABLE_OPS = {"ReadVariableOp": "read", "ResourceGather": "read",
                  "AssignVariableOp": "write", "AssignAddVariableOp": "write",
-                 "AssignSubVariableOp": "write"}
+                 "AssignSubVariableOp": "write", "ResourceScatterAdd": "write",
+                 "ResourceScatterSub": "write", "ResourceScatterUpdate": "write"}
+
+
+def _scatter(update):
+    """A ResourceScatter* op as value flow: rows `indices` of the value updated."""
+    def scatter(value, indices, updates):
+        return update(value, tf.expand_dims(indices, -1), updates)
+    return scatter
+
+
+# How each write computes the variable's new value from its current one and the op's
+# other operands.
+_WRITES = {"AssignVariableOp": lambda old, new: new,
+           "AssignAddVariableOp": tf.add,
+           "AssignSubVariableOp": tf.subtract,
+           "ResourceScatterAdd": _scatter(tf.tensor_scatter_nd_add),
+           "ResourceScatterSub": _scatter(tf.tensor_scatter_nd_sub),
+           "ResourceScatterUpdate": _scatter(tf.tensor_scatter_nd_update)}
 
 
 def _annotate(tensor, sharding):
@@ -146,16 +164,13 @@ class AnnotatedGraph:
             raise ShardingError(
                 f"op {node.name!r} ({node.op}) uses the captured variable "
                 f"{graph.nodes[used].name!r} in a way the annotated graph cannot carry "
-                "as values (it reads variables with ReadVariableOp or ResourceGather and "
-                "writes them with Assign/AssignAdd/AssignSubVariableOp); update the "
-                "variable with assign ops (e.g. a Keras optimizer, or v.assign_sub), or "
-                "pass the weight to the function as an argument")
+                f"as values (it takes {', '.join(sorted(_VARIABLE_OPS))}); update the "
+                "variable with those (e.g. v.assign_sub) or pass the weight to the "
+                "function as an argument")
         current = variables[handle]
         if kind == "write":
-            update = {"AssignVariableOp": lambda old, new: new,
-                      "AssignAddVariableOp": tf.add,
-                      "AssignSubVariableOp": tf.subtract}[node.op]
-            written = _annotate(update(current, operands[1]), self._shardings[handle][0])
+            written = _annotate(_WRITES[node.op](current, *operands[1:]),
+                                self._shardings[handle][0])
             variables[handle] = written
             return [], written.op
         if node.op == "ReadVariableOp":
