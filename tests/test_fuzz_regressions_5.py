@@ -1,6 +1,9 @@
 """Regressions of the fourth 10,000-program fuzzer run's open programs (seed 24) and the
 slice after them (benchmarks/RESULTS.md §6, "Open programs of the fourth run")."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -118,7 +121,85 @@ def test_shape_a_loop_recomputes_stays_unknown():
     the import says so."""
     mesh = gt.Mesh.create(*_MESHES["2x4"])
     p = np.zeros((8, 6), np.float32)
-    f = gt.function(lambda p: _sum_reshaped_in_loop(p, lambda shape: shape[::-1] * 0 + shape),
-                    mesh=mesh, in_shardings=(P("x", "y"),))
+    recomputed = lambda shape: shape[::-1] * 0 + shape  # noqa: E731
+    f = gt.function(lambda p: _sum_reshaped_in_loop(p, recomputed), mesh=mesh,
+                    in_shardings=(P("x", "y"),))
     with pytest.raises(gt.ShardingError, match="while/body/while/Reshape"):
         f(p)
+
+
+# The fuzzer's comparison rules (benchmarks/fuzz_worker.py) for seed 24 #1489.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+
+
+def _magnitudes(f, *args):
+    """f's float64 outputs and fuzz_worker.summed_magnitude of each, traced."""
+    from fuzz_worker import summed_magnitude
+
+    def with_magnitudes(*args):
+        outs = f(*args)
+        return outs + [summed_magnitude(tf, t) for t in outs]
+    values = tf.function(with_magnitudes, autograph=False)(*args)
+    return [v.numpy() for v in values[:len(values) // 2]], \
+        [v.numpy() for v in values[len(values) // 2:]]
+
+
+def test_summed_magnitude_is_that_of_the_terms_of_the_last_sum():
+    """Seed 24 #1489 (shrunk): the gradient of a scalar added before a softmax sums terms
+    that cancel to 0; summed_magnitude gives the sum of their magnitudes (the gradient
+    at the sum's operand, summed in absolute value). A difference's terms are its two
+    operands; a product sums nothing."""
+    rng = np.random.default_rng(1000)
+    x = tf.constant(rng.standard_normal(()), tf.float64)
+    p = tf.constant(rng.standard_normal((3, 8, 1, 2)), tf.float64)
+    weights = rng.uniform(0.5, 1.5, (5, 7, 4))
+
+    def f(x, p):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            shifted = tf.reduce_sum(p, axis=-3) + x
+            tape.watch(shifted)
+            padded = tf.pad(tf.nn.softmax(shifted, axis=0), [[1, 1], [3, 3], [1, 1]])
+            loss = tf.reduce_sum(padded * weights)
+        grad_x, grad_shifted = tape.gradient(loss, [x, shifted])
+        a, b = p[0, 0], p[1, 0]
+        return [grad_x, grad_shifted, a - b, a * b]
+
+    values, magnitudes = _magnitudes(f, x, p)
+    (grad_x, grad_shifted, _, _), (terms, _, diff_terms, product_terms) = values, magnitudes
+    assert abs(grad_x) < 1e-15  # 0 in real arithmetic
+    np.testing.assert_allclose(terms, np.abs(grad_shifted).sum(), rtol=1e-12)
+    assert terms > 1e10 * abs(grad_x)  # far larger than their sum
+    a, b = p.numpy()[0, 0], p.numpy()[1, 0]
+    np.testing.assert_allclose(diff_terms, np.abs(a) + np.abs(b), rtol=1e-12)
+    np.testing.assert_allclose(product_terms, np.abs(a * b), rtol=1e-12)
+
+
+def test_summed_magnitude_of_a_matmul_reshaped():
+    """Through a reshape, a MatMul's terms: |a| @ |b|."""
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((3, 4)), rng.standard_normal((4, 2))
+    _, (terms,) = _magnitudes(lambda a, b: [tf.reshape(tf.matmul(a, b), [6])],
+                              tf.constant(a), tf.constant(b))
+    np.testing.assert_allclose(terms, (np.abs(a) @ np.abs(b)).reshape(6), rtol=1e-12)
+
+
+def test_accuracy_rule_relative_to_the_cancelling_terms():
+    """Seed 24 #1489's output 7 (commands in RESULTS §6): TF 5.2e-8, gspmd-tf 9.3e-8, the
+    float64 program 3.1e-16, its 6 terms 0.335 in magnitude. Both are float32 rounding of
+    those terms (1.3 and 2.3 eps32 times it): excused relative to the terms, not to the
+    value; a dropped term, a wrong sign, or an error 30 times the bound is not."""
+    from fuzz_worker import Mismatch, check_values
+
+    exact, terms = np.array(3.0531133177191805e-16), np.array(0.3354347574220473)
+    tf_value, ours = np.float32(5.2154064e-08), np.float32(9.313226e-08)
+    with pytest.raises(Mismatch):
+        check_values(ours, tf_value, "grad", "float32", exact=exact)
+    check_values(ours, tf_value, "grad", "float32", exact=exact, terms=terms)
+    for wrong in (ours + np.float32(0.0662), np.float32(1e-4)):  # a dropped term, 30x
+        with pytest.raises(Mismatch):
+            check_values(wrong, tf_value, "grad", "float32", exact=exact, terms=terms)
+    with pytest.raises(Mismatch):  # a wrong sign of a value that does not cancel
+        check_values(np.float32([-0.25, 1.0]), np.float32([0.25000003, 1.0]), "x",
+                     "float32", exact=np.array([0.25, 1.0]), terms=np.array([0.6, 1.0]))
