@@ -203,6 +203,26 @@ def declared_shapes(program):
     return result
 
 
+def program_scope(program_text, partitioned, tf, gt):
+    """The names of the program `program_text` (source(program)) once executed: f, args,
+    mesh, in/out_shardings, its variables (gt.Variables if `partitioned`, else
+    tf.Variables)."""
+    scope = {"np": np, "tf": tf, "gt": gt, "P": gt.P}
+
+    def make_variable(value, spec, name):
+        if partitioned:
+            return gt.Variable(value, scope["mesh"], spec, name=name)
+        return tf.Variable(value, name=name)
+    scope["make_variable"] = make_variable
+    exec(program_text, scope)  # noqa: S102 - the program is our own generated text
+    return scope
+
+
+def as_float64(program_text):
+    """The program with every float32, float16 and bfloat16 made float64."""
+    return re.sub(r"\b(bfloat16|float16|float32)\b", "float64", program_text)
+
+
 def run_program(program, tf, gt):
     """Run one program; returns (status, detail). A program with variables runs twice
     (the second call sees the first one's updates) and its variables are compared
@@ -221,17 +241,7 @@ def run_program(program, tf, gt):
     text = source(program)
 
     def fresh_scope(partitioned, program_text=text):
-        """The program's names: its variables are gt.Variables if `partitioned`, else
-        tf.Variables."""
-        scope = {"np": np, "tf": tf, "gt": gt, "P": gt.P}
-
-        def make_variable(value, spec, name):
-            if partitioned:
-                return gt.Variable(value, scope["mesh"], spec, name=name)
-            return tf.Variable(value, name=name)
-        scope["make_variable"] = make_variable
-        exec(program_text, scope)  # noqa: S102 - the program is our own generated text
-        return scope
+        return program_scope(program_text, partitioned, tf, gt)
 
     def reference(graph_mode, program_text=text):
         """Single-device TF's outputs of every call, and its final variables."""
@@ -296,7 +306,7 @@ def run_program(program, tf, gt):
         except Exception:  # noqa: BLE001 - then the accuracy rule
             pass
         try:
-            text64 = re.sub(r"\b(bfloat16|float16|float32)\b", "float64", text)
+            text64 = as_float64(text)
             exact = reference(False, text64)
             compare(program, got, want, scope, exact, summed_magnitudes(text64, exact[0]))
             return "pass", "as close to the float64 result as single-device TF"
