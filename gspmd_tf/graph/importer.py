@@ -13,12 +13,20 @@ Control-flow ops (While, If, Case and their Stateless forms) are not inlined: th
 are imported the same way, each into a Graph of its own (a region of the op's node), fed
 with placeholders of the op's operand shapes; the placeholders are the region's inputs and
 the body's returned tensors its outputs.
+
+An operand that is a small integer constant at the call site (a shape, an axis, a count)
+is also a constant inside the body (a loop's only when the loop hands it on unchanged):
+the body reads a Const of that value, so TF's shape inference sees the shapes computed
+from it (the dense shape of a sparse gradient entering a cond branch sizes the
+UnsortedSegmentSum that densifies it: seed 24 #2379). The placeholder stays the body's
+argument (and a region's input).
 """
 
 from __future__ import annotations
 
 import gc
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.compiler.xla import xla_data_pb2
 from tensorflow.python.framework import function_def_to_graph
@@ -33,6 +41,9 @@ from gspmd_tf.graph.tensor_lists import infer_element_shapes
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 # Handles: their shape is () whatever they point to, and TF may leave it unknown.
 _HANDLE_DTYPES = (tf.resource, tf.variant)
+# Constant operands sunk into a body are shape-like values, never a tensor's data (which
+# would then be a replicated constant in the body rather than an operand of its sharding).
+_SUNK_ELEMENTS = 64
 
 
 def import_graph(fn, inputs=None, outputs=None) -> Graph:
@@ -156,15 +167,17 @@ class _Importer:
 
     def body(self, callee, feeds):
         """The _Body of function `callee` fed with `feeds` (imported once per feeds)."""
-        key = (callee, tuple((dtype, shape, data and data.SerializeToString())
-                             for dtype, shape, data in feeds))
+        key = (callee, tuple((dtype, shape, data and data.SerializeToString(),
+                              None if value is None else value.tobytes())
+                             for dtype, shape, data, value in feeds))
         if key not in self.bodies:
             self.bodies[key] = _Body.of_function(self.root, callee, feeds)
         return self.bodies[key]
 
     def inline(self, op, callee, name, inputs, deps):
         """Inlines the call `op` under `name/`; returns its output Refs and control."""
-        feeds = tuple(_feed(t, self.ir.shape(ref)) for t, ref in zip(op.inputs, inputs))
+        feeds = tuple(_feed(t, self.ir.shape(ref), _sinkable_value(t))
+                      for t, ref in zip(op.inputs, inputs))
         body = self.body(callee, feeds)
         bound = {arg.op: ref for arg, ref in zip(body.args, inputs)}
         refs, control = self.walk(body.graph, name + "/", bound, deps)
@@ -187,8 +200,12 @@ class _Importer:
                     f"op '{name}' ({op.type}) takes '{t.name}', whose shape depends on "
                     "values gspmd-tf cannot fold to constants; give that tensor a static "
                     "shape (e.g. tf.ensure_shape) before the control-flow op")
-            feeds.append(_feed(t, self.ir.shape(ref)))
+            feeds.append(_feed(t, self.ir.shape(ref), _sinkable_value(t)))
         feeds = tuple(feeds)
+        if "While" in op.type:  # constant in the loop only when the body passes it on
+            unvalued = tuple(f[:3] + (None,) for f in feeds)
+            passed_on = _passed_on(self.body(op.node_def.attr["body"].func.name, unvalued))
+            feeds = tuple(f if k in passed_on else unvalued[k] for k, f in enumerate(feeds))
         regions = []
         for attr in attr_names:
             value = op.node_def.attr[attr]
@@ -243,7 +260,8 @@ class _Body:
     of given shapes (and handle data), so that TF infers every shape from those.
 
     `args` are the placeholders (named as the arguments they replace), `outputs` the
-    returned tensors, `control_outputs` the ops that must run.
+    returned tensors, `control_outputs` the ops that must run. An argument fed with a
+    value (see _feed) is read as a Const of that value ("<argument>/value").
     """
 
     def __init__(self, graph_def, arg_names, feeds, return_names, control_names=()):
@@ -264,15 +282,17 @@ class _Body:
         self.graph = tf.Graph()
         with self.graph.as_default():
             self.args, input_map = [], {}
-            for name, (dtype, shape, handle_data) in zip(arg_names, feeds):
+            for name, (dtype, shape, handle_data, value) in zip(arg_names, feeds):
                 op_name = name.split(":")[0]
                 arg = tf.compat.v1.placeholder(dtype, shape, name=op_name)
                 if handle_data is not None:  # for ReadVariableOp, TensorListGetItem...
                     handle_data_util.set_handle_data(arg, handle_data)
                 self.args.append(arg)
-                for key in (name, "^" + op_name):
+                read = arg if value is None else tf.constant(value, dtype,
+                                                             name=op_name + "/value")
+                for key, source in ((name, read), ("^" + op_name, arg)):
                     if key in used:
-                        input_map[key] = arg
+                        input_map[key] = source
             args = dict(zip(arg_names, self.args))  # a body may return an argument
             returns = iter(tf.graph_util.import_graph_def(
                 graph_def, input_map=input_map, name="",
@@ -295,8 +315,9 @@ class _Body:
                    list(fdef.control_ret.values()))
 
 
-def _feed(tensor, shape):
-    """(dtype, shape, handle data or None) of a placeholder standing for `tensor`."""
+def _feed(tensor, shape, value=None):
+    """(dtype, shape, handle data or None, value or None) of a placeholder standing for
+    `tensor`; `value`, when given, is the value the body reads in its place."""
     handle_data = None
     if tensor.dtype in _HANDLE_DTYPES:
         # A handle is a scalar to TF (the IR gives a variable's handle its variable's
@@ -306,7 +327,32 @@ def _feed(tensor, shape):
         handle_data = handle_data_util.get_resource_handle_data(tensor)
         if not handle_data.is_set:
             handle_data = None
-    return tensor.dtype, tuple(shape), handle_data
+    return tensor.dtype, tuple(shape), handle_data, value
+
+
+def _sinkable_value(tensor):
+    """The value (np.ndarray) of `tensor` when it is a small integer constant TF computes
+    from the graph alone (a Const, the Shape of a static tensor...), else None."""
+    if not tensor.dtype.is_integer:
+        return None
+    size = tensor.shape.num_elements()
+    if size is None or size > _SUNK_ELEMENTS:
+        return None
+    value = tf.get_static_value(tensor)
+    return None if value is None else np.asarray(value, tensor.dtype.as_numpy_dtype)
+
+
+def _passed_on(body):
+    """Indices of the arguments of loop body `body` (a _Body) that it returns unchanged
+    in the same position (through Identity ops): their value is the same every
+    iteration."""
+    passed = set()
+    for k, (arg, out) in enumerate(zip(body.args, body.outputs)):
+        while out.op.type == "Identity" and out.name != arg.name:
+            out = out.op.inputs[0]
+        if out.name == arg.name:
+            passed.add(k)
+    return passed
 
 
 def _topological(graph):
