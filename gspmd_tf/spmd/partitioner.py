@@ -347,6 +347,15 @@ class Partitioner:
             self._resharded[key] = reshard(self.b, local, layout)
         return self._resharded[key]
 
+    def resharded(self, local, layout):
+        """`local` in `layout` if a reshard made it already (see reshard), else None."""
+        return self._resharded.get((local, layout))
+
+    def remember_reshard(self, local, layout, result):
+        """Records `result` (a Local) as `local` in `layout`, made by a handler itself
+        (a windowed dot's loop gathers its operand on the way), for later reshards."""
+        self._resharded.setdefault((local, layout), result)
+
     def run(self, output_layouts):
         """Partition every node; outputs resharded to `output_layouts`."""
         outputs = self._partition(output_layouts)

@@ -58,7 +58,10 @@ def windowed_dot(ctx, threshold):
     layouts = ctx.result_layouts()
     for i in (0, 1):
         found = _gathered_dim(ctx, i)
-        if found is not None and _bytes(ctx, ctx.decision.operand_layouts[i], i) >= threshold:
+        want = ctx.operand_layouts()[i]
+        if ctx.p.resharded(ctx.inputs[i], want) is not None:
+            continue  # gathered already for another op: the plain dot moves nothing more
+        if found is not None and _bytes(ctx, want, i) >= threshold:
             return _all_gather_loop(ctx, i, *found, layouts[0])
     found = _scattered_dim(ctx, layouts[0])
     if found is not None and _local_bytes(ctx, layouts[0]) >= threshold:
@@ -139,25 +142,40 @@ def _all_gather_loop(ctx, i, dim, result_dim, axis, layout):
     """The dot with operand i's dim `dim` gathered along `axis` in n steps: each step
     multiplies the block at hand and passes it to the previous device along `axis`, so
     at step t device s holds block (s + t) mod n; the result blocks, concatenated in
-    step order, are rolled by s blocks into place."""
+    step order, are rolled by s blocks into place. The gathered operand is recorded
+    for later reshards."""
     b, node = ctx.b, ctx.node
     n = ctx.mesh.axis_size(axis)
     dtype = node.out_dtypes[0]
     other = ctx.reshard(ctx.inputs[1 - i], ctx.operand_layouts()[1 - i])
     shape = ctx.local_shape(layout)
     step_shape = replace_dim(shape, result_dim, shape[result_dim] // n)
-    block, pieces = ctx.inputs[i].ref, []
+    x = ctx.inputs[i]
+    blocks, pieces = [x.ref], []
     for t in range(n):
-        passed = rotate(b, block, (axis,), -1) if t < n - 1 else None
+        if t < n - 1:
+            blocks.append(rotate(b, blocks[-1], (axis,), -1))
         refs = [other.ref, other.ref]
-        refs[i] = block
+        refs[i] = blocks[t]
         pieces.append(b.replay(node, refs, [step_shape], node.out_dtypes)[0])
-        block = passed
-    in_step_order = concat_dim(b, pieces, result_dim)
-    shift = shard_offset(b, (axis,), step_shape[result_dim])
-    ref = b.op("Roll", [in_step_order, shift, b.const(np.int32(result_dim))], shape, dtype,
-               T=dtype, Tshift=tf.int32, Taxis=tf.int32)
+    ref = _in_place(b, pieces, result_dim, axis)
+    # every block passed through: the gathered operand, for other ops that gather it
+    # (the gradient's dot, say) without another all-gather; dropped if none does
+    want = ctx.operand_layouts()[i]
+    ctx.p.remember_reshard(x, want, Local(_in_place(b, blocks, dim, axis), want, x.shape,
+                                          x.dtype))
     return [Local(ref, layout, node.out_shapes[0], dtype)]
+
+
+def _in_place(b, blocks, dim, axis):
+    """The blocks a device met in step order (block t is shard (s + t) mod n along
+    `axis`, s its own) concatenated along `dim` and rolled by s blocks into shard order."""
+    in_step_order = concat_dim(b, blocks, dim)
+    shape = b.shape_of(in_step_order)
+    dtype = b.graph.dtype(in_step_order)
+    shift = shard_offset(b, (axis,), b.shape_of(blocks[0])[dim])
+    return b.op("Roll", [in_step_order, shift, b.const(np.int32(dim))], shape, dtype,
+                T=dtype, Tshift=tf.int32, Taxis=tf.int32)
 
 
 def _reduce_scatter_loop(ctx, j, dim, result_dim, axis, layout):
