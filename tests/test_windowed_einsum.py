@@ -134,3 +134,16 @@ def test_bad_option_names_it(bad):
     mesh = gt.Mesh.create((2, 4), ("data", "model"))
     with pytest.raises(ValueError, match="windowed_einsum"):
         gt.function(lambda x: x, mesh=mesh, windowed_einsum=bad)
+
+
+def test_xla_backend(rng):
+    """The loop's dots and permutes through the XLA backend's segments."""
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+    x = rng.standard_normal((16, 24)).astype(np.float32)
+    w1 = rng.standard_normal((24, 32)).astype(np.float32)
+    w2 = rng.standard_normal((32, 24)).astype(np.float32)
+    f, plain = _megatron(mesh, "model", True)
+    g = gt.function(f.fn, mesh=mesh, in_shardings=f.in_shardings, backend="xla",
+                    windowed_einsum=True)
+    np.testing.assert_allclose(g(x, w1, w2).numpy(), plain(x, w1, w2).numpy(),
+                               rtol=1e-5, atol=1e-5)
