@@ -9,7 +9,8 @@ and the dot of step t have no data between them, so they overlap. Symmetrically,
 the dot's partial result (summed over a contracted factor split on `a`) would be
 reduce-scattered along a result dim onto `a`, each step computes the partial result of
 one block and adds it to an accumulator that travels round the ring; after n steps each
-device holds the sum of its own block.
+device holds the sum of its own block. Every block passes through the all-gather loop,
+so it also yields the gathered operand, which later ops needing it gathered reuse.
 
 Both replace exactly one collective of the plain path by n - 1 permutes of a block
 1/n the size, so the bytes moved per device are the same (an all-gather moves (n-1)/n of
@@ -17,7 +18,8 @@ the gathered tensor too) and the local dot does the same work in n pieces. The p
 path stays where the loop would not be exact or not simple: padded (uneven) shards, whose
 blocks would need the masks the plain path applies; ops whose local form is not the
 replayed op on blocks (an Einsum that sums a letter out of one operand, a broadcasting
-BatchMatMul: see handlers/einsum.py and basic.batch_matmul); and split dims made of
+BatchMatMul: see handlers/einsum.py and basic.batch_matmul); half-precision dots (the
+plain path's collectives sum their partial results in float32); and split dims made of
 several factors.
 """
 
@@ -33,6 +35,9 @@ from gspmd_tf.spmd.program import Local
 from gspmd_tf.spmd.reshard import rotate
 
 DOT_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
+# dtypes whose partial sums the loop may add in their own precision: the plain path's
+# collectives sum half-precision values in float32 (collectives._CARRIERS)
+_SUMMED_AS_IS = (tf.float32, tf.float64)
 
 
 def threshold_of(option):
@@ -58,10 +63,12 @@ def windowed_dot(ctx, threshold):
     layouts = ctx.result_layouts()
     for i in (0, 1):
         found = _gathered_dim(ctx, i)
+        if found is None:
+            continue
         want = ctx.operand_layouts()[i]
         if ctx.p.resharded(ctx.inputs[i], want) is not None:
             continue  # gathered already for another op: the plain dot moves nothing more
-        if found is not None and _bytes(ctx, want, i) >= threshold:
+        if _bytes(ctx, want, i) >= threshold:
             return _all_gather_loop(ctx, i, *found, layouts[0])
     found = _scattered_dim(ctx, layouts[0])
     if found is not None and _local_bytes(ctx, layouts[0]) >= threshold:
@@ -74,11 +81,12 @@ def _loopable(ctx):
     docstring), with operands and result free of padding."""
     node, rule = ctx.node, ctx.rule
     if node.op not in DOT_OPS or len(node.inputs) != 2 or len(rule.results) != 1 or \
-            not node.out_dtypes[0].is_floating or \
-            any(0 in shape for shape in [node.out_shapes[0]] + [x.shape for x in ctx.inputs]):
-        return False  # nothing to multiply (basic.no_products)
-    if rule.reduce_op != "sum":
+            rule.reduce_op != "sum":
         return False
+    if node.out_dtypes[0] not in _SUMMED_AS_IS:
+        return False
+    if any(0 in shape for shape in [node.out_shapes[0]] + [x.shape for x in ctx.inputs]):
+        return False  # nothing to multiply (basic.no_products)
     for i in (0, 1):
         others = {f for fs in rule.operands[1 - i] for f in fs}
         if any(rule.factor_kinds[f] == REDUCE and f not in others
