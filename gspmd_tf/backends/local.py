@@ -61,9 +61,9 @@ class LocalBackend(base.Backend):
     the program; later calls, of this program or any other, run normally (see
     collectives.Watchdog).
 
-    `async_collectives`: create each collective right after the last node it needs
-    (schedule.ready_order), so that its device's chain of collectives follows data
-    readiness rather than program order; False keeps program order.
+    `async_collectives`: emit the program in the order of estimated start times
+    (schedule.ready_order), so that each device's chain of collectives follows when
+    their operands are ready rather than program order; False keeps program order.
     """
 
     def __init__(self, mesh, collective_timeout=None, async_collectives=False):
