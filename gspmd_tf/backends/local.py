@@ -22,7 +22,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util_v2
 
 from gspmd_tf import cluster
-from gspmd_tf.backends import base, collectives
+from gspmd_tf.backends import base, collectives, schedule
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import REGION_OPS, walk
 
@@ -60,12 +60,17 @@ class LocalBackend(base.Backend):
     DEFAULT_TIMEOUT. A call past it is cancelled and raises DeadlineExceededError naming
     the program; later calls, of this program or any other, run normally (see
     collectives.Watchdog).
+
+    `async_collectives`: emit the program in the order of estimated start times
+    (schedule.ready_order), so that each device's chain of collectives follows when
+    their operands are ready rather than program order; False keeps program order.
     """
 
-    def __init__(self, mesh, collective_timeout=None):
+    def __init__(self, mesh, collective_timeout=None, async_collectives=False):
         super().__init__(mesh)
         self.collective_timeout = (default_timeout() if collective_timeout is None
                                    else check_timeout(collective_timeout))
+        self.async_collectives = bool(async_collectives)
 
     def compile(self, program, name=None):
         """Traces `program` into one tf.function; returns run(inputs) -> outputs.
@@ -81,16 +86,20 @@ class LocalBackend(base.Backend):
         the keys are fixed at trace time and concurrent calls would mix them up. A
         GradientTape does not record the call.
         """
-        return _Compiled(self.mesh, program, self.collective_timeout, name)
+        order = schedule.ready_order if self.async_collectives else schedule.program_order
+        return _Compiled(self.mesh, program, self.collective_timeout, name, order)
 
 
 class _Compiled:
     """A program traced into one TF function, traced again when its collective group
     keys were retired (after a cancelled call)."""
 
-    def __init__(self, mesh, program, timeout, name):
+    def __init__(self, mesh, program, timeout, name, order=None):
+        """`order`: program -> node indices in emission order (schedule.py; default
+        program order)."""
         self.mesh = mesh
         self.program = program
+        self.order = order or schedule.program_order
         self.timeout = timeout
         self.inputs = base.program_inputs(program)
         if not mesh.addressable_ids:
@@ -109,7 +118,7 @@ class _Compiled:
 
     def _lowering(self):
         """The lowering that emits the program."""
-        return _Lowering(self.mesh, self.keys)
+        return _Lowering(self.mesh, self.keys, order=self.order)
 
     def _trace(self):
         lowering = self._lowering()
@@ -217,11 +226,14 @@ def safe_name(name):
 class _Lowering:
     """Emits an SPMD program into the current (function) graph, once per device."""
 
-    def __init__(self, mesh, keys, devices=None):
+    def __init__(self, mesh, keys, devices=None, order=None):
         """With `devices` (TF device names, or None for no device) instead of a mesh, it
-        emits graphs without collectives on those devices (see traced_region_op)."""
+        emits graphs without collectives on those devices (see traced_region_op).
+        `order` gives the emission order of a program's top-level nodes (schedule.py;
+        default program order)."""
         self.mesh = mesh
         self.keys = keys
+        self.order = order or schedule.program_order
         if mesh is None:
             self.devices, self.local = devices, tuple(range(len(devices)))
             self.tokens = dict.fromkeys(self.local)
@@ -243,10 +255,10 @@ class _Lowering:
                 self.args[-1][d] = x
         values = {}   # values[node][out][device]: tf.Tensor (None on other workers)
         op_of = {}    # op_of[node][device]: tf.Operation, for control inputs
-        # Node-major order: every device's copy of node i is created before node i+1.
+        # Node-major order: every device's copy of a node is created before the next.
         # tf.function chains stateful ops without resource inputs in creation order, and
         # this order keeps those chains from waiting on a later collective.
-        for index in range(len(program.nodes)):
+        for index in self.order(program):
             self.emit_node(program, index, values, op_of)
         return [values[ref.node][ref.out][d] for ref in program.outputs for d in self.local]
 

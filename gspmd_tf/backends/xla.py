@@ -54,6 +54,9 @@ class XlaBackend(local.LocalBackend):
             raise ShardingError(
                 f"backend='xla' runs meshes of one process; {self.mesh!r} spans several "
                 "workers: use backend='local' (the default) there")
+        if self.async_collectives:
+            raise ShardingError("async_collectives applies to LocalBackend: the XLA "
+                                "backend's segment plan orders its collectives")
         return _XlaCompiled(self.mesh, program, self.collective_timeout, name)
 
 

@@ -18,6 +18,7 @@ from gspmd_tf.runtime.arguments import Arguments, is_static, signature_of
 from gspmd_tf.runtime.lowering import check_entries, lower_traced
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
 from gspmd_tf.runtime.variables import variable_of_handle
+from gspmd_tf.spmd.windowed_einsum import threshold_of
 
 
 # The built-in backends by name. The default stays op by op: on this TF (2.21, CPU) the
@@ -53,7 +54,7 @@ def backend_factory(backend, collective_timeout):
 
 
 def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=None,
-             collective_timeout=None):
+             collective_timeout=None, windowed_einsum=False):
     """Partition `fn` over `mesh`; usable as `@gt.function(mesh=...)` or `gt.function(f, ...)`.
 
     in_shardings: one entry per argument, matched to fn's parameters in signature order
@@ -65,14 +66,20 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     GSPMD_TF_COLLECTIVE_TIMEOUT environment variable, else 300; 0 for no limit); for
     the built-in backends only. `backend`: "local" (op by op), "xla" (compute between
     collectives compiled by XLA), None (GSPMD_TF_BACKEND, else DEFAULT_BACKEND), or a
-    factory mesh -> gspmd_tf.backends.Backend; see backend_factory.
+    factory mesh -> gspmd_tf.backends.Backend; see backend_factory. windowed_einsum:
+    True, False (the default) or a size in bytes: a dot whose operand would be
+    all-gathered (or whose result reduce-scattered) along a mesh axis, at least that big
+    on one device, runs as a loop of local dots and collective-permutes that overlap
+    (spmd/windowed_einsum.py).
     """
+    threshold_of(windowed_einsum)  # a bad value fails here, not at the first call
     if fn is None:
         return functools.partial(function, mesh=mesh, in_shardings=in_shardings,
                                  out_shardings=out_shardings, backend=backend,
-                                 collective_timeout=collective_timeout)
+                                 collective_timeout=collective_timeout,
+                                 windowed_einsum=windowed_einsum)
     return Function(fn, mesh, in_shardings, out_shardings,
-                    backend_factory(backend, collective_timeout))
+                    backend_factory(backend, collective_timeout), windowed_einsum)
 
 
 class Function:
@@ -88,7 +95,8 @@ class Function:
     where gspmd-tf runs the op replicated), so keep such functions free of side effects.
     """
 
-    def __init__(self, fn, mesh, in_shardings, out_shardings, backend_factory):
+    def __init__(self, fn, mesh, in_shardings, out_shardings, backend_factory,
+                 windowed_einsum=False):
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"gt.function needs mesh=gt.Mesh(...), got {mesh!r}: build "
                                 "one with gt.Mesh.create(shape, axis_names)")
@@ -100,6 +108,7 @@ class Function:
         self.in_shardings = in_shardings
         self.out_shardings = out_shardings
         self._backend_factory = backend_factory
+        self._windowed_einsum = windowed_einsum
         self._signature = signature_of(fn)
         self._traced = tf.function(fn, autograph=False)
         self._keyword_functions = {}  # see _keyword_traced
@@ -121,7 +130,8 @@ class Function:
         method = None if state is None else state.get(key)
         if method is None:
             method = Function(types.MethodType(self.fn, instance), self.mesh, self.in_shardings,
-                              self.out_shardings, self._backend_factory)
+                              self.out_shardings, self._backend_factory,
+                              self._windowed_einsum)
             if state is not None:
                 state[key] = method
         return method
@@ -222,7 +232,8 @@ class Function:
 
     def _build(self, arguments, specs, entries, committed):
         return lower_traced(self._trace(arguments, specs), self.mesh, entries, committed,
-                            self.out_shardings, self._backend_factory, self.name)
+                            self.out_shardings, self._backend_factory, self.name,
+                            windowed_einsum=threshold_of(self._windowed_einsum))
 
     # ----------------------------------------------------------------- running
     def __call__(self, *args, **kwargs):

@@ -24,12 +24,13 @@ from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.partitioner import partition
 from gspmd_tf.spmd.regions import reads_only
+from gspmd_tf.spmd.windowed_einsum import threshold_of
 
 log = logging.getLogger("gspmd_tf")
 
 
 def lower(fn, mesh, in_shardings=None, out_shardings=None, *, args=None, backend=None,
-          collective_timeout=None):
+          collective_timeout=None, windowed_einsum=False):
     """Lower `fn` over `mesh` without running it: a gt.Lowered (shardings, collectives,
     report(), compile()).
 
@@ -41,7 +42,7 @@ def lower(fn, mesh, in_shardings=None, out_shardings=None, *, args=None, backend
         the order of its parameters), exactly as `gt.function(fn, ...).lower(*args)`.
     in_shardings: one entry per input (a PartitionSpec, a gt.Sharding, or None to infer);
     out_shardings: one per flat output, likewise. `backend` / `collective_timeout` as in
-    gt.function (used by compile()). The returned object's `stage_seconds` gives the wall
+    gt.function (used by compile()), and `windowed_einsum`. The returned object's `stage_seconds` gives the wall
     time of import, propagate and partition.
     """
     from gspmd_tf.runtime.function import Function, backend_factory
@@ -55,7 +56,8 @@ def lower(fn, mesh, in_shardings=None, out_shardings=None, *, args=None, backend
             raise ShardingError(f"gt.lower({fn!r}): give args=(...) (values or "
                                 "tf.TensorSpec) to trace the function on, or pass a "
                                 "ConcreteFunction")
-        return Function(fn, mesh, in_shardings, out_shardings, backend).lower(*args)
+        return Function(fn, mesh, in_shardings, out_shardings, backend,
+                        windowed_einsum).lower(*args)
     if args is not None:
         raise ShardingError("gt.lower: args are for a Python function; a ConcreteFunction "
                             "or Graph is already traced")
@@ -63,18 +65,18 @@ def lower(fn, mesh, in_shardings=None, out_shardings=None, *, args=None, backend
     name = getattr(fn, "name", None) or "program"
     name = name.decode() if isinstance(name, bytes) else name
     return lower_traced(fn, mesh, in_shardings, None, out_shardings, backend, name,
-                        caller="gt.lower")
+                        caller="gt.lower", windowed_einsum=threshold_of(windowed_einsum))
 
 
 def lower_traced(traced, mesh, entries, committed, out_shardings, backend_factory, name,
-                 caller="gt.function"):
+                 caller="gt.function", windowed_einsum=None):
     """Import (unless `traced` is already a Graph), propagate and partition: a Lowered.
 
     entries: the in_shardings entry of each flat (non-captured) input (None: all None);
     committed: the layout such an input already has (a ShardedTensor's), used where its
     entry is None (None: no input has one). Captured gt.Variables enter in their own
     layouts. `name` (the function's) is used in errors; the program is called
-    "`caller` 'name'".
+    "`caller` 'name'". `windowed_einsum`: the byte threshold of windowed dots, or None.
     """
     # Lowering allocates several objects per op; with TF's hundreds of thousands of live
     # objects every garbage collection this triggers walks them all, which doubled the
@@ -84,14 +86,14 @@ def lower_traced(traced, mesh, entries, committed, out_shardings, backend_factor
     gc.disable()
     try:
         return _lower_traced(traced, mesh, entries, committed, out_shardings,
-                             backend_factory, name, caller)
+                             backend_factory, name, caller, windowed_einsum)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
 def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_factory, name,
-                  caller):
+                  caller, windowed_einsum):
     """lower_traced with the garbage collector paused."""
     start = time.perf_counter()
     graph = traced if isinstance(traced, Graph) else import_graph(traced)
@@ -118,7 +120,7 @@ def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_facto
     seed_annotations(mesh, graph, seeds)
     out_layouts = _seed_outputs(spec_layouts, graph, seeds, out_shardings, name)
     lowered = lower_seeded(graph, mesh, seeds, out_layouts, count, backend_factory,
-                           f"{caller} {name!r}")
+                           f"{caller} {name!r}", windowed_einsum)
     lowered.committed_args = frozenset(
         i for i in range(count) if entries[i] is None and committed[i] is not None)
     lowered.stage_seconds["import"] = imported - start
@@ -127,17 +129,18 @@ def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_facto
     return lowered
 
 
-def lower_seeded(graph, mesh, seeds, out_layouts, count, backend_factory, name):
+def lower_seeded(graph, mesh, seeds, out_layouts, count, backend_factory, name,
+                 windowed_einsum=None):
     """Propagate from `seeds` ({Ref: Layout}) and partition imported `graph`: a Lowered
     named `name` whose first `count` inputs are arguments; `out_layouts` holds a Layout
-    or None (propagation decides) per output."""
+    or None (propagation decides) per output; `windowed_einsum` as in lower_traced."""
     start = time.perf_counter()
     propagation = propagate(graph, mesh, seeds)
     propagated = time.perf_counter()
     log.info("gspmd_tf: %s propagated from %d annotations (%.1f s)", name, len(seeds),
              propagated - start)
     out_layouts = [l or propagation.layout(r) for l, r in zip(out_layouts, graph.outputs)]
-    program = partition(graph, mesh, propagation, out_layouts)
+    program = partition(graph, mesh, propagation, out_layouts, windowed_einsum)
     log.info("gspmd_tf: %s partitioned: %d ops in the SPMD program (%.1f s)", name,
              len(program.graph.nodes), time.perf_counter() - propagated)
     lowered = Lowered(mesh, graph, propagation, program, count, set(seeds), backend_factory,

@@ -29,6 +29,7 @@ from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.control_flow import partition_control_flow
 from gspmd_tf.spmd.program import Local, ProgramBuilder
 from gspmd_tf.spmd.reshard import reshard
+from gspmd_tf.spmd.windowed_einsum import windowed_dot
 
 log = logging.getLogger("gspmd_tf")
 _NAMES_SHOWN = 10  # op names a grouped replicated-op warning lists
@@ -88,15 +89,20 @@ class OpContext:
         return tuple(a for f, kind in enumerate(self.rule.factor_kinds) if kind == REDUCE
                      for a in self.factor_axes[f])
 
-    def operands(self):
-        """Operands resharded to the chosen factor axes (non-data inputs replicated)."""
+    def operand_layouts(self):
+        """The layouts the operands are resharded to: their factors' chosen axes
+        (non-data inputs replicated)."""
         decision = self.decision
         if decision.operand_layouts is None:
             decision.operand_layouts = [
                 Layout.replicated(len(x.shape)) if dims is None else self.dims_layout(dims)
                 for x, dims in zip(self.inputs, self.rule.operands)]
+        return decision.operand_layouts
+
+    def operands(self):
+        """Operands resharded to the chosen factor axes (non-data inputs replicated)."""
         return [self.reshard(x, layout) for x, layout in zip(self.inputs,
-                                                              decision.operand_layouts)]
+                                                              self.operand_layouts())]
 
     def result_layouts(self):
         """Layouts of the results as computed (partial over split REDUCE factors)."""
@@ -264,7 +270,11 @@ def _keep_sub_factors_exact(mesh, rule, chosen):
 class Partitioner:
     """Builds the SPMD program of an imported graph from its propagated layouts."""
 
-    def __init__(self, graph, mesh, propagation, parent=None, prefix=""):
+    def __init__(self, graph, mesh, propagation, parent=None, prefix="",
+                 windowed_einsum=None):
+        """`windowed_einsum`: the byte threshold of windowed dots (see
+        spmd/windowed_einsum.py), None for none; a region's partitioner takes its
+        parent's."""
         self.graph = graph
         self.propagation = propagation
         self.b = ProgramBuilder(mesh, prefix)
@@ -281,6 +291,7 @@ class Partitioner:
         self._lost_splits = parent._lost_splits if parent else {}
         self.operand_layouts = {}  # of this graph's ops (a region's are its own)
         self.result_layouts = {}
+        self.windowed_einsum = parent.windowed_einsum if parent else windowed_einsum
 
     def decide(self, rule, inputs, targets, node):
         """The Decision for an op with `rule`, operands `inputs` (Locals) and result
@@ -338,6 +349,15 @@ class Partitioner:
         if key not in self._resharded:
             self._resharded[key] = reshard(self.b, local, layout)
         return self._resharded[key]
+
+    def resharded(self, local, layout):
+        """`local` in `layout` if a reshard made it already (see reshard), else None."""
+        return self._resharded.get((local, layout))
+
+    def remember_reshard(self, local, layout, result):
+        """Records `result` (a Local) as `local` in `layout`, made by a handler itself
+        (a windowed dot's loop gathers its operand on the way), for later reshards."""
+        self._resharded.setdefault((local, layout), result)
 
     def run(self, output_layouts):
         """Partition every node; outputs resharded to `output_layouts`."""
@@ -468,7 +488,9 @@ class Partitioner:
             self.operand_layouts[ctx.index] = [x.layout for x in ctx.inputs]
             return results
         layouts = ctx.result_layouts()
-        refs = emit(ctx, ctx.operands(), layouts)
+        windowed = (None if self.windowed_einsum is None
+                    else windowed_dot(ctx, self.windowed_einsum))
+        refs = emit(ctx, ctx.operands(), layouts) if windowed is None else windowed
         node = ctx.node
         self.operand_layouts[ctx.index] = ctx.decision.operand_layouts
         # a handler that combines partial results itself returns Locals
@@ -505,6 +527,8 @@ class Partitioner:
                 for ref, shape, dtype in zip(refs, node.out_shapes, node.out_dtypes)]
 
 
-def partition(graph, mesh, propagation, output_layouts):
-    """The SPMD program of `graph` (see Partitioner)."""
-    return Partitioner(graph, mesh, propagation).run(output_layouts)
+def partition(graph, mesh, propagation, output_layouts, windowed_einsum=None):
+    """The SPMD program of `graph` (see Partitioner; `windowed_einsum`: a byte
+    threshold, or None)."""
+    return Partitioner(graph, mesh, propagation,
+                       windowed_einsum=windowed_einsum).run(output_layouts)

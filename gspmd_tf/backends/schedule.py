@@ -1,0 +1,126 @@
+"""The order a backend emits an SPMD program's nodes in, which orders its collectives.
+
+Every collective of a device takes the device's ordering token (collectives.
+ordering_token), so tf.function chains them in the order they are created: a collective
+starts only when the one created before it on its device has finished, whatever its
+operand. Emitted in program order, a collective whose operand is ready early (a weight's
+all-gather, whose variable read the importer places where the graph uses it) waits
+behind every collective created before it, and those wait for the compute their operands
+need.
+
+`ready_order` emits the program in the order of an estimate of when each node can start
+(the heaviest path to it from the program's inputs, each node weighted by its work), so
+the collectives are chained by when their operands are ready: a weight's all-gather
+whose variable read is ready at the start goes first, overlapping the compute before
+its use, instead of after the collectives of the layers before. It is one order
+computed from the program, the same for every device, so all members of a group still
+issue their collectives in one consistent order, which TF's collectives over several
+devices need (tf.distribute's CollectiveReplicaLauncher gives each device one ordering
+token for the same reason; a collective with no token at all joins tf.function's single
+chain of stateful ops across every device, where the first collective waits for peers
+queued behind it). It is a topological order of the program and the emission stays
+node-major, so every cross-device wait still points to nodes created earlier and none
+can close a cycle. Nodes that tf.function chains in creation order besides the
+collectives (stateful ops, ops on a resource such as a variable's reads and writes,
+control-flow ops) keep their program order among themselves, so each variable sees its
+reads and writes in the program's order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
+
+from gspmd_tf.backends import base
+
+# the nodes that run collectives (gt.Permute across workers runs pair all-gathers)
+COLLECTIVE_OPS = (base.ALL_REDUCE, base.ALL_GATHER, base.REDUCE_SCATTER, base.ALL_TO_ALL,
+                  base.PERMUTE)
+
+
+def program_order(program):
+    """The nodes' indices as the program lists them."""
+    return range(len(program.nodes))
+
+
+def ready_order(program):
+    """The nodes' indices in the order of start_times (program order on ties), the
+    chained nodes (see the module docstring) in program order among themselves."""
+    nodes = program.nodes
+    start = start_times(program)
+    needs = [set([ref.node for ref in node.inputs] + list(node.control_inputs))
+             for node in nodes]
+    previous = None
+    for index, node in enumerate(nodes):
+        if _chained(program, node):
+            if previous is not None:
+                needs[index].add(previous)
+            previous = index
+    missing = [len(deps) for deps in needs]
+    releases = [[] for _ in nodes]
+    for index, deps in enumerate(needs):
+        for dep in deps:
+            releases[dep].append(index)
+    ready = [(start[i], i) for i in range(len(nodes)) if not missing[i]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, index = heapq.heappop(ready)
+        order.append(index)
+        for waiting in releases[index]:
+            missing[waiting] -= 1
+            if not missing[waiting]:
+                heapq.heappush(ready, (start[waiting], waiting))
+    assert len(order) == len(nodes)
+    return order
+
+
+def _chained(program, node):
+    """Whether tf.function orders `node` by creation among other nodes: a stateful TF
+    op, a control-flow op, or one with a resource input or output."""
+    if node.op in COLLECTIVE_OPS:
+        return False  # chained by its token: the order being chosen
+    if node.regions or tf.resource in node.out_dtypes or \
+            any(program.dtype(ref) == tf.resource for ref in node.inputs):
+        return True
+    if node.op.startswith("gt."):
+        return False
+    op_def = op_def_registry.get(node.op)
+    return op_def is None or op_def.is_stateful
+
+
+def start_times(program):
+    """Per node, the estimated time its inputs are ready: the heaviest path to them
+    from the program's inputs, a node weighing its work (node_work)."""
+    start = [0.0] * len(program.nodes)
+    done = [0.0] * len(program.nodes)
+    for index, node in enumerate(program.nodes):
+        start[index] = max([done[ref.node] for ref in node.inputs] +
+                           [done[c] for c in node.control_inputs], default=0.0)
+        done[index] = start[index] + node_work(program, node)
+    return start
+
+
+def node_work(program, node):
+    """A rough cost of `node`: the multiply-adds of a dot or convolution, else the
+    elements it produces (a collective: those it moves)."""
+    out = sum(int(np.prod(shape, dtype=np.int64)) for shape in node.out_shapes
+              if shape is not None and None not in shape)
+    shapes = [program.shape(ref) for ref in node.inputs]
+    if node.op == "MatMul":
+        return out * shapes[0][0 if node.attr("transpose_a") else 1]
+    if node.op.startswith("BatchMatMul"):
+        return out * shapes[0][-2 if node.attr("adj_x") else -1]
+    if node.op == "Einsum":
+        lhs, result = node.attr("equation").replace(" ", "").split("->")
+        sizes = {c: n for term, shape in zip(lhs.split(","), shapes)
+                 for c, n in zip(re.sub(r"\.\.\.", "", term)[-len(shape):], shape)}
+        return out * int(np.prod([n for c, n in sizes.items() if c not in result],
+                                 dtype=np.int64))
+    if node.op.startswith(("Conv", "DepthwiseConv")) and len(shapes) > 1:
+        return out * int(np.prod(shapes[1][:-1], dtype=np.int64))
+    return out
