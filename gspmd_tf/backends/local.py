@@ -98,6 +98,8 @@ class _Compiled:
                 f"{name or 'an SPMD program'}: mesh {mesh!r} has no device of this worker; "
                 "every worker of the cluster must hold devices of the meshes it runs")
         self.local = mesh.addressable_ids
+        self.cpu_only = all(tf.DeviceSpec.from_string(mesh.devices[d]).device_type == "CPU"
+                            for d in self.local)
         # a variable's handle is a scalar, whatever the shape of the value it holds
         self.specs = [tf.TensorSpec(() if node.out_dtypes[0] == tf.resource
                                     else node.out_shapes[0], node.out_dtypes[0])
@@ -173,28 +175,47 @@ class _Compiled:
         """Runs the traced function, under the call's CancellationManager if guarded."""
         ctx = context.context()
         name = self.function.name.decode()
-        attrs = _call_attrs(ctx.function_call_options)
+        attrs = _call_attrs(ctx.function_call_options, self.cpu_only)
         if call is None:
             return execute.execute(name, self.num_outputs, inputs, attrs, ctx)
         return execute.execute_with_cancellation(name, self.num_outputs, inputs, attrs, ctx,
                                                  call.manager)
 
 
-def _call_attrs(options):
+def _call_attrs(options, cpu_only):
     """The function call attrs of `options` (the context's) with grappler's arithmetic
     optimizer off: on the SPMD program, where annotations no longer separate the ops, it
     rewrites tf.maximum(x, tf.add_n([x, x])) into a wrong value (x where x > 0; fuzzer
     seed 24 #2965, seed 47 #129; a single-device tf.function of the same ops is wrong
     too) and ArgMax(Sign(x)) into ArgMax(x), another index where Sign ties (seed 21
-    #165)."""
-    key = (options.config_proto_serialized, options.executor_type or "")
+    #165). With `cpu_only` (every device of the mesh a CPU) the grappler passes in
+    _SLOW_ON_CPU are off too, where the context leaves them at TF's default."""
+    key = (options.config_proto_serialized, options.executor_type or "", cpu_only)
     if key not in _CALL_ATTRS:
         config = config_pb2.ConfigProto.FromString(key[0])
-        config.graph_options.rewrite_options.arithmetic_optimization = \
-            rewriter_config_pb2.RewriterConfig.OFF
+        rewrites = config.graph_options.rewrite_options
+        rewrites.arithmetic_optimization = rewriter_config_pb2.RewriterConfig.OFF
+        for field, value in (_SLOW_ON_CPU if cpu_only else ()):
+            if not getattr(rewrites, field):  # 0: TF's default, not the user's choice
+                setattr(rewrites, field, value)
         _CALL_ATTRS[key] = ("executor_type", key[1],
                             "config_proto", config.SerializeToString())
     return _CALL_ATTRS[key]
+
+
+# Grappler settings of the SPMD program on CPU meshes: each pass here cost seconds on the
+# first call of the 64-layer FFN train step (a program of 8x the single-device ops) and
+# measured no gain on its steady step (benchmarks/RESULTS.md §14.5). Not applied on other
+# devices, where the layout and memory optimizers do work (NCHW convolutions, swapping)
+# that was not measured here.
+_SLOW_ON_CPU = (
+    ("disable_tfg_optimizer", True),   # MLIR passes: attribute and control-flow clean-ups
+    ("experimental_conditional_code_motion", rewriter_config_pb2.RewriterConfig.OFF),
+    ("memory_optimization", rewriter_config_pb2.RewriterConfig.NO_MEM_OPT),
+    ("layout_optimizer", rewriter_config_pb2.RewriterConfig.OFF),  # no CPU conversion
+    ("constant_folding", rewriter_config_pb2.RewriterConfig.OFF),  # the importer folds
+    ("meta_optimizer_iterations", rewriter_config_pb2.RewriterConfig.ONE),
+)
 
 
 _CALL_ATTRS = {}  # (the context's serialized ConfigProto, executor type) -> call attrs
