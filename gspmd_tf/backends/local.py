@@ -252,6 +252,24 @@ class _Lowering:
             self.local = mesh.addressable_ids
             self.tokens = {d: collectives.ordering_token(self.devices[d]) for d in self.local}
         self.args = None
+        self._scalars = {}  # (graph, device id, value) -> int32 Const on that device
+        self._emitting = None  # name of the device emit_node is emitting for
+
+    def _place(self, op):
+        """Device function of emit_node: the op's own device (an emitter's tf.device
+        scope) or the device being emitted."""
+        return op.device or self._emitting
+
+    def _scalar(self, d, value):
+        """An int32 scalar constant on device d in the current graph, one per value: the
+        group sizes and keys of a device's collectives share these."""
+        graph = ops.get_default_graph()
+        key = (graph, d, value)
+        if key not in self._scalars:
+            # no control inputs: the constant serves later collectives too
+            with tf.control_dependencies(None), tf.device(self.devices[d]):
+                self._scalars[key] = tf.constant(value, tf.int32)
+        return self._scalars[key]
 
     def lower(self, program, flat):
         """Emits every node for every device of this process; returns the outputs,
@@ -279,15 +297,20 @@ class _Lowering:
         ins = [values[ref.node][ref.out] for ref in node.inputs]
         n = self.mesh.size
         outs, node_ops = [None] * n, [None] * n
-        for d in self.local:
-            control = [op_of[c][d] for c in node.control_inputs]
-            with tf.device(self.devices[d]), tf.control_dependencies(control):
-                result = emit(d, ins)
-            if isinstance(result, ops.Operation):
-                outs[d], node_ops[d] = result.outputs, result
-            else:
-                outs[d], node_ops[d] = [result], result.op
-            _set_shapes(node, outs[d])
+        # One device-function scope for every device's copy: a tf.device scope per copy
+        # cost a third of the op's own creation (24 vs 70 us); the function puts each op
+        # without a device of its own on the device being emitted.
+        with ops.get_default_graph().device(self._place):
+            for d in self.local:
+                self._emitting = self.devices[d]
+                control = [op_of[c][d] for c in node.control_inputs]
+                with tf.control_dependencies(control):
+                    result = emit(d, ins)
+                if isinstance(result, ops.Operation):
+                    outs[d], node_ops[d] = result.outputs, result
+                else:
+                    outs[d], node_ops[d] = [result], result.op
+                _set_shapes(node, outs[d])
         values[index] = [[None if outs[d] is None else outs[d][k] for d in range(n)]
                          for k in range(len(outs[self.local[0]]))]
         op_of[index] = node_ops
@@ -345,7 +368,7 @@ class _Lowering:
             for pair in (pair for pair in crossing if d in pair):
                 other = pair[1] if pair[0] == d else pair[0]
                 group = collectives.Group([self.devices[m] for m in pair], instance_key,
-                                          self.tokens[d])
+                                          self.tokens[d], lambda v: self._scalar(d, v))
                 sent = x if source_of.get(other) == d else tf.zeros_like(x)
                 blocks = group.all_gather(tf.expand_dims(sent, 0), 0)
                 if source_of.get(d) == other:
@@ -370,7 +393,7 @@ class _Lowering:
         def emit(d, ins):
             row = row_of[d]
             group = collectives.Group([self.devices[x] for x in row], instance_key,
-                                      self.tokens[d])
+                                      self.tokens[d], lambda v: self._scalar(d, v))
             x = ins[0][d]
             if node.op == base.ALL_REDUCE:
                 return group.all_reduce(x, p["reduce_op"])
