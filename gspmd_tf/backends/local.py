@@ -205,9 +205,9 @@ def _call_attrs(options, cpu_only):
 
 # Grappler settings of the SPMD program on CPU meshes: each pass here cost seconds on the
 # first call of the 64-layer FFN train step (a program of 8x the single-device ops) and
-# measured no gain on its steady step (benchmarks/RESULTS.md §14.5). Not applied on other
-# devices, where the layout and memory optimizers do work (NCHW convolutions, swapping)
-# that was not measured here.
+# measured no gain on its steady step (benchmarks/RESULTS.md §14, "Time to first step").
+# Not applied on other devices, where the layout and memory optimizers do work (NCHW
+# convolutions, swapping) that was not measured here.
 _SLOW_ON_CPU = (
     ("disable_tfg_optimizer", True),   # MLIR passes: attribute and control-flow clean-ups
     ("experimental_conditional_code_motion", rewriter_config_pb2.RewriterConfig.OFF),
