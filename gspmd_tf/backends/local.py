@@ -218,7 +218,8 @@ _SLOW_ON_CPU = (
 )
 
 
-_CALL_ATTRS = {}  # (the context's serialized ConfigProto, executor type) -> call attrs
+# (the context's serialized ConfigProto, executor type, cpu_only) -> call attrs
+_CALL_ATTRS = {}
 
 
 def traced_region_op(node, operands):
