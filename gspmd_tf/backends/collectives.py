@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import hashlib
 import itertools
 import logging
@@ -231,27 +232,36 @@ def rank_order(device_names):
     (job, replica, task, type, index: CPU:2 before CPU:10), whatever order the members
     join in or the program lists them in.
     """
+    return list(_rank_order(tuple(device_names)))
+
+
+@functools.lru_cache(maxsize=None)
+def _rank_order(device_names):
+    """rank_order of a tuple of names, cached: the lowering asks it per collective per
+    device, for the few groups of a mesh."""
     def key(name):
         spec = tf.DeviceSpec.from_string(name)
         return (spec.job or "", spec.replica or 0, spec.task or 0, spec.device_type or "",
                 spec.device_index or 0)
-    return sorted(device_names, key=key)
+    return tuple(sorted(device_names, key=key))
 
 
 class Group:
     """One device's view of a collective group: keys, token and chunk orders.
 
     `names` are the members' device names in shard order. `rank_of_shard[s]` is the TF
-    rank of shard s; `shard_of_rank[r]` the shard of TF rank r.
+    rank of shard s; `shard_of_rank[r]` the shard of TF rank r. `scalar(n)` gives the
+    int32 tensor of a key or size (by default each op converts its own): a lowering
+    that passes shared constants saves creating three per collective per device.
     """
 
-    def __init__(self, names, instance_key, token):
+    def __init__(self, names, instance_key, token, scalar=int):
         ranked = rank_order(names)
         self.size = len(names)
         self.rank_of_shard = [ranked.index(name) for name in names]
         self.shard_of_rank = [names.index(name) for name in ranked]
-        self.kwargs = dict(group_size=self.size, group_key=group_key(names),
-                           instance_key=instance_key, ordering_token=[token])
+        self.kwargs = dict(group_size=scalar(self.size), group_key=scalar(group_key(names)),
+                           instance_key=scalar(instance_key), ordering_token=[token])
 
     def all_reduce(self, x, reduce_op):
         """CollectiveReduceV2 of x with `reduce_op` (sum|max|min|prod)."""

@@ -107,6 +107,8 @@ class _Compiled:
                 f"{name or 'an SPMD program'}: mesh {mesh!r} has no device of this worker; "
                 "every worker of the cluster must hold devices of the meshes it runs")
         self.local = mesh.addressable_ids
+        self.cpu_only = all(tf.DeviceSpec.from_string(mesh.devices[d]).device_type == "CPU"
+                            for d in self.local)
         # a variable's handle is a scalar, whatever the shape of the value it holds
         self.specs = [tf.TensorSpec(() if node.out_dtypes[0] == tf.resource
                                     else node.out_shapes[0], node.out_dtypes[0])
@@ -182,31 +184,51 @@ class _Compiled:
         """Runs the traced function, under the call's CancellationManager if guarded."""
         ctx = context.context()
         name = self.function.name.decode()
-        attrs = _call_attrs(ctx.function_call_options)
+        attrs = _call_attrs(ctx.function_call_options, self.cpu_only)
         if call is None:
             return execute.execute(name, self.num_outputs, inputs, attrs, ctx)
         return execute.execute_with_cancellation(name, self.num_outputs, inputs, attrs, ctx,
                                                  call.manager)
 
 
-def _call_attrs(options):
+def _call_attrs(options, cpu_only):
     """The function call attrs of `options` (the context's) with grappler's arithmetic
     optimizer off: on the SPMD program, where annotations no longer separate the ops, it
     rewrites tf.maximum(x, tf.add_n([x, x])) into a wrong value (x where x > 0; fuzzer
     seed 24 #2965, seed 47 #129; a single-device tf.function of the same ops is wrong
     too) and ArgMax(Sign(x)) into ArgMax(x), another index where Sign ties (seed 21
-    #165)."""
-    key = (options.config_proto_serialized, options.executor_type or "")
+    #165). With `cpu_only` (every device of the mesh a CPU) the grappler passes in
+    _SLOW_ON_CPU are off too, where the context leaves them at TF's default."""
+    key = (options.config_proto_serialized, options.executor_type or "", cpu_only)
     if key not in _CALL_ATTRS:
         config = config_pb2.ConfigProto.FromString(key[0])
-        config.graph_options.rewrite_options.arithmetic_optimization = \
-            rewriter_config_pb2.RewriterConfig.OFF
+        rewrites = config.graph_options.rewrite_options
+        rewrites.arithmetic_optimization = rewriter_config_pb2.RewriterConfig.OFF
+        for field, value in (_SLOW_ON_CPU if cpu_only else ()):
+            if not getattr(rewrites, field):  # 0: TF's default, not the user's choice
+                setattr(rewrites, field, value)
         _CALL_ATTRS[key] = ("executor_type", key[1],
                             "config_proto", config.SerializeToString())
     return _CALL_ATTRS[key]
 
 
-_CALL_ATTRS = {}  # (the context's serialized ConfigProto, executor type) -> call attrs
+# Grappler settings of the SPMD program on CPU meshes: each pass here cost seconds on the
+# first call of the 64-layer FFN train step (a program of 8x the single-device ops) and
+# measured no gain on its steady step (benchmarks/RESULTS.md §14, "Time to first step").
+# Not applied on other devices, where the layout and memory optimizers do work (NCHW
+# convolutions, swapping) that was not measured here.
+_SLOW_ON_CPU = (
+    ("disable_tfg_optimizer", True),   # MLIR passes: attribute and control-flow clean-ups
+    ("experimental_conditional_code_motion", rewriter_config_pb2.RewriterConfig.OFF),
+    ("memory_optimization", rewriter_config_pb2.RewriterConfig.NO_MEM_OPT),
+    ("layout_optimizer", rewriter_config_pb2.RewriterConfig.OFF),  # no CPU conversion
+    ("constant_folding", rewriter_config_pb2.RewriterConfig.OFF),  # the importer folds
+    ("meta_optimizer_iterations", rewriter_config_pb2.RewriterConfig.ONE),
+)
+
+
+# (the context's serialized ConfigProto, executor type, cpu_only) -> call attrs
+_CALL_ATTRS = {}
 
 
 def traced_region_op(node, operands):
@@ -243,6 +265,24 @@ class _Lowering:
             self.local = mesh.addressable_ids
             self.tokens = {d: collectives.ordering_token(self.devices[d]) for d in self.local}
         self.args = None
+        self._scalars = {}  # (graph, device id, value) -> int32 Const on that device
+        self._emitting = None  # name of the device emit_node is emitting for
+
+    def _place(self, op):
+        """Device function of emit_node: the op's own device (an emitter's tf.device
+        scope) or the device being emitted."""
+        return op.device or self._emitting
+
+    def _scalar(self, d, value):
+        """An int32 scalar constant on device d in the current graph, one per value: the
+        group sizes and keys of a device's collectives share these."""
+        graph = ops.get_default_graph()
+        key = (graph, d, value)
+        if key not in self._scalars:
+            # no control inputs: the constant serves later collectives too
+            with tf.control_dependencies(None), tf.device(self.devices[d]):
+                self._scalars[key] = tf.constant(value, tf.int32)
+        return self._scalars[key]
 
     def lower(self, program, flat):
         """Emits every node for every device of this process; returns the outputs,
@@ -270,15 +310,20 @@ class _Lowering:
         ins = [values[ref.node][ref.out] for ref in node.inputs]
         n = self.mesh.size
         outs, node_ops = [None] * n, [None] * n
-        for d in self.local:
-            control = [op_of[c][d] for c in node.control_inputs]
-            with tf.device(self.devices[d]), tf.control_dependencies(control):
-                result = emit(d, ins)
-            if isinstance(result, ops.Operation):
-                outs[d], node_ops[d] = result.outputs, result
-            else:
-                outs[d], node_ops[d] = [result], result.op
-            _set_shapes(node, outs[d])
+        # One device-function scope for every device's copy: a tf.device scope per copy
+        # cost a third of the op's own creation (24 vs 70 us); the function puts each op
+        # without a device of its own on the device being emitted.
+        with ops.get_default_graph().device(self._place):
+            for d in self.local:
+                self._emitting = self.devices[d]
+                control = [op_of[c][d] for c in node.control_inputs]
+                with tf.control_dependencies(control):
+                    result = emit(d, ins)
+                if isinstance(result, ops.Operation):
+                    outs[d], node_ops[d] = result.outputs, result
+                else:
+                    outs[d], node_ops[d] = [result], result.op
+                _set_shapes(node, outs[d])
         values[index] = [[None if outs[d] is None else outs[d][k] for d in range(n)]
                          for k in range(len(outs[self.local[0]]))]
         op_of[index] = node_ops
@@ -336,7 +381,7 @@ class _Lowering:
             for pair in (pair for pair in crossing if d in pair):
                 other = pair[1] if pair[0] == d else pair[0]
                 group = collectives.Group([self.devices[m] for m in pair], instance_key,
-                                          self.tokens[d])
+                                          self.tokens[d], lambda v: self._scalar(d, v))
                 sent = x if source_of.get(other) == d else tf.zeros_like(x)
                 blocks = group.all_gather(tf.expand_dims(sent, 0), 0)
                 if source_of.get(d) == other:
@@ -361,7 +406,7 @@ class _Lowering:
         def emit(d, ins):
             row = row_of[d]
             group = collectives.Group([self.devices[x] for x in row], instance_key,
-                                      self.tokens[d])
+                                      self.tokens[d], lambda v: self._scalar(d, v))
             x = ins[0][d]
             if node.op == base.ALL_REDUCE:
                 return group.all_reduce(x, p["reduce_op"])
