@@ -203,17 +203,18 @@ def attribute_crash(before, program, worker):
     return f"only after the {lo} program(s) before it in the batch"
 
 
-# Runs of one side of a crashing program that decide whose crash it is: single-device
-# TF's reference of seed 24 #3785 (oneDNN batch matmul corrupting the heap) killed a fresh
-# worker within its first 1-3 runs in every try.
+# Runs of each side of a crashing program that decide whose crash it is: single-device
+# TF's reference of seed 24 #3785 (oneDNN's batch matmul corrupting the heap) killed a
+# fresh worker within 1-8 runs in 6 tries of 7 (the other survived 10), its partitioned
+# program none in 300 (benchmarks/RESULTS.md §6, "The crash of the fourth run").
 BLAME_RUNS = 100
 
 
-def blame_reference(program, timeout, collective_timeout):
+def blame_reference(program, timeout, collective_timeout, runs=BLAME_RUNS):
     """The crash detail if single-device TF is to blame for a crash of `program`: its
-    reference alone, run BLAME_RUNS times in a fresh worker, kills the worker, and
-    gspmd-tf's partitioned program alone, run as often, does not; else None."""
-    alone = [program] * BLAME_RUNS
+    reference alone, run `runs` times in a fresh worker, kills the worker, and gspmd-tf's
+    partitioned program alone, run as often, does not; else None."""
+    alone = [program] * runs
     reference = run_fresh(alone, timeout, collective_timeout, part="reference")
     if reference["status"] != "crash":
         return None
