@@ -13,8 +13,8 @@ compared shard by shard with tf.Variables). A worker subprocess (benchmarks/fuzz
 dies) and hang (no answer within --timeout) and charges it to the program that was
 running; a crash is re-checked alone in a fresh worker and, when it only happens after
 earlier programs, bisected to the shortest run of predecessors that reproduces it. A crash
-is single-device TF's (status invalid) when the program's reference alone, run a few times
-in a fresh worker, kills it and gspmd-tf's partitioned program alone does not.
+is single-device TF's (status invalid) when the program's reference alone, run BLAME_RUNS
+times in a fresh worker, kills it and gspmd-tf's partitioned program alone does not.
 
 Failures are shrunk (drop ops and outputs, cut the program at an op, turn intermediates
 into inputs, drop hints, out_shardings, NaNs and spec entries, shrink the mesh) while the
@@ -205,8 +205,9 @@ def attribute_crash(before, program, worker):
 
 # Runs of each side of a crashing program that decide whose crash it is: single-device
 # TF's reference of seed 24 #3785 (oneDNN's batch matmul corrupting the heap) killed a
-# fresh worker within 1-8 runs in 6 tries of 7 (the other survived 10), its partitioned
-# program none in 300 (benchmarks/RESULTS.md §6, "The crash of the fourth run").
+# fresh worker within 1-8 runs in 6 tries of 7 (the other survived 10); its partitioned
+# program ran 300 calls without a fault (benchmarks/RESULTS.md §6, "The crash of the
+# fourth run").
 BLAME_RUNS = 100
 
 
