@@ -20,7 +20,6 @@ import textwrap
 
 import pytest
 
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
@@ -28,9 +27,9 @@ from fuzz_programs import generate  # noqa: E402
 
 CALLS = 30  # calls of each partitioned program (the reference faults within ~8)
 
-# (name, operand shape, matrix shape, inside a tf.cond, mesh, operand spec); the first is
-# seed 24 #3785's cond (mesh (8, 1), its operand's dim 0 split), then the same on one
-# device and other in-kernel broadcasts that fault in single-device TF
+# (name, operand shape, matrix shape, inside a tf.cond, mesh, operand spec); the first has
+# seed 24 #3785's shapes, cond and mesh (its operand split on dim 0 here), then the same on
+# one device and other in-kernel broadcasts that fault in single-device TF
 CASES = [
     ("seed24_3785_cond", (5, 1, 8, 2), (2, 2), True, (8, 1), ("x",)),
     ("cond_one_device", (5, 1, 8, 2), (2, 2), True, (1, 1), ()),
