@@ -934,7 +934,11 @@ class Generator:
                 self.captured(shape, dtype, args)
             return f"{self.pick(BODY_BINARY)}({v}, {other})", False
         if kind == "matmul":  # scaled by 1/4 (exactly) so a few iterations stay bounded
-            w = self.captured([shape[-1], shape[-1]], dtype, args)
+            # a square matrix, or for two or more batch dims one per batch: as in
+            # op_matmul, no broadcast over two or more batch dims, on which TF's oneDNN
+            # kernel (the reference) corrupts the heap: (5, 1, 8, 2) @ (2, 2), seed 24 #3785
+            batch = list(shape[:-2]) if len(shape) > 3 else []
+            w = self.captured(batch + [shape[-1], shape[-1]], dtype, args)
             return f"tf.matmul({v}, {w}) * 0.25", True
         axis = int(self.rng.integers(len(shape)))
         if kind == "roll":

@@ -2,8 +2,9 @@
 
     python benchmarks/fuzz_worker.py      (started by benchmarks/fuzz.py, not by hand)
 
-Reads one JSON request a line on stdin ({"id": ..., "program": {...}}), answers one JSON
-line per request on its stdout: {"id", "status", "detail", "seconds"} with status
+Reads one JSON request a line on stdin ({"id": ..., "program": {...}}, optionally
+"part": "reference" or "partitioned" to run only that side, see run_program), answers one
+JSON line per request on its stdout: {"id", "status", "detail", "seconds"} with status
 
   pass      every output (and every device's shard of it) equals single-device TF
   mismatch  a value, shape, dtype, shard or output sharding differs
@@ -223,10 +224,12 @@ def as_float64(program_text):
     return re.sub(r"\b(bfloat16|float16|float32)\b", "float64", program_text)
 
 
-def run_program(program, tf, gt):
+def run_program(program, tf, gt, part=None):
     """Run one program; returns (status, detail). A program with variables runs twice
     (the second call sees the first one's updates) and its variables are compared
-    after both calls.
+    after both calls. part "reference" or "partitioned" runs only that side, compares
+    nothing and returns ("pass", "") (the driver uses it to tell whose crash a crash
+    is).
 
     The reference is single-device TF run eagerly. Where TF contradicts itself the
     program says nothing about gspmd-tf: a result whose shape is not the one TF's own
@@ -235,7 +238,8 @@ def run_program(program, tf, gt):
     mode (a tf.function, as gspmd-tf runs) passes: it is what TF does. A mismatch
     against an eager result that running the program again does not reproduce is TF's
     too (status invalid): a kernel reading uninitialised memory (the filter gradient of
-    a float16/float64 depthwise conv over an empty batch, seed 21 #9520)."""
+    a float16/float64 depthwise conv over an empty batch, seed 21 #9520) or corrupting
+    the heap (oneDNN's batch matmul broadcasting (5, 1, 8, 2) @ (2, 2), seed 24 #3785)."""
     variables = [v["name"] for v in program.get("variables", ())]
     calls = 2 if variables else 1
     text = source(program)
@@ -280,6 +284,20 @@ def run_program(program, tf, gt):
                 for out, terms, value in zip(call[:n], call[n:], values)])
         return result
 
+    def partitioned():
+        """gspmd-tf's outputs of every call and final variables, and the program's names."""
+        scope = fresh_scope(partitioned=True)
+        fn = gt.function(scope["f"], mesh=scope["mesh"], in_shardings=scope["in_shardings"],
+                         out_shardings=scope["out_shardings"])
+        return ([fn(*scope["args"]) for _ in range(calls)],
+                [scope[name].sharded() for name in variables]), scope
+
+    if part is not None:
+        try:
+            partitioned() if part == "partitioned" else reference(graph_mode=False)
+        except Exception as exc:  # noqa: BLE001 - the driver asks only whether it dies
+            return "error", first_line(exc)
+        return "pass", ""
     try:
         want = reference(graph_mode=False)
     except Exception as exc:  # noqa: BLE001 - any failure here is the generator's
@@ -289,11 +307,7 @@ def run_program(program, tf, gt):
             return "invalid", (f"output {i}: single-device TF returned shape {w.shape}, its "
                                f"shape inference says {shape}")
     try:
-        scope = fresh_scope(partitioned=True)
-        fn = gt.function(scope["f"], mesh=scope["mesh"], in_shardings=scope["in_shardings"],
-                         out_shardings=scope["out_shardings"])
-        got = ([fn(*scope["args"]) for _ in range(calls)],
-               [scope[name].sharded() for name in variables])
+        got, scope = partitioned()
     except Exception as exc:  # noqa: BLE001 - every exception of a valid program counts
         frames = traceback.extract_tb(exc.__traceback__)
         where = next((f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames)
@@ -304,7 +318,8 @@ def run_program(program, tf, gt):
     except Mismatch as exc:
         if not same_values(want, reference(graph_mode=False)):
             return "invalid", ("single-device TF gave other values running the program "
-                               "again (a kernel reading uninitialised memory)")
+                               "again (a kernel reading uninitialised memory or "
+                               "corrupting the heap)")
         try:
             compare(program, got, reference(graph_mode=True), scope)
             return "pass", "equals single-device TF in graph mode (eager TF differs)"
@@ -376,7 +391,7 @@ def main():
     for line in sys.stdin:
         request = json.loads(line)
         start, cpu = time.perf_counter(), time.process_time()
-        status, detail = run_program(request["program"], tf, gt)
+        status, detail = run_program(request["program"], tf, gt, request.get("part"))
         answers.write(json.dumps({"id": request["id"], "status": status, "detail": detail,
                                   "seconds": time.perf_counter() - start,
                                   "cpu": time.process_time() - cpu}) + "\n")
