@@ -32,7 +32,7 @@ from gspmd_tf.graph.tensor_lists import infer_element_shapes
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 # Handles: their shape is () whatever they point to, and TF may leave it unknown.
-_HANDLE_DTYPES = (tf.resource, tf.variant)
+_HANDLE_DTYPES = frozenset({tf.resource, tf.variant})
 
 
 def import_graph(fn, inputs=None, outputs=None) -> Graph:
@@ -110,7 +110,7 @@ class _Importer:
             if op in bound:
                 continue
             inputs = [refs[t.op][t.value_index] for t in in_tensors]
-            deps = [i for c in in_ops for i in control[c]]
+            deps = [i for c in in_ops for i in control[c]] if in_ops else []
             if call_control and all(ref.node < start for ref in inputs):
                 deps += call_control
             if len(deps) > 1:
@@ -130,28 +130,37 @@ class _Importer:
                 if op_type in REGION_OPS:
                     _check_loop_shapes(op, name)
                     regions = self.regions(op, name, inputs)
-                # shapes that depend on values (of constants, once folded): see fold.py
                 unknown = self.ir.unknown_shapes
-                defer = op_type in VALUE_SHAPED or (
-                    unknown and any(ref in unknown for ref in inputs))
-                like = (self.ir.shape(inputs[0])
-                        if op_type in _SHAPE_OF_INPUT and inputs[0] not in unknown else None)
-                shapes = [_static_shape(t, name, bool(prefix), defer, like) for t in outs]
+                shapes = [t.shape for t in outs]
+                if all(s.is_fully_defined() for s in shapes):  # the common case
+                    shapes, pending = [tuple(s.as_list()) for s in shapes], ()
+                else:
+                    # shapes that depend on values (of constants, once folded): fold.py
+                    defer = op_type in VALUE_SHAPED or (
+                        unknown and any(ref in unknown for ref in inputs))
+                    like = (self.ir.shape(inputs[0]) if op_type in _SHAPE_OF_INPUT
+                            and inputs[0] not in unknown else None)
+                    shapes = [_static_shape(t, name, bool(prefix), defer, like)
+                              for t in outs]
+                    pending = [k for k, shape in enumerate(shapes) if shape is None]
+                    shapes = [shape or () for shape in shapes]
+                attr = node_def.attr
                 index = self.ir.add(Node(
                     name, op_type, inputs,
                     # Underscore attrs are TF's bookkeeping (shapes, colocation,
                     # shardings...), never part of an OpDef: re-creating the op must
-                    # not copy them.
-                    attrs={k: v for k, v in node_def.attr.items() if k[0] != "_"},
-                    out_shapes=[s or () for s in shapes],
+                    # not copy them. (Keys, not items(): the proto map's items() is
+                    # a Python-level view, twice as slow.)
+                    attrs={k: attr[k] for k in attr if k[0] != "_"},
+                    out_shapes=shapes,
                     out_dtypes=[t.dtype for t in outs],
                     control_inputs=deps, regions=regions))
-                for k, shape in enumerate(shapes):
-                    if shape is None:
-                        unknown[Ref(index, k)] = outs[k].shape
+                for k in pending:
+                    unknown[Ref(index, k)] = outs[k].shape
                 outs, control[op] = [Ref(index, k) for k in range(len(outs))], [index]
             refs[op] = outs
-            self.annotate(op, node_def, outs)
+            if op_type == "XlaSharding" or "_XlaSharding" in node_def.attr:
+                self.annotate(op, node_def, outs)
         return refs, control
 
     def body(self, callee, feeds):
