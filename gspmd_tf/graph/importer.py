@@ -131,9 +131,9 @@ class _Importer:
                     _check_loop_shapes(op, name)
                     regions = self.regions(op, name, inputs)
                 unknown = self.ir.unknown_shapes
-                shapes = [t.shape for t in outs]
-                if all(s.is_fully_defined() for s in shapes):  # the common case
-                    shapes, pending = [tuple(s.as_list()) for s in shapes], ()
+                shapes = [_known_shape(t) for t in outs]
+                if None not in shapes:  # the common case
+                    pending = ()
                 else:
                     # shapes that depend on values (of constants, once folded): fold.py
                     defer = op_type in VALUE_SHAPED or (
@@ -374,6 +374,15 @@ _SCRATCH_OUTPUTS = frozenset({("FusedBatchNormV3", 5)})
 # ops whose one output has the shape of their first input (the gradient tape's zeros for
 # an unused scratch output)
 _SHAPE_OF_INPUT = frozenset({"ZerosLike", "OnesLike", "Identity"})
+
+
+def _known_shape(tensor):
+    """The shape of `tensor` as a tuple of ints; None when TF left any of it unknown."""
+    shape = tensor.shape
+    if shape.rank is None:
+        return None
+    dims = tuple(shape.as_list())
+    return None if None in dims else dims
 
 
 def _static_shape(tensor, name, nested, defer=False, like=None):

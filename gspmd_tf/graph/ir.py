@@ -118,9 +118,10 @@ class Graph:
 
     def add(self, node):
         """Append a node; returns its index."""
-        self._by_name[node.name] = len(self.nodes)
+        index = len(self.nodes)
+        self._by_name[node.name] = index
         self.nodes.append(node)
-        return len(self.nodes) - 1
+        return index
 
     def node_index(self, name):
         """Index of the node called `name` (KeyError when there is none)."""

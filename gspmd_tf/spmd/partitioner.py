@@ -125,9 +125,9 @@ class Decision:
         self.factor_axes = factor_axes
         self.operand_layouts = None
         self.result_layouts = None
-        # the local result shapes of a replayed op, once one was replayed with no operand
+        # emit function -> the local result shapes of an op it replayed with no operand
         # padded (Partitioner._replay_memoised); like the rest, a function of the key
-        self.replay_shapes = None
+        self.replay_shapes = {}
 
 
 def _split_candidates(mesh, rule, dims_factors, layout):
@@ -389,8 +389,10 @@ class Partitioner:
                 self.operand_layouts[index] = []
                 continue
             entry = op_def(node.op)
-            results = (self._replay_memoised(index, node, rule, targets)
-                       if entry.replay and rule is not None and not node.regions else None)
+            emit = replay if entry.replay else entry.emit
+            results = (self._replay_memoised(index, node, rule, targets, emit)
+                       if rule is not None and not node.regions
+                       and (entry.replay or hasattr(emit, "replays")) else None)
             if results is None:
                 ctx = OpContext(self, index, rule, targets)
                 if node.regions:
@@ -398,7 +400,7 @@ class Partitioner:
                 elif rule is None:
                     results = self._replicated(ctx)
                 else:
-                    results = self._by_rule(ctx, replay if entry.replay else entry.emit)
+                    results = self._by_rule(ctx, emit)
             for k, (local, target) in enumerate(zip(results, targets)):
                 # a variable handle (e.g. one a loop hands through) points to this
                 # device's shard whatever layout propagation gave it, and a TensorList
@@ -476,21 +478,24 @@ class Partitioner:
         node = ctx.node
         decision = ctx.decision
         self.operand_layouts[ctx.index] = decision.operand_layouts
-        if emit is replay and decision.replay_shapes is None and not any_padded(ctx, operands):
-            decision.replay_shapes = local_shapes(ctx, layouts)
+        if (emit not in decision.replay_shapes and not any_padded(ctx, operands)
+                and (emit is replay or (hasattr(emit, "replays")
+                                        and emit.replays(ctx, operands)))):
+            decision.replay_shapes[emit] = local_shapes(ctx, layouts)
         # a handler that combines partial results itself returns Locals
         return [ref if isinstance(ref, Local) else Local(ref, layout, shape, dtype)
                 for ref, layout, shape, dtype
                 in zip(refs, layouts, node.out_shapes, node.out_dtypes)]
 
-    def _replay_memoised(self, index, node, rule, targets):
-        """A replayed op (registry entry `replay`) emitted from its Decision alone, as
-        _by_rule would emit it, without an OpContext or the handler: once an op with
-        that Decision was replayed with no operand padded, the operands' layouts and the
-        local result shapes are known. None while they are not."""
+    def _replay_memoised(self, index, node, rule, targets, emit):
+        """An op whose handler `emit` replays it (registry entry `replay`, or a handler
+        whose `emit.replays(ctx, operands)` says so for this Decision) emitted from its
+        Decision alone, as _by_rule would emit it, without an OpContext or the handler:
+        once `emit` replayed an op with that Decision and no operand padded, the
+        operands' layouts and the local result shapes are known. None while they are not."""
         inputs = [self.values[r] for r in node.inputs]
         decision = self.decide(rule, inputs, targets, node)
-        shapes = decision.replay_shapes
+        shapes = decision.replay_shapes.get(emit)
         if shapes is None:
             return None
         operand_layouts = self.operand_layouts[index] = decision.operand_layouts
