@@ -107,6 +107,10 @@ def _fold_node(graph, index, node, values, unknown):
         return _shape_op(graph, node, unknown)
     if folds != FOLD_VALUES or not node.inputs:
         return None
+    nodes = graph.nodes
+    # the usual answer first: an input that is neither a constant nor folded
+    if any(ref.node not in values and nodes[ref.node].op != "Const" for ref in node.inputs):
+        return None
     shapes_known = not unknown or all((index, k) not in unknown
                                       for k in range(len(node.out_shapes)))
     if shapes_known:

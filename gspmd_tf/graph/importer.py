@@ -157,7 +157,9 @@ class _Importer:
                     control_inputs=deps, regions=regions))
                 for k in pending:
                     unknown[Ref(index, k)] = outs[k].shape
-                outs, control[op] = [Ref(index, k) for k in range(len(outs))], [index]
+                outs = ([Ref(index, 0)] if len(outs) == 1
+                        else [Ref(index, k) for k in range(len(outs))])
+                control[op] = [index]
             refs[op] = outs
             if op_type == "XlaSharding" or "_XlaSharding" in node_def.attr:
                 self.annotate(op, node_def, outs)

@@ -168,7 +168,8 @@ class _Rebuilt:
     def copy(self, i, node):
         index = self.index
         node.inputs = [Ref(index[r.node], r.out) for r in node.inputs]
-        node.control_inputs = [index[c] for c in node.control_inputs]
+        if node.control_inputs:
+            node.control_inputs = [index[c] for c in node.control_inputs]
         index[i] = self.graph.add(node)
 
     def add(self, name, op, inputs, shapes, dtype, attrs=None, params=None):
