@@ -52,7 +52,8 @@ class _LazyLayouts:
     def __getitem__(self, index):
         if index not in self._cache:
             if self._lists is None:
-                self._lists = [a.tolist() for a in self._arrays] + [_row_codes(*self._arrays[2:])]
+                self._lists = ([a.tolist() for a in self._arrays]
+                               + [_row_codes(*self._arrays[2:])])
             base, dim_start, naxes, axes, codes = self._lists
             outs = []
             interned = self._interned
@@ -63,8 +64,9 @@ class _LazyLayouts:
                 key = tuple(codes[start:stop])
                 layout = interned.get(key)
                 if layout is None:
+                    names = self._names
                     layout = interned[key] = Layout(tuple(
-                        tuple(self._names[a] for a in axes[r][:naxes[r]]) if naxes[r] else ()
+                        tuple(names[a] for a in axes[r][:naxes[r]]) if naxes[r] else ()
                         for r in range(start, stop)))
                 outs.append(layout)
             self._cache[index] = outs

@@ -21,7 +21,8 @@ def local_shapes(ctx, layouts):
 def any_padded(ctx, operands):
     """Whether a data operand of the op (Locals `operands`) has padded shards."""
     padded = ctx.p.padded
-    return any(dims is not None and padded(x) for x, dims in zip(operands, ctx.rule.operands))
+    return any(dims is not None and padded(x)
+               for x, dims in zip(operands, ctx.rule.operands))
 
 
 def masked_refs(ctx, operands):
