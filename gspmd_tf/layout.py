@@ -29,6 +29,21 @@ class Layout:
         if not self.partial:  # the reduction only matters while something is pending
             object.__setattr__(self, "reduce_op", "sum")
 
+    def __hash__(self):
+        # computed once per object: the partitioner's memo keys hash layouts per op
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash((self.dims, self.partial, self.reduce_op))
+            object.__setattr__(self, "_hash", value)
+            return value
+
+    def __getstate__(self):
+        # a str hash differs between processes: an unpickled layout computes its own
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
     @classmethod
     def replicated(cls, rank):
         """No dim split."""

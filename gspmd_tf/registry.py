@@ -193,7 +193,8 @@ _NOTHING = OpDef("")
 
 def op_def(op_type):
     """The entry of `op_type` (an empty OpDef when the registry knows nothing of it)."""
-    return _table().get(op_type, _NOTHING)
+    # (the loaded table directly: the partitioner asks per op)
+    return (_TABLE if _builtins_loaded else _table()).get(op_type, _NOTHING)
 
 
 def has_rule(op_type):

@@ -57,7 +57,7 @@ def fold(graph):
     for index, node in enumerate(graph.nodes):
         outs = _fold_node(graph, index, node, values, unknown)
         if outs is None:
-            if any((index, k) in unknown for k in range(len(node.out_shapes))):
+            if unknown and any((index, k) in unknown for k in range(len(node.out_shapes))):
                 _infer_shapes(graph, index, node, values, unknown)
             continue
         values[index] = outs
@@ -107,7 +107,12 @@ def _fold_node(graph, index, node, values, unknown):
         return _shape_op(graph, node, unknown)
     if folds != FOLD_VALUES or not node.inputs:
         return None
-    shapes_known = all((index, k) not in unknown for k in range(len(node.out_shapes)))
+    nodes = graph.nodes
+    # the usual answer first: an input that is neither a constant nor folded
+    if any(ref.node not in values and nodes[ref.node].op != "Const" for ref in node.inputs):
+        return None
+    shapes_known = not unknown or all((index, k) not in unknown
+                                      for k in range(len(node.out_shapes)))
     if shapes_known:
         n_out = sum(math.prod(s) for s in node.out_shapes)
         if n_out > MAX_ELEMENTS:

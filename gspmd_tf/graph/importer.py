@@ -40,7 +40,7 @@ from gspmd_tf.graph.tensor_lists import infer_element_shapes
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 # Handles: their shape is () whatever they point to, and TF may leave it unknown.
-_HANDLE_DTYPES = (tf.resource, tf.variant)
+_HANDLE_DTYPES = frozenset({tf.resource, tf.variant})
 # Constant operands sunk into a body are shape-like values, never a tensor's data (which
 # would then be a replicated constant in the body rather than an operand of its sharding).
 _SUNK_ELEMENTS = 64
@@ -121,7 +121,7 @@ class _Importer:
             if op in bound:
                 continue
             inputs = [refs[t.op][t.value_index] for t in in_tensors]
-            deps = [i for c in in_ops for i in control[c]]
+            deps = [i for c in in_ops for i in control[c]] if in_ops else []
             if call_control and all(ref.node < start for ref in inputs):
                 deps += call_control
             if len(deps) > 1:
@@ -141,28 +141,39 @@ class _Importer:
                 if op_type in REGION_OPS:
                     _check_loop_shapes(op, name)
                     regions = self.regions(op, name, inputs)
-                # shapes that depend on values (of constants, once folded): see fold.py
                 unknown = self.ir.unknown_shapes
-                defer = op_type in VALUE_SHAPED or (
-                    unknown and any(ref in unknown for ref in inputs))
-                like = (self.ir.shape(inputs[0])
-                        if op_type in _SHAPE_OF_INPUT and inputs[0] not in unknown else None)
-                shapes = [_static_shape(t, name, bool(prefix), defer, like) for t in outs]
+                shapes = [_known_shape(t) for t in outs]
+                if None not in shapes:  # the common case
+                    pending = ()
+                else:
+                    # shapes that depend on values (of constants, once folded): fold.py
+                    defer = op_type in VALUE_SHAPED or (
+                        unknown and any(ref in unknown for ref in inputs))
+                    like = (self.ir.shape(inputs[0]) if op_type in _SHAPE_OF_INPUT
+                            and inputs[0] not in unknown else None)
+                    shapes = [_static_shape(t, name, bool(prefix), defer, like)
+                              for t in outs]
+                    pending = [k for k, shape in enumerate(shapes) if shape is None]
+                    shapes = [shape or () for shape in shapes]
+                attr = node_def.attr
                 index = self.ir.add(Node(
                     name, op_type, inputs,
                     # Underscore attrs are TF's bookkeeping (shapes, colocation,
                     # shardings...), never part of an OpDef: re-creating the op must
-                    # not copy them.
-                    attrs={k: v for k, v in node_def.attr.items() if k[0] != "_"},
-                    out_shapes=[s or () for s in shapes],
+                    # not copy them. (Keys, not items(): the proto map's items() is
+                    # a Python-level view, twice as slow.)
+                    attrs={k: attr[k] for k in attr if k[0] != "_"},
+                    out_shapes=shapes,
                     out_dtypes=[t.dtype for t in outs],
                     control_inputs=deps, regions=regions))
-                for k, shape in enumerate(shapes):
-                    if shape is None:
-                        unknown[Ref(index, k)] = outs[k].shape
-                outs, control[op] = [Ref(index, k) for k in range(len(outs))], [index]
+                for k in pending:
+                    unknown[Ref(index, k)] = outs[k].shape
+                outs = ([Ref(index, 0)] if len(outs) == 1
+                        else [Ref(index, k) for k in range(len(outs))])
+                control[op] = [index]
             refs[op] = outs
-            self.annotate(op, node_def, outs)
+            if op_type == "XlaSharding" or "_XlaSharding" in node_def.attr:
+                self.annotate(op, node_def, outs)
         return refs, control
 
     def body(self, callee, feeds):
@@ -411,6 +422,15 @@ _SCRATCH_OUTPUTS = frozenset({("FusedBatchNormV3", 5)})
 # ops whose one output has the shape of their first input (the gradient tape's zeros for
 # an unused scratch output)
 _SHAPE_OF_INPUT = frozenset({"ZerosLike", "OnesLike", "Identity"})
+
+
+def _known_shape(tensor):
+    """The shape of `tensor` as a tuple of ints; None when TF left any of it unknown."""
+    shape = tensor.shape
+    if shape.rank is None:
+        return None
+    dims = tuple(shape.as_list())
+    return None if None in dims else dims
 
 
 def _static_shape(tensor, name, nested, defer=False, like=None):

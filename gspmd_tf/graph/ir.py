@@ -39,12 +39,14 @@ class Node:
                  control_inputs=(), params=None, regions=()):
         self.name = name
         self.op = op
+        # copies, so a caller may pass (and keep using) its own containers; the C-level
+        # forms below because importer and partitioner make one Node per op
         self.inputs = list(inputs)
         self.control_inputs = list(control_inputs)
-        self.attrs = dict(attrs or {})
-        self.out_shapes = [tuple(s) for s in out_shapes]
+        self.attrs = dict(attrs) if attrs else {}
+        self.out_shapes = list(map(tuple, out_shapes))
         self.out_dtypes = list(out_dtypes)
-        self.params = dict(params or {})
+        self.params = dict(params) if params else {}
         self.regions = list(regions)
 
     def region_operands(self):
@@ -116,9 +118,10 @@ class Graph:
 
     def add(self, node):
         """Append a node; returns its index."""
-        self._by_name[node.name] = len(self.nodes)
+        index = len(self.nodes)
+        self._by_name[node.name] = index
         self.nodes.append(node)
-        return len(self.nodes) - 1
+        return index
 
     def node_index(self, name):
         """Index of the node called `name` (KeyError when there is none)."""

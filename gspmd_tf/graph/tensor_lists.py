@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from gspmd_tf.graph.ir import Ref
+from gspmd_tf.graph.ir import Ref, walk
+
+_VARIANT = frozenset({tf.variant})
 
 # ops whose output 0 is a list of the elements of their list input (at this position):
 # the list updated, passed on, or (ZerosLike, in TF's gradients) zeros like it
@@ -82,6 +84,9 @@ class _Families:
 def infer_element_shapes(graph):
     """Give every TensorList tensor of `graph` and its regions its element shape (see
     the module); returns `graph`."""
+    # most programs have no lists: one quick scan (set look-ups, not DType.__eq__)
+    if all(_VARIANT.isdisjoint(node.out_dtypes) for node in walk(graph)):
+        return graph
     families, evidence, tensors = _Families(), [], []
     _collect(graph, families, evidence, tensors)
     shapes = {}

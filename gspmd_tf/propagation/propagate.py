@@ -52,21 +52,33 @@ class _LazyLayouts:
     def __getitem__(self, index):
         if index not in self._cache:
             if self._lists is None:
-                self._lists = [a.tolist() for a in self._arrays]
-            base, dim_start, naxes, axes = self._lists
+                self._lists = ([a.tolist() for a in self._arrays]
+                               + [_row_codes(*self._arrays[2:])])
+            base, dim_start, naxes, axes, codes = self._lists
             outs = []
             interned = self._interned
             for k in range(len(self._graph.nodes[index].out_shapes)):
                 t = base[index] + k
-                rows = range(dim_start[t], dim_start[t + 1])
-                dims = tuple(tuple(self._names[a] for a in axes[r][:naxes[r]]) if naxes[r]
-                             else () for r in rows)
-                layout = interned.get(dims)
+                start, stop = dim_start[t], dim_start[t + 1]
+                # a tensor's dims rows as a tuple of ints: one C-level slice to look up
+                key = tuple(codes[start:stop])
+                layout = interned.get(key)
                 if layout is None:
-                    layout = interned[dims] = Layout(dims)
+                    names = self._names
+                    layout = interned[key] = Layout(tuple(
+                        tuple(names[a] for a in axes[r][:naxes[r]]) if naxes[r] else ()
+                        for r in range(start, stop)))
                 outs.append(layout)
             self._cache[index] = outs
         return self._cache[index]
+
+
+def _row_codes(naxes, axes):
+    """One int per dim row of the core's arrays, equal for rows split over the same
+    mesh axes in the same order (axis ids + 1 as base-256 digits; unused slots 0)."""
+    used = np.arange(axes.shape[1]) < naxes[:, None]
+    digits = np.where(used, axes.astype(np.int64) + 1, 0)
+    return (digits * (256 ** np.arange(axes.shape[1], dtype=np.int64))).sum(axis=1).tolist()
 
 
 class Propagation:

@@ -124,7 +124,7 @@ def _schedule(graph, threshold, live=None):
             continue
         if depends:
             flush(depends)
-        size = _operand_bytes(graph, node)
+        size = _operand_bytes(graph, node) if node.op == ALL_REDUCE else None
         if size is None or size > threshold:
             order.append(index)
             continue
@@ -168,7 +168,8 @@ class _Rebuilt:
     def copy(self, i, node):
         index = self.index
         node.inputs = [Ref(index[r.node], r.out) for r in node.inputs]
-        node.control_inputs = [index[c] for c in node.control_inputs]
+        if node.control_inputs:
+            node.control_inputs = [index[c] for c in node.control_inputs]
         index[i] = self.graph.add(node)
 
     def add(self, name, op, inputs, shapes, dtype, attrs=None, params=None):
@@ -200,7 +201,7 @@ class _Rebuilt:
         last = nodes[-1]
         dtype = last.out_dtypes[0]
         stem = f"{last.name}/combined"
-        sizes = [int(np.prod(node.out_shapes[0], dtype=np.int64)) for node in nodes]
+        sizes = [math.prod(node.out_shapes[0]) for node in nodes]
         flats = [self.add(f"{stem}/flat_{j}", "Reshape",
                           [self.ref(node.inputs[0]), self.const([size])], [(size,)], dtype,
                           attrs={"T": dtype, "Tshape": tf.int32})[0]

@@ -42,19 +42,24 @@ def eliminate_dead_code(graph):
 
 
 def live_nodes(graph):
-    """Per node of `graph`, whether its outputs or side effects need it (one walk back
-    from the outputs and the nodes with effects)."""
+    """Per node of `graph` (in topological order, as every SPMD program is), whether
+    its outputs or side effects need it (one sweep back from the last node)."""
     nodes = graph.nodes
     live = [False] * len(nodes)
-    stack = [ref.node for ref in graph.outputs]
-    stack += [i for i, node in enumerate(nodes) if has_effect(node)]
-    while stack:
-        i = stack.pop()
-        if live[i]:
-            continue
-        live[i] = True
-        stack.extend(ref.node for ref in nodes[i].inputs)
-        stack.extend(nodes[i].control_inputs)
+    for ref in graph.outputs:
+        live[ref.node] = True
+    # One sweep from the last node: a node reads only nodes before it (the builder
+    # appends), so its liveness is settled when the sweep reaches it.
+    for i in range(len(nodes) - 1, -1, -1):
+        node = nodes[i]
+        if not live[i]:
+            if not has_effect(node):
+                continue
+            live[i] = True
+        for ref in node.inputs:
+            live[ref.node] = True
+        for c in node.control_inputs:
+            live[c] = True
     return live
 
 

@@ -26,6 +26,7 @@ from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.combine import combine_all_reduces
 from gspmd_tf.spmd.dce import live_nodes
 from gspmd_tf.spmd.handlers import replay
+from gspmd_tf.spmd.handlers.basic import any_padded, local_shapes
 from gspmd_tf.spmd.control_flow import partition_control_flow
 from gspmd_tf.spmd.program import Local, ProgramBuilder
 from gspmd_tf.spmd.reshard import reshard
@@ -38,7 +39,8 @@ PROGRESS_EVERY = 10_000  # ops between two progress lines (log level INFO)
 # Handles whose shards cannot be resharded: a variable's (each device's points to its
 # shard) and a TensorList's (each device's holds its shards of the elements). They keep
 # the layout they have; the ops using them adapt their other operands.
-UNMOVABLE = (tf.resource, tf.variant)
+# (A set: DType hashes by its enum, so `in` is a C look-up, not DType.__eq__ per item.)
+UNMOVABLE = frozenset({tf.resource, tf.variant})
 
 
 @dataclass
@@ -125,12 +127,15 @@ class Decision:
     and its results' target layouts, shapes and dtypes (see Partitioner.decide), so ops
     that agree on those (the same op in every repeated layer) share one Decision."""
 
-    __slots__ = ("factor_axes", "operand_layouts", "result_layouts")
+    __slots__ = ("factor_axes", "operand_layouts", "result_layouts", "replay_shapes")
 
     def __init__(self, factor_axes):
         self.factor_axes = factor_axes
         self.operand_layouts = None
         self.result_layouts = None
+        # emit function -> the local result shapes of an op it replayed with no operand
+        # padded (Partitioner._replay_memoised); like the rest, a function of the key
+        self.replay_shapes = {}
 
 
 def _split_candidates(mesh, rule, dims_factors, layout):
@@ -304,7 +309,8 @@ class Partitioner:
             # rules with equal keys share one table
             decisions = self._rule_decisions[id(rule)] = self._decisions.setdefault(
                 rule.key(), {})
-        key = (tuple([(x.layout, x.shape, x.dtype) for x in inputs]), tuple(targets),
+        # x[1:] of a Local: (layout, shape, dtype)
+        key = (tuple([x[1:] for x in inputs]), tuple(targets),
                tuple(node.out_shapes), tuple(node.out_dtypes))
         decision = decisions.get(key)
         if decision is None:
@@ -405,14 +411,19 @@ class Partitioner:
                                                    node.out_dtypes[0])
                 self.operand_layouts[index] = []
                 continue
-            ctx = OpContext(self, index, rule, targets)
-            if node.regions:
-                results = partition_control_flow(self, index, ctx.inputs, targets)
-            elif rule is None:
-                results = self._replicated(ctx)
-            else:
-                entry = op_def(node.op)
-                results = self._by_rule(ctx, replay if entry.replay else entry.emit)
+            entry = op_def(node.op)
+            emit = replay if entry.replay else entry.emit
+            results = (self._replay_memoised(index, node, rule, targets, emit)
+                       if rule is not None and not node.regions and self.windowed_einsum is None
+                       and (entry.replay or hasattr(emit, "replays")) else None)
+            if results is None:
+                ctx = OpContext(self, index, rule, targets)
+                if node.regions:
+                    results = partition_control_flow(self, index, ctx.inputs, targets)
+                elif rule is None:
+                    results = self._replicated(ctx)
+                else:
+                    results = self._by_rule(ctx, emit)
             if any(local.layout is not target and local.layout != target
                    for local, target in zip(results, targets)):
                 self.result_layouts[index] = [local.layout for local in results]
@@ -490,13 +501,38 @@ class Partitioner:
         layouts = ctx.result_layouts()
         windowed = (None if self.windowed_einsum is None
                     else windowed_dot(ctx, self.windowed_einsum))
-        refs = emit(ctx, ctx.operands(), layouts) if windowed is None else windowed
+        operands = ctx.operands() if windowed is None else None
+        refs = emit(ctx, operands, layouts) if windowed is None else windowed
         node = ctx.node
-        self.operand_layouts[ctx.index] = ctx.decision.operand_layouts
+        decision = ctx.decision
+        self.operand_layouts[ctx.index] = decision.operand_layouts
+        if (windowed is None and emit not in decision.replay_shapes
+                and not any_padded(ctx, operands)
+                and (emit is replay or (hasattr(emit, "replays")
+                                        and emit.replays(ctx, operands)))):
+            decision.replay_shapes[emit] = local_shapes(ctx, layouts)
         # a handler that combines partial results itself returns Locals
         return [ref if isinstance(ref, Local) else Local(ref, layout, shape, dtype)
                 for ref, layout, shape, dtype
                 in zip(refs, layouts, node.out_shapes, node.out_dtypes)]
+
+    def _replay_memoised(self, index, node, rule, targets, emit):
+        """An op whose handler `emit` replays it (registry entry `replay`, or a handler
+        whose `emit.replays(ctx, operands)` says so for this Decision) emitted from its
+        Decision alone, as _by_rule would emit it, without an OpContext or the handler:
+        once `emit` replayed an op with that Decision and no operand padded, the
+        operands' layouts and the local result shapes are known. None while they are not."""
+        inputs = [self.values[r] for r in node.inputs]
+        decision = self.decide(rule, inputs, targets, node)
+        shapes = decision.replay_shapes.get(emit)
+        if shapes is None:
+            return None
+        operand_layouts = self.operand_layouts[index] = decision.operand_layouts
+        refs = self.b.replay(node, [self.reshard(x, layout).ref
+                                    for x, layout in zip(inputs, operand_layouts)],
+                             shapes, node.out_dtypes)
+        return [Local(ref, layout, shape, dtype) for ref, layout, shape, dtype
+                in zip(refs, decision.result_layouts, node.out_shapes, node.out_dtypes)]
 
     def _replicated(self, ctx):
         """No rule: gather the inputs, run the op whole on every device."""

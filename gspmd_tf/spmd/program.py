@@ -73,7 +73,8 @@ class ProgramBuilder:
         self.memo = {}
 
     def _add(self, op, inputs, attrs, shapes, dtypes, params=None, name=None, regions=()):
-        if _all_empty(op, shapes, dtypes):
+        # (the first shape's test settles nearly every call without _all_empty's loop)
+        if shapes and 0 in shapes[0] and _all_empty(op, shapes, dtypes):
             # No elements to compute: an empty constant. TF ops on empty tensors are
             # fragile (grappler's Mul-by-ones rewrite divides by a zero dim: SIGFPE).
             return [self.const(np.zeros(shape, dtype.as_numpy_dtype), dtype)
@@ -83,6 +84,8 @@ class ProgramBuilder:
             name = f"{name}_{len(self.graph.nodes)}"
         index = self.graph.add(Node(name, op, inputs, attrs, shapes, dtypes, params=params,
                                     regions=regions))
+        if len(shapes) == 1:
+            return [Ref(index, 0)]
         return [Ref(index, k) for k in range(len(shapes))]
 
     def op(self, op_type, inputs, shape, out_dtype, name=None, **attrs):

@@ -18,13 +18,19 @@ def local_shapes(ctx, layouts):
     return [ctx.local_shape(layout, k) for k, layout in enumerate(layouts)]
 
 
+def any_padded(ctx, operands):
+    """Whether a data operand of the op (Locals `operands`) has padded shards."""
+    padded = ctx.p.padded
+    return any(dims is not None and padded(x)
+               for x, dims in zip(operands, ctx.rule.operands))
+
+
 def masked_refs(ctx, operands):
     """Operand refs with the padding of split, uneven REDUCE dims set to the identity of
     the reduction, so padding never reaches a result; and the padding of inputs the op
     checks (the op registry's safe_padding) set to a harmless value."""
     rule = ctx.rule
-    padded = ctx.p.padded
-    if not any(dims is not None and padded(x) for x, dims in zip(operands, rule.operands)):
+    if not any_padded(ctx, operands):
         return [x.ref for x in operands]  # the common case: no shard has padding
     reduce_op = {"arg": "max"}.get(rule.reduce_op, rule.reduce_op)
     safe = dict(op_def(ctx.node.op).safe_padding)
@@ -167,7 +173,7 @@ def mean(ctx, operands, layouts):
     return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
 
 
-HALF_TYPES = (tf.float16, tf.bfloat16)
+HALF_TYPES = frozenset({tf.float16, tf.bfloat16})  # a set: see partitioner.UNMOVABLE
 
 
 def reduced_in(ctx, operands, layouts, wide):
@@ -211,7 +217,7 @@ def reduce_prod(ctx, operands, layouts):
     and 0 * Inf is NaN: 180 normals with one +Inf and one -Inf gave NaN, TF and the
     float64 program -Inf (fuzzer, seed 21 #7937)."""
     dtype = ctx.node.out_dtypes[0]
-    if dtype in HALF_TYPES + (tf.float32,) and ctx.split_reduce_axes():
+    if (dtype in HALF_TYPES or dtype == tf.float32) and ctx.split_reduce_axes():
         return reduced_in(ctx, operands, layouts, tf.float64)
     return replay(ctx, operands, layouts)
 

@@ -33,22 +33,43 @@ def einsum(ctx, operands, layouts):
             return reduced_in(ctx, operands, layouts, tf.float32)
         return replay(ctx, operands, layouts)
     refs = masked_refs(ctx, operands)
+    summed = _split_own_letters(rule, operands)
+    if not summed:
+        return replay(ctx, operands, layouts)
     summed_axes = []
+    for i, own, axes in summed:
+        refs[i] = _sum_out(ctx, operands[i]._replace(ref=refs[i]), own, axes)
+        summed_axes += axes
+    ref = replay(ctx, operands, layouts, refs=refs)[0]
+    layout = layouts[0]
+    partial = tuple(a for a in layout.partial if a not in summed_axes)
+    return [Local(ref, Layout(layout.dims, partial, layout.reduce_op), ctx.node.out_shapes[0],
+                  ctx.node.out_dtypes[0])]
+
+
+def _split_own_letters(rule, operands):
+    """[(i, dims, axes)] for each of two operands with split letters found in it only
+    (and not in the result): its dims of those letters and their mesh axes."""
+    found = []
     for i, x in enumerate(operands):
         others = {f for fs in rule.operands[1 - i] for f in fs}
         own = [d for d, fs in enumerate(rule.operands[i])
                if len(fs) == 1 and rule.factor_kinds[fs[0]] == REDUCE and fs[0] not in others]
         axes = tuple(a for d in own for a in x.layout.dims[d])
         if axes:
-            refs[i] = _sum_out(ctx, x._replace(ref=refs[i]), own, axes)
-            summed_axes += axes
-    if not summed_axes:
-        return replay(ctx, operands, layouts)
-    ref = replay(ctx, operands, layouts, refs=refs)[0]
-    layout = layouts[0]
-    partial = tuple(a for a in layout.partial if a not in summed_axes)
-    return [Local(ref, Layout(layout.dims, partial, layout.reduce_op), ctx.node.out_shapes[0],
-                  ctx.node.out_dtypes[0])]
+            found.append((i, own, axes))
+    return found
+
+
+def _replays(ctx, operands):
+    """Whether einsum() emits what replay() would for these resharded operands (a
+    function of the op's Decision: see Partitioner._replay_memoised)."""
+    if len(operands) != 2:
+        return not (ctx.node.out_dtypes[0] in HALF_TYPES and ctx.split_reduce_axes())
+    return not _split_own_letters(ctx.rule, operands)
+
+
+einsum.replays = _replays
 
 
 def _sum_out(ctx, x, dims, axes):

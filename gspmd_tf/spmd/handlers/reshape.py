@@ -25,7 +25,7 @@ from gspmd_tf.spmd.local_ops import replace_dim
 from gspmd_tf.spmd.program import Local
 from gspmd_tf.spmd.reshard import reblock
 
-_NOT_MOVABLE = (tf.string, tf.resource, tf.variant)
+_NOT_MOVABLE = frozenset({tf.string, tf.resource, tf.variant})  # a set: see UNMOVABLE
 
 
 def merged_uneven_split(wide_shape, narrow_shape, wide_layout, narrow_layout, mesh):
