@@ -3,7 +3,9 @@
     python benchmarks/fuzz_worker.py      (started by benchmarks/fuzz.py, not by hand)
 
 Reads one JSON request a line on stdin ({"id": ..., "program": {...}}, optionally
-"part": "reference" or "partitioned" to run only that side, see run_program), answers one
+"part": "reference" or "partitioned" to run only that side, "reference_values" to answer
+single-device TF's values (encoded, in "detail"), or "reference": such values to compare
+with instead of this process's own reference; see run_program), answers one
 JSON line per request on its stdout: {"id", "status", "detail", "seconds"} with status
 
   pass      every output (and every device's shard of it) equals single-device TF
@@ -18,6 +20,7 @@ answer channel carries only answers. Crashes and hangs are seen by the parent.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -224,12 +227,31 @@ def as_float64(program_text):
     return re.sub(r"\b(bfloat16|float16|float32)\b", "float64", program_text)
 
 
-def run_program(program, tf, gt, part=None):
+def encode_values(values):
+    """(outputs per call, variables) of numpy arrays as JSON-able data."""
+    def one(array):
+        return {"dtype": str(array.dtype), "shape": list(array.shape),
+                "data": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()}
+    return [[[one(a) for a in call] for call in values[0]], [one(a) for a in values[1]]]
+
+
+def decode_values(data, tf):
+    """encode_values' inverse (tf resolves dtype names numpy lacks, e.g. bfloat16)."""
+    def one(item):
+        dtype = tf.as_dtype(item["dtype"]).as_numpy_dtype
+        return np.frombuffer(base64.b64decode(item["data"]), dtype).reshape(item["shape"])
+    return [[one(a) for a in call] for call in data[0]], [one(a) for a in data[1]]
+
+
+def run_program(program, tf, gt, part=None, given_reference=None):
     """Run one program; returns (status, detail). A program with variables runs twice
     (the second call sees the first one's updates) and its variables are compared
     after both calls. part "reference" or "partitioned" runs only that side, compares
     nothing and returns ("pass", "") (the driver uses it to tell whose crash a crash
-    is).
+    is); part "reference_values" returns ("pass", encode_values(reference)). With
+    `given_reference` (decode_values' result: single-device TF's values from another
+    process, e.g. one with TF's other CPU kernels) the partitioned result is compared
+    with it alone.
 
     The reference is single-device TF run eagerly. Where TF contradicts itself the
     program says nothing about gspmd-tf: a result whose shape is not the one TF's own
@@ -292,6 +314,18 @@ def run_program(program, tf, gt, part=None):
         return ([fn(*scope["args"]) for _ in range(calls)],
                 [scope[name].sharded() for name in variables]), scope
 
+    if part == "reference_values":
+        try:
+            return "pass", encode_values(reference(graph_mode=False))
+        except Exception as exc:  # noqa: BLE001 - the driver then keeps its verdict
+            return "error", first_line(exc)
+    if given_reference is not None:
+        try:
+            got, scope = partitioned()
+            compare(program, got, given_reference, scope)
+            return "pass", ""
+        except Exception as exc:  # noqa: BLE001 - a mismatch or error: the verdict stands
+            return "mismatch", first_line(exc)
     if part is not None:
         try:
             partitioned() if part == "partitioned" else reference(graph_mode=False)
@@ -391,7 +425,9 @@ def main():
     for line in sys.stdin:
         request = json.loads(line)
         start, cpu = time.perf_counter(), time.process_time()
-        status, detail = run_program(request["program"], tf, gt, request.get("part"))
+        given = request.get("reference")
+        status, detail = run_program(request["program"], tf, gt, request.get("part"),
+                                     None if given is None else decode_values(given, tf))
         answers.write(json.dumps({"id": request["id"], "status": status, "detail": detail,
                                   "seconds": time.perf_counter() - start,
                                   "cpu": time.process_time() - cpu}) + "\n")

@@ -76,3 +76,47 @@ def test_overflow_rule_excuses_only_disputed_non_finite_kinds():
         with pytest.raises(Mismatch):
             check_values(np.float32(ours), np.float32(tf_value), "x", "float32",
                          exact=exact if exact is None else np.array(exact))
+
+
+def test_mismatch_of_tf_kernel_choice_is_checked_against_eigen_kernels():
+    """Seed 27 #9392: a matmul whose terms overflow float32 one by one (the fill value of
+    an empty segment max times 1.03) but not summed with fused multiply-adds: TF's oneDNN
+    kernel gives -1.26e38, its Eigen kernel and every split of the contraction -Inf. The
+    worker alone calls it a mismatch; the driver passes it because gspmd-tf's values equal
+    single-device TF's with TF_ENABLE_ONEDNN_OPTS=0, and a reference off by one value is
+    still a mismatch."""
+    from fuzz import EIGEN_KERNELS, Worker
+    from fuzz_worker import decode_values, encode_values
+
+    program = generate(27, 9392)
+    worker = Worker(120, 30)
+    eigen = Worker(120, 30, env=EIGEN_KERNELS)
+    try:
+        assert worker.run(program)["status"] == "mismatch"
+        values = eigen.run(program, part="reference_values")
+        assert values["status"] == "pass"
+        assert worker.run(program, reference=values["detail"])["status"] == "pass"
+        import tensorflow as tf
+        outputs, variables = decode_values(values["detail"], tf)
+        outputs[0][1] = outputs[0][1] + 1  # the max-pool output, off by one everywhere
+        wrong = encode_values((outputs, variables))
+        assert worker.run(program, reference=wrong)["status"] == "mismatch"
+    finally:
+        worker.stop()
+        eigen.stop()
+    result = run_programs({9392: program}, jobs=1, batch=1, timeout=120,
+                          collective_timeout=30)[9392]
+    assert result["status"] == "pass" and "Eigen kernels" in result["detail"]
+
+
+def test_reference_values_survive_encoding():
+    import numpy as np
+    import tensorflow as tf
+    from fuzz_worker import decode_values, encode_values
+
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array(np.inf, np.float64),
+              np.array([1.5, -2], dtype=tf.bfloat16.as_numpy_dtype), np.zeros((0, 4), np.int32)]
+    outputs, variables = decode_values(encode_values(([arrays], arrays[:1])), tf)
+    for got, want in zip(outputs[0] + variables, arrays + arrays[:1]):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
