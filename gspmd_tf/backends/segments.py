@@ -1,8 +1,8 @@
 """Cutting an SPMD program into collective-free segments for the XLA backend.
 
-A segment is a set of TF ops that XLA compiles as one computation; the nodes between
-segments ("barriers": collectives, gt.Permute, control flow, stateful ops such as
-variable reads and writes, ops XLA cannot compile) run op by op. Every node gets a
+A segment is a set of TF ops that XLA compiles as one computation, variable reads and
+writes included; the nodes between segments ("barriers": collectives, gt.Permute,
+control flow, other stateful ops, ops XLA cannot compile) run op by op. Every node gets a
 stage: a compute node's stage is the lowest at which all its inputs are ready (a
 barrier's result is ready one stage after the barrier's own), a barrier's the highest
 stage among its inputs. The program then runs as
@@ -28,6 +28,11 @@ SOURCES = (base.INPUT, base.SHARD_INDEX)
 # both backends give the same numbers.
 _RANDOM_WORDS = ("Random", "Multinomial", "TruncatedNormal")
 _UNCOMPILABLE_DTYPES = (tf.string, tf.resource, tf.variant)
+# Variable reads and writes, which XLA compiles: the variable is an argument of the
+# segment, read at its start and written back at its end. Other ops on resources
+# (TensorArrays, hash tables, stateful random generators) stay barriers.
+VARIABLE_OPS = ("ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp",
+                "AssignSubVariableOp")
 # Ops whose results XLA and TF's kernels define differently: on floats with NaNs
 # (XLA's max and min propagate NaN, TF's CPU reductions, arg-extrema and segment
 # extrema do not; tests/test_nonfinite.py), and integer division by zero (XLA gives -1;
@@ -65,10 +70,13 @@ def why_not_compiled(program, node):
         return "a random op (XLA draws other numbers than TF's kernel)"
     if any(d in _UNCOMPILABLE_DTYPES for d in node.out_dtypes):
         return "its outputs are strings, resources or variants"
-    if any(program.dtype(ref) in _UNCOMPILABLE_DTYPES for ref in node.inputs):
-        # variable reads and writes too: segments stay pure functions of tensors, which
-        # the compile check can take as TensorSpecs and XLA need not snapshot
-        return "it reads strings, resources (variables) or variants"
+    handles = 1 if node.op in VARIABLE_OPS else 0  # a variable's handle comes first
+    if any(program.dtype(ref) in _UNCOMPILABLE_DTYPES for ref in node.inputs[handles:]):
+        return "it reads strings, resources or variants"
+    if handles and program.nodes[node.inputs[0].node].op != base.INPUT:
+        # a segment then holds one argument per variable, never two aliases of one
+        # (through resource Identity ops)
+        return "it reaches its variable through another op than the program's input"
     operand = program.dtype(node.inputs[0]) if node.inputs else None
     if node.op in _NAN_ORDERED and operand is not None and operand.is_floating:
         return "XLA orders NaN against numbers otherwise than TF's kernel"
@@ -78,7 +86,7 @@ def why_not_compiled(program, node):
         return "its output shape depends on the data"
     if op_def_registry.get(node.op) is None:
         return "an op TF does not register"
-    if _is_stateful(node):
+    if _is_stateful(node) and node.op not in VARIABLE_OPS:
         return "a stateful op"
     return None
 
@@ -90,10 +98,12 @@ def cut(program, excluded=frozenset()):
     Sources (gt.Input, gt.ShardIndex) come first, then the constants a barrier or the
     program's outputs read; a segment holds its own copy of every constant it reads
     (Const nodes and pure ops of constants only), so that XLA sees shapes and axes as
-    compile-time constants, not arguments. Stateful nodes are all barriers and keep
-    their program order per resource, as TF's automatic control dependencies do: none
-    is in an earlier stage than the node before it that touches one of its variables
-    (stateful nodes touching none: than the one before it of those).
+    compile-time constants, not arguments. Stateful nodes keep their program order per
+    resource, as TF's automatic control dependencies do: none is in an earlier stage
+    than the node before it that touches one of its variables (stateful nodes touching
+    none: than the one before it of those), a compiled one not in the stage of a barrier
+    before it; within a segment the segment's function orders them (automatic control
+    dependencies again), and a barrier runs after its stage's segment.
     """
     nodes = program.nodes
     kind = []  # "source" | "constant" | "barrier" | "compute"
