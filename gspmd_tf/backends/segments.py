@@ -1,8 +1,8 @@
 """Cutting an SPMD program into collective-free segments for the XLA backend.
 
-A segment is a set of TF ops that XLA compiles as one computation, variable reads and
-writes included; the nodes between segments ("barriers": collectives, gt.Permute,
-control flow, other stateful ops, ops XLA cannot compile) run op by op. Every node gets a
+A segment is a set of TF ops that XLA compiles as one computation; the nodes between
+segments ("barriers": collectives, gt.Permute, control flow, variable reads and stateful
+ops other than variable writes, ops XLA cannot compile) run op by op. Every node gets a
 stage: a compute node's stage is the lowest at which all its inputs are ready (a
 barrier's result is ready one stage after the barrier's own), a barrier's the highest
 stage among its inputs. The program then runs as
@@ -10,7 +10,10 @@ stage among its inputs. The program then runs as
 so the number of segments is the length of the longest chain of barriers, and every
 compute node runs in the first segment where it can: independent collectives of one
 stage (the combiner's merged all-reduces, the gradient all-reduces of a layer) cut the
-program once, not once each. See docs/INTERNALS.md, "XLA backend".
+program once, not once each. Variable writes and the arithmetic only they use (an
+optimizer's update, a moving average) form a stage's update segment, run after its
+main segment on the variables' own device; the main segments stay pure functions of
+tensors. See docs/INTERNALS.md, "XLA backend".
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ SOURCES = (base.INPUT, base.SHARD_INDEX)
 # both backends give the same numbers.
 _RANDOM_WORDS = ("Random", "Multinomial", "TruncatedNormal")
 _UNCOMPILABLE_DTYPES = (tf.string, tf.resource, tf.variant)
-# Variable reads and writes, which XLA compiles: the variable is an argument of the
-# segment, read at its start and written back at its end. Other ops on resources
-# (TensorArrays, hash tables, stateful random generators) stay barriers.
-VARIABLE_OPS = ("ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp",
-                "AssignSubVariableOp")
+# Variable writes, which XLA compiles with the arithmetic computing their values: the
+# variable is an argument of the (update) segment. Reads stay op by op: a
+# ReadVariableOp hands out the variable's buffer without a copy, where a compiled read
+# would copy it, and it would tie the segment reading it to the variable's device
+# (xla.py). Other ops on resources (TensorArrays, hash tables, stateful random
+# generators) stay barriers.
+VARIABLE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
 # Ops whose results XLA and TF's kernels define differently: on floats with NaNs
 # (XLA's max and min propagate NaN, TF's CPU reductions, arg-extrema and segment
 # extrema do not; tests/test_nonfinite.py), and integer division by zero (XLA gives -1;
@@ -70,7 +75,7 @@ def why_not_compiled(program, node):
         return "a random op (XLA draws other numbers than TF's kernel)"
     if any(d in _UNCOMPILABLE_DTYPES for d in node.out_dtypes):
         return "its outputs are strings, resources or variants"
-    handles = 1 if node.op in VARIABLE_OPS else 0  # a variable's handle comes first
+    handles = 1 if node.op in VARIABLE_WRITES else 0  # a variable's handle comes first
     if any(program.dtype(ref) in _UNCOMPILABLE_DTYPES for ref in node.inputs[handles:]):
         return "it reads strings, resources or variants"
     if handles and program.nodes[node.inputs[0].node].op != base.INPUT:
@@ -86,7 +91,7 @@ def why_not_compiled(program, node):
         return "its output shape depends on the data"
     if op_def_registry.get(node.op) is None:
         return "an op TF does not register"
-    if _is_stateful(node) and node.op not in VARIABLE_OPS:
+    if _is_stateful(node) and node.op not in VARIABLE_WRITES:
         return "a stateful op"
     return None
 
@@ -101,9 +106,12 @@ def cut(program, excluded=frozenset()):
     compile-time constants, not arguments. Stateful nodes keep their program order per
     resource, as TF's automatic control dependencies do: none is in an earlier stage
     than the node before it that touches one of its variables (stateful nodes touching
-    none: than the one before it of those), a compiled one not in the stage of a barrier
-    before it; within a segment the segment's function orders them (automatic control
-    dependencies again), and a barrier runs after its stage's segment.
+    none: than the one before it of those), a compiled write not in the stage of a
+    barrier before it; within a segment the segment's function orders them (automatic
+    control dependencies again), and a barrier runs after its stage's segments.
+    A stage's compute splits into its main segment and, after it, its update segment:
+    the variable writes and the compute nodes all of whose dependents (data and control)
+    are in the update segment.
     """
     nodes = program.nodes
     kind = []  # "source" | "constant" | "barrier" | "compute"
@@ -138,9 +146,14 @@ def cut(program, excluded=frozenset()):
             ready = max(ready, stage[p] + late)
         stage[i] = ready
     readers = [set() for _ in nodes]  # readers[i]: the nodes reading an output of node i
+    dependents = [set() for _ in nodes]  # readers and nodes with a control input on it
     for i, node in enumerate(nodes):
         for ref in node.inputs:
             readers[ref.node].add(i)
+            dependents[ref.node].add(i)
+        for c in node.control_inputs:
+            dependents[c].add(i)
+    outputs = {ref.node for ref in program.outputs}
     computes, barriers = {}, {}  # stage -> node indices, in program order
     for i in range(len(nodes)):
         if kind[i] in ("compute", "barrier"):
@@ -158,8 +171,14 @@ def cut(program, excluded=frozenset()):
     steps = [i for i in range(len(nodes)) if kind[i] == "source"]
     steps += sorted(needed)
     for s in range(max(stage, default=0) + 1):
-        if s in computes:
-            steps.append(_segment(program, computes[s], readers, kind))
+        update = set()
+        for i in reversed(computes.get(s, [])):  # dependents come later in program order
+            if nodes[i].op in VARIABLE_WRITES or (
+                    dependents[i] and dependents[i] <= update and i not in outputs):
+                update.add(i)
+        for part in ([i for i in computes.get(s, []) if i not in update], sorted(update)):
+            if part:
+                steps.append(_segment(program, part, readers, kind))
         steps += barriers.get(s, [])
     return steps
 

@@ -7,10 +7,11 @@ bridge compiles it on its first call on a device, and on CPU the segments of eve
 logical device run on the first one (_compile_device), so it compiles once. One outer
 tf.function holds, per device, the calls of the segments and the nodes between them,
 which are emitted op by op as in LocalBackend: collectives with their ordering tokens,
-keys and the call timeout, gt.Permute, control flow, and what XLA cannot compile.
-Variable reads and writes are compiled: a segment takes the handles of the variables it
-touches as arguments, and runs on the variables' device (TF reads a variable only on its
-own device), so such a segment compiles once per device. The outer graph has about
+keys and the call timeout, gt.Permute, control flow, variable reads, and what XLA
+cannot compile. Variable writes are compiled, in update segments (segments.py) that take
+the handles of the variables they write as arguments and run on the variables' device
+(TF touches a variable only on its own device), so an update segment compiles once per
+device. The outer graph has about
 (segments + collectives) x devices nodes instead of (all nodes) x devices.
 
 When the program is traced every distinct segment goes through TF's XLA bridge
@@ -106,9 +107,9 @@ class _Plan:
                         "; ".join(f"{op} ({why})" for op, why in reasons))
 
 
-# Ops that run op by op by design (variable ops reaching their variable through a
-# resource Identity, see segments.why_not_compiled): no warning for them.
-_EXPECTED = segments.VARIABLE_OPS + ("Identity", "NoOp", "Const")
+# Ops that run op by op by design (variable reads; writes reaching their variable
+# through a resource Identity, see segments.why_not_compiled): no warning for them.
+_EXPECTED = segments.VARIABLE_WRITES + ("ReadVariableOp", "Identity", "NoOp", "Const")
 
 
 def _segment_function(program, segment, device, device_type):
@@ -192,15 +193,15 @@ class _SegmentFunction:
 
 
 def _variable(program, segment, ref):
-    """(shape, dtype) of the variable whose handle `ref` is, from the first variable op
-    of `segment` on it; None when `ref` is no handle."""
+    """(shape, dtype) of the variable whose handle `ref` is, from the first variable
+    write of `segment` on it; None when `ref` is no handle."""
     if program.dtype(ref) != tf.resource:
         return None
     for i in segment.nodes:
         node = program.nodes[i]
-        if node.op in segments.VARIABLE_OPS and node.inputs[0] == ref:
+        if node.op in segments.VARIABLE_WRITES and node.inputs[0] == ref:
             return program.shape(ref), tf.dtypes.as_dtype(node.attrs["dtype"].type)
-    raise AssertionError(f"segment argument {ref} is a resource no variable op reads")
+    raise AssertionError(f"segment argument {ref} is a resource no variable write takes")
 
 
 class _XlaLowering(local._Lowering):
@@ -239,7 +240,7 @@ class _XlaLowering(local._Lowering):
         calls, results = [], []
         for d in range(self.mesh.size):
             args = [values[ref.node][ref.out][d] for ref in segment.inputs]
-            # TF reads a variable only on its own device
+            # TF touches a variable only on its own device
             runs_on = self.devices[d] if function.touches_variables else self.runs_on[d]
             with tf.device(runs_on), \
                     tf.control_dependencies([op_of[c][d] for c in control]):
