@@ -96,6 +96,50 @@ def why_not_compiled(program, node):
     return None
 
 
+# Dot-like ops large_dots may leave to TF's kernels (oneDNN on CPU)
+_DOTS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
+         "Conv2DBackpropInput", "Conv2DBackpropFilter")
+
+
+def large_dots(program, min_flops):
+    """Indices of the dot-like nodes (matmuls, einsums, 2-D convolutions and their
+    gradients) of `program` doing at least `min_flops` multiply-adds."""
+    return {i for i, node in enumerate(program.nodes)
+            if node.op in _DOTS and _multiply_adds(program, node) >= min_flops}
+
+
+def _multiply_adds(program, node):
+    """Multiply-adds of the dot-like `node`: its output's elements times the length of
+    what each sums over (the contracted dims; a convolution's window x input channels)."""
+    out = _elements(node.out_shapes[0])
+    lhs, rhs = (program.shape(ref) for ref in node.inputs[:2])
+    if node.op == "MatMul":
+        return out * lhs[0 if node.attrs["transpose_a"].b else 1]
+    if node.op.startswith("BatchMatMul"):
+        return out * lhs[-2 if node.attrs["adj_x"].b else -1]
+    if node.op == "Einsum":
+        inputs, output = node.attrs["equation"].s.decode().replace(" ", "").split("->")
+        size = {}
+        for labels, shape in zip(inputs.split(","), (lhs, rhs)):
+            if "." in labels:  # ellipsis: no per-label sizes; count it as a full dot
+                return out * max(_elements(lhs), _elements(rhs))
+            size.update(zip(labels, shape))
+        return out * _elements([size[c] for c in size if c not in output])
+    # convolutions (filter [h, w, in, out]): each output element sums over a window of
+    # the input channels, and each gradient does the forward's multiply-adds again
+    if node.op == "Conv2D":
+        return out * _elements(rhs[:3])
+    window = rhs if node.op == "Conv2DBackpropInput" else node.out_shapes[0]
+    return _elements(program.shape(node.inputs[2])) * _elements(window[:3])
+
+
+def _elements(shape):
+    count = 1
+    for d in shape:
+        count *= d
+    return count
+
+
 def cut(program, excluded=frozenset()):
     """The program as steps in run order: Segments and node indices (run op by op).
 

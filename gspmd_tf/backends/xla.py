@@ -47,8 +47,14 @@ class XlaBackend(local.LocalBackend):
     collectives compiled by XLA (one compilation per distinct segment; on devices other
     than CPUs one per device).
 
-    `collective_timeout` as for LocalBackend.
+    `collective_timeout` as for LocalBackend. `tf_dots_from`: when set, dot-like ops
+    (matmuls, einsums, 2-D convolutions and their gradients) of at least this many
+    multiply-adds run op by op on TF's kernels instead of in the segments.
     """
+
+    def __init__(self, mesh, collective_timeout=None, tf_dots_from=None):
+        super().__init__(mesh, collective_timeout)
+        self.tf_dots_from = tf_dots_from
 
     def compile(self, program, name=None):
         """Returns run(inputs) -> outputs, as LocalBackend.compile; `run.plan` holds the
@@ -57,13 +63,18 @@ class XlaBackend(local.LocalBackend):
             raise ShardingError(
                 f"backend='xla' runs meshes of one process; {self.mesh!r} spans several "
                 "workers: use backend='local' (the default) there")
-        return _XlaCompiled(self.mesh, program, self.collective_timeout, name)
+        return _XlaCompiled(self.mesh, program, self.collective_timeout, name,
+                            self.tf_dots_from)
 
 
 class _XlaCompiled(local._Compiled):
+    def __init__(self, mesh, program, timeout, name, tf_dots_from):
+        self.tf_dots_from = tf_dots_from  # before the first trace, which makes the plan
+        super().__init__(mesh, program, timeout, name)
+
     def _lowering(self):
         if getattr(self, "plan", None) is None:  # kept when traced again
-            self.plan = _Plan(self.mesh, self.program, self.what)
+            self.plan = _Plan(self.mesh, self.program, self.what, self.tf_dots_from)
         return _XlaLowering(self.mesh, self.keys, self.plan)
 
 
@@ -71,9 +82,10 @@ class _Plan:
     """The program's steps (segments.cut) after the compile check, and each segment's
     function (`functions[k]` for the k-th Segment of `steps`)."""
 
-    def __init__(self, mesh, program, what):
+    def __init__(self, mesh, program, what, tf_dots_from):
         device_type = tf.DeviceSpec.from_string(mesh.devices[0]).device_type or "CPU"
-        excluded = set()
+        excluded = set() if tf_dots_from is None else \
+            segments.large_dots(program, tf_dots_from)
         while True:
             self.steps = segments.cut(program, excluded)
             self.functions = []
