@@ -169,7 +169,7 @@ class _SegmentFunction:
 
     @property
     def touches_variables(self):
-        """Whether the segment reads or writes variables (takes resource arguments)."""
+        """Whether the segment writes variables (takes their handles as arguments)."""
         return any(self.variables)
 
     def check(self):
