@@ -29,6 +29,7 @@ CPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -57,7 +58,10 @@ D_FF = flags.DEFINE_integer("d_ff", _D.d_ff, "MLP hidden width")
 VOCAB = flags.DEFINE_integer("vocab", _D.vocab, "vocabulary size")
 SEQ = flags.DEFINE_integer("seq", _D.seq, "sequence length")
 BATCH = flags.DEFINE_integer("batch", _D.batch, "batch size")
-BACKENDS = flags.DEFINE_string("backends", "xla,local", "gspmd-tf backends to time")
+BACKENDS = flags.DEFINE_string("backends", "xla,local", "gspmd-tf backends to time: "
+                               "xla, local, or xla_tfdots (the XLA backend with dots of "
+                               "at least --tf_dots_from multiply-adds on TF's kernels)")
+TF_DOTS_FROM = flags.DEFINE_integer("tf_dots_from", 1 << 20, "see --backends")
 TRAIN = flags.DEFINE_bool("train", False, "time the Adam training step, not the forward")
 SINGLE_JIT = flags.DEFINE_bool("single_jit", True, "also time single-device TF with "
                                "jit_compile=True")
@@ -182,6 +186,9 @@ def sharded_step(gt, tf, cfg, mesh, backend, params, tokens):
         specs, values = specs[:1], values[:1]
     else:
         fn = loss_fn
+    if backend == "xla_tfdots":
+        from gspmd_tf.backends.xla import XlaBackend
+        backend = functools.partial(XlaBackend, tf_dots_from=TF_DOTS_FROM.value)
     sharded = gt.function(fn, mesh=mesh, in_shardings=specs, backend=backend)
     lowered = sharded.lower(*[tf.TensorSpec(np.shape(v), tf.as_dtype(np.asarray(v).dtype))
                               for v in values])

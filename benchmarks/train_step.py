@@ -15,6 +15,8 @@ batch, same plain TF step function):
   xla      gt.Variables + gt.function(step, backend="xla") on a --mesh of logical CPU
            devices: the compute between collectives compiled by XLA
   local    the same with backend="local": every op emitted op by op per device
+  xla_tfdots  the XLA backend with the dots of at least --tf_dots_from multiply-adds
+           left to TF's kernels (oneDNN), op by op between the compiled segments
   single   tf.Variables + tf.function(step) on /CPU:0
   single_jit  the same with tf.function(step, jit_compile=True): XLA on one device
   dtensor  TF's DTensor (tf.experimental.dtensor): DVariables with the same layouts on
@@ -36,6 +38,7 @@ overhead (smaller local ops, collectives, per-device dispatch), not a speed-up.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -62,6 +65,8 @@ WARMUP = flags.DEFINE_integer("warmup", 3, "untimed steps of each system first")
 SYSTEMS = flags.DEFINE_string("systems", "xla,local,single,single_jit,dtensor",
                               "systems to run, in this order")
 LR = flags.DEFINE_float("lr", 0.01, "SGD learning rate")
+TF_DOTS_FROM = flags.DEFINE_integer("tf_dots_from", 1 << 20, "xla_tfdots: dots of at "
+                                    "least this many multiply-adds run on TF's kernels")
 PROFILE = flags.DEFINE_bool("profile", False, "print the gspmd-tf program's op and "
                             "collective counts")
 
@@ -154,6 +159,7 @@ def main(argv):
         return run_on_tpu(gt, tpu, shape)
     gt.configure_cpu_devices(n_dev)
     import tensorflow as tf
+    from gspmd_tf.backends.xla import XlaBackend
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)  # DTensor's mesh log lines
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
@@ -209,8 +215,10 @@ def main(argv):
             max(v.shard_bytes()) for layer in gvars for v in layer.values()), start
 
     for system in systems:
-        if system in ("xla", "local", "single", "single_jit"):
-            built = (build_gspmd(system) if system in ("xla", "local")
+        if system in ("xla", "local", "xla_tfdots", "single", "single_jit"):
+            backend = (functools.partial(XlaBackend, tf_dots_from=TF_DOTS_FROM.value)
+                       if system == "xla_tfdots" else system)
+            built = (build_gspmd(backend) if system in ("xla", "local", "xla_tfdots")
                      else build_single(system == "single_jit"))
             runners[system], finals[system], weight_bytes[system], start = built
             builds[system] = time.perf_counter() - start
@@ -331,6 +339,7 @@ def run_on_tpu(gt, tpu, shape):
 
 LABEL = {"xla": "gspmd-tf, XLA backend (gt.Variable + gt.function)",
          "local": "gspmd-tf, local backend (op by op)",
+         "xla_tfdots": "gspmd-tf, XLA backend, large dots on TF's kernels",
          "single": "single-device TF (tf.function, /CPU:0)",
          "single_jit": "single-device TF + XLA (tf.function jit_compile, /CPU:0)",
          "dtensor": "TF DTensor (DVariable + tf.function)"}

@@ -1,8 +1,8 @@
 """Cutting an SPMD program into collective-free segments for the XLA backend.
 
 A segment is a set of TF ops that XLA compiles as one computation; the nodes between
-segments ("barriers": collectives, gt.Permute, control flow, stateful ops such as
-variable reads and writes, ops XLA cannot compile) run op by op. Every node gets a
+segments ("barriers": collectives, gt.Permute, control flow, variable reads and stateful
+ops other than variable writes, ops XLA cannot compile) run op by op. Every node gets a
 stage: a compute node's stage is the lowest at which all its inputs are ready (a
 barrier's result is ready one stage after the barrier's own), a barrier's the highest
 stage among its inputs. The program then runs as
@@ -10,7 +10,10 @@ stage among its inputs. The program then runs as
 so the number of segments is the length of the longest chain of barriers, and every
 compute node runs in the first segment where it can: independent collectives of one
 stage (the combiner's merged all-reduces, the gradient all-reduces of a layer) cut the
-program once, not once each. See docs/INTERNALS.md, "XLA backend".
+program once, not once each. Variable writes and the arithmetic only they use (an
+optimizer's update, a moving average) form a stage's update segment, run after its
+main segment on the variables' own device; the main segments stay pure functions of
+tensors. See docs/INTERNALS.md, "XLA backend".
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ SOURCES = (base.INPUT, base.SHARD_INDEX)
 # both backends give the same numbers.
 _RANDOM_WORDS = ("Random", "Multinomial", "TruncatedNormal")
 _UNCOMPILABLE_DTYPES = (tf.string, tf.resource, tf.variant)
+# Variable writes, which XLA compiles with the arithmetic computing their values: the
+# variable is an argument of the (update) segment. Reads stay op by op: a
+# ReadVariableOp hands out the variable's buffer without a copy, where a compiled read
+# would copy it, and it would tie the segment reading it to the variable's device
+# (xla.py). Other ops on resources (TensorArrays, hash tables, stateful random
+# generators) stay barriers.
+VARIABLE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
 # Ops whose results XLA and TF's kernels define differently: on floats with NaNs
 # (XLA's max and min propagate NaN, TF's CPU reductions, arg-extrema and segment
 # extrema do not; tests/test_nonfinite.py), and integer division by zero (XLA gives -1;
@@ -65,10 +75,13 @@ def why_not_compiled(program, node):
         return "a random op (XLA draws other numbers than TF's kernel)"
     if any(d in _UNCOMPILABLE_DTYPES for d in node.out_dtypes):
         return "its outputs are strings, resources or variants"
-    if any(program.dtype(ref) in _UNCOMPILABLE_DTYPES for ref in node.inputs):
-        # variable reads and writes too: segments stay pure functions of tensors, which
-        # the compile check can take as TensorSpecs and XLA need not snapshot
-        return "it reads strings, resources (variables) or variants"
+    handles = 1 if node.op in VARIABLE_WRITES else 0  # a variable's handle comes first
+    if any(program.dtype(ref) in _UNCOMPILABLE_DTYPES for ref in node.inputs[handles:]):
+        return "it reads strings, resources or variants"
+    if handles and program.nodes[node.inputs[0].node].op != base.INPUT:
+        # a segment then holds one argument per variable, never two aliases of one
+        # (through resource Identity ops)
+        return "it reaches its variable through another op than the program's input"
     operand = program.dtype(node.inputs[0]) if node.inputs else None
     if node.op in _NAN_ORDERED and operand is not None and operand.is_floating:
         return "XLA orders NaN against numbers otherwise than TF's kernel"
@@ -78,9 +91,53 @@ def why_not_compiled(program, node):
         return "its output shape depends on the data"
     if op_def_registry.get(node.op) is None:
         return "an op TF does not register"
-    if _is_stateful(node):
+    if _is_stateful(node) and node.op not in VARIABLE_WRITES:
         return "a stateful op"
     return None
+
+
+# Dot-like ops large_dots may leave to TF's kernels (oneDNN on CPU)
+_DOTS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
+         "Conv2DBackpropInput", "Conv2DBackpropFilter")
+
+
+def large_dots(program, min_flops):
+    """Indices of the dot-like nodes (matmuls, einsums, 2-D convolutions and their
+    gradients) of `program` doing at least `min_flops` multiply-adds."""
+    return {i for i, node in enumerate(program.nodes)
+            if node.op in _DOTS and _multiply_adds(program, node) >= min_flops}
+
+
+def _multiply_adds(program, node):
+    """Multiply-adds of the dot-like `node`: its output's elements times the length of
+    what each sums over (the contracted dims; a convolution's window x input channels)."""
+    out = _elements(node.out_shapes[0])
+    lhs, rhs = (program.shape(ref) for ref in node.inputs[:2])
+    if node.op == "MatMul":
+        return out * lhs[0 if node.attrs["transpose_a"].b else 1]
+    if node.op.startswith("BatchMatMul"):
+        return out * lhs[-2 if node.attrs["adj_x"].b else -1]
+    if node.op == "Einsum":
+        inputs, output = node.attrs["equation"].s.decode().replace(" ", "").split("->")
+        size = {}
+        for labels, shape in zip(inputs.split(","), (lhs, rhs)):
+            if "." in labels:  # ellipsis: no per-label sizes; count it as a full dot
+                return out * max(_elements(lhs), _elements(rhs))
+            size.update(zip(labels, shape))
+        return out * _elements([size[c] for c in size if c not in output])
+    # convolutions (filter [h, w, in, out]): each output element sums over a window of
+    # the input channels, and each gradient does the forward's multiply-adds again
+    if node.op == "Conv2D":
+        return out * _elements(rhs[:3])
+    window = rhs if node.op == "Conv2DBackpropInput" else node.out_shapes[0]
+    return _elements(program.shape(node.inputs[2])) * _elements(window[:3])
+
+
+def _elements(shape):
+    count = 1
+    for d in shape:
+        count *= d
+    return count
 
 
 def cut(program, excluded=frozenset()):
@@ -90,10 +147,15 @@ def cut(program, excluded=frozenset()):
     Sources (gt.Input, gt.ShardIndex) come first, then the constants a barrier or the
     program's outputs read; a segment holds its own copy of every constant it reads
     (Const nodes and pure ops of constants only), so that XLA sees shapes and axes as
-    compile-time constants, not arguments. Stateful nodes are all barriers and keep
-    their program order per resource, as TF's automatic control dependencies do: none
-    is in an earlier stage than the node before it that touches one of its variables
-    (stateful nodes touching none: than the one before it of those).
+    compile-time constants, not arguments. Stateful nodes keep their program order per
+    resource, as TF's automatic control dependencies do: none is in an earlier stage
+    than the node before it that touches one of its variables (stateful nodes touching
+    none: than the one before it of those), a compiled write not in the stage of a
+    barrier before it; within a segment the segment's function orders them (automatic
+    control dependencies again), and a barrier runs after its stage's segments.
+    A stage's compute splits into its main segment and, after it, its update segment:
+    the variable writes and the compute nodes all of whose dependents (data and control)
+    are in the update segment.
     """
     nodes = program.nodes
     kind = []  # "source" | "constant" | "barrier" | "compute"
@@ -128,9 +190,14 @@ def cut(program, excluded=frozenset()):
             ready = max(ready, stage[p] + late)
         stage[i] = ready
     readers = [set() for _ in nodes]  # readers[i]: the nodes reading an output of node i
+    dependents = [set() for _ in nodes]  # readers and nodes with a control input on it
     for i, node in enumerate(nodes):
         for ref in node.inputs:
             readers[ref.node].add(i)
+            dependents[ref.node].add(i)
+        for c in node.control_inputs:
+            dependents[c].add(i)
+    outputs = {ref.node for ref in program.outputs}
     computes, barriers = {}, {}  # stage -> node indices, in program order
     for i in range(len(nodes)):
         if kind[i] in ("compute", "barrier"):
@@ -148,8 +215,14 @@ def cut(program, excluded=frozenset()):
     steps = [i for i in range(len(nodes)) if kind[i] == "source"]
     steps += sorted(needed)
     for s in range(max(stage, default=0) + 1):
-        if s in computes:
-            steps.append(_segment(program, computes[s], readers, kind))
+        update = set()
+        for i in reversed(computes.get(s, [])):  # dependents come later in program order
+            if nodes[i].op in VARIABLE_WRITES or (
+                    dependents[i] and dependents[i] <= update and i not in outputs):
+                update.add(i)
+        for part in ([i for i in computes.get(s, []) if i not in update], sorted(update)):
+            if part:
+                steps.append(_segment(program, part, readers, kind))
         steps += barriers.get(s, [])
     return steps
 

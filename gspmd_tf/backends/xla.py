@@ -7,8 +7,11 @@ bridge compiles it on its first call on a device, and on CPU the segments of eve
 logical device run on the first one (_compile_device), so it compiles once. One outer
 tf.function holds, per device, the calls of the segments and the nodes between them,
 which are emitted op by op as in LocalBackend: collectives with their ordering tokens,
-keys and the call timeout, gt.Permute, control flow, variable reads and writes, and what
-XLA cannot compile. The outer graph has about
+keys and the call timeout, gt.Permute, control flow, variable reads, and what XLA
+cannot compile. Variable writes are compiled, in update segments (segments.py) that take
+the handles of the variables they write as arguments and run on the variables' device
+(TF touches a variable only on its own device), so an update segment compiles once per
+device. The outer graph has about
 (segments + collectives) x devices nodes instead of (all nodes) x devices.
 
 When the program is traced every distinct segment goes through TF's XLA bridge
@@ -44,8 +47,15 @@ class XlaBackend(local.LocalBackend):
     collectives compiled by XLA (one compilation per distinct segment; on devices other
     than CPUs one per device).
 
-    `collective_timeout` as for LocalBackend.
+    `collective_timeout` as for LocalBackend. `tf_dots_from`: when set, dot-like ops
+    (matmuls, einsums, 2-D convolutions and their gradients) of at least this many
+    multiply-adds run op by op on TF's kernels instead of in the segments.
     """
+
+    def __init__(self, mesh, collective_timeout=None, tf_dots_from=None,
+                 async_collectives=False):
+        super().__init__(mesh, collective_timeout, async_collectives)
+        self.tf_dots_from = tf_dots_from
 
     def compile(self, program, name=None):
         """Returns run(inputs) -> outputs, as LocalBackend.compile; `run.plan` holds the
@@ -57,13 +67,18 @@ class XlaBackend(local.LocalBackend):
         if self.async_collectives:
             raise ShardingError("async_collectives applies to LocalBackend: the XLA "
                                 "backend's segment plan orders its collectives")
-        return _XlaCompiled(self.mesh, program, self.collective_timeout, name)
+        return _XlaCompiled(self.mesh, program, self.collective_timeout, name,
+                            self.tf_dots_from)
 
 
 class _XlaCompiled(local._Compiled):
+    def __init__(self, mesh, program, timeout, name, tf_dots_from):
+        self.tf_dots_from = tf_dots_from  # before the first trace, which makes the plan
+        super().__init__(mesh, program, timeout, name)
+
     def _lowering(self):
         if getattr(self, "plan", None) is None:  # kept when traced again
-            self.plan = _Plan(self.mesh, self.program, self.what)
+            self.plan = _Plan(self.mesh, self.program, self.what, self.tf_dots_from)
         return _XlaLowering(self.mesh, self.keys, self.plan)
 
 
@@ -71,9 +86,10 @@ class _Plan:
     """The program's steps (segments.cut) after the compile check, and each segment's
     function (`functions[k]` for the k-th Segment of `steps`)."""
 
-    def __init__(self, mesh, program, what):
+    def __init__(self, mesh, program, what, tf_dots_from):
         device_type = tf.DeviceSpec.from_string(mesh.devices[0]).device_type or "CPU"
-        excluded = set()
+        excluded = set() if tf_dots_from is None else \
+            segments.large_dots(program, tf_dots_from)
         while True:
             self.steps = segments.cut(program, excluded)
             self.functions = []
@@ -107,9 +123,9 @@ class _Plan:
                         "; ".join(f"{op} ({why})" for op, why in reasons))
 
 
-# Ops that run op by op by design (variables stay outside XLA): no warning for them.
-_EXPECTED = ("ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp",
-             "AssignSubVariableOp", "Identity", "NoOp", "Const")
+# Ops that run op by op by design (variable reads; writes reaching their variable
+# through a resource Identity, see segments.why_not_compiled): no warning for them.
+_EXPECTED = segments.VARIABLE_WRITES + ("ReadVariableOp", "Identity", "NoOp", "Const")
 
 
 def _segment_function(program, segment, device, device_type):
@@ -125,9 +141,12 @@ class _SegmentFunction:
     outputs (segment.inputs / segment.outputs order), traced once."""
 
     def __init__(self, program, segment, device):
-        # no resources: variable reads and writes are never in a segment (segments.py)
-        specs = [tf.TensorSpec(program.shape(ref), program.dtype(ref))
+        # a variable's handle is a scalar; program.shape gives the variable's shape
+        specs = [tf.TensorSpec(() if program.dtype(ref) == tf.resource else
+                               program.shape(ref), program.dtype(ref))
                  for ref in segment.inputs]
+        # (shape, dtype) of the variable behind each resource argument, else None
+        self.variables = [_variable(program, segment, ref) for ref in segment.inputs]
         self.names = {}  # op name in the function graph -> position in the segment
 
         def gt_segment(*args):
@@ -152,13 +171,21 @@ class _SegmentFunction:
         self.checked = False
         self.failure = None
 
+    @property
+    def touches_variables(self):
+        """Whether the segment writes variables (takes their handles as arguments)."""
+        return any(self.variables)
+
     def check(self):
         """None when TF's XLA bridge takes the segment, else (positions of the nodes it
         names, or [] for the whole segment; its message's first line). Checked once."""
         if not self.checked:
             self.checked = True
             try:
-                self.function.experimental_get_compiler_ir(*self.specs)(stage="hlo")
+                with tf.init_scope():  # eagerly, also while the outer function traces
+                    stand_ins = self._check_args()
+                    self.function.experimental_get_compiler_ir(
+                        *[getattr(x, "handle", x) for x in stand_ins])(stage="hlo")
             except (ValueError, tf.errors.OpError) as e:
                 text = str(e)
                 named = re.findall(r"node `([^`]+)`|\{\{node ([^}]+)\}\}", text)
@@ -167,6 +194,30 @@ class _SegmentFunction:
                 lines = [line for line in text.splitlines() if line.strip()]
                 self.failure = (positions, lines[0][:300] if lines else type(e).__name__)
         return self.failure
+
+    def _check_args(self):
+        """What the bridge checks the segment with: its TensorSpecs, or, when it touches
+        variables, stand-in tensors and variables (the bridge takes all specs or all
+        tensors, and crashes on a resource spec). Given tensors, the bridge would take
+        an argument that must be a compile-time constant as one (XLA then compiles per
+        value when it runs), so a segment with variables does not reject those."""
+        if not self.touches_variables:
+            return self.specs
+        return [tf.Variable(tf.zeros(*variable), trainable=False)
+                if variable else tf.zeros(spec.shape, spec.dtype)
+                for spec, variable in zip(self.specs, self.variables)]
+
+
+def _variable(program, segment, ref):
+    """(shape, dtype) of the variable whose handle `ref` is, from the first variable
+    write of `segment` on it; None when `ref` is no handle."""
+    if program.dtype(ref) != tf.resource:
+        return None
+    for i in segment.nodes:
+        node = program.nodes[i]
+        if node.op in segments.VARIABLE_WRITES and node.inputs[0] == ref:
+            return program.shape(ref), tf.dtypes.as_dtype(node.attrs["dtype"].type)
+    raise AssertionError(f"segment argument {ref} is a resource no variable write takes")
 
 
 class _XlaLowering(local._Lowering):
@@ -205,7 +256,9 @@ class _XlaLowering(local._Lowering):
         calls, results = [], []
         for d in range(self.mesh.size):
             args = [values[ref.node][ref.out][d] for ref in segment.inputs]
-            with tf.device(self.runs_on[d]), \
+            # TF touches a variable only on its own device
+            runs_on = self.devices[d] if function.touches_variables else self.runs_on[d]
+            with tf.device(runs_on), \
                     tf.control_dependencies([op_of[c][d] for c in control]):
                 outs = function.concrete(*args)
             outs = list(outs) if outs is not None else []

@@ -1,0 +1,145 @@
+"""ResNet50 data-parallel SGD training step: gspmd-tf backends vs single-device TF.
+
+    .venv/bin/python benchmarks/resnet_step.py --image=64 --batch=16 --repeats=5
+    .venv/bin/python benchmarks/resnet_step.py --systems=single,xla_tfdots,local --mesh=8
+
+The model is keras.applications.ResNet50(weights=None) on --image x --image x 3 inputs
+with --classes outputs, trained by plain SGD (w -= lr * grad) on one fixed batch;
+BatchNormalization's moving statistics are updated too, as Keras does in training mode.
+Every system of --systems has its own copy of the model with the same initial weights:
+  - xla, local: the model's variables backed by gt.Variables replicated on a
+    data-parallel mesh of --mesh devices (gt.keras.shard_model), the step a gt.function
+    with the batch split over the mesh, through that backend; xla_tfdots: the XLA
+    backend with the convolutions and matmuls of at least --tf_dots_from multiply-adds
+    left to TF's kernels (XlaBackend(tf_dots_from=...));
+  - single: the same step under tf.function on one device; single_jit: with
+    jit_compile=True.
+All run in one process, their timed steps alternating after --warmup calls each, so all
+see the same machine load. Reported: median and min step time, ratios to single and
+single_jit, the first call (build, lowering, compilation and first step) and the
+relative difference from single's loss: of the first step (the same weights: the
+check of the values) and after equal numbers of steps (SGD on one fixed batch drives the
+loss towards 0, so this one grows with any rounding difference).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+import numpy as np  # noqa: E402
+
+IMAGE = flags.DEFINE_integer("image", 64, "input height and width")
+BATCH = flags.DEFINE_integer("batch", 16, "global batch size")
+CLASSES = flags.DEFINE_integer("classes", 10, "output classes")
+MESH = flags.DEFINE_integer("mesh", 8, "devices of the data-parallel mesh")
+SYSTEMS = flags.DEFINE_string("systems", "single,single_jit,xla,xla_tfdots,local",
+                              "systems to time, in this order")
+TF_DOTS_FROM = flags.DEFINE_integer("tf_dots_from", 1 << 20, "xla_tfdots: dots of at "
+                                    "least this many multiply-adds run on TF's kernels")
+REPEATS = flags.DEFINE_integer("repeats", 5, "timed steps of each (alternating)")
+WARMUP = flags.DEFINE_integer("warmup", 2, "untimed steps of each after the first call")
+LEARNING_RATE = 0.01
+
+
+def main(argv):
+    del argv
+    import gspmd_tf as gt
+    gt.configure_cpu_devices(MESH.value)
+    import tensorflow as tf
+    import keras
+    from gspmd_tf import demo
+    from gspmd_tf.backends.xla import XlaBackend
+    logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
+
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((BATCH.value, IMAGE.value, IMAGE.value, 3)).astype(np.float32)
+    labels = rng.integers(0, CLASSES.value, BATCH.value).astype(np.int32)
+
+    def make_model():
+        keras.utils.set_random_seed(0)  # the same initial weights for every system
+        return keras.applications.ResNet50(
+            weights=None, input_shape=(IMAGE.value, IMAGE.value, 3), classes=CLASSES.value)
+
+    def make_step(model):
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                    y, logits))
+            grads = tape.gradient(loss, model.trainable_variables)
+            for variable, grad in zip(model.trainable_variables, grads):
+                variable.assign_sub(LEARNING_RATE * grad)
+            return loss
+        return step
+
+    cpu0 = tf.config.list_logical_devices("CPU")[0].name
+    mesh = gt.Mesh.create((MESH.value,), ("data",))
+    systems = {}
+    for system in [s for s in SYSTEMS.value.split(",") if s]:
+        if system in ("single", "single_jit"):
+            with tf.device(cpu0):
+                model = make_model()
+                fn = tf.function(make_step(model), autograph=False,
+                                 jit_compile=system == "single_jit")
+                x, y = tf.constant(images), tf.constant(labels)
+
+            def run(fn=fn, x=x, y=y):
+                with tf.device(cpu0):
+                    return float(fn(x, y).numpy())
+        else:
+            backend = (functools.partial(XlaBackend, tf_dots_from=TF_DOTS_FROM.value)
+                       if system == "xla_tfdots" else system)
+            model = make_model()
+            gt.keras.shard_model(model, mesh)
+            fn = gt.function(make_step(model), mesh=mesh,
+                             in_shardings=(gt.P("data"),) * 2, backend=backend)
+
+            def run(fn=fn):
+                return float(fn(images, labels).numpy())
+        systems[system] = run
+
+    print("# ResNet50 data-parallel SGD training step: gspmd-tf vs single-device TF "
+          "(same process, alternating)\n")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, TF {tf.__version__}, "
+          f"Keras {keras.__version__}, load average at start {os.getloadavg()[0]:.2f}; "
+          f"input {BATCH.value}x{IMAGE.value}x{IMAGE.value}x3, {CLASSES.value} classes, "
+          f"mesh ({MESH.value},); {WARMUP.value} warm-up + {REPEATS.value} timed steps "
+          "each\n")
+    names = list(systems)
+    first, first_loss = {}, {}
+    for name in names:
+        start = time.perf_counter()
+        first_loss[name] = systems[name]()
+        first[name] = time.perf_counter() - start
+        print(f"first call of {name}: {first[name]:.1f} s", flush=True)
+    times = dict(zip(names, demo.side_by_side([systems[n] for n in names], REPEATS.value,
+                                              WARMUP.value)))
+    losses = {name: systems[name]() for name in names}  # after equal numbers of steps
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print("\n| system | median ms | min ms | ratio to single | ratio to single_jit "
+          "| first call s | first loss rel. diff | last loss rel. diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in names:
+        diffs = [f"{abs(got[name] - got['single']) / abs(got['single']):.1e}"
+                 if "single" in got else "-" for got in (first_loss, losses)]
+        ratios = [f"{med[name] / med[other]:.2f}" if other in med else "-"
+                  for other in ("single", "single_jit")]
+        print(f"| {name} | {med[name] * 1e3:.1f} | {min(times[name]) * 1e3:.1f} "
+              f"| {' | '.join(ratios)} | {first[name]:.1f} | {' | '.join(diffs)} |",
+              flush=True)
+    print(f"\nload average at end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    app.run(main)
