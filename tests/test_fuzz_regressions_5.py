@@ -203,3 +203,27 @@ def test_accuracy_rule_relative_to_the_cancelling_terms():
     with pytest.raises(Mismatch):  # a wrong sign of a value that does not cancel
         check_values(np.float32([-0.25, 1.0]), np.float32([0.25000003, 1.0]), "x",
                      "float32", exact=np.array([0.25, 1.0]), terms=np.array([0.6, 1.0]))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 4), (2, 4)])
+def test_masking_a_tile_gradient_of_ten_dims(mesh_shape):
+    """Seed 28 #1986: the gradient of a rank-5 Tile sums a rank-10 view; with the tiled
+    result split unevenly (2 over 4) the padding mask is a SelectV2 of 10 dims, which TF
+    cannot broadcast ("Broadcast between [1,...] and [...] is not supported yet"): the
+    mask runs on a three-dim view of the tensor."""
+    p = np.random.default_rng(1000).standard_normal((2, 3, 1, 2, 1)).astype(np.float32)
+    weights = np.random.default_rng(0).uniform(0.5, 1.5, (2, 9, 1, 6, 2)).astype(np.float32)
+    mesh = gt.Mesh.create(mesh_shape, ("a", "b"))
+
+    def f(p):
+        with tf.GradientTape() as tape:
+            tape.watch(p)
+            tiled = tf.tile(p, [1, 3, 1, 3, 2])
+            loss = tf.reduce_sum(tiled * weights)
+        return [tiled, tape.gradient(loss, p)]
+    want = f(tf.convert_to_tensor(p))
+    got = gt.function(f, mesh=mesh, in_shardings=(gt.P(),),
+                      out_shardings=[gt.P("a", None, None, None, "b"), None])(p)
+    assert got[0].layout.dims[4] == ("b",)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5)

@@ -111,20 +111,23 @@ def global_index(b, ref, dim, axes):
 def mask_padding(b, local, dims, fill):
     """Set the padding of uneven split `dims` of Local `local` to `fill`; returns a Ref."""
     ref = local.ref
-    mesh = b.mesh
-    dtype = local.dtype
     for dim in dims:
         axes = local.layout.dims[dim]
         n = local.shape[dim]
-        k = mesh.axes_size(axes)
-        if not axes or n % k == 0:
-            continue
-        index = global_index(b, ref, dim, axes)
-        valid = b.op("Less", [index, b.const(n, tf.int32)], b.shape_of(index), tf.bool,
-                     T=tf.int32)
-        fill_ref = b.const(np.asarray(fill, dtype.as_numpy_dtype))
-        ref = b.op("SelectV2", [valid, ref, fill_ref], b.shape_of(ref), dtype, T=dtype)
+        if axes and n % b.mesh.axes_size(axes):
+            ref = _fill_past(b, ref, dim, axes, n, fill, local.dtype)
     return ref
+
+
+@along_dim  # SelectV2 broadcasts at most 8 dims (seed 28 #1986: a Tile's rank-10 gradient)
+def _fill_past(b, ref, dim, axes, n, fill, dtype):
+    """`ref` (split over `axes` along `dim`) with its elements of global index >= n along
+    `dim` set to `fill`."""
+    index = global_index(b, ref, dim, axes)
+    valid = b.op("Less", [index, b.const(n, tf.int32)], b.shape_of(index), tf.bool,
+                 T=tf.int32)
+    fill_ref = b.const(np.asarray(fill, dtype.as_numpy_dtype))
+    return b.op("SelectV2", [valid, ref, fill_ref], b.shape_of(ref), dtype, T=dtype)
 
 
 def identity_of(reduce_op, dtype):
