@@ -130,7 +130,11 @@ def test_pool3d(mesh3, rng, kind, ksize, stride, padding, shape, grad):
                             (P(None, "a", "b", "c"), None))
     assert low.program.replicated_ops == []
     if all(n % 2 == 0 for n in shape[1:4]):
-        assert "all-gather" not in kinds(low), low.report()
+        # MaxPool3DGrad takes no explicit padding: with dims padded in front it runs
+        # whole, which keeps TF's gradient for a NaN first in a window (handlers/conv.py,
+        # _low_edge_clippable)
+        whole = kind == "max" and grad and padding == "SAME" and stride == 1
+        assert ("all-gather" in kinds(low)) == whole, low.report()
 
 
 def test_pool3d_one_dim_split_over_eight(mesh8, rng):

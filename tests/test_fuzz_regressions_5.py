@@ -227,3 +227,33 @@ def test_masking_a_tile_gradient_of_ten_dims(mesh_shape):
     assert got[0].layout.dims[4] == ("b",)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape, spec, pool", [
+    ((2,), P(None, None, "data"), "2d"), ((2, 4), P(None, "model", "data"), "2d"),
+    ((2, 4), P(None, "model", "data"), "3d")])
+def test_max_pool_gradient_of_a_nan_first_in_a_padded_window(mesh_shape, spec, pool):
+    """Seed 28 #7859: TF's max-pool gradient goes to the first element of a window (TF
+    clips windows to x) unless a later one is larger, so a NaN first in a window takes
+    it; behind a -inf halo pad it did not (0.0 vs 2.21). The device whose window starts
+    before x runs the op with its own explicit padding (2-D); MaxPool3DGrad, which takes
+    none, runs whole."""
+    rng = np.random.default_rng(830756739)
+    shape = (2, 6, 7, 1) if pool == "2d" else (2, 6, 7, 3, 1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[(0, 3, 3) + (0,) * (len(shape) - 3)] = np.nan
+    x[(1, 3, 0) + (0,) * (len(shape) - 3)] = np.nan
+    x[(1, 0, 4) + (0,) * (len(shape) - 3)] = np.nan
+    mesh = gt.Mesh.create(mesh_shape, ("data",) if len(mesh_shape) == 1 else ("data", "model"))
+
+    def f(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            if pool == "2d":
+                y = tf.nn.max_pool2d(x, ksize=[3, 3], strides=[1, 2], padding="SAME")
+            else:
+                y = tf.nn.max_pool3d(x, ksize=[3, 3, 2], strides=[1, 2, 1], padding="SAME")
+            weights = tf.reshape(tf.range(1, tf.size(y) + 1, dtype=tf.float32), tf.shape(y))
+            loss = tf.reduce_sum(y * weights)
+        return [y, tape.gradient(loss, x)]
+    _check(f, (x,), mesh, (spec,))

@@ -20,12 +20,16 @@ MaxPoolGrad, exchange halos of dy (every forward window reaching this device's b
 the result: gspmd_tf._halo.transposed_plan), run the local op with VALID padding and
 slice their block out of its result; MaxPoolGrad also exchanges halos of the forward
 input those windows read (set to -inf outside [0, n)), AvgPoolGrad pre-scales dy by
-window / in-bounds count for padded windows.
+window / in-bounds count for padded windows. TF's max-pool gradient goes to a NaN that
+comes first in a window clipped to x, which a -inf pad in front hides: the device whose
+window starts before x runs the op with its own explicit padding instead, and
+MaxPool3DGrad (no explicit padding) runs whole when padded in front (_clip_low_edge).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 
 import numpy as np
 import tensorflow as tf
@@ -34,13 +38,16 @@ from gspmd_tf import _halo
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import windowed
 from gspmd_tf.registry import op_family
-from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, no_products, replay
+from gspmd_tf.spmd.handlers.basic import (local_shapes, masked_refs, no_products, replay,
+                                          whole_then_sliced)
 from gspmd_tf.spmd.handlers.grads import index_dtype
 from gspmd_tf.spmd.handlers.windows import (affine_start, extend_and_slice, halos_worth_it,
                                             mask_edges, mask_outside, pad_dims, per_shard,
                                             prepare_input, slice_dims)
 from gspmd_tf.spmd.local_ops import identity_of, mask_padding
 from gspmd_tf.spmd.program import Local
+
+log = logging.getLogger("gspmd_tf")
 
 
 # ------------------------------------------------------------------------ forward ops
@@ -339,6 +346,8 @@ def transposed(ctx, operands, layouts):
         whole = any(not ctx.inputs[i].layout.dims[s.y_dim] for i in window_inputs)
         dims.append(_TransposedDim(ctx.mesh, s, axes, whole, x_input is not None))
     dims, attrs = _local_padding(params.explicit_padding, dims)
+    if x_input is not None and not _low_edge_clippable(params, dims):
+        return _max_pool_grad_whole(ctx, layouts)
     ops = list(operands)
     for i in window_inputs + ((x_input,) if x_input is not None else ()):
         layout = ops[i].layout
@@ -374,6 +383,8 @@ def transposed(ctx, operands, layouts):
         refs[shape_input] = b.const(np.asarray(local_sizes, index_dtype(ctx, "Tshape")))
     dtype = node.out_dtypes[0]
     full = b.replay(node, refs, [tuple(local_sizes)], [dtype], attrs)[0]
+    if x_input is not None:
+        full = _clip_low_edge(b, node, refs, x_input, dims, attrs, full, local_sizes)
     starts, block, pads = {}, {}, {}
     for dp in dims:
         d, p = dp.s.x_dim, dp.plan
@@ -381,6 +392,69 @@ def transposed(ctx, operands, layouts):
         starts[d] = per_shard(b, dp.axes, p["post"], p["useful"])
         block[d] = sizes[d]
     return [slice_dims(b, pad_dims(b, full, pads), starts, block)]
+
+
+def _low_edge_clippable(params, dims):
+    """Whether _clip_low_edge makes a max-pool gradient's windows exact: TF's kernel
+    gives a window's gradient to the first element it visits unless a later one is
+    larger, so a NaN first in TF's window (clipped to x) takes it, but not behind a
+    -inf element padding x in front (seed 28 #7859). Exact when at most one windowed
+    dim is padded in front, the op takes explicit padding, and the devices' windows
+    start inside x or all the same distance before it."""
+    padded = [dp for dp in dims if dp.s.pad_lo > 0]
+    if not padded:
+        return True
+    if len(padded) > 1 or not params.explicit_padding:
+        return False
+    return len(set(_front_fill(padded[0]).tolist()) - {0}) <= 1
+
+
+def _front_fill(dp):
+    """Per shard: how many elements before x its window of x starts (0 inside x)."""
+    return np.maximum(0, -np.asarray(dp.plan["first"]))
+
+
+def _clip_low_edge(b, node, refs, x_input, dims, attrs, full, local_sizes):
+    """A max-pool gradient's local result `full` (run on -inf padded windows) where the
+    device's window starts inside x; where it starts `fill` elements before x, the op
+    run on the window without them and with `fill` of its own explicit padding
+    instead (the same windows), which TF clips as on one device (see
+    _low_edge_clippable)."""
+    dtype = node.out_dtypes[0]
+    for dp in dims:
+        if dp.s.pad_lo == 0:
+            continue
+        d, fills = dp.s.x_dim, _front_fill(dp)
+        fill = int(fills.max())
+        at_edge = per_shard(b, dp.axes, (fills > 0).astype(int))
+        if fill == 0 or at_edge == 0:
+            return full
+        shape = list(local_sizes)
+        shape[d] -= fill
+        edge_refs = list(refs)
+        edge_refs[x_input] = slice_dims(b, refs[x_input], {d: fill}, {d: shape[d]})
+        pads = list(attrs.get("explicit_paddings") or [0] * (2 * len(shape)))
+        pads[2 * d] = fill
+        edge = b.replay(node, edge_refs, [tuple(shape)], [dtype],
+                        {"padding": "EXPLICIT", "explicit_paddings": pads})[0]
+        edge = pad_dims(b, edge, {d: (fill, 0)})
+        if at_edge == 1:
+            return edge
+        cond = b.op("Greater", [at_edge, b.const(np.int32(0))], (), tf.bool, T=tf.int32)
+        return b.op("SelectV2", [cond, edge, full], b.shape_of(full), dtype, T=dtype)
+    return full
+
+
+def _max_pool_grad_whole(ctx, layouts):
+    """The max-pool gradient whole on every device, with the op's own padding (where
+    _low_edge_clippable says its windows cannot be made exact), then this device's
+    block of it; warns naming the op."""
+    log.warning("gspmd_tf: op %s (%s) has windowed dims padded in front that its halos "
+                "cannot reproduce exactly; it runs whole on every device (TF gives a "
+                "window's gradient to a NaN that comes first in it, not behind padding)",
+                ctx.node.name, ctx.node.op)
+    whole = [ctx.reshard(x, Layout.replicated(len(x.shape))) for x in ctx.inputs]
+    return whole_then_sliced(ctx, whole, layouts)
 
 
 def _avg_grad_scale(b, ref, dims):
