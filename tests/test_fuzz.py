@@ -120,3 +120,33 @@ def test_reference_values_survive_encoding():
     for got, want in zip(outputs[0] + variables, arrays + arrays[:1]):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert got.tobytes() == want.tobytes()
+
+
+def test_exp_rounding_rule_scales_with_its_argument():
+    """Seed 29 #8498: exp of about 79 turns 1.3 and 3 units of float32 rounding of the
+    argument into relative errors 1.24e-5 (TF) and 2.76e-5 (gspmd-tf) against the float64
+    program; the magnitude of an Exp is |exp(x)| * max(1, |x|), so ours passes, and an
+    error 30x larger, or a position finite in ours but not in the float64 program, does
+    not. Positions where ours and TF's both overflowed are left out."""
+    import numpy as np
+    import pytest
+    import tensorflow as tf
+    from fuzz_worker import Mismatch, check_values, summed_magnitude
+
+    x = tf.constant([79.22395802536995, 0.5, -3.0], tf.float64)
+    magnitude = tf.function(lambda t: summed_magnitude(tf, tf.exp(t)))(x).numpy()
+    np.testing.assert_allclose(magnitude, np.exp(x.numpy()) * [79.22395802536995, 1, 3])
+
+    exact = np.array([2.5499273372605547e34, 1e40])
+    terms = np.array([exact[0] * 79.22395802536995, 1e40 * 92])
+    tf_value = np.float32([2.54989577075561e34, np.inf])
+    ours = np.float32([2.5498568994383763e34, np.inf])
+    with pytest.raises(Mismatch):
+        check_values(ours, tf_value, "exp", "float32")
+    check_values(ours, tf_value, "exp", "float32", exact=exact, terms=terms)
+    far = np.float32([exact[0] * (1 - 30 * 2.76e-5), np.inf])
+    with pytest.raises(Mismatch):
+        check_values(far, tf_value, "exp", "float32", exact=exact, terms=terms)
+    with pytest.raises(Mismatch):
+        check_values(ours, tf_value, "exp", "float32", exact=np.array([np.inf, 1e40]),
+                     terms=terms)
