@@ -420,29 +420,28 @@ def _clip_low_edge(b, node, refs, x_input, dims, attrs, full, local_sizes):
     run on the window without them and with `fill` of its own explicit padding
     instead (the same windows), which TF clips as on one device (see
     _low_edge_clippable)."""
+    dp = next((dp for dp in dims if dp.s.pad_lo > 0), None)  # at most one: clippable
+    if dp is None:
+        return full
+    d, fills = dp.s.x_dim, _front_fill(dp)
+    fill = int(fills.max())
+    at_edge = per_shard(b, dp.axes, (fills > 0).astype(int))
+    if fill == 0 or at_edge == 0:
+        return full
     dtype = node.out_dtypes[0]
-    for dp in dims:
-        if dp.s.pad_lo == 0:
-            continue
-        d, fills = dp.s.x_dim, _front_fill(dp)
-        fill = int(fills.max())
-        at_edge = per_shard(b, dp.axes, (fills > 0).astype(int))
-        if fill == 0 or at_edge == 0:
-            return full
-        shape = list(local_sizes)
-        shape[d] -= fill
-        edge_refs = list(refs)
-        edge_refs[x_input] = slice_dims(b, refs[x_input], {d: fill}, {d: shape[d]})
-        pads = list(attrs.get("explicit_paddings") or [0] * (2 * len(shape)))
-        pads[2 * d] = fill
-        edge = b.replay(node, edge_refs, [tuple(shape)], [dtype],
-                        {"padding": "EXPLICIT", "explicit_paddings": pads})[0]
-        edge = pad_dims(b, edge, {d: (fill, 0)})
-        if at_edge == 1:
-            return edge
-        cond = b.op("Greater", [at_edge, b.const(np.int32(0))], (), tf.bool, T=tf.int32)
-        return b.op("SelectV2", [cond, edge, full], b.shape_of(full), dtype, T=dtype)
-    return full
+    shape = list(local_sizes)
+    shape[d] -= fill
+    edge_refs = list(refs)
+    edge_refs[x_input] = slice_dims(b, refs[x_input], {d: fill}, {d: shape[d]})
+    pads = list(attrs.get("explicit_paddings") or [0] * (2 * len(shape)))
+    pads[2 * d] = fill
+    edge = b.replay(node, edge_refs, [tuple(shape)], [dtype],
+                    {"padding": "EXPLICIT", "explicit_paddings": pads})[0]
+    edge = pad_dims(b, edge, {d: (fill, 0)})
+    if at_edge == 1:
+        return edge
+    cond = b.op("Greater", [at_edge, b.const(np.int32(0))], (), tf.bool, T=tf.int32)
+    return b.op("SelectV2", [cond, edge, full], b.shape_of(full), dtype, T=dtype)
 
 
 def _max_pool_grad_whole(ctx, layouts):
