@@ -12,7 +12,8 @@ JSON line per request on its stdout: {"id", "status", "detail", "seconds"} with 
   mismatch  a value, shape, dtype, shard or output sharding differs
   error     the partitioned run raised (the program is valid: the reference ran)
   invalid   single-device TF itself rejected the program (a generator bug, not gspmd-tf's),
-            or returned a shape its own shape inference contradicts (a TF kernel bug)
+            or returned a shape its own shape inference contradicts (a TF kernel bug),
+            or fails as a tf.function with the error gspmd-tf's run raised
 
 TensorFlow is imported once per worker; C-level writes to stdout go to stderr, so the
 answer channel carries only answers. Crashes and hangs are seen by the parent.
@@ -353,6 +354,10 @@ def run_program(program, tf, gt, part=None, given_reference=None):
     try:
         got, scope = partitioned()
     except Exception as exc:  # noqa: BLE001 - every exception of a valid program counts
+        graph_error = fails_in_graph_mode_too(exc, lambda: reference(graph_mode=True), tf)
+        if graph_error:
+            return "invalid", ("single-device TF in graph mode (a tf.function, as gspmd-tf "
+                               "runs) fails the same way: " + graph_error)
         frames = traceback.extract_tb(exc.__traceback__)
         where = next((f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames)
                       if "gspmd_tf" in f.filename), "")
@@ -379,6 +384,31 @@ def run_program(program, tf, gt, part=None, given_reference=None):
     except Exception as exc:  # noqa: BLE001 - e.g. reading a shard failed
         return "error", "reading the result: " + first_line(exc)
     return "pass", ""
+
+
+def kernel_message(exc):
+    """The line of a TF error's message that says what went wrong (first_line's), without
+    the "{{function_node ...}}" prefix naming the function it ran in (which differs
+    between two programs)."""
+    line = first_line(exc).split(": ", 1)[-1]
+    return re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", line).strip()
+
+
+def fails_in_graph_mode_too(exc, run_graph_mode, tf):
+    """For gspmd-tf's error `exc` (a TF op error): the message of the error single-device
+    TF raises running the program as a tf.function, when it is of the same type and its
+    kernel message occurs in `exc`'s (grappler rewrites the traced graph, as it rewrites
+    gspmd-tf's: seed 31 #9463, the remapper fuses add(x (1, 8), matmul(...)) into a
+    MatMul whose "bias" must be 1-D); else None."""
+    if not isinstance(exc, tf.errors.OpError):
+        return None
+    try:
+        run_graph_mode()
+    except tf.errors.OpError as graph_exc:
+        message = kernel_message(graph_exc)
+        if type(graph_exc) is type(exc) and message and message in str(exc):
+            return first_line(graph_exc)
+    return None
 
 
 def same_value(traced, eager, terms):

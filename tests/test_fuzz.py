@@ -150,3 +150,38 @@ def test_exp_rounding_rule_scales_with_its_argument():
     with pytest.raises(Mismatch):
         check_values(ours, tf_value, "exp", "float32", exact=np.array([np.inf, 1e40]),
                      terms=terms)
+
+
+def test_error_of_graph_mode_tf_is_not_ours():
+    """Seed 31 #9463: TF's grappler remapper fuses add(x7 (1, 8), matmul(...)) into a
+    MatMul whose "bias" must be 1-D, in gspmd-tf's program and in a single-device
+    tf.function alike (eager TF runs it): invalid, not gspmd-tf's error. An error that
+    graph-mode TF does not raise stays an error."""
+    import tensorflow as tf
+    from fuzz_worker import fails_in_graph_mode_too
+
+    def remapped():
+        f = tf.function(lambda p, x, b: tf.add(b, tf.linalg.matmul(p, x, transpose_a=True)))
+        return f(tf.ones((3, 3)), tf.ones((3, 8)), tf.ones((1, 8)))
+    try:
+        remapped()
+    except tf.errors.InvalidArgumentError as exc:
+        ours = tf.errors.InvalidArgumentError(
+            None, None, "8 root error(s) found.\n  (0) INVALID_ARGUMENT: "
+            + str(exc).splitlines()[0].split("}}")[-1].strip())
+    else:
+        raise AssertionError("TF's remapper no longer fuses this add: update the test")
+    assert "bias must be 1-dimensional" in fails_in_graph_mode_too(ours, remapped, tf)
+    other = tf.errors.InvalidArgumentError(None, None, "Incompatible shapes: [3] vs. [4]")
+    assert fails_in_graph_mode_too(other, remapped, tf) is None
+    assert fails_in_graph_mode_too(ours, lambda: None, tf) is None  # graph mode runs it
+    assert fails_in_graph_mode_too(ValueError("x"), remapped, tf) is None
+
+
+def test_seed_31_9463_is_invalid():
+    """The whole program of seed 31 #9463 through the fuzzer's worker."""
+    programs = {9463: generate(31, 9463)}
+    result = run_programs(programs, jobs=1, batch=1, timeout=120,
+                          collective_timeout=30)[9463]
+    assert result["status"] == "invalid", result
+    assert "graph mode" in result["detail"] and "bias must be 1-dimensional" in result["detail"]
