@@ -22,7 +22,8 @@ import gspmd_tf as gt  # noqa: E402
 from gspmd_tf.layout import Layout  # noqa: E402
 from gspmd_tf.spmd import planner  # noqa: E402
 
-from planner_quality_cases import DOTS, RESHAPES, RESHARDS, SPLITS, flat_size  # noqa: E402
+from planner_quality_cases import (DOTS, FREE_RESHAPES, RESHAPES, RESHARDS, SPLITS,  # noqa: E402
+                                   flat_size)
 
 MESH = gt.Mesh.abstract((2, 4), ("data", "model"))
 LINE = gt.Mesh.abstract((4,), ("x",))
@@ -72,6 +73,18 @@ def reshape_case(shape, spec, out_spec, new_shape=None):
     return _found(lowered)
 
 
+def free_reshape_case(mesh, shape, spec, new_shape, consumer):
+    """Collectives of the Reshape to `new_shape` with the result's sharding left to
+    propagation, then `consumer`: "sum" (the sum of its squares, output free) or
+    "replicated" (the result times 3, output replicated); as xla_planner_quality.py's."""
+    def fn(x):
+        z = tf.reshape(x * 2.0, new_shape)
+        return tf.reduce_sum(z * z) if consumer == "sum" else z * 3.0
+    lowered = gt.lower(fn, {"line": LINE, "2x4": MESH}[mesh], (gt.P(*spec),),
+                       None if consumer == "sum" else (gt.P(),), args=[tf.TensorSpec(shape)])
+    return _found(lowered)
+
+
 def main(argv):
     del argv
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
@@ -88,6 +101,10 @@ def main(argv):
     for name, (size, new_shape) in SPLITS.items():
         found = reshape_case((size,), ("x",), ("x",), new_shape)
         print(f"{name}: {found}  moved {moved(found)}")
+    for name, case in FREE_RESHAPES.items():
+        for consumer in ("sum", "replicated"):
+            found = free_reshape_case(*case, consumer)
+            print(f"{name} (result free, {consumer} consumer): {found}  moved {moved(found)}")
 
 
 if __name__ == "__main__":

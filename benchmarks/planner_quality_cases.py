@@ -45,6 +45,27 @@ SPLITS = {
     "split_into_uneven_major_10x4": (40, (10, 4)),
 }
 
+# name -> (mesh: "line" (4,) ("x",) or "2x4" ("data", "model"), global shape, source spec,
+# new shape): a Reshape merging dims (or splitting one) with the result's sharding LEFT
+# TO THE PARTITIONER (issue 7; RESULTS section 7.3), followed by a consumer that is
+# itself free (the sum of squares) or replicated (the result times 3, constrained)
+FREE_RESHAPES = {
+    "merge_uneven_major": ("line", (6, 8), ("x",), (48,)),
+    "merge_uneven_major_6x6": ("line", (6, 6), ("x",), (36,)),
+    "merge_uneven_major_10x4": ("line", (10, 4), ("x",), (40,)),
+    "merge_uneven_major_6x10": ("line", (6, 10), ("x",), (60,)),
+    "merge_major_smaller_than_axis": ("line", (2, 4), ("x",), (8,)),
+    "merge_even_major": ("line", (8, 6), ("x",), (48,)),
+    "merge_minor": ("line", (6, 8), (None, "x"), (48,)),
+    "merge_minor_all_to_all": ("line", (4, 6), (None, "x"), (24,)),
+    "merge_uneven_major_two_axes": ("2x4", (6, 8), (("data", "model"),), (48,)),
+    "merge_uneven_middle_2d": ("2x4", (2, 6, 8), ("data", "model"), (2, 48)),
+    "split_into_uneven_major": ("line", (48,), ("x",), (6, 8)),
+    "split_into_uneven_major_10x4": ("line", (40,), ("x",), (10, 4)),
+    "split_into_major_smaller_than_axis": ("line", (8,), ("x",), (2, 4)),
+    "split_into_even_major": ("line", (48,), ("x",), (8, 6)),
+}
+
 
 def flat_size(shape):
     """Elements of a shape."""

@@ -1,5 +1,6 @@
 """XLA's collectives for planner_quality_cases.py's reshards, dots, reshapes and splits (JAX
-reference; records the answers tests/test_planner_quality.py holds as constants).
+reference; records the answers tests/test_planner_quality.py and
+tests/test_reshape_free_result.py hold as constants).
 
 NEEDS JAX (not a dependency of gspmd-tf; see benchmarks/xla_reference.py for the venv):
 
@@ -18,7 +19,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from planner_quality_cases import DOTS, RESHAPES, RESHARDS, SPLITS, flat_size  # noqa: E402
+from planner_quality_cases import (DOTS, FREE_RESHAPES, RESHAPES, RESHARDS, SPLITS,  # noqa: E402
+                                   flat_size)
 from xla_collectives import MESH, collectives, reshard_case  # noqa: E402
 
 LINE = Mesh(np.array(jax.devices()[:4]), ("x",))
@@ -47,6 +49,22 @@ def reshape_case(shape, spec, out_spec, new_shape=None):
     return collectives(f.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text())
 
 
+def free_reshape_case(mesh, shape, spec, new_shape, consumer):
+    """Collectives of reshaping a `spec`-sharded tensor to `new_shape`, the result's
+    sharding left to XLA, then `consumer` "sum" (the sum of its squares) or
+    "replicated" (the result times 3, constrained to be replicated)."""
+    mesh = {"line": LINE, "2x4": MESH}[mesh]
+
+    def fn(x):
+        y = jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(*spec)))
+        z = jnp.reshape(y, new_shape)
+        if consumer == "sum":
+            return jnp.sum(z * z)
+        return jax.lax.with_sharding_constraint(z * 3, NamedSharding(mesh, P()))
+    f = jax.jit(fn, in_shardings=NamedSharding(mesh, P()))
+    return collectives(f.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text())
+
+
 def main(argv):
     del argv
     for name, case in RESHARDS.items():
@@ -58,6 +76,10 @@ def main(argv):
         print(f"{name} (result left to XLA): {reshape_case(shape, spec, None)}")
     for name, (size, new_shape) in SPLITS.items():
         print(f"{name}: {reshape_case((size,), ('x',), ('x',), new_shape)}")
+    for name, case in FREE_RESHAPES.items():
+        for consumer in ("sum", "replicated"):
+            print(f"{name} (result free, {consumer} consumer): "
+                  f"{free_reshape_case(*case, consumer)}")
 
 
 if __name__ == "__main__":

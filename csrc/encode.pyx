@@ -20,6 +20,7 @@ cdef class EncodedRule:
     cdef readonly object rule
     cdef readonly tuple inputs, outputs
     cdef int[::1] dim_factors, dim_counts
+    cdef unsigned char[::1] dim_uneven  # per slot dim: 1 if in OpRule.uneven_major
     cdef long long[::1] sizes  # dim sizes may pass 2**31
     cdef signed char[::1] kinds
     cdef unsigned char[::1] layers  # per slot (inputs then outputs)
@@ -35,6 +36,10 @@ cdef class EncodedRule:
                                       np.int32)
         self.dim_counts = np.asarray([len(fs) for dims in dims_lists for fs in dims],
                                      np.int32)
+        self.dim_uneven = np.asarray(
+            [0 for i in self.inputs for _ in rule.operands[i]]
+            + [(k, d) in rule.uneven_major
+               for k in self.outputs for d in range(len(rule.results[k]))], np.uint8)
         self.sizes = np.asarray(rule.factor_sizes, np.int64)
         self.kinds = np.asarray(rule.factor_kinds, np.int8)
         self.layers = np.asarray(_slot_layers(rule, dims_lists, len(self.inputs)), np.uint8)
@@ -107,10 +112,10 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
 
     has_rule(op_type) says whether an op type has a rule builder; make_rule(index) builds
     the OpRule of node `index` (None: no rule). Returns (rules, ranks, tensor_base,
-    slot_tensor, dim_factors, dim_counts, factor_size, factor_kind, op_slots, op_factors,
-    tensor_op_start, tensor_ops, slot_layer, op_node): `rules` per node (None for ops without
-    a rule or with more than `max_factors` factors), the rest int numpy arrays (see
-    csrc/propagation.pyx; op_node[op] is the node index of core op `op`).
+    slot_tensor, dim_factors, dim_counts, dim_uneven, factor_size, factor_kind, op_slots,
+    op_factors, tensor_op_start, tensor_ops, slot_layer, op_node): `rules` per node (None
+    for ops without a rule or with more than `max_factors` factors), the rest int numpy
+    arrays (see csrc/propagation.pyx; op_node[op] is the node index of core op `op`).
     """
     cdef Py_ssize_t n = len(nodes), i, k, d, f, op, num_tensors = 0
     cdef Py_ssize_t num_slots = 0, num_dims = 0, num_factors = 0, num_ops = 0, num_df = 0
@@ -191,12 +196,14 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
     slot_layer_a, op_node_a = slot_layer_a[:num_slots], op_node_a[:num_ops]
     # pass 2: the per-op arrays, copied from each op's EncodedRule
     dim_counts_a = np.empty(num_dims, np.int32)
+    dim_uneven_a = np.empty(num_dims, np.uint8)
     dim_factors_a = np.empty(num_df, np.int32)
     factor_size_a = np.empty(num_factors, np.int64)
     factor_kind_a = np.empty(num_factors, np.int8)
     op_slots_a = np.empty(num_ops, np.int32)
     op_factors_a = np.empty(num_ops, np.int32)
     cdef int[::1] dim_counts = dim_counts_a
+    cdef unsigned char[::1] dim_uneven = dim_uneven_a
     cdef long long[::1] factor_size = factor_size_a
     cdef int[::1] dim_factors = dim_factors_a
     cdef signed char[::1] factor_kind = factor_kind_a
@@ -208,6 +215,7 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
         op_slots[op] = enc.layers.shape[0]
         for k in range(enc.dim_counts.shape[0]):
             dim_counts[d] = enc.dim_counts[k]
+            dim_uneven[d] = enc.dim_uneven[k]
             d += 1
         ns = enc.sizes.shape[0]
         for k in range(ns):
@@ -220,7 +228,7 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
             e += 1
     tensor_op_start_a, tensor_ops_a = _users(slot_tensor_a, slot_op_a, num_tensors)
     return (rules, np.asarray(ranks, np.int32), np.asarray(base), slot_tensor_a,
-            dim_factors_a, dim_counts_a, factor_size_a, factor_kind_a, op_slots_a,
+            dim_factors_a, dim_counts_a, dim_uneven_a, factor_size_a, factor_kind_a, op_slots_a,
             op_factors_a, tensor_op_start_a, tensor_ops_a, slot_layer_a, op_node_a)
 
 

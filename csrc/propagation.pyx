@@ -8,7 +8,8 @@ The Python driver (gspmd_tf/propagation/propagate.py) encodes the graph:
   ops       op: slot_start[op]..slot_start[op+1] are its tensors (operands then results),
             factor_start[op] the id of its first factor
   slots     s: slot_tensor[s]; its dims are dim rows sd = slot_dim_start[s] + d
-  slot dims sd: factor ids (op-local) dim_factors[dim_factor_start[sd]:dim_factor_start[sd+1]]
+  slot dims sd: factor ids (op-local) dim_factors[dim_factor_start[sd]:dim_factor_start[sd+1]];
+            dim_uneven[sd] 1: the dim may take its major factor's uneven split (below)
   factors   factor_size[f], factor_kind[f] (0 pass, 1 reduce, 2 replicate)
   users     tensor_op_start/tensor_ops: the ops that read or write each tensor
   layers    slot_layer[s]: the first priority layer in which slot s takes part
@@ -21,9 +22,11 @@ One step on an op: each factor takes the most-split candidate that the op's tens
 first seen on a tie); an axis goes to one factor only among the factors of each tensor
 (the larger split first, the earlier slot's on a tie); then every tensor that is not
 fixed (annotated) has each dim extended to its factors' axes where its current axes are a
-prefix of them and the axes are free in that tensor. Axes only ever get appended, so the
-loop ends; ops are revisited while a tensor of theirs changed, alternating forward and
-backward sweeps.
+prefix of them and the axes are free in that tensor. In a dim of several factors each is
+split evenly, except the major factor of a dim with dim_uneven set (the merged dim of a
+Reshape that merges dims behind an unevenly split one: its handler re-blocks the merged
+dim; see rules.reshape). Axes only ever get appended, so the loop ends; ops are revisited
+while a tensor of theirs changed, alternating forward and backward sweeps.
 
 Priority layers (XLA's aggressiveness levels, Shardy's op priorities): the loop above
 runs once per layer L = 0, 1, ..., each to a fixed point before the next; in layer L an op
@@ -62,6 +65,7 @@ cdef bint _is_prefix(const signed char* a, int na, const signed char* b, int nb)
 cdef class _Propagator:
     cdef int[::1] rank, dim_start, slot_start, factor_start, slot_tensor, slot_dim_start
     cdef int[::1] dim_factor_start, dim_factors, tensor_op_start, tensor_ops
+    cdef unsigned char[::1] dim_uneven
     cdef long long[::1] factor_size  # dim sizes may pass 2**31
     cdef int[::1] axis_size
     cdef signed char[:, ::1] axes
@@ -176,7 +180,7 @@ cdef class _Propagator:
         cdef int new_src[MAX_AXES]
         cdef long long other, p, asz
         cdef unsigned long long held
-        cdef bint changed = False
+        cdef bint changed = False, uneven
         for s in range(self.slot_start[op], self.slot_start[op + 1]):
             t = self.slot_tensor[s]
             if self.fixed[t] or self.slot_layer[s] > self.layer:
@@ -193,13 +197,16 @@ cdef class _Propagator:
                 if nf == 0:
                     continue
                 n = 0
+                uneven = self.dim_uneven[sd]
                 for j in range(nf):
                     f = self.dim_factors[self.dim_factor_start[sd] + j]
                     p = 1
                     for k in range(self.res_n[f]):
                         asz = self.axis_size[self.cand[f][k]]
-                        # in a dim of several factors each is split evenly
-                        if n == MAX_AXES or (nf > 1 and self.factor_size[fb + f] % (p * asz)):
+                        # in a dim of several factors each is split evenly (but the major
+                        # factor of a dim_uneven one)
+                        if n == MAX_AXES or (nf > 1 and self.factor_size[fb + f] % (p * asz)
+                                             and not (j == 0 and uneven)):
                             break
                         p *= asz
                         new[n] = self.cand[f][k]
@@ -276,22 +283,22 @@ cdef class _Propagator:
 
 def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
                      factor_start, slot_tensor, slot_dim_start, dim_factor_start,
-                     dim_factors, factor_size, factor_kind, tensor_op_start, tensor_ops,
-                     slot_layer, int num_layers, origin_slot, origin_layer,
+                     dim_factors, dim_uneven, factor_size, factor_kind, tensor_op_start,
+                     tensor_ops, slot_layer, int num_layers, origin_slot, origin_layer,
                      int max_sweeps=1000):
     """Run propagation in place on `axes`/`naxes` (and the origins); returns the number
     of sweeps over all layers.
 
     Arrays are int32 except factor_size (int64), axes, naxes, factor_kind, origin_layer
-    (int8) and fixed, slot_layer (uint8); see the module docstring for their meaning. An
-    op may have at most 64 factors and a dim at most 4 axes.
+    (int8) and fixed, dim_uneven, slot_layer (uint8); see the module docstring for their
+    meaning. An op may have at most 64 factors and a dim at most 4 axes.
     """
     cdef _Propagator p = _Propagator()
     p.rank, p.dim_start, p.fixed = rank, dim_start, fixed
     p.axes, p.naxes, p.axis_size = axes, naxes, axis_size
     p.slot_start, p.factor_start = slot_start, factor_start
     p.slot_tensor, p.slot_dim_start = slot_tensor, slot_dim_start
-    p.dim_factor_start, p.dim_factors = dim_factor_start, dim_factors
+    p.dim_factor_start, p.dim_factors, p.dim_uneven = dim_factor_start, dim_factors, dim_uneven
     p.factor_size, p.factor_kind = factor_size, factor_kind
     p.tensor_op_start, p.tensor_ops = tensor_op_start, tensor_ops
     p.slot_layer, p.origin_slot, p.origin_layer = slot_layer, origin_slot, origin_layer

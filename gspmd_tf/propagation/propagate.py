@@ -168,9 +168,9 @@ def encode(graph, mesh, seeds, layered=True):
     gc_was_enabled = gc.isenabled()
     gc.disable()  # the encoder allocates a few objects per op; collections would dominate
     try:
-        (rules, rank, tensor_base, slot_tensor, dim_factors, dim_counts, factor_size,
-         factor_kind, op_slots, op_factors, tensor_op_start, tensor_ops, slot_layer,
-         op_node) = _encode.encode_rules(
+        (rules, rank, tensor_base, slot_tensor, dim_factors, dim_counts, dim_uneven,
+         factor_size, factor_kind, op_slots, op_factors, tensor_op_start, tensor_ops,
+         slot_layer, op_node) = _encode.encode_rules(
             graph.nodes, _has_rule, lambda i: _rule_for(graph, graph.nodes[i]),
             MAX_FACTORS)
     finally:
@@ -193,7 +193,7 @@ def encode(graph, mesh, seeds, layered=True):
     core_args = (rank, dim_start[:-1].copy(), fixed, axes, naxes,
                  np.asarray(mesh.shape, np.int32), _offsets(op_slots), _offsets(op_factors),
                  slot_tensor, _offsets(rank[slot_tensor]), _offsets(dim_counts), dim_factors,
-                 factor_size, factor_kind, tensor_op_start, tensor_ops, slot_layer,
+                 dim_uneven, factor_size, factor_kind, tensor_op_start, tensor_ops, slot_layer,
                  len(LAYERS) if layered else 1,
                  # origins: written by the core for every axis it appends, read for those only
                  np.empty(axes.shape, np.int32), np.empty(axes.shape, np.int8))

@@ -32,7 +32,8 @@ class OpRule:
     broadcasts). `reduce_op` says how REDUCE factors combine (sum, max, min, prod).
     `params` is a typed record of what the op's emitter needs that the rule already
     worked out (a windowed op's geometry, a gather's axis...), or None; it is not part
-    of the printed form.
+    of the printed form, nor is `uneven_major` (where propagation may pass an uneven
+    split into a merged dim).
     """
 
     factor_sizes: list = field(default_factory=list)
@@ -41,6 +42,10 @@ class OpRule:
     results: list = field(default_factory=list)
     reduce_op: str = "sum"
     params: object = None
+    # ((result, dim), ...): result dims of several factors that take their major
+    # factor's split even when it is uneven (a Reshape merging dims behind an unevenly
+    # split one; see rules.reshape)
+    uneven_major: tuple = ()
 
     def key(self):
         """A hashable value, equal for rules with the same factors, dims and reduce op
@@ -294,12 +299,37 @@ def transpose(ctx):
 
 
 def reshape(ctx, data_inputs=(0,)):
-    """Reshape (also ExpandDims, Squeeze): dims split into common sub-factors."""
+    """Reshape (also ExpandDims, Squeeze): dims split into common sub-factors.
+
+    Where the Reshape merges a dim with the dims after it, an uneven split of the major
+    dim cannot be a sub-factor of the merged dim, but the Reshape's handler re-blocks the
+    merged dim exactly (spmd/handlers/reshape.py); `uneven_major` lets propagation carry
+    such a split forward, from the operand to the result, so the merged dim keeps it.
+    Not backward (a free operand's producer is often sliced from a replicated tensor for
+    nothing, where the re-block would add a collective-permute), and not into the
+    reverse reshape's unevenly split major dim (its padded blocks cost more to gather
+    later than the even operand; docs/INTERNALS.md, "Merging reshapes with free
+    results")."""
     rule = OpRule()
-    in_dims, out_dims = reshape_factors(rule, ctx.in_shapes[0], ctx.out_shapes[0])
+    in_shape, out_shape = ctx.in_shapes[0], ctx.out_shapes[0]
+    in_dims, out_dims = reshape_factors(rule, in_shape, out_shape)
     rule.operands = _spread([in_dims], data_inputs, len(ctx.in_shapes))
     rule.results = [out_dims]
+    rule.uneven_major = tuple((0, d) for d in merge_dims(in_shape, out_shape)
+                              if len(out_dims[d]) > 1 and in_shape[d] > 1)
     return rule
+
+
+def merge_dims(wide_shape, narrow_shape):
+    """The dims d at which `narrow_shape` is `wide_shape` with dims [d, d + m) merged
+    into one, m = len(wide_shape) - len(narrow_shape) + 1 >= 2, every other dim equal
+    (several when size-1 dims make the place ambiguous; none when not such a merge)."""
+    wide, narrow = tuple(wide_shape), tuple(narrow_shape)
+    merged = len(wide) - len(narrow) + 1
+    if merged < 2:
+        return []
+    return [d for d in range(len(narrow))
+            if wide[:d] == narrow[:d] and wide[d + merged:] == narrow[d + 1:]]
 
 
 def reshape_factors(rule, in_shape, out_shape):

@@ -34,13 +34,11 @@ def merged_uneven_split(wide_shape, narrow_shape, wide_layout, narrow_layout, me
     merged dims, `narrow_layout` splits the merged dim over the same `axes`, and every
     other dim keeps its size and axes; else None."""
     merged = len(wide_shape) - len(narrow_shape) + 1
-    if merged < 2 or wide_layout.partial or narrow_layout.partial:
+    if wide_layout.partial or narrow_layout.partial:
         return None
-    for dim in range(len(narrow_shape)):
+    for dim in rules.merge_dims(wide_shape, narrow_shape):
         axes = wide_layout.dims[dim]
-        if (wide_shape[:dim] != narrow_shape[:dim]
-                or wide_shape[dim + merged:] != narrow_shape[dim + 1:]
-                or not axes or wide_shape[dim] % mesh.axes_size(axes) == 0
+        if (not axes or wide_shape[dim] % mesh.axes_size(axes) == 0
                 or narrow_layout.dims[dim] != axes
                 or any(wide_layout.dims[dim + 1:dim + merged])
                 or wide_layout.dims[:dim] != narrow_layout.dims[:dim]
