@@ -630,10 +630,67 @@ def _tf_op(node, devices):
         return _nhwc_on_cpu(node, attrs, name, devices)
 
     def emit(d, ins):
+        args, op_attrs = [x[d] for x in ins], attrs
+        if node.op in _FILTER_GRADIENTS and _on_cpu(devices[d]):
+            args, op_attrs = _input_ending_at_last_window(node, args, attrs)
         return ops.get_default_graph()._create_op_internal(
-            node.op, [x[d] for x in ins], dtypes=node.out_dtypes, attrs=attrs,
-            name=f"{name}_d{d}")
+            node.op, args, dtypes=node.out_dtypes, attrs=op_attrs, name=f"{name}_d{d}")
     return emit
+
+
+def _on_cpu(device):
+    """Whether `device` (a device string) is a CPU."""
+    return "CPU" in tf.DeviceSpec.from_string(device).device_type.upper()
+
+
+# Filter gradients whose CPU kernels the backend gives an input ending at the last
+# window. TF 2.21's oneDNN Conv2DBackpropFilter corrupts the heap (SIGABRT "free():
+# invalid size", SIGSEGV within a few hundred calls; Eigen's kernels,
+# TF_ENABLE_ONEDNN_OPTS=0, never do) for some strided windows that leave input rows past
+# the last window, e.g. input (3, 8, 5, 2), 1x1 filter, stride (2, 1), VALID (fuzzer
+# seed 31 #814; the grid of benchmarks/conv_filter_crash_grid.py in benchmarks/RESULTS.md
+# §6: no input ending at its last window crashed, nor did the depthwise and 3-D filter
+# gradients on the same shapes). Those rows contribute nothing to the filter gradient,
+# so slicing them off is exact.
+_FILTER_GRADIENTS = {"Conv2DBackpropFilter"}
+
+
+def _input_ending_at_last_window(node, args, attrs):
+    """(args, attrs) of filter-gradient `node` (inputs: input, filter_sizes,
+    out_backprop; NHWC: NCHW ones come through _nhwc_on_cpu's transposes) with the
+    input sliced, on every spatial dim where it extends past the last window (static
+    shapes), to end there, and the padding made to agree: the high pad of a sliced dim
+    is 0, so SAME (whose pads are 0 on such a dim, or it would reach the end) becomes
+    VALID if no dim is padded, else EXPLICIT. Unchanged if no dim extends past its last
+    window or a shape is not static."""
+    x, dy = args[0], args[2]
+    rank = len(node.out_shapes[0])
+    if not (x.shape.is_fully_defined() and dy.shape.is_fully_defined()) or \
+            x.shape.num_elements() == 0 or dy.shape.num_elements() == 0:
+        return args, attrs
+    padding = attrs["padding"].s
+    pairs = (list(attrs["explicit_paddings"].list.i) if padding == b"EXPLICIT"
+             else [0] * 2 * rank)
+    dilations = list(attrs["dilations"].list.i) if "dilations" in attrs else [1] * rank
+    sizes = x.shape.as_list()
+    for window, dim in zip(node.out_shapes[0], range(1, rank - 1)):
+        stride, extent, out = attrs["strides"].list.i[dim], sizes[dim], dy.shape[dim]
+        span = (window - 1) * dilations[dim] + 1
+        if padding == b"SAME":
+            total = max((out - 1) * stride + span - extent, 0)
+            pairs[2 * dim:2 * dim + 2] = [total // 2, total - total // 2]
+        end = (out - 1) * stride + span - pairs[2 * dim]  # one past the last window's row
+        if end < extent:
+            sizes[dim], pairs[2 * dim + 1] = end, 0
+    if sizes == x.shape.as_list():
+        return args, attrs
+    trimmed = dict(attrs, padding=attr_value_pb2.AttrValue(
+        s=b"EXPLICIT" if any(pairs) else b"VALID"))
+    trimmed.pop("explicit_paddings", None)
+    if any(pairs):
+        trimmed["explicit_paddings"] = attr_value_pb2.AttrValue(
+            list=attr_value_pb2.AttrValue.ListValue(i=pairs))
+    return [tf.slice(x, [0] * rank, sizes)] + list(args[1:]), trimmed
 
 
 # Windowed ops whose CPU kernels take only NHWC: (inputs in NCHW, inputs that are NCHW
@@ -678,7 +735,7 @@ def _nhwc_on_cpu(node, attrs, name, devices):
 
     def emit(d, ins):
         graph = ops.get_default_graph()
-        if "CPU" not in tf.DeviceSpec.from_string(devices[d]).device_type.upper():
+        if not _on_cpu(devices[d]):
             return graph._create_op_internal(node.op, [x[d] for x in ins],
                                              dtypes=node.out_dtypes, attrs=attrs,
                                              name=f"{name}_d{d}")
@@ -690,8 +747,11 @@ def _nhwc_on_cpu(node, attrs, name, devices):
                 args.append(tf.gather(x[d], to_last))
             else:
                 args.append(x[d])
-        op = graph._create_op_internal(node.op, args, dtypes=node.out_dtypes, attrs=nhwc,
-                                       name=f"{name}_d{d}")
+        op_attrs = nhwc
+        if node.op in _FILTER_GRADIENTS:
+            args, op_attrs = _input_ending_at_last_window(node, args, nhwc)
+        op = graph._create_op_internal(node.op, args, dtypes=node.out_dtypes,
+                                       attrs=op_attrs, name=f"{name}_d{d}")
         return tf.transpose(op.outputs[0], to_first) if nchw_out else op.outputs[0]
     return emit
 
