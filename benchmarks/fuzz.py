@@ -199,6 +199,8 @@ def attribute_crash(before, program, worker):
         return "reproduces alone"
     if run_fresh(before + [program], timeout, collective_timeout)["status"] != "crash":
         return "does not reproduce (flaky)"
+    if not before:
+        return "reproduces alone in a second fresh worker (flaky)"
     lo, hi = 1, len(before)  # the smallest k in [lo, hi] whose suffix reproduces
     while lo < hi:
         mid = (lo + hi) // 2

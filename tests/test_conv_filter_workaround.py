@@ -273,3 +273,17 @@ def test_error_of_a_program_is_invalid_only_when_tf_is_to_blame(monkeypatch, bla
     assert results[814]["status"] == ("invalid" if blamed else "error")
     assert ("AbortedError: y" in results[814]["detail"]) == blamed
     assert results[815]["status"] == "pass" and worker.runs == [None, None]
+
+
+@pytest.mark.parametrize("fresh, before, said", [
+    ("crash", [], "reproduces alone in a second fresh worker (flaky)"),
+    ("pass", [], "does not reproduce (flaky)"),
+    ("crash", [{}], "only after the 1 program(s) before it in the batch")])
+def test_crash_attribution_names_how_it_reproduces(monkeypatch, fresh, before, said):
+    """attribute_crash: a crash that the worker's re-run alone survives but a second
+    fresh worker does not is flaky alone, not "after 1 program" when none came before."""
+    fuzz = _fuzz()
+    monkeypatch.setattr(fuzz, "run_fresh", lambda programs, timeout, collective_timeout,
+                        part=None: {"status": fresh if len(programs) == len(before) + 1
+                                    else "pass"})
+    assert fuzz.attribute_crash(before, {}, _ScriptedWorker(["pass"])) == said
