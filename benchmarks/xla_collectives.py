@@ -80,8 +80,10 @@ def _group_size(line):
         return len(m.group(1).split(","))
     m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line)
     if m:
+        # {'a'} is a whole mesh axis, {'a':(2)2} a sub-axis of it (pre-size 2, size 2)
         sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2))]))
+        return int(np.prod([int(sub or sizes[a]) for a, sub in
+                            re.findall(r"'(\w+)'(?::\(\d+\)(\d+))?", m.group(2))]))
     return 1
 
 
