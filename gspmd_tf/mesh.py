@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -80,15 +80,15 @@ def local_device_names(device_type=None):
     return [d.name for d in tf.config.list_logical_devices(device_type)]
 
 
-@dataclass(frozen=True)
-class SubAxis:
+class SubAxis(NamedTuple):
     """Part of mesh axis `axis` (of `whole` devices), as in Shardy's "model":(2)2: the
     axis's coordinate cut into major-to-minor factors, this one of `size` devices with
     `pre` devices in the factors more major than it.
 
     Only the reshard planner makes them, for the steps between two layouts of one plan
     (spmd/planner.py, "Sub-axis steps" in docs/INTERNALS.md); Mesh.groups, shard_index and
-    arrange accept them wherever they accept an axis name."""
+    arrange accept them wherever they accept an axis name. (A named tuple: the planner
+    hashes layouts holding them in its search.)"""
 
     axis: str
     pre: int

@@ -305,23 +305,24 @@ def _plan(src, dst, shape, itemsize, axis_names, mesh_shape):
     assert not dst.partial, dst
     if src == dst:
         return ()
-    # the cheapest candidate; the first (whole axes only) wins a tie
-    return min(_candidates(src, dst, shape, itemsize, dict(zip(axis_names, mesh_shape))),
-               key=lambda candidate: candidate[0])[1]
+    return _candidates(src, dst, shape, itemsize, dict(zip(axis_names, mesh_shape)))[-1][1]
 
 
 def _candidates(src, dst, shape, itemsize, sizes):
-    """(key, steps) of the cheapest plan over whole mesh axes, then of the cheapest with
-    each of `_sub_axis_splits` (its steps name the whole axis where they take all of it);
+    """[(key, steps)]: the cheapest plan over whole mesh axes, then each plan with one of
+    `_sub_axis_splits` that is cheaper than the ones before it (its steps name the whole
+    axis where they take all of it; the last is the cheapest: a tie keeps the earlier);
     `sizes` maps axis names to sizes."""
-    yield _search(src, dst, _Space(shape, itemsize, sizes, dst))
+    found = [_search(src, dst, _Space(shape, itemsize, sizes, dst))]
     for parts in _sub_axis_splits(src, dst, sizes):
         cut_sizes = {a: n for a, n in sizes.items() if a != parts[0].axis}
         cut_sizes.update((p, p.size) for p in parts)
         cut_dst = _cut(dst, parts)
-        key, steps = _search(_cut(src, parts), cut_dst,
-                             _Space(shape, itemsize, cut_sizes, cut_dst))
-        yield key, tuple(_whole_axes(step) for step in steps)
+        cheaper = _search(_cut(src, parts), cut_dst, _Space(shape, itemsize, cut_sizes, cut_dst),
+                          bound=found[-1][0])
+        if cheaper is not None:
+            found.append((cheaper[0], tuple(_whole_axes(step) for step in cheaper[1])))
+    return found
 
 
 def _sub_axis_splits(src, dst, sizes):
@@ -348,9 +349,9 @@ def _whole_axes(step):
     return replace(step, axes=_merged_axes(step.axes))
 
 
-def _search(src, dst, space):
+def _search(src, dst, space, bound=None):
     """(key, steps): the cheapest steps from `src` to `dst` among `space`'s moves, keyed
-    by (estimate, collectives, steps)."""
+    by (estimate, collectives, steps); None when none is keyed below `bound`."""
     counter = itertools.count()
     start = (0.0, 0, 0)
     best = {src: start}
@@ -364,10 +365,14 @@ def _search(src, dst, space):
         for step in space.moves(layout):
             c = step_cost(step)
             new_key = (key[0] + c.estimate(), key[1] + c.collectives, key[2] + c.steps)
+            if bound is not None and new_key >= bound:
+                continue
             nxt = step.move(layout)
             if nxt not in best or new_key < best[nxt]:
                 best[nxt] = new_key
                 heapq.heappush(heap, (new_key, next(counter), nxt, steps + (step,)))
+    if bound is not None:
+        return None
     raise AssertionError(f"no reshard plan from {src} to {dst}")  # gather-all always works
 
 
@@ -519,8 +524,8 @@ class _Space:
                 yield self._permute(layout, tuple(change.items()))
 
     def _exchanges(self, layout):
-        """Permutes that trade two axes of one size between two dims, where the target
-        holds one of them in the other's dim (e.g. data on dim 0 and the major half of
+        """Permutes that trade two axes of one size between two dims, where one of them
+        lands where the target holds it (e.g. data on dim 0 and the major half of
         model on dim 2 traded, so data lands where the target splits dim 2 and the halves
         of model are gathered one by one, the major half last on the larger tensor)."""
         dims, target = layout.dims, self.target.dims
@@ -529,8 +534,8 @@ class _Space:
                 cd2 = dims[d2]
                 for i, a in enumerate(cd1):
                     for j, b in enumerate(cd2):
-                        if self.sizes[a] != self.sizes[b] or (a not in target[d2]
-                                                              and b not in target[d1]):
+                        if self.sizes[a] != self.sizes[b] or not (
+                                target[d2][j:j + 1] == (a,) or target[d1][i:i + 1] == (b,)):
                             continue
                         yield self._permute(layout, ((d1, cd1[:i] + (b,) + cd1[i + 1:]),
                                                      (d2, cd2[:j] + (a,) + cd2[j + 1:])))
