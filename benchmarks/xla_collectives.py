@@ -87,14 +87,19 @@ def _group_size(line):
     return 1
 
 
-def reshard_case(shape, src, dst):
-    """Collectives of constraining a `src`-sharded tensor to `dst`."""
+def reshard_hlo(shape, src, dst):
+    """The compiled HLO text of constraining a `src`-sharded tensor to `dst`."""
     def fn(x):
         y = jax.lax.with_sharding_constraint(x * 2, _sharded(src))
         z = jax.lax.with_sharding_constraint(y, _sharded(dst))
         return jnp.sum(z * z)
     f = jax.jit(fn, in_shardings=_sharded(()))
-    return collectives(f.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text())
+    return f.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text()
+
+
+def reshard_case(shape, src, dst):
+    """Collectives of constraining a `src`-sharded tensor to `dst`."""
+    return collectives(reshard_hlo(shape, src, dst))
 
 
 def dot_case(equation, shapes, specs):
