@@ -9,8 +9,8 @@ NEEDS JAX (not a dependency of gspmd-tf; see benchmarks/xla_reference.py for the
 Each case is jitted on 8 host CPU devices and compiled; the collectives (kind, operand
 bytes on one device, group size) are read from `.compile().as_text()` as
 xla_collectives.py reads them. --hlo also prints each reshard's collective instructions
-(their replica_groups / source_target_pairs: which devices XLA groups). Every case ends in the sum of its result, whose scalar
-all-reduce(s) are printed too (the tests leave them out: 4-byte operands).
+(their replica_groups / source_target_pairs: which devices XLA groups). Every case ends
+in the sum of its result, whose scalar all-reduce(s) are printed too (the tests leave them out: 4-byte operands).
 """
 
 import jax  # noqa: E402  (xla_collectives sets XLA_FLAGS before JAX starts)

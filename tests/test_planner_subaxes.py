@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 from hypothesis import given, strategies as st
 
+import gspmd_tf as gt
 from gspmd_tf.backends import LocalBackend
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, SubAxis
@@ -64,6 +65,42 @@ def candidates(mesh, src, dst, shape):
     """Every plan the search compares: over whole axes, and with each axis cut."""
     sizes = dict(zip(mesh.axis_names, mesh.shape))
     return [steps for _, steps in planner._candidates(src, dst, tuple(shape), 4, sizes)]
+
+
+# ------------------------------------------------------------------------ mesh
+
+def test_sub_axis_groups_and_shard_indices():
+    mesh = Mesh.abstract((2, 4), ("data", "model"))
+    minor, major = SubAxis("model", 2, 2, 4), SubAxis("model", 1, 2, 4)
+    assert str(minor) == "model:(2)2" and mesh.axis_size(minor) == 2
+    assert mesh.groups((minor,)).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.groups((major,)).tolist() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # XLA's all-to-all group of data and half of model: {0, 1, 4, 5}, {2, 3, 6, 7}
+    assert mesh.groups(("data", minor)).tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    # the two halves in order are the axis
+    assert mesh.groups((major, minor)).tolist() == mesh.groups(("model",)).tolist()
+    assert [mesh.shard_index(d, (major,)) for d in range(8)] == [0, 0, 1, 1] * 2
+    assert mesh.arrange((minor,)).shape == (2, 4)
+
+
+def test_sub_axes_follow_the_device_order():
+    ids = np.array([[3, 1, 0, 2], [7, 6, 4, 5]])
+    mesh = Mesh.abstract((2, 4), ("data", "model"), device_ids=ids)
+    minor = SubAxis("model", 2, 2, 4)
+    assert mesh.groups((minor,)).tolist() == [[3, 1], [0, 2], [7, 6], [4, 5]]
+    for row in mesh.groups(("data", minor)):
+        assert [mesh.shard_index(d, ("data", minor)) for d in row] == [0, 1, 2, 3]
+
+
+def test_bad_sub_axes_are_refused():
+    mesh = Mesh.abstract((2, 4), ("data", "model"))
+    with pytest.raises(gt.ShardingError, match="does not cut"):
+        mesh.groups((SubAxis("model", 1, 3, 4),))
+    with pytest.raises(gt.ShardingError, match="overlap"):
+        mesh.groups(("model", SubAxis("model", 2, 2, 4)))
+    line = Mesh.abstract((12,), ("x",))
+    with pytest.raises(gt.ShardingError, match="do not nest"):  # cuts at 4 and 6 of 12
+        line.groups((SubAxis("x", 1, 4, 12), SubAxis("x", 1, 6, 12)))
 
 
 # ------------------------------------------------------------------------ chosen plans

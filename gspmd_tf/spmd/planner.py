@@ -12,9 +12,13 @@ exact, uneven dims included (see `nests`): slice axes into a dim locally, gather
 minor axes, all-to-all a dim's minor axes onto another dim (one collective over several
 axes when they move together), collective-permute to a layout with the same shard counts,
 reduce-scatter or all-reduce pending partial sums. The cheapest sequence wins; among equal
-costs, fewer collectives, then fewer steps. Shrinking moves cost nothing, so the search
-slices before it gathers (the order of Shardy's collective inserter: slice, permute,
-all-to-all, all-gather), which also keeps the gathered tensors small.
+costs, fewer collectives, then fewer steps. Beside the search over whole mesh axes, one
+search per way of cutting an axis of the reshard in two (`_sub_axis_splits`) may find a
+cheaper plan whose steps run over part of an axis (mesh.SubAxis), as XLA's do; layouts
+between plans still name whole axes (docs/INTERNALS.md, "Sub-axis steps"). Shrinking
+moves cost nothing, so the search slices before it gathers (the order of Shardy's
+collective inserter: slice, permute, all-to-all, all-gather), which also keeps the
+gathered tensors small.
 
 Uneven dims: a dim of n split k ways has shards of ceil(n / k) elements, shard i holding
 [i * ceil(n/k), (i + 1) * ceil(n/k)) of the global dim and arbitrary padding past n.
@@ -198,18 +202,16 @@ def _merged_axes(axes):
     out = []
     for a in axes:
         out.append(a)
-        if isinstance(a, SubAxis) and a.pre * a.size == a.whole:
-            run, pre = [], a.whole
-            for b in reversed(out):
-                if not (isinstance(b, SubAxis) and b.axis == a.axis
-                        and b.pre * b.size == pre):
-                    break
-                run.append(b)
-                pre = b.pre
-                if pre == 1:
-                    del out[len(out) - len(run):]
-                    out.append(a.axis)
-                    break
+        if not isinstance(a, SubAxis) or a.pre * a.size != a.whole:
+            continue
+        # a ends its axis: walk back over the parts before it while they chain
+        start = len(out) - 1
+        while out[start].pre > 1 and start and isinstance(out[start - 1], SubAxis) and \
+                out[start - 1].axis == a.axis and \
+                out[start - 1].pre * out[start - 1].size == out[start].pre:
+            start -= 1
+        if out[start].pre == 1:
+            out[start:] = [a.axis]
     return tuple(out)
 
 
@@ -242,7 +244,9 @@ class Cost:
         its slowest axis) plus `latency_bytes` per collective."""
         total = 0.0
         for axes, moved in self.bytes_by_axes:
-            speed = min((bandwidth or {}).get(a, 1.0) for a in axes) if axes else 1.0
+            # a sub-axis's links are its axis's
+            speed = min((bandwidth or {}).get(getattr(a, "axis", a), 1.0)
+                        for a in axes) if axes else 1.0
             total += moved / speed
         return total + latency_bytes * self.collectives
 
@@ -318,8 +322,8 @@ def _candidates(src, dst, shape, itemsize, sizes):
         cut_sizes = {a: n for a, n in sizes.items() if a != parts[0].axis}
         cut_sizes.update((p, p.size) for p in parts)
         cut_dst = _cut(dst, parts)
-        cheaper = _search(_cut(src, parts), cut_dst, _Space(shape, itemsize, cut_sizes, cut_dst),
-                          bound=found[-1][0])
+        cheaper = _search(_cut(src, parts), cut_dst,
+                          _Space(shape, itemsize, cut_sizes, cut_dst), bound=found[-1][0])
         if cheaper is not None:
             found.append((cheaper[0], tuple(_whole_axes(step) for step in cheaper[1])))
     return found
