@@ -24,6 +24,7 @@ from gspmd_tf.spmd.planner import AllGather, AllToAll, CollectivePermute, cost, 
 from gspmd_tf.spmd.program import Local, ProgramBuilder
 from gspmd_tf.spmd.reshard import emit
 from test_planner import L, block, check_exact, source_shards
+from util import check_partitioned
 
 MESHES = {
     (2, 4): ("data", "model"),
@@ -257,3 +258,23 @@ def test_every_candidate_plan_gives_exactly_the_target_shards(case, seed):
 @pytest.fixture
 def rng():
     return np.random.default_rng(3)
+
+
+# ------------------------------------------------------------------------ end to end
+
+def test_partitioned_function_runs_sub_axis_collectives_with_keys_from_the_program(rng):
+    """A constrained swap in a gt.function: single-device values, the all-to-all over
+    model's minor halves, and the same collective keys for the same program."""
+    mesh = mesh_of((2, 4))
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+
+    def swap(v):
+        return gt.mesh_split(v * 2.0, mesh, gt.P("model", "data")) + 1.0
+
+    lowered = check_partitioned(swap, (x,), mesh, (gt.P("data", "model"),))
+    kinds = [(c.kind, c.groups) for c in lowered.collectives()]
+    assert kinds[0] == ("all-to-all", ((0, 1), (2, 3), (4, 5), (6, 7)))
+    assert [k for k, _ in kinds] == ["all-to-all", "collective-permute"]
+    keys = [gt.function(swap, mesh=mesh, in_shardings=(gt.P("data", "model"),))
+            .lower(x).compile().collective_keys() for _ in range(2)]
+    assert keys[0] == keys[1] and len(keys[0][0][3]) == 4  # four groups of two
