@@ -5,8 +5,9 @@
 
 Each collective is (kind, operand bytes per device, group size; 1 for a permute), as
 XLA's side prints them, followed by the bytes each device moves under the planner's ring
-model (planner.step_cost). Reshards are the planner's plans; dots and reshapes are
-lowered by gt.lower on abstract meshes (2x4 ("data", "model"), 4 ("x",)).
+model (planner.step_cost). Reshards are the planner's plans, each collective then listed
+with its mesh axes and device groups (a permute's pairs); dots and reshapes are lowered
+by gt.lower on abstract meshes (2x4 ("data", "model"), 4 ("x",)).
 """
 
 import logging
@@ -43,12 +44,32 @@ def moved(found):
     return planner.cost([STEP[kind](nbytes, k) for kind, nbytes, k in found]).bytes
 
 
+def reshard_steps(shape, src, dst):
+    """The planner's plan."""
+    layouts = [Layout.from_spec(MESH, spec, len(shape)) for spec in (src, dst)]
+    return planner.plan(*layouts, shape, tf.float32, MESH)
+
+
 def reshard_case(shape, src, dst):
     """[(kind, operand bytes, group)] of the planner's plan."""
-    layouts = [Layout.from_spec(MESH, spec, len(shape)) for spec in (src, dst)]
-    steps = planner.plan(*layouts, shape, tf.float32, MESH)
     return [(KIND[type(s)], s.bytes_in, 1 if isinstance(s, planner.CollectivePermute)
-             else s.group) for s in steps if type(s) in KIND]
+             else s.group) for s in reshard_steps(shape, src, dst) if type(s) in KIND]
+
+
+def device_groups(shape, src, dst):
+    """Per collective of the plan, its mesh axes (sub-axes as axis:(pre)size) and device
+    groups (a permute: its (source, target) pairs), to compare with XLA's HLO
+    (xla_planner_quality.py --hlo)."""
+    layouts = [Layout.from_spec(MESH, spec, len(shape)) for spec in (src, dst)]
+    out, layout = [], layouts[0]
+    for step in reshard_steps(shape, src, dst):
+        after = step.apply(layout)
+        if isinstance(step, planner.CollectivePermute):
+            out.append(("permute", planner.permute_pairs(MESH, layout, after)))
+        elif type(step) in KIND:
+            out.append((",".join(map(str, step.axes)), MESH.groups(step.axes).tolist()))
+        layout = after
+    return out
 
 
 def _found(lowered):
@@ -91,6 +112,8 @@ def main(argv):
     for name, case in RESHARDS.items():
         found = reshard_case(*case)
         print(f"{name}: {found}  moved {moved(found)}")
+        for axes, groups in device_groups(*case):
+            print(f"    {axes}: {groups}")
     for name, case in DOTS.items():
         found = dot_case(*case)
         print(f"{name}: {found}  moved {moved(found)}")

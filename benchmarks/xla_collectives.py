@@ -80,19 +80,26 @@ def _group_size(line):
         return len(m.group(1).split(","))
     m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line)
     if m:
+        # {'a'} is a whole mesh axis, {'a':(2)2} a sub-axis of it (pre-size 2, size 2)
         sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2))]))
+        return int(np.prod([int(sub or sizes[a]) for a, sub in
+                            re.findall(r"'(\w+)'(?::\(\d+\)(\d+))?", m.group(2))]))
     return 1
 
 
-def reshard_case(shape, src, dst):
-    """Collectives of constraining a `src`-sharded tensor to `dst`."""
+def reshard_hlo(shape, src, dst):
+    """The compiled HLO text of constraining a `src`-sharded tensor to `dst`."""
     def fn(x):
         y = jax.lax.with_sharding_constraint(x * 2, _sharded(src))
         z = jax.lax.with_sharding_constraint(y, _sharded(dst))
         return jnp.sum(z * z)
     f = jax.jit(fn, in_shardings=_sharded(()))
-    return collectives(f.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text())
+    return f.lower(jax.ShapeDtypeStruct(shape, jnp.float32)).compile().as_text()
+
+
+def reshard_case(shape, src, dst):
+    """Collectives of constraining a `src`-sharded tensor to `dst`."""
+    return collectives(reshard_hlo(shape, src, dst))
 
 
 def dot_case(equation, shapes, specs):

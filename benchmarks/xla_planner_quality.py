@@ -9,19 +9,23 @@ NEEDS JAX (not a dependency of gspmd-tf; see benchmarks/xla_reference.py for the
 
 Each case is jitted on 8 host CPU devices and compiled; the collectives (kind, operand
 bytes on one device, group size) are read from `.compile().as_text()` as
-xla_collectives.py reads them. Every case ends in the sum of its result, whose scalar
-all-reduce(s) are printed too (the tests leave them out: 4-byte operands).
+xla_collectives.py reads them. --hlo also prints each reshard's collective instructions
+(their replica_groups / source_target_pairs: which devices XLA groups). Every case ends
+in the sum of its result, whose scalar all-reduce(s) are printed too (the tests leave them out: 4-byte operands).
 """
 
 import jax  # noqa: E402  (xla_collectives sets XLA_FLAGS before JAX starts)
-from absl import app  # noqa: E402
+from absl import app, flags  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import re  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from planner_quality_cases import (DOTS, FREE_RESHAPES, RESHAPES, RESHARDS, SPLITS,  # noqa: E402
                                    flat_size)
-from xla_collectives import MESH, collectives, reshard_case  # noqa: E402
+from xla_collectives import KINDS, MESH, collectives, reshard_case, reshard_hlo  # noqa: E402
+
+HLO = flags.DEFINE_bool("hlo", False, "print the reshards' collective HLO instructions")
 
 LINE = Mesh(np.array(jax.devices()[:4]), ("x",))
 
@@ -69,6 +73,10 @@ def main(argv):
     del argv
     for name, case in RESHARDS.items():
         print(f"{name}: {reshard_case(*case)}")
+        if HLO.value:
+            for line in reshard_hlo(*case).splitlines():
+                if any(f" {kind}(" in line or f" {kind}-start(" in line for kind in KINDS):
+                    print("   ", re.sub(r", metadata=\{.*", "", line.strip()))
     for name, case in DOTS.items():
         print(f"{name}: {dot_case(*case)}")
     for name, (shape, spec, out_spec) in RESHAPES.items():

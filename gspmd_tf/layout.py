@@ -112,7 +112,11 @@ class Layout:
         return Layout(self.dims)
 
     def __str__(self):
-        text = str(self.to_spec())
+        if all(isinstance(a, str) for a in self.used_axes):
+            text = str(self.to_spec())
+        else:  # the sub-axes (mesh.SubAxis) of a layout inside a reshard plan
+            text = "P(" + ", ".join("(" + ", ".join(map(str, axes)) + ")"
+                                    for axes in self.dims) + ")"
         if self.partial:
             text += f" partial-{self.reduce_op}{self.partial}"
         return text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
@@ -79,6 +80,25 @@ def local_device_names(device_type=None):
     return [d.name for d in tf.config.list_logical_devices(device_type)]
 
 
+class SubAxis(NamedTuple):
+    """Part of mesh axis `axis` (of `whole` devices), as in Shardy's "model":(2)2: the
+    axis's coordinate cut into major-to-minor factors, this one of `size` devices with
+    `pre` devices in the factors more major than it.
+
+    Only the reshard planner makes them, for the steps between two layouts of one plan
+    (spmd/planner.py, "Sub-axis steps" in docs/INTERNALS.md); Mesh.groups, shard_index and
+    arrange accept them wherever they accept an axis name. (A named tuple: the planner
+    hashes layouts holding them in its search.)"""
+
+    axis: str
+    pre: int
+    size: int
+    whole: int
+
+    def __str__(self):
+        return f"{self.axis}:({self.pre}){self.size}"
+
+
 class Mesh:
     """An n-d array of devices with named axes, like jax.sharding.Mesh(devices, names).
 
@@ -117,6 +137,7 @@ class Mesh:
         self.addressable_ids = () if devices is None else tuple(
             i for i, name in enumerate(devices) if cluster.is_addressable(name))
         self._groups = {}
+        self._shard_indices = {}
 
     @classmethod
     def create(cls, shape, axis_names, device_type=None):
@@ -178,8 +199,17 @@ class Mesh:
                 f"unknown mesh axis {name!r}: this mesh has axes {self.axis_names}") from None
 
     def axis_size(self, name):
-        """Number of devices along axis `name`."""
+        """Number of devices along axis `name` (a name or a SubAxis)."""
+        if isinstance(name, SubAxis):
+            self._check_sub_axis(name)
+            return name.size
         return self.shape[self.axis_index(name)]
+
+    def _check_sub_axis(self, sub):
+        whole = self.shape[self.axis_index(sub.axis)]
+        if sub.whole != whole or whole % (sub.pre * sub.size):
+            raise ShardingError(f"sub-axis {sub} does not cut mesh axis {sub.axis!r} of "
+                                f"{whole} devices")
 
     def axes_size(self, axes):
         """Product of the sizes of `axes`."""
@@ -199,12 +229,18 @@ class Mesh:
 
     def shard_index(self, device_id, axes):
         """Linear index of the device along `axes`, the first axis major."""
-        coords = self.coords(device_id)
-        index = 0
-        for name in axes:
-            i = self.axis_index(name)
-            index = index * self.shape[i] + coords[i]
-        return index
+        return int(self.shard_indices(axes)[int(device_id)])
+
+    def shard_indices(self, axes):
+        """Every device's shard_index along `axes`, indexed by device id."""
+        axes = tuple(axes)
+        if axes not in self._shard_indices:
+            groups = self.groups(axes)
+            index = np.empty(self.size, np.int64)
+            index[groups] = np.arange(groups.shape[1])
+            index.setflags(write=False)
+            self._shard_indices[axes] = index
+        return self._shard_indices[axes]
 
     def groups(self, axes):
         """Device ids sharing all coordinates outside `axes`: [num_groups, group_size].
@@ -213,11 +249,52 @@ class Mesh:
         """
         axes = tuple(axes)
         if axes not in self._groups:
-            inside = [self.axis_index(a) for a in axes]
-            outside = [i for i in range(len(self.shape)) if i not in inside]
-            ids = self.device_ids.transpose(outside + inside)
-            self._groups[axes] = ids.reshape(-1, self.axes_size(axes))
+            ids = self.arrange(axes).reshape(self.axes_size(axes), -1)
+            self._groups[axes] = np.ascontiguousarray(ids.T)
         return self._groups[axes]
+
+    def arrange(self, axes):
+        """Device ids as an array [size of axes[0], ..., size of axes[-1], rest]: the
+        device at index i of the first dims has shard index i along `axes` (names or
+        SubAxis), and `rest` runs over the coordinates along every other mesh axis (or
+        part of one) in mesh order. ShardingError when two of `axes` overlap."""
+        axes = tuple(axes)
+        sizes, factors_of = self._factors(axes)
+        order = [f for a in axes for f in factors_of(a)]
+        if len(set(order)) != len(order):
+            raise ShardingError(f"mesh axes {tuple(str(a) for a in axes)} overlap: a mesh "
+                                "axis (or part of one) can be named once")
+        rest = [f for f in range(len(sizes)) if f not in order]
+        ids = self.device_ids.reshape(sizes).transpose(order + rest)
+        return ids.reshape([self.axis_size(a) for a in axes] + [-1])
+
+    def _factors(self, axes):
+        """Every mesh axis cut at the bounds of the sub-axes among `axes`: (the factor
+        sizes, mesh-major, and a function from an axis name or SubAxis to its factors)."""
+        cuts = {}
+        for a in axes:
+            if isinstance(a, SubAxis):
+                self._check_sub_axis(a)
+                cuts.setdefault(a.axis, set()).update((a.pre, a.pre * a.size))
+            else:
+                self.axis_index(a)
+        sizes, bounds = [], {}
+        for name, n in zip(self.axis_names, self.shape):
+            points = sorted(cuts.get(name, set()) | {1, n})
+            for lo, hi in zip(points, points[1:]):
+                if hi % lo:
+                    raise ShardingError(f"sub-axes of mesh axis {name!r} in "
+                                        f"{tuple(str(a) for a in axes)} do not nest")
+                bounds[(name, lo)] = len(sizes)
+                sizes.append(hi // lo)
+
+        def factors_of(a):
+            if not isinstance(a, SubAxis):
+                a = SubAxis(a, 1, self.axis_size(a), self.axis_size(a))
+            return [f for (name, lo), f in bounds.items()
+                    if name == a.axis and a.pre <= lo < a.pre * a.size]
+
+        return sizes, factors_of
 
     def __eq__(self, other):
         return (isinstance(other, Mesh) and self.shape == other.shape

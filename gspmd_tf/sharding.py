@@ -173,13 +173,12 @@ class Sharding:
             raise ShardingError(
                 f"layout {layout} has a reduction pending over {layout.partial}; an XLA "
                 "sharding cannot express it: reduce the value first")
-        split = [mesh.axis_index(name) for axes in layout.dims for name in axes]
+        split = [name for axes in layout.dims for name in axes]
         if len(set(split)) != len(split):
             raise ShardingError(
                 f"layout {layout} uses a mesh axis twice; a mesh axis can split at most "
                 "one dim")
-        unused = [i for i in range(len(mesh.shape)) if i not in split]
-        ids = mesh.device_ids.transpose(split + unused)
+        ids = mesh.arrange(split)  # the planner's layouts may name sub-axes
         tile_shape = [mesh.axes_size(axes) for axes in layout.dims]
         replicas = mesh.size // int(np.prod(tile_shape, dtype=np.int64))
         return cls.tile(ids.reshape(tile_shape + [replicas]), last_tile_dim_replicate=True)

@@ -12,9 +12,13 @@ exact, uneven dims included (see `nests`): slice axes into a dim locally, gather
 minor axes, all-to-all a dim's minor axes onto another dim (one collective over several
 axes when they move together), collective-permute to a layout with the same shard counts,
 reduce-scatter or all-reduce pending partial sums. The cheapest sequence wins; among equal
-costs, fewer collectives, then fewer steps. Shrinking moves cost nothing, so the search
-slices before it gathers (the order of Shardy's collective inserter: slice, permute,
-all-to-all, all-gather), which also keeps the gathered tensors small.
+costs, fewer collectives, then fewer steps. Beside the search over whole mesh axes, one
+search per way of cutting an axis of the reshard in two (`_sub_axis_splits`) may find a
+cheaper plan whose steps run over part of an axis (mesh.SubAxis), as XLA's do; layouts
+between plans still name whole axes (docs/INTERNALS.md, "Sub-axis steps"). Shrinking
+moves cost nothing, so the search slices before it gathers (the order of Shardy's
+collective inserter: slice, permute, all-to-all, all-gather), which also keeps the
+gathered tensors small.
 
 Uneven dims: a dim of n split k ways has shards of ceil(n / k) elements, shard i holding
 [i * ceil(n/k), (i + 1) * ceil(n/k)) of the global dim and arbitrary padding past n.
@@ -25,11 +29,12 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from gspmd_tf.layout import Layout, ceil_div
+from gspmd_tf.mesh import SubAxis
 
 # Latency of one collective, in bytes of bandwidth it is worth: a tie-breaker that prefers
 # fewer collectives for small tensors (no effect once tensors are much larger).
@@ -46,8 +51,21 @@ def nests(n, k_outer, k_inner):
 
 # ------------------------------------------------------------------------ steps
 
+class _Step:
+    """What every step shares: `apply`, the layout after the step."""
+
+    def apply(self, layout):
+        """The layout after this step. A step may name sub-axes (SubAxis): the layout's
+        whole axes are cut into them first, and sub-axes that make up a whole axis again
+        are merged back after, so layouts between plans name whole axes only."""
+        named = [a for a in self.axes if isinstance(a, SubAxis)]
+        if not named:
+            return self.move(layout)
+        return _merged(self.move(_cut(layout, named)))
+
+
 @dataclass(frozen=True)
-class LocalSlice:
+class LocalSlice(_Step):
     """Split dim `dim` further over `axes` (appended, minor) by a local dynamic slice,
     padding the dim first when it is shorter than the slices."""
 
@@ -56,13 +74,13 @@ class LocalSlice:
     bytes_in: int = 0
     group: int = 1
 
-    def apply(self, layout):
-        """The layout after this step."""
+    def move(self, layout):
+        """The layout after this step, the axes it names taken as they are."""
         return _set_dims(layout, {self.dim: layout.dims[self.dim] + self.axes})
 
 
 @dataclass(frozen=True)
-class AllGather:
+class AllGather(_Step):
     """Gather the minor `axes` of dim `dim` (uneven dims gathered whole are unpadded)."""
 
     dim: int
@@ -70,14 +88,14 @@ class AllGather:
     bytes_in: int = 0
     group: int = 1
 
-    def apply(self, layout):
-        """The layout after this step."""
+    def move(self, layout):
+        """The layout after this step, the axes it names taken as they are."""
         cd = layout.dims[self.dim]
         return _set_dims(layout, {self.dim: cd[:len(cd) - len(self.axes)]})
 
 
 @dataclass(frozen=True)
-class AllToAll:
+class AllToAll(_Step):
     """Move the minor `axes` of dim `concat_dim` to the end of dim `split_dim`: one
     all-to-all over the group of `axes` (the split dim padded first when uneven)."""
 
@@ -87,15 +105,15 @@ class AllToAll:
     bytes_in: int = 0
     group: int = 1
 
-    def apply(self, layout):
-        """The layout after this step."""
+    def move(self, layout):
+        """The layout after this step, the axes it names taken as they are."""
         cd = layout.dims[self.concat_dim]
         return _set_dims(layout, {self.concat_dim: cd[:len(cd) - len(self.axes)],
                                   self.split_dim: layout.dims[self.split_dim] + self.axes})
 
 
 @dataclass(frozen=True)
-class CollectivePermute:
+class CollectivePermute(_Step):
     """Every device takes the shard it needs from one other device: dims get new axes with
     the same shard counts (`dims` holds (dim, axes) pairs)."""
 
@@ -106,15 +124,15 @@ class CollectivePermute:
     @property
     def axes(self):
         """Mesh axes whose coordinates change hands."""
-        return tuple(sorted({a for _, axes in self.dims for a in axes}))
+        return tuple(sorted({a for _, axes in self.dims for a in axes}, key=str))
 
-    def apply(self, layout):
-        """The layout after this step."""
+    def move(self, layout):
+        """The layout after this step, the axes it names taken as they are."""
         return _set_dims(layout, dict(self.dims))
 
 
 @dataclass(frozen=True)
-class ReduceScatter:
+class ReduceScatter(_Step):
     """Sum (or reduce_op) over the pending partial `axes`, keeping this device's chunk of
     dim `dim` (the axes appended to the dim, in this order); other partial axes stay
     pending."""
@@ -124,8 +142,8 @@ class ReduceScatter:
     bytes_in: int = 0
     group: int = 1
 
-    def apply(self, layout):
-        """The layout after this step."""
+    def move(self, layout):
+        """The layout after this step, the axes it names taken as they are."""
         dims = list(layout.dims)
         dims[self.dim] = dims[self.dim] + self.axes
         rest = tuple(a for a in layout.partial if a not in self.axes)
@@ -133,21 +151,75 @@ class ReduceScatter:
 
 
 @dataclass(frozen=True)
-class AllReduce:
+class AllReduce(_Step):
     """Reduce the pending partial `axes`."""
 
     axes: tuple
     bytes_in: int = 0
     group: int = 1
 
-    def apply(self, layout):
-        """The layout after this step."""
+    def move(self, layout):
+        """The layout after this step, the axes it names taken as they are."""
         return Layout(layout.dims)
 
 
 def _set_dims(layout, new):
     dims = tuple(new.get(d, axes) for d, axes in enumerate(layout.dims))
     return Layout(dims, layout.partial, layout.reduce_op)
+
+
+# ------------------------------------------------------------------------ sub-axes
+
+def _parts(sub_axes):
+    """{axis: its sub-axes, major first}: every whole axis some of `sub_axes` cut, cut at
+    their bounds."""
+    cuts = {}
+    for a in sub_axes:
+        cuts.setdefault((a.axis, a.whole), {1, a.whole}).update((a.pre, a.pre * a.size))
+    parts = {}
+    for (axis, whole), points in cuts.items():
+        points = sorted(points)
+        parts[axis] = tuple(SubAxis(axis, lo, hi // lo, whole)
+                            for lo, hi in zip(points, points[1:]))
+    return parts
+
+
+def _cut(layout, sub_axes):
+    """`layout` with each whole axis that one of `sub_axes` is part of replaced by its
+    parts (in a dim, or pending)."""
+    parts = _parts(sub_axes)
+
+    def cut(axes):
+        return tuple(p for a in axes for p in parts.get(a, (a,)))
+
+    return Layout(tuple(cut(axes) for axes in layout.dims), cut(layout.partial),
+                  layout.reduce_op)
+
+
+def _merged_axes(axes):
+    """`axes` with each run of sub-axes that makes up a whole axis, major to minor,
+    replaced by the axis."""
+    out = []
+    for a in axes:
+        out.append(a)
+        if not isinstance(a, SubAxis) or a.pre * a.size != a.whole:
+            continue
+        # a ends its axis: walk back over the parts before it while they chain
+        start = len(out) - 1
+        while out[start].pre > 1 and start and isinstance(out[start - 1], SubAxis) and \
+                out[start - 1].axis == a.axis and \
+                out[start - 1].pre * out[start - 1].size == out[start].pre:
+            start -= 1
+        if out[start].pre == 1:
+            out[start:] = [a.axis]
+    return tuple(out)
+
+
+def _merged(layout):
+    """`layout` with whole axes for the sub-axes that make them up, in order, in one dim
+    or pending (`_cut` keeps an axis's parts together in that order)."""
+    return Layout(tuple(_merged_axes(axes) for axes in layout.dims),
+                  _merged_axes(layout.partial), layout.reduce_op)
 
 
 # ------------------------------------------------------------------------ cost
@@ -172,7 +244,9 @@ class Cost:
         its slowest axis) plus `latency_bytes` per collective."""
         total = 0.0
         for axes, moved in self.bytes_by_axes:
-            speed = min((bandwidth or {}).get(a, 1.0) for a in axes) if axes else 1.0
+            # a sub-axis's links are its axis's
+            speed = min((bandwidth or {}).get(getattr(a, "axis", a), 1.0)
+                        for a in axes) if axes else 1.0
             total += moved / speed
         return total + latency_bytes * self.collectives
 
@@ -235,7 +309,53 @@ def _plan(src, dst, shape, itemsize, axis_names, mesh_shape):
     assert not dst.partial, dst
     if src == dst:
         return ()
-    space = _Space(shape, itemsize, dict(zip(axis_names, mesh_shape)), dst)
+    return _candidates(src, dst, shape, itemsize, dict(zip(axis_names, mesh_shape)))[-1][1]
+
+
+def _candidates(src, dst, shape, itemsize, sizes):
+    """[(key, steps)]: the cheapest plan over whole mesh axes, then each plan with one of
+    `_sub_axis_splits` that is cheaper than the ones before it (its steps name the whole
+    axis where they take all of it; the last is the cheapest: a tie keeps the earlier);
+    `sizes` maps axis names to sizes."""
+    found = [_search(src, dst, _Space(shape, itemsize, sizes, dst))]
+    for parts in _sub_axis_splits(src, dst, sizes):
+        cut_sizes = {a: n for a, n in sizes.items() if a != parts[0].axis}
+        cut_sizes.update((p, p.size) for p in parts)
+        cut_dst = _cut(dst, parts)
+        cheaper = _search(_cut(src, parts), cut_dst,
+                          _Space(shape, itemsize, cut_sizes, cut_dst), bound=found[-1][0])
+        if cheaper is not None:
+            found.append((cheaper[0], tuple(_whole_axes(step) for step in cheaper[1])))
+    return found
+
+
+def _sub_axis_splits(src, dst, sizes):
+    """The ways to cut one mesh axis of a reshard in two (major part first) that the
+    search tries beside the whole axes: an axis of s devices cut at t, where another axis
+    the layouts use has t devices (1 < t < s, t divides s). The major part can then trade
+    places with that axis in a permute, and the minor part move or be gathered alone, as
+    XLA does (P(data, model) -> P(model, data) on 2x4: an all-to-all over model's minor
+    half, then a permute trading data and model's major half)."""
+    used = sorted(set(src.used_axes) | set(dst.used_axes))
+    seen = set()
+    for x in used:
+        for y in used:
+            s, t = sizes[x], sizes[y]
+            if 1 < t < s and s % t == 0 and (x, t) not in seen:
+                seen.add((x, t))
+                yield SubAxis(x, 1, t, s), SubAxis(x, t, s // t, s)
+
+
+def _whole_axes(step):
+    """`step` naming whole axes where it names all parts of one, in order."""
+    if isinstance(step, CollectivePermute):
+        return replace(step, dims=tuple((d, _merged_axes(axes)) for d, axes in step.dims))
+    return replace(step, axes=_merged_axes(step.axes))
+
+
+def _search(src, dst, space, bound=None):
+    """(key, steps): the cheapest steps from `src` to `dst` among `space`'s moves, keyed
+    by (estimate, collectives, steps); None when none is keyed below `bound`."""
     counter = itertools.count()
     start = (0.0, 0, 0)
     best = {src: start}
@@ -243,16 +363,20 @@ def _plan(src, dst, shape, itemsize, axis_names, mesh_shape):
     while heap:
         key, _, layout, steps = heapq.heappop(heap)
         if layout == dst:
-            return steps
+            return key, steps
         if best.get(layout, key) < key:
             continue
         for step in space.moves(layout):
             c = step_cost(step)
             new_key = (key[0] + c.estimate(), key[1] + c.collectives, key[2] + c.steps)
-            nxt = step.apply(layout)
+            if bound is not None and new_key >= bound:
+                continue
+            nxt = step.move(layout)
             if nxt not in best or new_key < best[nxt]:
                 best[nxt] = new_key
                 heapq.heappush(heap, (new_key, next(counter), nxt, steps + (step,)))
+    if bound is not None:
+        return None
     raise AssertionError(f"no reshard plan from {src} to {dst}")  # gather-all always works
 
 
@@ -291,6 +415,7 @@ class _Space:
         yield from self._all_to_alls(layout)
         if not layout.partial:
             yield from self._permutes(layout)
+            yield from self._exchanges(layout)
 
     def _nests(self, dim, outer, inner):
         return nests(self.shape[dim], self.k(outer), self.k(inner))
@@ -402,6 +527,23 @@ class _Space:
             if len(flat) == len(set(flat)):
                 yield self._permute(layout, tuple(change.items()))
 
+    def _exchanges(self, layout):
+        """Permutes that trade two axes of one size between two dims, where one of them
+        lands where the target holds it (e.g. data on dim 0 and the major half of
+        model on dim 2 traded, so data lands where the target splits dim 2 and the halves
+        of model are gathered one by one, the major half last on the larger tensor)."""
+        dims, target = layout.dims, self.target.dims
+        for d1, cd1 in enumerate(dims):
+            for d2 in range(d1 + 1, len(dims)):
+                cd2 = dims[d2]
+                for i, a in enumerate(cd1):
+                    for j, b in enumerate(cd2):
+                        if self.sizes[a] != self.sizes[b] or not (
+                                target[d2][j:j + 1] == (a,) or target[d1][i:i + 1] == (b,)):
+                            continue
+                        yield self._permute(layout, ((d1, cd1[:i] + (b,) + cd1[i + 1:]),
+                                                     (d2, cd2[:j] + (a,) + cd2[j + 1:])))
+
     def _permute(self, layout, change):
         axes = {a for _, new in change for a in new} | {a for d, _ in change
                                                         for a in layout.dims[d]}
@@ -412,16 +554,14 @@ def permute_pairs(mesh, src, dst):
     """(source, target) device pairs taking every device's shards of layout `dst` from a
     device holding them in layout `src` (same shard counts per dim); a device keeps its
     own data where it can, the others pair up in mesh order (vectorised: meshes may have
-    thousands of devices)."""
-    ids = np.asarray(mesh.device_ids).ravel()
-    coords = np.indices(mesh.shape).reshape(len(mesh.shape), -1)  # per mesh position
+    thousands of devices). The layouts may name sub-axes."""
+    ids = np.asarray(mesh.device_ids).ravel()  # the device at each mesh position
 
     def shard_key(layout):
         key = np.zeros(ids.size, np.int64)
         for axes in layout.dims:
-            for a in axes:
-                i = mesh.axis_index(a)
-                key = key * mesh.shape[i] + coords[i]
+            if axes:
+                key = key * mesh.axes_size(axes) + mesh.shard_indices(axes)[ids]
         return key
 
     have, want = shard_key(src), shard_key(dst)
