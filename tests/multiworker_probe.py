@@ -2,7 +2,7 @@
 
 argv: the number of local devices, then the scenarios to run, in order. The cluster
 comes from TF_CONFIG, the checkpoint prefix of "save" and "restore" from
-MULTIWORKER_CHECKPOINT. The scenarios run gt.functions on meshes spanning all workers,
+MULTIWORKER_CHECKPOINT, the mesh shape from MULTIWORKER_MESH ("2,4" by default). The scenarios run gt.functions on meshes spanning all workers,
 compare every result with the same computation in plain TF on one device (float32,
 relative 1e-5), and the probe prints one JSON line: {scenario: facts the test checks}.
 """
@@ -25,7 +25,8 @@ from multiworker_values import checkpoint_values  # noqa: E402
 
 P = gt.P
 TOL = 1e-5
-mesh = gt.Mesh.create((2, 4), ("data", "model"))
+MESH_SHAPE = tuple(int(n) for n in os.environ.get("MULTIWORKER_MESH", "2,4").split(","))
+mesh = gt.Mesh.create(MESH_SHAPE, ("data", "model"))
 rng = np.random.default_rng(0)  # every worker draws the same global inputs
 
 
@@ -82,7 +83,7 @@ def programs():
 
     # a variable of this mesh read by a gt.function on another mesh (from copies)
     weights = gt.Variable(w1, mesh, P(None, "model"))
-    other = gt.Mesh.create((4, 2), ("a", "b"))
+    other = gt.Mesh.create(MESH_SHAPE[::-1], ("a", "b"))
     got = gt.function(lambda x: tf.matmul(x, weights), mesh=other,
                       in_shardings=(P("a"),))(x)
     facts["other_mesh"] = check("other_mesh", got, x @ w1)
@@ -140,8 +141,9 @@ def save():
 
 
 def restore():
-    """The checkpoint of `save`, restored onto this cluster's (4, 2) mesh, other specs."""
-    restored_mesh = gt.Mesh.create((4, 2), ("a", "b"))
+    """The checkpoint of `save`, restored onto a mesh of the transposed shape ((4, 2) by
+    default), other specs."""
+    restored_mesh = gt.Mesh.create(MESH_SHAPE[::-1], ("a", "b"))
     values = checkpoint_values()
     variables = {"split": gt.Variable(np.zeros((8, 12), np.float32), restored_mesh,
                                       P("b", "a")),
@@ -215,7 +217,18 @@ def dead_peer():
     return {"error": None}
 
 
-SCENARIOS = {"programs": programs, "training": training, "save": save, "restore": restore,
+def devices():
+    """The mesh's device names in device id order, and the error of a mesh one device
+    larger than the cluster."""
+    try:
+        gt.Mesh.create((mesh.size + 1,), ("x",))
+        too_big = None
+    except gt.ShardingError as e:
+        too_big = str(e)
+    return {"devices": list(mesh.devices), "too_big": too_big}
+
+
+SCENARIOS = {"devices": devices, "programs": programs, "training": training, "save": save, "restore": restore,
              "dead_peer": dead_peer, "keras_fit": keras_fit}
 
 if __name__ == "__main__":
