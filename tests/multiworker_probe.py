@@ -218,14 +218,17 @@ def dead_peer():
 
 
 def devices():
-    """The mesh's device names in device id order, and the error of a mesh one device
-    larger than the cluster."""
-    try:
-        gt.Mesh.create((mesh.size + 1,), ("x",))
-        too_big = None
-    except gt.ShardingError as e:
-        too_big = str(e)
-    return {"devices": list(mesh.devices), "too_big": too_big}
+    """The mesh's device names in device id order, and the errors of a mesh one device
+    larger than the cluster and of asking for one more local device once TF runs."""
+    facts = {"devices": list(mesh.devices)}
+    for fact, call in (("too_big", lambda: gt.Mesh.create((mesh.size + 1,), ("x",))),
+                       ("one_more", lambda: gt.configure_cpu_devices(int(sys.argv[1]) + 1))):
+        try:
+            call()
+            facts[fact] = None
+        except gt.ShardingError as e:
+            facts[fact] = str(e)
+    return facts
 
 
 SCENARIOS = {"devices": devices, "programs": programs, "training": training, "save": save, "restore": restore,

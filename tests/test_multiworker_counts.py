@@ -37,11 +37,15 @@ def test_mesh_spans_every_workers_devices_worker_major(counts_run):
     results, _ = counts_run
     want = [f"/job:worker/replica:0/task:{task}/device:CPU:{index}"
             for task, count in enumerate(COUNTS) for index in range(count)]
-    for facts in results.values():
+    for task, facts in results.items():
         assert facts["devices"]["devices"] == want
         too_big = facts["devices"]["too_big"]
         assert "mesh (7,) needs 7 devices but the cluster's 2 workers have 6" in too_big
         assert "(worker: devices {0: 4, 1: 2})" in too_big
+        # this worker's devices count, not the cluster's
+        one_more = COUNTS[task] + 1
+        assert (f"configure_cpu_devices({one_more}): TensorFlow already started with "
+                f"{COUNTS[task]} CPU device(s)") in facts["devices"]["one_more"]
 
 
 def test_programs_crossing_workers_equal_single_device(counts_run):
