@@ -1,10 +1,12 @@
-"""One worker process of a loopback cluster, run by tests/test_multiworker.py.
+"""One worker process of a loopback cluster, run by tests/test_multiworker.py and
+tests/test_multiworker_counts.py.
 
 argv: the number of local devices, then the scenarios to run, in order. The cluster
 comes from TF_CONFIG, the checkpoint prefix of "save" and "restore" from
-MULTIWORKER_CHECKPOINT, the mesh shape from MULTIWORKER_MESH ("2,4" by default). The scenarios run gt.functions on meshes spanning all workers,
-compare every result with the same computation in plain TF on one device (float32,
-relative 1e-5), and the probe prints one JSON line: {scenario: facts the test checks}.
+MULTIWORKER_CHECKPOINT, the mesh shape from MULTIWORKER_MESH ("2,4" by default). The
+scenarios run gt.functions on meshes spanning all workers, compare every result with
+the same computation in plain TF on one device (float32, relative 1e-5), and the probe
+prints one JSON line: {scenario: facts the test checks}.
 """
 
 import json
@@ -221,8 +223,9 @@ def devices():
     """The mesh's device names in device id order, and the errors of a mesh one device
     larger than the cluster and of asking for one more local device once TF runs."""
     facts = {"devices": list(mesh.devices)}
+    local = int(sys.argv[1])
     for fact, call in (("too_big", lambda: gt.Mesh.create((mesh.size + 1,), ("x",))),
-                       ("one_more", lambda: gt.configure_cpu_devices(int(sys.argv[1]) + 1))):
+                       ("one_more", lambda: gt.configure_cpu_devices(local + 1))):
         try:
             call()
             facts[fact] = None
@@ -231,8 +234,8 @@ def devices():
     return facts
 
 
-SCENARIOS = {"devices": devices, "programs": programs, "training": training, "save": save, "restore": restore,
-             "dead_peer": dead_peer, "keras_fit": keras_fit}
+SCENARIOS = {"devices": devices, "programs": programs, "training": training, "save": save,
+             "restore": restore, "dead_peer": dead_peer, "keras_fit": keras_fit}
 
 if __name__ == "__main__":
     results = {name: SCENARIOS[name]() for name in sys.argv[2:]}
