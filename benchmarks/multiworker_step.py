@@ -5,11 +5,12 @@
 The step is benchmarks/train_step.py's (Transformer feed-forward blocks, SGD on every
 weight; same flags for the model size). Systems (--run picks some), each in its own
 processes on free localhost ports, all started first:
-  one      gspmd-tf in ONE process with workers * local_devices logical CPU devices,
-           mesh (2, 4) ("data", "model"), Megatron specs as in train_step.py
-  workers  gspmd-tf on --workers processes x --local_devices devices each, joined by
-           gt.initialize_cluster (TF_CONFIG), the same mesh shape spanning them: the
-           collectives between workers go over TF's gRPC collective runtime
+  one      gspmd-tf in ONE process with as many logical CPU devices as the --mesh
+           (default (2, 4), axes ("data", "model")), Megatron specs as in train_step.py
+  workers  gspmd-tf on --workers processes x --local_devices devices each (or one count
+           per worker: --local_devices=4,2), joined by gt.initialize_cluster
+           (TF_CONFIG), the same mesh spanning them: the collectives between workers go
+           over TF's gRPC collective runtime
   mwms     tf.distribute.MultiWorkerMirroredStrategy on --workers processes: data
            parallel, one replica per worker (MWMS uses one CPU device per worker), each
            on its half of the batch, gradients averaged by its all-reduce
@@ -56,7 +57,8 @@ import numpy as np  # noqa: E402
 import train_step  # noqa: E402  (its model flags and step)
 
 WORKERS = flags.DEFINE_integer("workers", 2, "worker processes")
-LOCAL_DEVICES = flags.DEFINE_integer("local_devices", 4, "logical CPU devices per worker")
+LOCAL_DEVICES = flags.DEFINE_list("local_devices", ["4"], "logical CPU devices per worker: "
+                                  "one count for every worker, or one per worker")
 SYSTEMS_RUN = flags.DEFINE_string("run", "one,workers,mwms", "systems to run, in order")
 ROLE = flags.DEFINE_string("role", "", "internal: the system this process runs")
 TIMEOUT = flags.DEFINE_integer("timeout", 900, "seconds a system may take")
@@ -66,7 +68,22 @@ IMAGE = flags.DEFINE_string("image", "8,64,64,16", "--model=halo: batch,height,w
 CONV_LAYERS = flags.DEFINE_integer("conv_layers", 4, "--model=halo: convolutions")
 
 FLAGS = flags.FLAGS
-MESH_SHAPE = (2, 4)
+
+
+def mesh_shape():
+    """--mesh (train_step.py's flag) as a tuple of ints."""
+    return tuple(int(n) for n in train_step.MESH.value.split(","))
+
+
+def local_device_counts():
+    """--local_devices as one count per worker."""
+    counts = [int(n) for n in LOCAL_DEVICES.value]
+    if len(counts) == 1:
+        return counts * WORKERS.value
+    if len(counts) != WORKERS.value:
+        raise app.UsageError(f"--local_devices={','.join(LOCAL_DEVICES.value)}: give one "
+                             f"count or one per worker ({WORKERS.value})")
+    return counts
 
 
 def problem():
@@ -95,17 +112,18 @@ def serve(run):
 
 
 def run_gspmd(multi_worker):
-    """gspmd-tf's step on the (2, 4) mesh, in one process or on this cluster's workers."""
+    """gspmd-tf's step on the --mesh, in one process or on this cluster's workers."""
     import gspmd_tf as gt
     if multi_worker:
-        gt.configure_cpu_devices(LOCAL_DEVICES.value)
+        task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        gt.configure_cpu_devices(local_device_counts()[task])
         gt.initialize_cluster()
     else:
-        gt.configure_cpu_devices(int(np.prod(MESH_SHAPE)))
+        gt.configure_cpu_devices(int(np.prod(mesh_shape())))
     import tensorflow as tf
     from gspmd_tf.layout import Layout
     P = gt.P
-    mesh = gt.Mesh.create(MESH_SHAPE, train_step.AXES)
+    mesh = gt.Mesh.create(mesh_shape(), train_step.AXES)
     if MODEL.value == "halo":
         return halo_step(gt, tf, mesh)
     specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model"), "b2": P()}
@@ -233,7 +251,7 @@ def main(argv):
               else run_gspmd(multi_worker=ROLE.value == "workers"))
         return
     import tensorflow as tf
-    devices = WORKERS.value * LOCAL_DEVICES.value
+    counts = local_device_counts()
     model = (f"layers={FLAGS.layers} batch={FLAGS.batch} seq={FLAGS.seq} "
              f"d_model={FLAGS.d_model} d_ff={FLAGS.d_ff}" if MODEL.value == "ffn" else
              f"conv_layers={CONV_LAYERS.value} image={IMAGE.value} P('model', 'data')")
@@ -242,9 +260,11 @@ def main(argv):
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, TF {tf.__version__}, "
           f"load average at start {os.getloadavg()[0]:.2f}; {model}; {FLAGS.warmup} "
           f"warm-up + {FLAGS.steps} timed steps each\n", flush=True)
-    labels = {"one": f"gspmd-tf, 1 process x {devices} devices, mesh {MESH_SHAPE}",
-              "workers": f"gspmd-tf, {WORKERS.value} processes x {LOCAL_DEVICES.value} "
-                         f"devices, mesh {MESH_SHAPE}",
+    per_worker = counts[0] if len(set(counts)) == 1 else " + ".join(map(str, counts))
+    labels = {"one": f"gspmd-tf, 1 process x {int(np.prod(mesh_shape()))} devices, mesh "
+                     f"{mesh_shape()}",
+              "workers": f"gspmd-tf, {WORKERS.value} processes x {per_worker} devices, "
+                         f"mesh {mesh_shape()}",
               "mwms": f"MultiWorkerMirroredStrategy, {WORKERS.value} processes, data "
                       "parallel (1 CPU replica each)"}
     systems = [System(name) for name in SYSTEMS_RUN.value.split(",") if name]

@@ -1,9 +1,10 @@
 """Multi-worker: this process as one task of a TF cluster, so a mesh spans every worker.
 
 `gt.initialize_cluster()` reads TF's standard TF_CONFIG (or takes the same as arguments)
-and starts this process's gRPC server with TF's collective ops enabled, the way
-tf.distribute.MultiWorkerMirroredStrategy does: collective ops then run between devices
-of all workers, over gRPC. Every worker runs the same program (multi-client SPMD); each
+and starts this process's gRPC server with TF's collective ops and coordination service
+enabled, the way tf.distribute.MultiWorkerMirroredStrategy does: collective ops then run
+between devices of all workers, over gRPC, and every worker knows the devices of all
+(however many each has). Every worker runs the same program (multi-client SPMD); each
 emits and runs only its own devices' part (see docs/INTERNALS.md, "Multi-worker").
 """
 
@@ -54,10 +55,13 @@ def initialize_cluster(cluster=None, task_index=None):
     `cluster` is {"worker": ["host:port", ...]} (or the list of addresses) and
     `task_index` this process's index in it; without them both come from the TF_CONFIG
     environment variable, `{"cluster": {"worker": [...]}, "task": {"type": "worker",
-    "index": i}}`. Call gt.configure_cpu_devices(n) first for n local devices; every
-    worker must have the same number. Afterwards gt.Mesh.create spans the devices of
-    all workers, worker-major (global device id = task * local devices + local id), and
-    every worker must run the same gt.functions in the same order. Returns the Cluster.
+    "index": i}}`. Call gt.configure_cpu_devices(n) first for n local devices; workers
+    may have different numbers. It returns once every worker has joined: a worker that
+    has not started within the collective timeout (GSPMD_TF_COLLECTIVE_TIMEOUT, default
+    300 s) makes it raise DeadlineExceededError. Afterwards gt.Mesh.create spans the
+    devices of all workers, worker-major (global device id = the number of devices of
+    the earlier workers + local id; task * n + local id when each has n), and every
+    worker must run the same gt.functions in the same order. Returns the Cluster.
     """
     global _cluster
     workers, task = _parse(cluster, task_index)
@@ -67,9 +71,11 @@ def initialize_cluster(cluster=None, task_index=None):
         raise ShardingError(f"initialize_cluster: this process already joined {_cluster}; "
                             "a process can join one cluster, once")
     import tensorflow as tf  # late: importing gspmd_tf must not start TF
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
     from tensorflow.core.protobuf import tensorflow_server_pb2
     from tensorflow.python.eager import context
 
+    from gspmd_tf.backends.local import default_timeout
     ctx = context.context()
     if ctx._context_handle is not None:  # pylint: disable=protected-access
         raise ShardingError(
@@ -78,33 +84,53 @@ def initialize_cluster(cluster=None, task_index=None):
             "gt.initialize_cluster() first thing, before any TensorFlow op")
     port = _port_of(workers[task])
     spec = tf.train.ClusterSpec({JOB: list(workers)})
-    ctx.configure_collective_ops(
-        collective_leader=f"/job:{JOB}/replica:0/task:{LEADER_TASK}",
-        device_filters=(f"/job:{JOB}/task:{task}",))
+    leader = f"/job:{JOB}/replica:0/task:{LEADER_TASK}"
+    ctx.configure_collective_ops(collective_leader=leader,
+                                 device_filters=(f"/job:{JOB}/task:{task}",))
+    # TF's coordination service, as MultiWorkerMirroredStrategy configures it: each worker
+    # then lists the devices of all workers, however many each has (global_device_names).
+    # Registering waits at a barrier for every worker, under the collective timeout
+    # (without the barrier the leader would wait for a missing worker forever).
+    timeout = default_timeout()
+    ctx.configure_coordination_service(
+        service_type="standalone", service_leader=leader,
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=JOB,
+                                                                 num_tasks=len(workers))],
+        cluster_register_timeout_in_ms=int(timeout * 1000))
+    ctx.coordination_service.cluster_register_with_barrier = True
     server = tensorflow_server_pb2.ServerDef(
         cluster=spec.as_cluster_def(), default_session_config=ctx.config, job_name=JOB,
         task_index=task, protocol="grpc", port=port)
-    ctx.enable_collective_ops(server)
-    ctx.ensure_initialized()
+    try:
+        ctx.enable_collective_ops(server)
+        ctx.ensure_initialized()
+    except tf.errors.DeadlineExceededError as e:
+        raise tf.errors.DeadlineExceededError(
+            None, None,
+            f"initialize_cluster: the {len(workers)} workers {list(workers)} did not all "
+            f"start within {timeout:g} s (GSPMD_TF_COLLECTIVE_TIMEOUT): start every worker "
+            f"of the cluster, or raise the limit. TensorFlow said: {e.message}") from None
     _cluster = Cluster(workers, task)
     return _cluster
 
 
-def global_device_names(local_names):
-    """Names of the devices of every worker, worker-major, given this process's devices
-    (every worker is assumed to have the same ones); `local_names` unchanged without a
-    cluster."""
+def global_device_names(names):
+    """`names` (TF's logical devices) in the order of global device ids: worker-major.
+
+    After gt.initialize_cluster TF lists the devices of every worker, however many each
+    has (its coordination service gathers them at startup); ordered by (task, device
+    type, index), the position of a device is the number of devices of earlier workers
+    plus its local index (task * n + local index when every worker has n), the same in
+    every process. Without a cluster, `names` unchanged (TF's order).
+    """
     if _cluster is None:
-        return list(local_names)
-    own = _cluster.device_prefix(_cluster.task_index)
-    suffixes = []
-    for name in local_names:
-        if not name.startswith(own + "/"):
-            raise ShardingError(f"device {name} is not on this worker ({own}): "
-                                "gt.initialize_cluster names the local devices")
-        suffixes.append(name[len(own):])
-    return [_cluster.device_prefix(task) + suffix
-            for task in range(_cluster.num_workers) for suffix in suffixes]
+        return list(names)
+    import tensorflow as tf
+
+    def rank(name):
+        spec = tf.DeviceSpec.from_string(name)
+        return spec.task or 0, spec.device_type or "", spec.device_index or 0
+    return sorted(names, key=rank)
 
 
 def task_of(device_name):
@@ -133,9 +159,11 @@ def barrier():
     from gspmd_tf.backends import collectives
     from gspmd_tf.backends.local import default_timeout
 
-    first = tf.config.list_logical_devices()[0].name
-    names = global_device_names([first])
-    own = names[_cluster.task_index]
+    firsts = {}  # task -> its first device
+    for name in global_device_names(d.name for d in tf.config.list_logical_devices()):
+        firsts.setdefault(task_of(name), name)
+    names = list(firsts.values())
+    own = firsts[_cluster.task_index]
     if own not in _barriers:
         instance_key, _ = collectives.named_keys("barrier")
         group = collectives.Group(names, instance_key, collectives.ordering_token(own))

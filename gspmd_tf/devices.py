@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.mesh import check_count
+from gspmd_tf.mesh import check_count, local_device_names
 
 # Measured (TF 2.21, 2 cores): 4096 logical devices start in 0.7 s, 32768 take 21 s and
 # 650 MiB; larger meshes are better studied with gt.Mesh.abstract, which has no devices.
@@ -29,7 +29,7 @@ def configure_cpu_devices(n=8):
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
     except RuntimeError:  # the runtime has started: devices can no longer change
-        have = len(tf.config.list_logical_devices("CPU"))
+        have = len(local_device_names("CPU"))  # this worker's, not the cluster's
         if have < n:
             raise ShardingError(
                 f"configure_cpu_devices({n}): TensorFlow already started with {have} CPU "

@@ -73,11 +73,18 @@ def check_num_devices(count, what):
 
 def local_device_names(device_type=None):
     """Names of the logical TF devices of this process, CPU unless GPUs are present."""
+    return [name for name in global_device_names(device_type) if cluster.is_addressable(name)]
+
+
+def global_device_names(device_type=None):
+    """Names of the logical TF devices of every worker in device id order (worker-major),
+    this process's alone without a cluster; CPU unless GPUs are present."""
     import tensorflow as tf  # late: configure_cpu_devices must run before TF starts
 
     if device_type is None:
         device_type = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
-    return [d.name for d in tf.config.list_logical_devices(device_type)]
+    return cluster.global_device_names(
+        d.name for d in tf.config.list_logical_devices(device_type))
 
 
 class SubAxis(NamedTuple):
@@ -144,14 +151,17 @@ class Mesh:
         """A mesh over devices 0..N-1 in row-major order: this process's devices, or
         after gt.initialize_cluster those of every worker, worker-major."""
         shape, axis_names = _check_axes(shape, axis_names)
-        names = cluster.global_device_names(local_device_names(device_type))
+        names = global_device_names(device_type)
         needed = int(np.prod(shape))
         if needed > len(names) and cluster.current() is not None:
+            counts = [sum(cluster.task_of(name) == task for name in names)
+                      for task in range(cluster.current().num_workers)]
             raise ShardingError(
                 f"mesh {tuple(shape)} needs {needed} devices but the cluster's "
-                f"{cluster.current().num_workers} workers have {len(names)}; call "
-                "gt.configure_cpu_devices(n) on every worker before gt.initialize_cluster, "
-                "with n * workers >= the mesh size")
+                f"{len(counts)} workers have {len(names)} (worker: devices "
+                f"{dict(enumerate(counts))}); call gt.configure_cpu_devices(n) on the "
+                "workers before gt.initialize_cluster so that their n add up to at least "
+                "the mesh size")
         if needed > len(names):
             raise ShardingError(
                 f"mesh {tuple(shape)} needs {needed} devices but this process has "

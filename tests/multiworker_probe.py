@@ -1,10 +1,12 @@
-"""One worker process of a loopback cluster, run by tests/test_multiworker.py.
+"""One worker process of a loopback cluster, run by tests/test_multiworker.py and
+tests/test_multiworker_counts.py.
 
 argv: the number of local devices, then the scenarios to run, in order. The cluster
 comes from TF_CONFIG, the checkpoint prefix of "save" and "restore" from
-MULTIWORKER_CHECKPOINT. The scenarios run gt.functions on meshes spanning all workers,
-compare every result with the same computation in plain TF on one device (float32,
-relative 1e-5), and the probe prints one JSON line: {scenario: facts the test checks}.
+MULTIWORKER_CHECKPOINT, the mesh shape from MULTIWORKER_MESH ("2,4" by default). The
+scenarios run gt.functions on meshes spanning all workers, compare every result with
+the same computation in plain TF on one device (float32, relative 1e-5), and the probe
+prints one JSON line: {scenario: facts the test checks}.
 """
 
 import json
@@ -25,7 +27,8 @@ from multiworker_values import checkpoint_values  # noqa: E402
 
 P = gt.P
 TOL = 1e-5
-mesh = gt.Mesh.create((2, 4), ("data", "model"))
+MESH_SHAPE = tuple(int(n) for n in os.environ.get("MULTIWORKER_MESH", "2,4").split(","))
+mesh = gt.Mesh.create(MESH_SHAPE, ("data", "model"))
 rng = np.random.default_rng(0)  # every worker draws the same global inputs
 
 
@@ -82,7 +85,7 @@ def programs():
 
     # a variable of this mesh read by a gt.function on another mesh (from copies)
     weights = gt.Variable(w1, mesh, P(None, "model"))
-    other = gt.Mesh.create((4, 2), ("a", "b"))
+    other = gt.Mesh.create(MESH_SHAPE[::-1], ("a", "b"))
     got = gt.function(lambda x: tf.matmul(x, weights), mesh=other,
                       in_shardings=(P("a"),))(x)
     facts["other_mesh"] = check("other_mesh", got, x @ w1)
@@ -140,8 +143,9 @@ def save():
 
 
 def restore():
-    """The checkpoint of `save`, restored onto this cluster's (4, 2) mesh, other specs."""
-    restored_mesh = gt.Mesh.create((4, 2), ("a", "b"))
+    """The checkpoint of `save`, restored onto a mesh of the transposed shape ((4, 2) by
+    default), other specs."""
+    restored_mesh = gt.Mesh.create(MESH_SHAPE[::-1], ("a", "b"))
     values = checkpoint_values()
     variables = {"split": gt.Variable(np.zeros((8, 12), np.float32), restored_mesh,
                                       P("b", "a")),
@@ -215,8 +219,23 @@ def dead_peer():
     return {"error": None}
 
 
-SCENARIOS = {"programs": programs, "training": training, "save": save, "restore": restore,
-             "dead_peer": dead_peer, "keras_fit": keras_fit}
+def devices():
+    """The mesh's device names in device id order, and the errors of a mesh one device
+    larger than the cluster and of asking for one more local device once TF runs."""
+    facts = {"devices": list(mesh.devices)}
+    local = int(sys.argv[1])
+    for fact, call in (("too_big", lambda: gt.Mesh.create((mesh.size + 1,), ("x",))),
+                       ("one_more", lambda: gt.configure_cpu_devices(local + 1))):
+        try:
+            call()
+            facts[fact] = None
+        except gt.ShardingError as e:
+            facts[fact] = str(e)
+    return facts
+
+
+SCENARIOS = {"devices": devices, "programs": programs, "training": training, "save": save,
+             "restore": restore, "dead_peer": dead_peer, "keras_fit": keras_fit}
 
 if __name__ == "__main__":
     results = {name: SCENARIOS[name]() for name in sys.argv[2:]}

@@ -25,13 +25,16 @@ LAUNCH_TIMEOUT = 150
 
 def launch(workers, local_devices, scenarios, collective_timeout=60, **env):
     """Runs the probe's `scenarios` on `workers` loopback processes with `local_devices`
-    each; returns {task: {scenario: facts}} of the workers that printed results."""
+    each (or one count per worker); returns {task: {scenario: facts}} of the workers that
+    printed results."""
+    counts = local_devices if isinstance(local_devices, (list, tuple)) else \
+        [local_devices] * workers
     addresses = cluster.loopback_addresses(workers)
     runs = []
     for task in range(workers):
         config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": task}}
         runs.append(subprocess.Popen(
-            [sys.executable, PROBE, str(local_devices)] + scenarios,
+            [sys.executable, PROBE, str(counts[task])] + scenarios,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, PYTHONPATH=ROOT, TF_CONFIG=json.dumps(config),
                      GSPMD_TF_COLLECTIVE_TIMEOUT=str(collective_timeout), **env)))
