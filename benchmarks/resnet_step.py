@@ -24,7 +24,6 @@ loss towards 0, so this one grows with any rounding difference).
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import platform
@@ -38,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
+
+import backend_names  # noqa: E402
 
 IMAGE = flags.DEFINE_integer("image", 64, "input height and width")
 BATCH = flags.DEFINE_integer("batch", 16, "global batch size")
@@ -59,7 +60,6 @@ def main(argv):
     import tensorflow as tf
     import keras
     from gspmd_tf import demo
-    from gspmd_tf.backends.xla import XlaBackend
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
 
     rng = np.random.default_rng(0)
@@ -98,12 +98,10 @@ def main(argv):
                 with tf.device(cpu0):
                     return float(fn(x, y).numpy())
         else:
-            backend = (functools.partial(XlaBackend, tf_dots_from=TF_DOTS_FROM.value)
-                       if system == "xla_tfdots" else system)
             model = make_model()
             gt.keras.shard_model(model, mesh)
-            fn = gt.function(make_step(model), mesh=mesh,
-                             in_shardings=(gt.P("data"),) * 2, backend=backend)
+            fn = gt.function(make_step(model), mesh=mesh, in_shardings=(gt.P("data"),) * 2,
+                             backend=backend_names.backend(system, TF_DOTS_FROM.value))
 
             def run(fn=fn):
                 return float(fn(images, labels).numpy())

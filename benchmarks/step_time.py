@@ -29,7 +29,6 @@ CPU.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import platform
@@ -42,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
+
+import backend_names  # noqa: E402
 
 from gspmd_tf import demo  # noqa: E402  (no TF import at module level)
 import tpu_flag  # noqa: E402  (defines --tpu)
@@ -59,8 +60,9 @@ VOCAB = flags.DEFINE_integer("vocab", _D.vocab, "vocabulary size")
 SEQ = flags.DEFINE_integer("seq", _D.seq, "sequence length")
 BATCH = flags.DEFINE_integer("batch", _D.batch, "batch size")
 BACKENDS = flags.DEFINE_string("backends", "xla,local", "gspmd-tf backends to time: "
-                               "xla, local, or xla_tfdots (the XLA backend with dots of "
-                               "at least --tf_dots_from multiply-adds on TF's kernels)")
+                               "xla, local, local_tf (the local backend with TF's "
+                               "collective ops), or xla_tfdots (the XLA backend with dots "
+                               "of at least --tf_dots_from multiply-adds on TF's kernels)")
 TF_DOTS_FROM = flags.DEFINE_integer("tf_dots_from", 1 << 20, "see --backends")
 TRAIN = flags.DEFINE_bool("train", False, "time the Adam training step, not the forward")
 SINGLE_JIT = flags.DEFINE_bool("single_jit", True, "also time single-device TF with "
@@ -186,10 +188,8 @@ def sharded_step(gt, tf, cfg, mesh, backend, params, tokens):
         specs, values = specs[:1], values[:1]
     else:
         fn = loss_fn
-    if backend == "xla_tfdots":
-        from gspmd_tf.backends.xla import XlaBackend
-        backend = functools.partial(XlaBackend, tf_dots_from=TF_DOTS_FROM.value)
-    sharded = gt.function(fn, mesh=mesh, in_shardings=specs, backend=backend)
+    sharded = gt.function(fn, mesh=mesh, in_shardings=specs,
+                          backend=backend_names.backend(backend, TF_DOTS_FROM.value))
     lowered = sharded.lower(*[tf.TensorSpec(np.shape(v), tf.as_dtype(np.asarray(v).dtype))
                               for v in values])
     placed = [gt.ShardedTensor.from_value(v, mesh, s.to_layout(mesh, np.ndim(v)))

@@ -14,7 +14,9 @@ Systems (--systems, comma-separated, all in this process, same initial values, s
 batch, same plain TF step function):
   xla      gt.Variables + gt.function(step, backend="xla") on a --mesh of logical CPU
            devices: the compute between collectives compiled by XLA
-  local    the same with backend="local": every op emitted op by op per device
+  local    the same with backend="local": every op emitted op by op per device, the
+           collectives of this process's CPU devices as cross-device reads
+  local_tf the local backend with TF's collective ops (LocalBackend(copy_collectives=False))
   xla_tfdots  the XLA backend with the dots of at least --tf_dots_from multiply-adds
            left to TF's kernels (oneDNN), op by op between the compiled segments
   single   tf.Variables + tf.function(step) on /CPU:0
@@ -38,7 +40,6 @@ overhead (smaller local ops, collectives, per-device dispatch), not a speed-up.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import platform
@@ -51,6 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
+
+import backend_names  # noqa: E402
 
 import tpu_flag  # noqa: E402  (defines --tpu)
 
@@ -159,7 +162,6 @@ def main(argv):
         return run_on_tpu(gt, tpu, shape)
     gt.configure_cpu_devices(n_dev)
     import tensorflow as tf
-    from gspmd_tf.backends.xla import XlaBackend
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)  # DTensor's mesh log lines
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
@@ -215,10 +217,9 @@ def main(argv):
             max(v.shard_bytes()) for layer in gvars for v in layer.values()), start
 
     for system in systems:
-        if system in ("xla", "local", "xla_tfdots", "single", "single_jit"):
-            backend = (functools.partial(XlaBackend, tf_dots_from=TF_DOTS_FROM.value)
-                       if system == "xla_tfdots" else system)
-            built = (build_gspmd(backend) if system in ("xla", "local", "xla_tfdots")
+        if system in backend_names.NAMES + ("single", "single_jit"):
+            built = (build_gspmd(backend_names.backend(system, TF_DOTS_FROM.value))
+                     if system in backend_names.NAMES
                      else build_single(system == "single_jit"))
             runners[system], finals[system], weight_bytes[system], start = built
             builds[system] = time.perf_counter() - start
@@ -339,6 +340,7 @@ def run_on_tpu(gt, tpu, shape):
 
 LABEL = {"xla": "gspmd-tf, XLA backend (gt.Variable + gt.function)",
          "local": "gspmd-tf, local backend (op by op)",
+         "local_tf": "gspmd-tf, local backend with TF's collective ops",
          "xla_tfdots": "gspmd-tf, XLA backend, large dots on TF's kernels",
          "single": "single-device TF (tf.function, /CPU:0)",
          "single_jit": "single-device TF + XLA (tf.function jit_compile, /CPU:0)",

@@ -1,5 +1,6 @@
 """LocalBackend: hand-built SPMD programs against numpy references over the shards."""
 
+import functools
 import os
 
 os.environ.setdefault("GSPMD_TF_COLLECTIVE_TIMEOUT", "10")  # a hung collective fails fast
@@ -88,6 +89,13 @@ def mesh3():
     return Mesh.create((2, 2, 2), ("x", "y", "z"))
 
 
+@pytest.fixture(params=[True, False], ids=["copies", "tf_collectives"])
+def local_backend(request):
+    """LocalBackend with the collectives of this process's CPU devices as copies (the
+    default) or as TF's collective ops (what groups across workers and bodies use)."""
+    return functools.partial(LocalBackend, copy_collectives=request.param)
+
+
 def shards(mesh, shape, seed=0):
     """One random float32 array per device."""
     rng = np.random.default_rng(seed)
@@ -111,30 +119,30 @@ def check(got, want):
 REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
 
 
-def test_all_reduce_over_each_axis_and_both(mesh):
+def test_all_reduce_over_each_axis_and_both(mesh, local_backend):
     cases = [(("data",), "sum"), (("model",), "max"), (("data", "model"), "sum"),
              (("model", "data"), "min"), (("model",), "prod")]
     p = Program()
     x = p.input(0, (3, 5))
     graph = p.outputs(*[p.gt("AllReduce", x, axes=axes, reduce_op=op) for axes, op in cases])
     xs = shards(mesh, (3, 5))
-    outs = LocalBackend(mesh).compile(graph)([xs])
+    outs = local_backend(mesh).compile(graph)([xs])
     for out, (axes, op) in zip(outs, cases):
         check(out, per_group(mesh, axes, lambda d, row: REDUCE[op]([xs[i] for i in row], 0)))
 
 
-def test_all_reduce_over_axis_subset_of_3d_mesh(mesh3):
+def test_all_reduce_over_axis_subset_of_3d_mesh(mesh3, local_backend):
     p = Program()
     x = p.input(0, (4,))
     graph = p.outputs(p.gt("AllReduce", x, axes=("x", "z"), reduce_op="sum"),
                       p.gt("AllReduce", x, axes=("y",), reduce_op="max"))
     xs = shards(mesh3, (4,))
-    outs = LocalBackend(mesh3).compile(graph)([xs])
+    outs = local_backend(mesh3).compile(graph)([xs])
     check(outs[0], per_group(mesh3, ("x", "z"), lambda d, row: np.sum([xs[i] for i in row], 0)))
     check(outs[1], per_group(mesh3, ("y",), lambda d, row: np.max([xs[i] for i in row], 0)))
 
 
-def test_all_gather_dims_and_axis_orders(mesh):
+def test_all_gather_dims_and_axis_orders(mesh, local_backend):
     cases = [(("model",), 0), (("model",), 1), (("data", "model"), 1), (("model", "data"), 0),
              (("model", "data"), 1)]
     p = Program()
@@ -145,7 +153,7 @@ def test_all_gather_dims_and_axis_orders(mesh):
         shape[dim] *= mesh.axes_size(axes)
         gathered.append(p.gt("AllGather", x, tuple(shape), axes=axes, dim=dim))
     xs = shards(mesh, (2, 3))
-    outs = LocalBackend(mesh).compile(p.outputs(*gathered))([xs])
+    outs = local_backend(mesh).compile(p.outputs(*gathered))([xs])
     for out, (axes, dim) in zip(outs, cases):
         # mesh.groups rows are in shard-index order: chunk i comes from row[i].
         check(out, per_group(mesh, axes,
@@ -158,7 +166,7 @@ def all_to_all_reference(xs, row, d, split_dim, concat_dim):
     return np.concatenate([np.split(xs[i], k, split_dim)[mine] for i in row], concat_dim)
 
 
-def test_all_to_all_moves_split_between_dims(mesh):
+def test_all_to_all_moves_split_between_dims(mesh, local_backend):
     cases = [(("model",), 0, 1), (("model", "data"), 0, 1), (("data", "model"), 1, 0),
              (("model",), 2, 0), (("model", "data"), 1, 1)]
     p = Program()
@@ -171,13 +179,13 @@ def test_all_to_all_moves_split_between_dims(mesh):
         results.append(p.gt("AllToAll", x, tuple(shape), axes=axes, split_dim=split_dim,
                             concat_dim=concat_dim))
     xs = shards(mesh, (8, 8, 4))
-    outs = LocalBackend(mesh).compile(p.outputs(*results))([xs])
+    outs = local_backend(mesh).compile(p.outputs(*results))([xs])
     for out, (axes, split_dim, concat_dim) in zip(outs, cases):
         check(out, per_group(mesh, axes, lambda d, row: all_to_all_reference(
             xs, row, d, split_dim, concat_dim)))
 
 
-def test_groups_not_in_device_id_order(mesh3):
+def test_groups_not_in_device_id_order(mesh3, local_backend):
     # Rows of groups(("z", "x")) are [0, 4, 1, 5], [2, 6, 3, 7]: TF ranks members by
     # device name, so chunks must be reordered into shard order around TF's collectives.
     axes = ("z", "x")
@@ -188,7 +196,7 @@ def test_groups_not_in_device_id_order(mesh3):
                       p.gt("AllToAll", x, (1, 8), axes=axes, split_dim=0, concat_dim=1),
                       p.gt("ReduceScatter", x, (1, 2), axes=axes, dim=0, reduce_op="sum"))
     xs = shards(mesh3, (4, 2))
-    outs = LocalBackend(mesh3).compile(graph)([xs])
+    outs = local_backend(mesh3).compile(graph)([xs])
     check(outs[0], per_group(mesh3, axes,
                              lambda d, row: np.concatenate([xs[i] for i in row], 1)))
     check(outs[1], per_group(mesh3, axes, lambda d, row: all_to_all_reference(
@@ -197,7 +205,7 @@ def test_groups_not_in_device_id_order(mesh3):
         np.sum([xs[i] for i in row], 0), 4)[row.index(d)]))
 
 
-def test_reduce_scatter(mesh):
+def test_reduce_scatter(mesh, local_backend):
     cases = [(("model",), 1, "sum"), (("model", "data"), 0, "max"), (("data",), 0, "sum")]
     p = Program()
     x = p.input(0, (8, 4))
@@ -208,13 +216,13 @@ def test_reduce_scatter(mesh):
         results.append(p.gt("ReduceScatter", x, tuple(shape), axes=axes, dim=dim,
                             reduce_op=op))
     xs = shards(mesh, (8, 4))
-    outs = LocalBackend(mesh).compile(p.outputs(*results))([xs])
+    outs = local_backend(mesh).compile(p.outputs(*results))([xs])
     for out, (axes, dim, op) in zip(outs, cases):
         check(out, per_group(mesh, axes, lambda d, row: np.split(
             REDUCE[op]([xs[i] for i in row], 0), len(row), dim)[row.index(d)]))
 
 
-def test_permute_cyclic_shift_and_non_targets(mesh):
+def test_permute_cyclic_shift_and_non_targets(mesh, local_backend):
     # Each device sends to the next one along "model"; the second permute only feeds
     # data row 0 from row 1, so row 1 receives zeros.
     shift = [(int(row[i]), int(row[(i + 1) % 4])) for row in mesh.groups(("model",))
@@ -224,21 +232,21 @@ def test_permute_cyclic_shift_and_non_targets(mesh):
     x = p.input(0, (3,))
     graph = p.outputs(p.gt("Permute", x, pairs=shift), p.gt("Permute", x, pairs=partial))
     xs = shards(mesh, (3,))
-    outs = LocalBackend(mesh).compile(graph)([xs])
+    outs = local_backend(mesh).compile(graph)([xs])
     source = {t: s for s, t in shift}
     check(outs[0], [xs[source[d]] for d in range(8)])
     check(outs[1], [xs[d + 4] if d < 4 else np.zeros(3) for d in range(8)])
 
 
-def test_shard_index(mesh):
+def test_shard_index(mesh, local_backend):
     p = Program()
     graph = p.outputs(*[p.shard_index(axes) for axes in [("data",), ("model", "data"), ()]])
-    outs = LocalBackend(mesh).compile(graph)([])
+    outs = local_backend(mesh).compile(graph)([])
     for out, axes in zip(outs, [("data",), ("model", "data"), ()]):
         assert [int(t) for t in out] == [mesh.shard_index(d, axes) for d in range(8)]
 
 
-def test_tf_ops_between_collectives_and_repeated_runs(mesh):
+def test_tf_ops_between_collectives_and_repeated_runs(mesh, local_backend):
     p = Program()
     x = p.input(0, (2, 4))
     w = p.input(1, (3, 4))
@@ -250,7 +258,7 @@ def test_tf_ops_between_collectives_and_repeated_runs(mesh):
     h = p.tf(lambda a, b: tf.concat([a, b], axis=1), h, h)
     y = p.gt("AllGather", h, (4, 6), axes=("data",), dim=0)
     index = p.shard_index(("model",))
-    run = LocalBackend(mesh).compile(p.outputs(y, index))
+    run = local_backend(mesh).compile(p.outputs(y, index))
     for seed in range(5):
         xs, ws = shards(mesh, (2, 4), seed), shards(mesh, (3, 4), seed + 100)
 
@@ -264,7 +272,7 @@ def test_tf_ops_between_collectives_and_repeated_runs(mesh):
         assert [int(t) for t in indices] == [d % 4 for d in range(8)]
 
 
-def test_dtypes_tf_collectives_lack(mesh):
+def test_dtypes_tf_collectives_lack(mesh, local_backend):
     p = Program()
     flags = p.input(0, (2,), tf.bool)
     half = p.input(1, (2,), tf.bfloat16)
@@ -275,7 +283,7 @@ def test_dtypes_tf_collectives_lack(mesh):
     rng = np.random.default_rng(1)
     bits = [rng.random(2) < 0.5 for _ in range(8)]
     halves = [np.float32(rng.integers(-8, 8, 2)) for _ in range(8)]
-    outs = LocalBackend(mesh).compile(graph)([bits, [tf.constant(h, tf.bfloat16)
+    outs = local_backend(mesh).compile(graph)([bits, [tf.constant(h, tf.bfloat16)
                                                      for h in halves]])
     assert outs[0][0].dtype == tf.bool and outs[3][0].dtype == tf.bfloat16
     check(outs[0], per_group(mesh, ("model",), lambda d, row: np.concatenate(
@@ -287,15 +295,34 @@ def test_dtypes_tf_collectives_lack(mesh):
         mesh, ("model",), lambda d, row: np.sum([halves[i] for i in row], 0)))
 
 
-def test_outputs_live_on_their_devices(mesh):
+def test_outputs_live_on_their_devices(mesh, local_backend):
     p = Program()
     x = p.input(0, (2,))
     graph = p.outputs(x, p.gt("AllReduce", x, axes=("model",), reduce_op="sum"))
-    outs = LocalBackend(mesh).compile(graph)([shards(mesh, (2,))])
+    outs = local_backend(mesh).compile(graph)([shards(mesh, (2,))])
     for out in outs:
         # `.device` names the function call's device; the memory is on the shard's own.
         assert [tf.DeviceSpec.from_string(t.backing_device).device_index for t in out] == [
             tf.DeviceSpec.from_string(name).device_index for name in mesh.devices]
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_copies_replace_tf_collectives_within_the_process(mesh, copies):
+    """With copy_collectives the program holds no TF collective op and an all-reduce's
+    members hold the same bits (one AddN per group); without, CollectiveReduceV2."""
+    p = Program()
+    x = p.input(0, (64,))
+    graph = p.outputs(p.gt("AllReduce", x, axes=("data", "model"), reduce_op="sum"),
+                      p.gt("ReduceScatter", x, (16,), axes=("model",), dim=0,
+                           reduce_op="sum"))
+    run = LocalBackend(mesh, copy_collectives=copies).compile(graph)
+    kinds = {op.type for op in run.function.graph.get_operations()}
+    assert ("CollectiveReduceV2" in kinds) != copies
+    assert ("AddN" in kinds) == copies
+    xs = shards(mesh, (64,), seed=3)
+    outs = run([xs])
+    assert len({t.numpy().tobytes() for t in outs[0]}) == 1
+    check(outs[0], [np.sum(xs, 0)] * mesh.size)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")

@@ -267,8 +267,8 @@ class Group:
         """CollectiveReduceV2 of x with `reduce_op` (sum|max|min|prod)."""
         if reduce_op not in MERGE_OPS:
             raise ShardingError(f"unknown reduce_op {reduce_op!r}: use one of {list(MERGE_OPS)}")
-        carried = _carry(x)
-        return _restore(gen_collective_ops.collective_reduce_v2(
+        carried = carry(x)
+        return restore(gen_collective_ops.collective_reduce_v2(
             carried, merge_op=MERGE_OPS[reduce_op], final_op="Id", **self.kwargs), x.dtype)
 
     def reduce_scatter(self, x, dim, reduce_op, shard):
@@ -288,9 +288,9 @@ class Group:
         """
         shape = x.shape.as_list()
         blocks = gen_collective_ops.collective_gather_v2(
-            tf.expand_dims(_carry(x), 0), **self.kwargs)
+            tf.expand_dims(carry(x), 0), **self.kwargs)
         blocks.set_shape([self.size] + shape)
-        return _restore(_merge_leading(_pick(blocks, self.rank_of_shard), dim, shape), x.dtype)
+        return restore(_merge_leading(_pick(blocks, self.rank_of_shard), dim, shape), x.dtype)
 
     def all_to_all(self, x, split_dim, concat_dim):
         """Chunk s of x along split_dim goes to shard s; received chunks concat on concat_dim.
@@ -303,7 +303,7 @@ class Group:
         shape = x.shape.as_list()
         chunk = list(shape)
         chunk[split_dim] = _chunk_size(shape, split_dim, k)
-        blocks = tf.reshape(_carry(x), shape[:split_dim] + [k] + chunk[split_dim:])
+        blocks = tf.reshape(carry(x), shape[:split_dim] + [k] + chunk[split_dim:])
         if split_dim:
             rank = len(shape) + 1
             blocks = tf.transpose(blocks,
@@ -312,7 +312,7 @@ class Group:
             _pick(blocks, self.shard_of_rank), **self.kwargs)
         received.set_shape([k] + chunk)
         merged = _merge_leading(_pick(received, self.rank_of_shard), concat_dim, chunk)
-        return _restore(merged, x.dtype)
+        return restore(merged, x.dtype)
 
 
 def pair_send(x, source, target, instance_key):
@@ -322,7 +322,7 @@ def pair_send(x, source, target, instance_key):
     the receive, so sends and receives chained in any order on each device (a cyclic
     shift) do not deadlock; the op takes no ordering token."""
     return gen_collective_ops.collective_bcast_send_v2(
-        _carry(x), group_size=2, group_key=group_key([source, target]),
+        carry(x), group_size=2, group_key=group_key([source, target]),
         instance_key=instance_key)
 
 
@@ -333,7 +333,7 @@ def pair_receive(shape, dtype, source, target, instance_key):
         group_size=2, group_key=group_key([source, target]), instance_key=instance_key,
         shape=list(shape), T=_CARRIERS.get(dtype, dtype))
     received.set_shape(shape)
-    return _restore(received, dtype)
+    return restore(received, dtype)
 
 
 def chunk(x, dim, k, index):
@@ -345,13 +345,13 @@ def chunk(x, dim, k, index):
     return tf.slice(x, begin, size)
 
 
-def _carry(x):
+def carry(x):
     """x in a dtype TF's collectives accept."""
     return tf.cast(x, _CARRIERS[x.dtype]) if x.dtype in _CARRIERS else x
 
 
-def _restore(x, dtype):
-    """x back in `dtype` after _carry."""
+def restore(x, dtype):
+    """x back in `dtype` after carry."""
     return x if x.dtype == dtype else tf.cast(x, dtype)
 
 

@@ -64,13 +64,23 @@ class LocalBackend(base.Backend):
     `async_collectives`: emit the program in the order of estimated start times
     (schedule.ready_order), so that each device's chain of collectives follows when
     their operands are ready rather than program order; False keeps program order.
+
+    `copy_collectives` (default True): a collective whose group is CPU devices of this
+    process, outside control-flow bodies, is made of cross-device reads (TF passes the
+    buffer between CPU devices of one process) instead of TF's collective ops: an
+    all-reduce sums once per group (AddN) and the other members read the sum, a
+    reduce-scatter sums each member's chunk on that member, gathers and all-to-alls
+    concatenate what the members read. False keeps TF's collective ops (CollectiveReduceV2
+    and friends, TF's ring implementation on CPU) everywhere.
     """
 
-    def __init__(self, mesh, collective_timeout=None, async_collectives=False):
+    def __init__(self, mesh, collective_timeout=None, async_collectives=False,
+                 copy_collectives=True):
         super().__init__(mesh)
         self.collective_timeout = (default_timeout() if collective_timeout is None
                                    else check_timeout(collective_timeout))
         self.async_collectives = bool(async_collectives)
+        self.copy_collectives = bool(copy_collectives)
 
     def compile(self, program, name=None):
         """Traces `program` into one tf.function; returns run(inputs) -> outputs.
@@ -87,17 +97,19 @@ class LocalBackend(base.Backend):
         GradientTape does not record the call.
         """
         order = schedule.ready_order if self.async_collectives else schedule.program_order
-        return _Compiled(self.mesh, program, self.collective_timeout, name, order)
+        return _Compiled(self.mesh, program, self.collective_timeout, name, order,
+                         self.copy_collectives)
 
 
 class _Compiled:
     """A program traced into one TF function, traced again when its collective group
     keys were retired (after a cancelled call)."""
 
-    def __init__(self, mesh, program, timeout, name, order=None):
+    def __init__(self, mesh, program, timeout, name, order=None, copy_collectives=False):
         """`order`: program -> node indices in emission order (schedule.py; default
-        program order)."""
+        program order); `copy_collectives` as LocalBackend's."""
         self.mesh = mesh
+        self.copy_collectives = copy_collectives
         self.program = program
         self.order = order or schedule.program_order
         self.timeout = timeout
@@ -120,7 +132,8 @@ class _Compiled:
 
     def _lowering(self):
         """The lowering that emits the program."""
-        return _Lowering(self.mesh, self.keys, order=self.order)
+        return _Lowering(self.mesh, self.keys, order=self.order,
+                         copy_collectives=self.copy_collectives)
 
     def _trace(self):
         lowering = self._lowering()
@@ -248,14 +261,16 @@ def safe_name(name):
 class _Lowering:
     """Emits an SPMD program into the current (function) graph, once per device."""
 
-    def __init__(self, mesh, keys, devices=None, order=None):
+    def __init__(self, mesh, keys, devices=None, order=None, copy_collectives=False):
         """With `devices` (TF device names, or None for no device) instead of a mesh, it
         emits graphs without collectives on those devices (see traced_region_op).
         `order` gives the emission order of a program's top-level nodes (schedule.py;
-        default program order)."""
+        default program order); with `copy_collectives` the collectives of groups of
+        this process's CPU devices are copies (LocalBackend)."""
         self.mesh = mesh
         self.keys = keys
         self.order = order or schedule.program_order
+        self.copyable = frozenset()  # device ids whose collectives may be copies
         if mesh is None:
             self.devices, self.local = devices, tuple(range(len(devices)))
             self.tokens = dict.fromkeys(self.local)
@@ -264,6 +279,10 @@ class _Lowering:
             # this process's devices: the others belong to other workers, which emit theirs
             self.local = mesh.addressable_ids
             self.tokens = {d: collectives.ordering_token(self.devices[d]) for d in self.local}
+            if copy_collectives:
+                self.copyable = frozenset(
+                    d for d in self.local
+                    if tf.DeviceSpec.from_string(self.devices[d]).device_type == "CPU")
         self.args = None
         self._scalars = {}  # (graph, device id, value) -> int32 Const on that device
         self._emitting = None  # name of the device emit_node is emitting for
@@ -328,9 +347,10 @@ class _Lowering:
                          for k in range(len(outs[self.local[0]]))]
         op_of[index] = node_ops
 
-    def _emitter(self, node):
+    def _emitter(self, node, in_region=False):
         """emit(d, inputs): `node` on device d, a tensor or an op (inputs[k][e] is input
-        k on device e)."""
+        k on device e); `in_region`: inside a control-flow body, where a device reads
+        no other device's tensor."""
         p = node.params
         if node.op == base.INPUT:
             return lambda d, ins: tf.identity(self.args[p["index"]][d])
@@ -339,7 +359,7 @@ class _Lowering:
         if node.op == base.PERMUTE:
             return self._permute(node)
         if node.op in collectives.KEYED:
-            return self._collective(node)
+            return self._collective(node, in_region)
         if node.op.startswith("gt."):
             raise ShardingError(f"LocalBackend cannot lower {node.op} (node {node.name})")
         if node.regions:
@@ -393,13 +413,14 @@ class _Lowering:
             return tf.identity(ins[0][source_of[d]])
         return emit
 
-    def _collective(self, node):
+    def _collective(self, node, in_region=False):
         p = node.params
         groups = self.mesh.groups(tuple(p["axes"]))
         if groups.shape[1] == 1:
             return lambda d, ins: ins[0][d]
         row_of = {int(dev): [int(x) for x in row] for row in groups for dev in row}
-        if not collectives.carries(node.out_dtypes[0]):
+        if not collectives.carries(node.out_dtypes[0]) or (
+                not in_region and self.copyable.issuperset(row_of)):
             return self._copy_collective(node, row_of)
         instance_key = self.keys.instance_key(node.name)
 
@@ -421,8 +442,12 @@ class _Lowering:
 
     def _copy_collective(self, node, row_of):
         """Emitter of a collective made of cross-device copies, for dtypes TF's collective
-        ops do not take (strings, complex): each device reads what it needs from every
-        member of its group, and TF inserts the Send/Recv pairs, as for gt.Permute."""
+        ops do not take (strings, complex) and, with copy_collectives, for groups of this
+        process's CPU devices: each device reads what it needs from every member of its
+        group, and TF inserts the Send/Recv pairs, as for gt.Permute (between CPU devices
+        of one process they pass the buffer). An all-reduce is computed once per group,
+        on the first member emitted, and read by the others, so every member holds the
+        same bits; a sum is one AddN in group order."""
         p = node.params
         dtype = node.out_dtypes[0]
         if any(len({cluster.task_of(self.devices[m]) for m in row}) > 1
@@ -438,23 +463,43 @@ class _Lowering:
                 "values across devices, which TF cannot do; keep the reduced dim of that "
                 "tensor unsplit")
 
+        sums = {}  # group (tuple of device ids) -> its all-reduced tensor
+
+        def reduce(tensors):
+            # in the dtype TF's collectives would reduce in (bool as int32, bfloat16 as
+            # float32), so both paths give the same values
+            carried = [collectives.carry(t) for t in tensors]
+            if p["reduce_op"] == "sum":
+                return collectives.restore(tf.add_n(carried), dtype)
+            return collectives.restore(
+                _STACKED_REDUCE[p["reduce_op"]](tf.stack(carried), 0), dtype)
+
         def emit(d, ins):
             row = row_of[d]
             x = ins[0]
+            rank = x[d].shape.rank
             if node.op == base.ALL_GATHER:
-                return tf.concat([x[m] for m in row], p["dim"] % x[d].shape.rank)
+                return tf.concat([x[m] for m in row], p["dim"] % rank)
             if node.op == base.ALL_TO_ALL:
-                rank = x[d].shape.rank
                 pieces = []
                 for m in row:
                     with tf.device(self.devices[m]):
                         pieces.append(collectives.chunk(x[m], p["split_dim"] % rank, len(row),
                                                         row.index(d)))
                 return tf.concat(pieces, p["concat_dim"] % rank)
-            reduced = _STACKED_REDUCE[p["reduce_op"]](tf.stack([x[m] for m in row]), 0)
             if node.op == base.ALL_REDUCE:
-                return reduced
-            return collectives.chunk(reduced, p["dim"] % x[d].shape.rank, len(row), row.index(d))
+                group = tuple(row)
+                if group not in sums:
+                    sums[group] = reduce([x[m] for m in row])
+                    return sums[group]
+                return tf.identity(sums[group])
+            # reduce-scatter: this member's chunk of every member, reduced here
+            pieces = []
+            for m in row:
+                with tf.device(self.devices[m]):
+                    pieces.append(collectives.chunk(x[m], p["dim"] % rank, len(row),
+                                                    row.index(d)))
+            return reduce(pieces)
         return emit
 
     def _region_op(self, node):
@@ -588,7 +633,7 @@ class _Lowering:
                     f"a control-flow body (node {node.name}): TF's collectives do not take "
                     "that dtype; keep the split that needs it out of the body")
             emit = (self._permute_in_region(node) if node.op == base.PERMUTE
-                    else self._emitter(node))
+                    else self._emitter(node, in_region=True))
             with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
                 # one device: inputs[k] maps it to its tensor, as emitters index them
                 result = emit(d, [{d: values[ref.node][ref.out]} for ref in node.inputs])

@@ -1,0 +1,24 @@
+"""The gspmd-tf backends the step benchmarks name in their --systems / --backends flags.
+
+    xla         the XLA backend (compute between collectives compiled by XLA)
+    local       the local backend (op by op; collectives of one process's CPU devices
+                as cross-device reads)
+    local_tf    the local backend with TF's collective ops (copy_collectives=False)
+    xla_tfdots  the XLA backend with the dots of at least `tf_dots_from` multiply-adds
+                left to TF's kernels
+"""
+
+import functools
+
+NAMES = ("xla", "local", "local_tf", "xla_tfdots")
+
+
+def backend(name, tf_dots_from):
+    """gt.function's `backend` argument for backend `name` (one of NAMES)."""
+    if name == "local_tf":
+        from gspmd_tf.backends.local import LocalBackend
+        return functools.partial(LocalBackend, copy_collectives=False)
+    if name == "xla_tfdots":
+        from gspmd_tf.backends.xla import XlaBackend
+        return functools.partial(XlaBackend, tf_dots_from=tf_dots_from)
+    return name
