@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf import cluster
-from multiworker_values import checkpoint_values
+from multiworker_values import check_plain_restore
 
 PROBE = os.path.join(os.path.dirname(__file__), "multiworker_probe.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,14 +113,7 @@ def test_checkpoint_of_2x4_restores_on_4_workers_x_2_devices_with_other_specs(sa
 
 def test_checkpoint_of_2x4_is_one_tf_checkpoint_plain_variables_restore(saved_2x4):
     _, prefix = saved_2x4
-    want = checkpoint_values()
-    with tf.device("/device:CPU:0"):
-        variables = {name: tf.Variable(np.zeros_like(value)) for name, value in want.items()}
-        step = tf.Variable(0, dtype=tf.int64)
-    tf.train.Checkpoint(step=step, **variables).read(prefix).assert_consumed()
-    assert step.numpy() == 7
-    for name, value in want.items():
-        np.testing.assert_array_equal(variables[name].numpy(), value)
+    check_plain_restore(prefix)
     # one bundle, merged from the workers' parts, which are gone
     assert os.path.exists(prefix + ".index") and not os.path.exists(prefix + "_parts")
 

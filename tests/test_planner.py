@@ -31,10 +31,12 @@ MESHES = {
 _MESH_CACHE = {}
 
 
-def mesh_of(shape):
-    if shape not in _MESH_CACHE:
-        _MESH_CACHE[shape] = Mesh.create(shape, MESHES[shape])
-    return _MESH_CACHE[shape]
+def mesh_of(shape, meshes=MESHES):
+    """The mesh of `shape` with the axis names `meshes` gives it (made once)."""
+    key = (shape, meshes[shape])
+    if key not in _MESH_CACHE:
+        _MESH_CACHE[key] = Mesh.create(shape, meshes[shape])
+    return _MESH_CACHE[key]
 
 
 def L(*dims, partial=(), reduce_op="sum"):
@@ -100,26 +102,30 @@ def check_exact(mesh, src, dst, value, rng):
                                       err_msg=f"device {d}: {src} -> {dst}")
 
 
-@st.composite
-def reshard_cases(draw):
-    """A mesh, a global shape (uneven dims likely), and two layouts (src maybe partial)."""
-    mesh_shape = draw(st.sampled_from(sorted(MESHES)))
-    names = MESHES[mesh_shape]
-    rank = draw(st.integers(1, 3))
-    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=rank, max_size=rank)))
+def reshard_cases(meshes=MESHES, max_size=9, unnamed=()):
+    """Strategy: a mesh shape of `meshes`, a global shape (dims up to `max_size`, uneven
+    likely), and two layouts (src maybe partial) that never name the axes `unnamed`."""
+    @st.composite
+    def cases(draw):
+        mesh_shape = draw(st.sampled_from(sorted(meshes)))
+        rank = draw(st.integers(1, 3))
+        shape = tuple(draw(st.lists(st.integers(1, max_size), min_size=rank, max_size=rank)))
 
-    def layout(allow_partial):
-        dims = [[] for _ in range(rank)]
-        partial = []
-        for name in draw(st.permutations(names)):
-            where = draw(st.integers(-2 if allow_partial else -1, rank - 1))
-            if where >= 0:
-                dims[where].append(name)
-            elif where == -2:
-                partial.append(name)
-        return L(*dims, partial=partial)
+        def layout(allow_partial):
+            dims = [[] for _ in range(rank)]
+            partial = []
+            for name in draw(st.permutations(meshes[mesh_shape])):
+                where = draw(st.integers(-2 if allow_partial else -1, rank - 1))
+                if name in unnamed:
+                    continue
+                if where >= 0:
+                    dims[where].append(name)
+                elif where == -2:
+                    partial.append(name)
+            return L(*dims, partial=partial)
 
-    return mesh_shape, shape, layout(True), layout(False)
+        return mesh_shape, shape, layout(True), layout(False)
+    return cases()
 
 
 @given(reshard_cases(), st.integers(0, 2**31 - 1))

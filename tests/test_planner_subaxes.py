@@ -16,14 +16,14 @@ from hypothesis import given, strategies as st
 
 import gspmd_tf as gt
 from gspmd_tf.backends import LocalBackend
-from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, SubAxis
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.planner import AllGather, AllToAll, CollectivePermute, cost, plan
 from gspmd_tf.spmd.program import Local, ProgramBuilder
 from gspmd_tf.spmd.reshard import emit
-from test_planner import L, block, check_exact, source_shards
+from test_planner import L, block, check_exact, reshard_cases, source_shards
+from test_planner import mesh_of as planner_mesh_of
 from util import check_partitioned
 
 MESHES = {
@@ -32,13 +32,11 @@ MESHES = {
     (2, 2, 2): ("x", "y", "z"),
     (1, 8): ("one", "x"),
 }
-_MESHES = {}
 
 
 def mesh_of(shape):
-    if shape not in _MESHES:
-        _MESHES[shape] = Mesh.create(shape, MESHES[shape])
-    return _MESHES[shape]
+    """The mesh of `shape` in MESHES."""
+    return planner_mesh_of(shape, MESHES)
 
 
 def names_sub_axes(steps):
@@ -219,31 +217,7 @@ def test_large_tensors_take_sub_axis_plans_where_exact(mesh_shape, shape, src, d
         assert steps == whole
 
 
-@st.composite
-def reshard_cases(draw):
-    """A mesh whose axes differ in size (or not), a shape (uneven dims likely), and two
-    layouts, the source maybe partial."""
-    mesh_shape = draw(st.sampled_from(sorted(MESHES)))
-    names = MESHES[mesh_shape]
-    rank = draw(st.integers(1, 3))
-    shape = tuple(draw(st.lists(st.integers(1, 12), min_size=rank, max_size=rank)))
-
-    def layout(allow_partial):
-        dims = [[] for _ in range(rank)]
-        partial = []
-        for name in draw(st.permutations(names)):
-            where = draw(st.integers(-2 if allow_partial else -1, rank - 1))
-            if where >= 0:
-                dims[where].append(name)
-            elif where == -2:
-                partial.append(name)
-        return Layout(tuple(tuple(a for a in d if a != "one") for d in dims),
-                      tuple(a for a in partial if a != "one"))
-
-    return mesh_shape, shape, layout(True), layout(False)
-
-
-@given(reshard_cases(), st.integers(0, 2**31 - 1))
+@given(reshard_cases(MESHES, max_size=12, unnamed=("one",)), st.integers(0, 2**31 - 1))
 def test_every_candidate_plan_gives_exactly_the_target_shards(case, seed):
     mesh_shape, shape, src, dst = case
     mesh = mesh_of(mesh_shape)
