@@ -280,9 +280,7 @@ class _Lowering:
             self.local = mesh.addressable_ids
             self.tokens = {d: collectives.ordering_token(self.devices[d]) for d in self.local}
             if copy_collectives:
-                self.copyable = frozenset(
-                    d for d in self.local
-                    if tf.DeviceSpec.from_string(self.devices[d]).device_type == "CPU")
+                self.copyable = frozenset(d for d in self.local if _on_cpu(self.devices[d]))
         self.args = None
         self._scalars = {}  # (graph, device id, value) -> int32 Const on that device
         self._emitting = None  # name of the device emit_node is emitting for
