@@ -178,10 +178,11 @@ def test_error_of_graph_mode_tf_is_not_ours():
     assert fails_in_graph_mode_too(ValueError("x"), remapped, tf) is None
 
 
-def test_seed_31_9463_is_invalid():
-    """The whole program of seed 31 #9463 through the fuzzer's worker."""
+def test_seed_31_9463_passes():
+    """The whole program of seed 31 #9463 through the fuzzer's worker: gspmd-tf's
+    program runs without grappler's remapper now (backends/local.py _call_attrs), so
+    it computes what eager TF does."""
     programs = {9463: generate(31, 9463)}
     result = run_programs(programs, jobs=1, batch=1, timeout=120,
                           collective_timeout=30)[9463]
-    assert result["status"] == "invalid", result
-    assert "graph mode" in result["detail"] and "bias must be 1-dimensional" in result["detail"]
+    assert result["status"] == "pass", result

@@ -205,18 +205,28 @@ class _Compiled:
 
 
 def _call_attrs(options, cpu_only):
-    """The function call attrs of `options` (the context's) with grappler's arithmetic
-    optimizer off: on the SPMD program, where annotations no longer separate the ops, it
-    rewrites tf.maximum(x, tf.add_n([x, x])) into a wrong value (x where x > 0; fuzzer
-    seed 24 #2965, seed 47 #129; a single-device tf.function of the same ops is wrong
-    too) and ArgMax(Sign(x)) into ArgMax(x), another index where Sign ties (seed 21
-    #165). With `cpu_only` (every device of the mesh a CPU) the grappler passes in
+    """The function call attrs of `options` (the context's) with two grappler passes
+    off, which rewrite the SPMD program wrongly:
+    - the arithmetic optimizer: where annotations no longer separate the ops, it
+      rewrites tf.maximum(x, tf.add_n([x, x])) into a wrong value (x where x > 0; fuzzer
+      seed 24 #2965, seed 47 #129; a single-device tf.function of the same ops is wrong
+      too) and ArgMax(Sign(x)) into ArgMax(x), another index where Sign ties (seed 21
+      #165);
+    - the remapper: it fuses add(c, matmul(a, b)) into one MatMul with c as its "bias"
+      when c has the shape (1, ..., 1, N) and the product more than one element, and the
+      fused kernel then refuses a c of rank 2 or more. Local shapes make that pattern
+      where the global ones do not: a (1, 3) product plus a (1, 1, 1) runs on one
+      device, its (1, 1) shards fail (seed 36 #2904; seed 31 #9463 fails on one device
+      too). Off, the FFN train step and ResNet50's data-parallel step measured the same
+      (benchmarks/RESULTS.md §6, "The eleventh run").
+    With `cpu_only` (every device of the mesh a CPU) the grappler passes in
     _SLOW_ON_CPU are off too, where the context leaves them at TF's default."""
     key = (options.config_proto_serialized, options.executor_type or "", cpu_only)
     if key not in _CALL_ATTRS:
         config = config_pb2.ConfigProto.FromString(key[0])
         rewrites = config.graph_options.rewrite_options
         rewrites.arithmetic_optimization = rewriter_config_pb2.RewriterConfig.OFF
+        rewrites.remapping = rewriter_config_pb2.RewriterConfig.OFF
         for field, value in (_SLOW_ON_CPU if cpu_only else ()):
             if not getattr(rewrites, field):  # 0: TF's default, not the user's choice
                 setattr(rewrites, field, value)
