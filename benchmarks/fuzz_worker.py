@@ -144,6 +144,24 @@ _SUMMING = frozenset({
     "DepthwiseConv2dNativeBackpropInput", "UnsortedSegmentSum", "SegmentSum", "Cumsum"})
 
 
+_CROSS_ENTROPY = frozenset({"SoftmaxCrossEntropyWithLogits",
+                            "SparseSoftmaxCrossEntropyWithLogits"})
+
+
+def cross_entropy_magnitude(tf, op):
+    """A bound of the terms a cross-entropy loss sums, per example: sum_j labels_j *
+    (logsumexp(logits) - logits_j) cancels terms up to sum_j |labels_j| * (|logsumexp| +
+    max_j |logits_j|) (a sparse label weighs one class); a partitioned class dim sums
+    them in another order (seed 37 #3936: soft labels, float32, 1.7e-5 relative off TF
+    by a cancellation)."""
+    logits, labels = op.inputs[0], op.inputs[1]
+    lse = tf.abs(tf.reduce_logsumexp(logits, axis=-1))
+    bound = lse + tf.reduce_max(tf.abs(logits), axis=-1)
+    if op.type == "SparseSoftmaxCrossEntropyWithLogits":
+        return bound
+    return tf.reduce_sum(tf.abs(labels), axis=-1) * bound
+
+
 def summed_magnitude(tf, tensor):
     """The magnitude of the terms that graph tensor `tensor` (traced in a tf.function, in
     float64) sums at its last summing op, looking through reshapes and casts: that op
@@ -154,12 +172,16 @@ def summed_magnitude(tf, tensor):
     partial sums in another order) changes exp(x) by a relative x*r (seed 29 #8498,
     exp of about 79: TF 1.24e-5 and gspmd-tf 2.76e-5 off the float64 program, 1.3 and 3
     units of float32 rounding of the argument)."""
-    op = tensor.op
-    while op.type in _VALUE_PRESERVING and op.inputs[0].dtype.is_floating:
-        op = op.inputs[0].op
+    source = tensor  # the value before reshapes and casts
+    while source.op.type in _VALUE_PRESERVING and source.op.inputs[0].dtype.is_floating:
+        source = source.op.inputs[0]
+    op = source.op
     if tensor.dtype.is_floating and op.type == "Exp":
         scale = tf.maximum(tf.abs(op.inputs[0]), tf.ones_like(op.inputs[0]))
         return tf.reshape(tf.cast(tf.abs(op.outputs[0]) * scale, tensor.dtype),
+                          tf.shape(tensor))
+    if tensor.dtype.is_floating and op.type in _CROSS_ENTROPY and source.value_index == 0:
+        return tf.reshape(tf.cast(cross_entropy_magnitude(tf, op), tensor.dtype),
                           tf.shape(tensor))
     summing = op.type in _SUMMING or op.type == "Sub"
     if tensor.dtype.is_floating and summing and len(op.outputs) == 1:

@@ -140,9 +140,13 @@ def seeded_whole_then_sliced(ctx, operands, layouts):
     return whole_then_sliced(ctx, operands, layouts, attrs)
 
 
-# Integer types whose mean TF sums without wrapping (here in int64): the mean of four
-# int32 -2**31 and a 7 is -1717986917, where their int32 sum wraps to 7; int64 wraps.
-WIDE_INT_MEANS = frozenset({tf.int8, tf.uint8, tf.int16, tf.uint16, tf.int32, tf.uint32})
+# The type a partitioned mean of these sums and divides in. Integers TF's mean sums
+# without wrapping: the mean of four int32 -2**31 and a 7 is -1717986917, where their
+# int32 sum wraps to 7 (int64's wraps). Half types: float32, as TF's half reductions
+# (the count may not be a half number either: 1001 in bfloat16).
+WIDE_MEANS = {**dict.fromkeys((tf.int8, tf.uint8, tf.int16, tf.uint16, tf.int32, tf.uint32),
+                              tf.int64),
+              tf.float16: tf.float32, tf.bfloat16: tf.float32}
 
 
 @op_family({"Mean": "sum"}, rules.reduction)
@@ -150,16 +154,17 @@ def mean(ctx, operands, layouts):
     """Mean over a split dim: the local sums are combined, then divided by the global
     count once, as TF's kernel divides its sum. Scaling each partial sum first rounds
     every shard's share: a float16 mean of round(x) whose sum is 0 came out 6e-05
-    (fuzzer, seed 21 #1464). An int32 (or narrower) mean is summed, combined and
-    divided in int64, as TF sums it without wrapping (fuzzer, seed 35 #9094: the mean
-    over a split dim of unsorted_segment_max's int32 fill values). The mean of nothing
-    is NaN for floats (0 / 0); TF's integer mean of nothing is 0 (the sum, 0, divided
-    by 1)."""
+    (fuzzer, seed 21 #1464). A float16/bfloat16 mean is summed, combined and divided
+    in float32 and rounded once (a bfloat16 mean near 0 of 224 values, summed in
+    bfloat16 per shard, came out 1.2x TF's: seed 37 #9544); an int32 (or narrower) mean
+    in int64, as TF sums it without wrapping (seed 35 #9094: the mean over a split dim
+    of unsorted_segment_max's int32 fill values). The mean of nothing is NaN for floats
+    (0 / 0); TF's integer mean of nothing is 0 (the sum, 0, divided by 1)."""
     if not ctx.split_reduce_axes():
         return replay(ctx, operands, layouts)
     b = ctx.b
     dtype = ctx.node.out_dtypes[0]
-    wide = tf.int64 if dtype in WIDE_INT_MEANS else dtype
+    wide = WIDE_MEANS.get(dtype, dtype)
     in_shape = ctx.inputs[0].shape
     count = int(np.prod([in_shape[a] for a in ctx.rule.params.axes]))
     refs = masked_refs(ctx, operands)
@@ -169,22 +174,13 @@ def mean(ctx, operands, layouts):
                  Tidx=ctx.node.attrs["Tidx"], keep_dims=bool(ctx.node.attr("keep_dims")))
     whole = Layout(layouts[0].dims)
     total = ctx.reshard(Local(total, layouts[0], ctx.node.out_shapes[0], wide), whole)
-    if dtype in (tf.float16, tf.bfloat16):
-        # the count may not be a half-precision number (1001 in bfloat16): divide in
-        # float32 and round once, as TF's bfloat16 reductions do
-        quotient = b.op("Div", [cast(b, total.ref, dtype, tf.float32),
-                                b.const(np.asarray(count), tf.float32)], shape, tf.float32,
-                        T=tf.float32)
-        ref = b.op("Cast", [quotient], shape, dtype, name=ctx.node.name, SrcT=tf.float32,
-                   DstT=dtype, Truncate=False)
-    elif wide != dtype:
-        quotient = b.op("Div", [total.ref, b.const(np.asarray(max(count, 1)), wide)], shape,
-                        wide, T=wide)
+    divisor = b.const(np.asarray(count if dtype.is_floating else max(count, 1)), wide)
+    if wide == dtype:
+        ref = b.op("Div", [total.ref, divisor], shape, dtype, name=ctx.node.name, T=dtype)
+    else:
+        quotient = b.op("Div", [total.ref, divisor], shape, wide, T=wide)
         ref = b.op("Cast", [quotient], shape, dtype, name=ctx.node.name, SrcT=wide,
                    DstT=dtype, Truncate=False)
-    else:
-        divisor = b.const(np.asarray(count if dtype.is_floating else max(count, 1)), dtype)
-        ref = b.op("Div", [total.ref, divisor], shape, dtype, name=ctx.node.name, T=dtype)
     return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
 
 
