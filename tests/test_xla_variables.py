@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.backends import segments
-from util import assert_close, assert_replicas_equal, randn
+from util import assert_close, assert_like_tf_variable, assert_replicas_equal, randn
 
 P = gt.P
 MESHES = [((8,), ("x",)), ((2, 4), ("data", "model")), ((1, 8), ("data", "model"))]
@@ -105,13 +105,7 @@ def test_reads_see_the_writes_before_them(shape, axes, rng):
     x = randn(rng, 16, 8)
     gv = gt.Variable(value, mesh, P(None, axes[-1]), name="v")
     fn = gt.function(make(gv), mesh=mesh, in_shardings=(P(axes[0]),), backend="xla")
-    got = [t.numpy() for t in fn(x)]
-    with tf.device("/device:CPU:0"):
-        sv = tf.Variable(value)
-        want = [t.numpy() for t in tf.function(make(sv), autograph=False)(x)]
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert_close(g, w, f"output {i}")
-    assert_close(gv.numpy(), sv.numpy(), "v")
+    assert_like_tf_variable(make, gv, value, [t.numpy() for t in fn(x)], (x,))
     inside, outside = variable_writes_by_place(fn, x)
     assert inside == 3 and outside == 0, (inside, outside)
 

@@ -48,6 +48,18 @@ def check_partitioned(fn, args, mesh, in_shardings, out_shardings=None, referenc
     return f.lower(*args)
 
 
+def assert_like_tf_variable(make, variable, initial, got, args):
+    """The outputs `got` (numpy) of a gt.function of make(variable) and the gt.Variable
+    `variable` after it equal the outputs of tf.function(make(v)) on `args` and a
+    tf.Variable v made from `initial` on one device after it."""
+    with tf.device("/device:CPU:0"):
+        plain = tf.Variable(initial)
+        want = [t.numpy() for t in tf.function(make(plain), autograph=False)(*args)]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, f"output {i}")
+    assert_close(variable.numpy(), plain.numpy(), "variable")
+
+
 def randn(rng, *shape):
     """float32 normal values."""
     return rng.standard_normal(shape).astype(np.float32)
