@@ -131,8 +131,13 @@ def as_accurate(got, want, exact, finite, precision, terms=None):
             + TOLERANCE[precision] * np.linalg.norm(scale[finite]))
 
 
-# Ops that only move or re-type the values of their first input.
-_VALUE_PRESERVING = frozenset({"Identity", "Reshape", "Squeeze", "ExpandDims", "Cast"})
+# Ops each of whose results is one value of their first input, moved, selected or
+# re-typed: the same op on that input's term magnitudes gives the result's.
+_MOVING = frozenset({"Identity", "Reshape", "Squeeze", "ExpandDims", "Cast", "Slice",
+                     "StridedSlice", "GatherV2", "Transpose", "Roll", "Tile", "ReverseV2",
+                     "BroadcastTo", "XlaSharding"})
+# Ops that scale their operand by a constant: the magnitude scales alike.
+_SCALING = frozenset({"Mul", "RealDiv"})
 # Ops each of whose results is a sum of products of input values with constant
 # non-negative coefficients: the same op on the inputs' magnitudes gives the magnitude
 # of the terms it sums. A difference is a sum of the magnitudes.
@@ -164,33 +169,67 @@ def cross_entropy_magnitude(tf, op):
 
 def summed_magnitude(tf, tensor):
     """The magnitude of the terms that graph tensor `tensor` (traced in a tf.function, in
-    float64) sums at its last summing op, looking through reshapes and casts: that op
-    re-created on the absolute values of its floating inputs (a Sub as an AddV2);
-    |tensor| where that op sums nothing (see _SUMMING). A float32 sum of those terms in
-    any order is off by up to n*eps times this, however small the sum itself is.
+    float64) sums at its last summing op, carried through the ops after it that move,
+    select or re-type values (_MOVING) or scale them by a constant (_SCALING, seed 36
+    #4500: a slice of a loop's half of a cross-entropy): that op re-created on the
+    absolute values of its floating inputs (a Sub as an AddV2); |tensor| where that op
+    sums nothing (see _SUMMING). A float32 sum of those terms in any order is off by up
+    to n*eps times this, however small the sum itself is.
     An Exp's result is |exp(x)| * max(1, |x|): a relative rounding error r of x (a sum's
     partial sums in another order) changes exp(x) by a relative x*r (seed 29 #8498,
     exp of about 79: TF 1.24e-5 and gspmd-tf 2.76e-5 off the float64 program, 1.3 and 3
     units of float32 rounding of the argument)."""
-    source = tensor  # the value before reshapes and casts
-    while source.op.type in _VALUE_PRESERVING and source.op.inputs[0].dtype.is_floating:
-        source = source.op.inputs[0]
-    op = source.op
-    if tensor.dtype.is_floating and op.type == "Exp":
+    if not tensor.dtype.is_floating:
+        return tensor
+    op = tensor.op
+    if op.type in _MOVING and op.inputs[0].dtype.is_floating:
+        inner = summed_magnitude(tf, op.inputs[0])
+        if op.type == "Cast":
+            return tf.cast(inner, tensor.dtype)
+        attrs = {k: v for k, v in op.node_def.attr.items() if not k.startswith("_")}
+        return op.graph.create_op(op.type, [inner] + list(op.inputs[1:]),
+                                  [tensor.dtype], attrs=attrs).outputs[0]
+    constant = [k for k, t in enumerate(op.inputs) if t.op.type == "Const"]
+    if op.type in _SCALING and len(op.inputs) == 2 and constant and (
+            op.type == "Mul" or constant == [1]):
+        other = summed_magnitude(tf, op.inputs[1 - constant[0]])
+        scale = tf.abs(op.inputs[constant[0]])
+        return tf.broadcast_to(other * scale if op.type == "Mul" else other / scale,
+                               tf.shape(tensor))
+    if op.type == "Exp":
         scale = tf.maximum(tf.abs(op.inputs[0]), tf.ones_like(op.inputs[0]))
-        return tf.reshape(tf.cast(tf.abs(op.outputs[0]) * scale, tensor.dtype),
-                          tf.shape(tensor))
-    if tensor.dtype.is_floating and op.type in _CROSS_ENTROPY and source.value_index == 0:
-        return tf.reshape(tf.cast(cross_entropy_magnitude(tf, op), tensor.dtype),
-                          tf.shape(tensor))
-    summing = op.type in _SUMMING or op.type == "Sub"
-    if tensor.dtype.is_floating and summing and len(op.outputs) == 1:
+        return tf.abs(tensor) * scale
+    if op.type in _CROSS_ENTROPY and tensor.value_index == 0:
+        return tf.cast(cross_entropy_magnitude(tf, op), tensor.dtype)
+    if (op.type in _SUMMING or op.type == "Sub") and len(op.outputs) == 1:
         inputs = [tf.abs(t) if t.dtype.is_floating else t for t in op.inputs]
         attrs = {k: v for k, v in op.node_def.attr.items() if not k.startswith("_")}
-        summed = op.graph.create_op("AddV2" if op.type == "Sub" else op.type, inputs,
-                                    [op.outputs[0].dtype], attrs=attrs)
-        return tf.reshape(tf.cast(summed.outputs[0], tensor.dtype), tf.shape(tensor))
-    return tf.abs(tensor) if tensor.dtype.is_floating else tensor
+        return op.graph.create_op("AddV2" if op.type == "Sub" else op.type, inputs,
+                                  [tensor.dtype], attrs=attrs).outputs[0]
+    return tf.abs(tensor)
+
+
+def unrolling_while_loops(tf):
+    """A stand-in for the tf module whose while_loop runs the body as straight-line code
+    when its counter starts from a constant and the condition depends on the counter
+    alone (the fuzzer's loops: `i_ < trips`), so that summed_magnitude sees through the
+    loop; any other loop stays a tf.while_loop."""
+    def while_loop(cond, body, loop_vars, **kwargs):
+        start = tf.get_static_value(loop_vars[0])
+        values = (int(start),) + tuple(loop_vars[1:]) if start is not None else None
+        while values is not None:
+            go = cond(*values)
+            if not isinstance(go, (bool, np.bool_)):
+                break
+            if not go:
+                return values
+            values = tuple(body(*values))
+        return tf.while_loop(cond, body, loop_vars, **kwargs)
+
+    class Module:  # pylint: disable=too-few-public-methods
+        def __getattr__(self, name):
+            return while_loop if name == "while_loop" else getattr(tf, name)
+    return Module()
 
 
 def check_output(got, want, spec, mesh, what, precision, exact=None, terms=None):
@@ -329,7 +368,7 @@ def run_program(program, tf, gt, part=None, given_reference=None):
         |exact|)."""
         try:
             with tf.device("/device:CPU:0"):
-                scope = fresh_scope(partitioned=False, program_text=program_text)
+                scope = program_scope(program_text, False, unrolling_while_loops(tf), gt)
 
                 def with_magnitudes(*args):
                     outs = [tf.convert_to_tensor(t) for t in scope["f"](*args)]

@@ -131,6 +131,23 @@ def test_gather_of_concat_sums_each_inputs_rows(mesh, rng, spec, constant_ids):
                       (spec, spec, None))
 
 
+@pytest.mark.parametrize("index", [0, 3, 9])
+def test_gather_of_concat_with_an_input_not_differentiated(mesh, index):
+    """The tape differentiates every input of the concat, also the constant a: the rows
+    picked for a's gradient are used by nothing, and go with their Where (fuzzer seed 38
+    #9023: a scalar index into [a, x, a])."""
+    def step(x, a, i):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            picked = tf.gather(tf.concat([a, x, a], axis=-1), i)
+            loss = tf.reduce_sum(picked * picked)
+        return picked, tf.convert_to_tensor(tape.gradient(loss, x))
+
+    rng = np.random.default_rng(9023)
+    check_partitioned(step, (randn(rng, 8), randn(rng, 1), np.int32(index)), mesh,
+                      (P(("data", "model")), P(), P()))
+
+
 def test_picked_rows_used_unsummed_keep_their_data_dependent_shape(mesh, rng):
     """The sparse gradient's own values (not summed into a dense one) have as many rows
     as ids fall in x0's range: a ShardingError naming the Where, not a masked guess."""

@@ -12,7 +12,9 @@ every use of the picked rows ends in UnsortedSegmentSums (the values as data, th
 indices, less a scalar, as ids; through ConcatV2 on axis 0, Identity, Cast), keeping ALL
 the rows, those outside the mask zeroed, sums the same, in the same order: each pick
 GatherV2(x, keep) becomes Select(mask, x, 0). A zeroed row's index becomes 0 - start:
-dropped by the sum when negative, else it adds zeros. Other uses keep the unknown shape
+dropped by the sum when negative, else it adds zeros. A Where nothing needs (the
+gradient of a concat input no one asked for: the tape differentiates every input, seed
+38 #9023) is dropped with everything computed from it. Other uses keep the unknown shape
 (a ShardingError from fold).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from gspmd_tf.graph.ir import Node, Ref
+from gspmd_tf.spmd.dce import live_nodes
 
 # ops a picked row passes through unchanged (see _only_summed for Sub and ConcatV2)
 _ROWWISE = frozenset({"Identity", "Cast"})
@@ -35,10 +38,14 @@ def mask_summed_row_picks(graph):
     if not unknown:
         return
     users = graph.consumers()
+    live = live_nodes(graph)
     dead = set()
     zeros_for = {}  # gather node index -> ZerosLike node to insert before it
     for w, node in enumerate(graph.nodes):
         if node.op != "Where" or Ref(w, 0) not in unknown:
+            continue
+        if not live[w]:  # then nothing computed from it is live either
+            dead.update(_computed_from(users, w))
             continue
         mask = node.inputs[0]
         if (mask in unknown or len(graph.shape(mask)) != 1
@@ -58,11 +65,23 @@ def mask_summed_row_picks(graph):
             gather.attrs = {"T": gather.attrs["Tparams"]}
             gather.out_shapes = [graph.shape(x)]
             unknown.pop(Ref(g, 0), None)
-        for i in [w] + [q for q, _ in users[w]]:  # the Where and its Squeezes: unused
-            dead.add(i)
-            unknown.pop(Ref(i, 0), None)
-    if zeros_for:
+        dead.update([w] + [q for q, _ in users[w]])  # the Where and its Squeezes: unused
+    for i in dead:
+        for k in range(len(graph.nodes[i].out_shapes)):
+            unknown.pop(Ref(i, k), None)
+    if dead:
         _insert_and_drop(graph, zeros_for, dead)
+
+
+def _computed_from(users, start):
+    """Node `start` and every node that reads it, directly or not."""
+    found, todo = {start}, [start]
+    while todo:
+        for user, _ in users[todo.pop()]:
+            if user not in found:
+                found.add(user)
+                todo.append(user)
+    return found
 
 
 def _row_gathers(graph, users, where, rows):
@@ -145,13 +164,16 @@ def renumber(graph, new_index, new_ref=None):
     def remap(ref):
         return new_ref.get((ref.node, ref.out)) or Ref(new_index[ref.node], ref.out)
 
+    def kept(ref):  # annotations and aliases of dropped nodes go with them
+        return (ref.node, ref.out) in new_ref or ref.node in new_index
+
     for node in graph.nodes:
         node.inputs = [remap(r) for r in node.inputs]
         node.control_inputs = [new_index[c] for c in node.control_inputs if c in new_index]
     graph.inputs = [remap(r) for r in graph.inputs]
     graph.outputs = [remap(r) for r in graph.outputs]
-    graph.annotations = {remap(r): s for r, s in graph.annotations.items()}
-    graph.aliases = {name: remap(r) for name, r in graph.aliases.items()}
+    graph.annotations = {remap(r): s for r, s in graph.annotations.items() if kept(r)}
+    graph.aliases = {name: remap(r) for name, r in graph.aliases.items() if kept(r)}
     unknown = getattr(graph, "unknown_shapes", None)
     if unknown:  # renumbered in place: fold holds it
         moved = {remap(r): s for r, s in unknown.items()}
