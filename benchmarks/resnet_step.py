@@ -59,6 +59,9 @@ REPEATS = flags.DEFINE_integer("repeats", 5, "timed steps of each (alternating)"
 WARMUP = flags.DEFINE_integer("warmup", 2, "untimed steps of each after the first call")
 TRACE_STEPS = flags.DEFINE_integer("trace_steps", 0, "steps of each system traced by TF's "
                                    "profiler for a per-op-type table (0: none)")
+INTER_OP = flags.DEFINE_integer("inter_op_threads", 0, "TF's inter-op threads (0: TF's "
+                                "default); 1 runs one kernel at a time, so that the op "
+                                "table's kernel times do not overlap")
 LEARNING_RATE = 0.01
 
 
@@ -68,6 +71,8 @@ def main(argv):
     gt.configure_cpu_devices(MESH.value)
     import tensorflow as tf
     import keras
+    if INTER_OP.value:
+        tf.config.threading.set_inter_op_parallelism_threads(INTER_OP.value)
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
 
     images, labels = batch(BATCH.value)
