@@ -49,8 +49,9 @@ def runs_once(node):
     state, no function bodies, no resources or variants) that computes something.
     Constants and identities run on every device: they cost nothing there, and a read of
     another device's result adds a _Send/_Recv pair (~5 us each in the LM step's
-    profile). Small values run once too: on the LM train step a threshold of 256, 1024
-    or 8192 elements measured no better than none (benchmarks/RESULTS.md §14.7)."""
+    profile). Small values run once too: on the LM and ResNet50 train steps thresholds
+    of 256 to 65536 elements measured no better than none (benchmarks/RESULTS.md
+    §14.7)."""
     if node.op.startswith("gt.") or node.regions or not node.out_shapes or \
             node.op in ("Const", "Identity"):
         return False
