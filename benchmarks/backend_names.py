@@ -4,13 +4,15 @@
     local       the local backend (op by op; collectives of one process's CPU devices
                 as cross-device reads)
     local_tf    the local backend with TF's collective ops (copy_collectives=False)
+    local_each  the local backend running every op on every device
+                (replicated_once=False: replicated values computed on each device)
     xla_tfdots  the XLA backend with the dots of at least `tf_dots_from` multiply-adds
                 left to TF's kernels
 """
 
 import functools
 
-NAMES = ("xla", "local", "local_tf", "xla_tfdots")
+NAMES = ("xla", "local", "local_tf", "local_each", "xla_tfdots")
 
 
 def backend(name, tf_dots_from):
@@ -18,6 +20,9 @@ def backend(name, tf_dots_from):
     if name == "local_tf":
         from gspmd_tf.backends.local import LocalBackend
         return functools.partial(LocalBackend, copy_collectives=False)
+    if name == "local_each":
+        from gspmd_tf.backends.local import LocalBackend
+        return functools.partial(LocalBackend, replicated_once=False)
     if name == "xla_tfdots":
         from gspmd_tf.backends.xla import XlaBackend
         return functools.partial(XlaBackend, tf_dots_from=tf_dots_from)

@@ -61,8 +61,10 @@ SEQ = flags.DEFINE_integer("seq", _D.seq, "sequence length")
 BATCH = flags.DEFINE_integer("batch", _D.batch, "batch size")
 BACKENDS = flags.DEFINE_string("backends", "xla,local", "gspmd-tf backends to time: "
                                "xla, local, local_tf (the local backend with TF's "
-                               "collective ops), or xla_tfdots (the XLA backend with dots "
-                               "of at least --tf_dots_from multiply-adds on TF's kernels)")
+                               "collective ops), local_each (the local backend running "
+                               "every op on every device), or xla_tfdots (the XLA "
+                               "backend with dots of at least --tf_dots_from "
+                               "multiply-adds on TF's kernels)")
 TF_DOTS_FROM = flags.DEFINE_integer("tf_dots_from", 1 << 20, "see --backends")
 TRAIN = flags.DEFINE_bool("train", False, "time the Adam training step, not the forward")
 SINGLE_JIT = flags.DEFINE_bool("single_jit", True, "also time single-device TF with "

@@ -17,6 +17,8 @@ batch, same plain TF step function):
   local    the same with backend="local": every op emitted op by op per device, the
            collectives of this process's CPU devices as cross-device reads
   local_tf the local backend with TF's collective ops (LocalBackend(copy_collectives=False))
+  local_each  the local backend running every op on every device
+           (LocalBackend(replicated_once=False))
   xla_tfdots  the XLA backend with the dots of at least --tf_dots_from multiply-adds
            left to TF's kernels (oneDNN), op by op between the compiled segments
   single   tf.Variables + tf.function(step) on /CPU:0
@@ -341,6 +343,7 @@ def run_on_tpu(gt, tpu, shape):
 LABEL = {"xla": "gspmd-tf, XLA backend (gt.Variable + gt.function)",
          "local": "gspmd-tf, local backend (op by op)",
          "local_tf": "gspmd-tf, local backend with TF's collective ops",
+         "local_each": "gspmd-tf, local backend, every op on every device",
          "xla_tfdots": "gspmd-tf, XLA backend, large dots on TF's kernels",
          "single": "single-device TF (tf.function, /CPU:0)",
          "single_jit": "single-device TF + XLA (tf.function jit_compile, /CPU:0)",

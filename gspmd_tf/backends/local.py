@@ -22,7 +22,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util_v2
 
 from gspmd_tf import cluster
-from gspmd_tf.backends import base, collectives, schedule
+from gspmd_tf.backends import base, collectives, replicas, schedule
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import REGION_OPS, walk
 
@@ -72,15 +72,21 @@ class LocalBackend(base.Backend):
     reduce-scatter sums each member's chunk on that member, gathers and all-to-alls
     concatenate what the members read. False keeps TF's collective ops (CollectiveReduceV2
     and friends, TF's ring implementation on CPU) everywhere.
+
+    `replicated_once` (default True): a pure op whose value several CPU devices of this
+    process hold equal (a replicated tensor, e.g. a data-parallel optimizer update) runs
+    on the first of them only; the others read its result (see replicas.py). False runs
+    every op on every device.
     """
 
     def __init__(self, mesh, collective_timeout=None, async_collectives=False,
-                 copy_collectives=True):
+                 copy_collectives=True, replicated_once=True):
         super().__init__(mesh)
         self.collective_timeout = (default_timeout() if collective_timeout is None
                                    else check_timeout(collective_timeout))
         self.async_collectives = bool(async_collectives)
         self.copy_collectives = bool(copy_collectives)
+        self.replicated_once = bool(replicated_once)
 
     def compile(self, program, name=None):
         """Traces `program` into one tf.function; returns run(inputs) -> outputs.
@@ -98,18 +104,20 @@ class LocalBackend(base.Backend):
         """
         order = schedule.ready_order if self.async_collectives else schedule.program_order
         return _Compiled(self.mesh, program, self.collective_timeout, name, order,
-                         self.copy_collectives)
+                         self.copy_collectives, self.replicated_once)
 
 
 class _Compiled:
     """A program traced into one TF function, traced again when its collective group
     keys were retired (after a cancelled call)."""
 
-    def __init__(self, mesh, program, timeout, name, order=None, copy_collectives=False):
+    def __init__(self, mesh, program, timeout, name, order=None, copy_collectives=False,
+                 replicated_once=False):
         """`order`: program -> node indices in emission order (schedule.py; default
-        program order); `copy_collectives` as LocalBackend's."""
+        program order); `copy_collectives` and `replicated_once` as LocalBackend's."""
         self.mesh = mesh
         self.copy_collectives = copy_collectives
+        self.replicated_once = replicated_once
         self.program = program
         self.order = order or schedule.program_order
         self.timeout = timeout
@@ -133,7 +141,8 @@ class _Compiled:
     def _lowering(self):
         """The lowering that emits the program."""
         return _Lowering(self.mesh, self.keys, order=self.order,
-                         copy_collectives=self.copy_collectives)
+                         copy_collectives=self.copy_collectives,
+                         replicated_once=self.replicated_once)
 
     def _trace(self):
         lowering = self._lowering()
@@ -271,15 +280,19 @@ def safe_name(name):
 class _Lowering:
     """Emits an SPMD program into the current (function) graph, once per device."""
 
-    def __init__(self, mesh, keys, devices=None, order=None, copy_collectives=False):
+    def __init__(self, mesh, keys, devices=None, order=None, copy_collectives=False,
+                 replicated_once=False):
         """With `devices` (TF device names, or None for no device) instead of a mesh, it
         emits graphs without collectives on those devices (see traced_region_op).
         `order` gives the emission order of a program's top-level nodes (schedule.py;
         default program order); with `copy_collectives` the collectives of groups of
-        this process's CPU devices are copies (LocalBackend)."""
+        this process's CPU devices are copies, with `replicated_once` a pure op runs
+        once for the CPU devices holding its value equal (LocalBackend)."""
         self.mesh = mesh
         self.keys = keys
         self.order = order or schedule.program_order
+        self.replicated_once = replicated_once
+        self.classes = None  # replicas.replica_classes of the program lower() emits
         self.copyable = frozenset()  # device ids whose collectives may be copies
         if mesh is None:
             self.devices, self.local = devices, tuple(range(len(devices)))
@@ -322,12 +335,23 @@ class _Lowering:
                 self.args[-1][d] = x
         values = {}   # values[node][out][device]: tf.Tensor (None on other workers)
         op_of = {}    # op_of[node][device]: tf.Operation, for control inputs
+        if self.replicated_once:
+            cpus = tuple(d for d in self.local if _on_cpu(self.devices[d]))
+            self.classes = replicas.replica_classes(program, self.mesh, cpus)
         # Node-major order: every device's copy of a node is created before the next.
         # tf.function chains stateful ops without resource inputs in creation order, and
         # this order keeps those chains from waiting on a later collective.
         for index in self.order(program):
             self.emit_node(program, index, values, op_of)
-        return [values[ref.node][ref.out][d] for ref in program.outputs for d in self.local]
+        outs = []
+        for ref in program.outputs:
+            for d in self.local:
+                x = values[ref.node][ref.out][d]
+                if self._sources(program.nodes[ref.node], ref.node)[d] != d:
+                    with tf.device(self.devices[d]):  # an output lives on its device
+                        x = tf.identity(x)
+                outs.append(x)
+        return outs
 
     def emit_node(self, program, index, values, op_of):
         """Emits node `index` of `program` on every device of this process, filling
@@ -337,11 +361,15 @@ class _Lowering:
         ins = [values[ref.node][ref.out] for ref in node.inputs]
         n = self.mesh.size
         outs, node_ops = [None] * n, [None] * n
+        sources = self._sources(node, index)
         # One device-function scope for every device's copy: a tf.device scope per copy
         # cost a third of the op's own creation (24 vs 70 us); the function puts each op
         # without a device of its own on the device being emitted.
         with ops.get_default_graph().device(self._place):
             for d in self.local:
+                if sources[d] != d:  # run once, on that device, for both
+                    outs[d], node_ops[d] = outs[sources[d]], node_ops[sources[d]]
+                    continue
                 self._emitting = self.devices[d]
                 control = [op_of[c][d] for c in node.control_inputs]
                 with tf.control_dependencies(control):
@@ -354,6 +382,16 @@ class _Lowering:
         values[index] = [[None if outs[d] is None else outs[d][k] for d in range(n)]
                          for k in range(len(outs[self.local[0]]))]
         op_of[index] = node_ops
+
+    def _sources(self, node, index):
+        """sources[d]: the device whose copy of `node` (node `index` of the program)
+        device d reads: d, unless the node runs once for a class of devices
+        (replicated_once)."""
+        n = self.mesh.size
+        if self.classes is None or not replicas.runs_once(node):
+            return range(n)
+        return [d if source is None else source
+                for d, source in enumerate(self.classes[index])]
 
     def _emitter(self, node, in_region=False):
         """emit(d, inputs): `node` on device d, a tensor or an op (inputs[k][e] is input

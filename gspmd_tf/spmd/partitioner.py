@@ -397,7 +397,7 @@ class Partitioner:
                 i = input_index[index]
                 shape, dtype = node.out_shapes[0], node.out_dtypes[0]
                 layout = targets[0] if input_layouts is None else input_layouts[i]
-                ref = b.input(i, layout.local_shape(b.mesh, shape), dtype)
+                ref = b.input(i, layout.local_shape(b.mesh, shape), dtype, layout)
                 local = Local(ref, layout, shape, dtype)
                 self.values[graph.inputs[i]] = (local if dtype in UNMOVABLE
                                                 else self.reshard(local, targets[0]))

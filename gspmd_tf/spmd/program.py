@@ -114,9 +114,11 @@ class ProgramBuilder:
                                         dtype=dtype)
         return self._consts[key]
 
-    def input(self, index, shape, dtype):
-        """This device's shard of program input `index`."""
-        ref = self._add("gt.Input", [], {}, [shape], [dtype], params={"index": index})[0]
+    def input(self, index, shape, dtype, layout=None):
+        """This device's shard of program input `index`; `layout`: the input's layout
+        when known (a backend may read from it which devices hold equal shards)."""
+        params = {"index": index} if layout is None else {"index": index, "layout": layout}
+        ref = self._add("gt.Input", [], {}, [shape], [dtype], params=params)[0]
         self.graph.inputs.append(ref)
         return ref
 
