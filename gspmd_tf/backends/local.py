@@ -10,6 +10,7 @@ included: see _Lowering._region_op).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -327,7 +328,17 @@ class _Lowering:
         # this order keeps those chains from waiting on a later collective.
         for index in self.order(program):
             self.emit_node(program, index, values, op_of)
-        return [values[ref.node][ref.out][d] for ref in program.outputs for d in self.local]
+        return [self._held_on(values[ref.node][ref.out][d], d)
+                for ref in program.outputs for d in self.local]
+
+    def _held_on(self, tensor, d):
+        """`tensor` as device d's output: a copy on d when it is a function argument or
+        another device's tensor (an input or a copy all-reduce's sum, which the program
+        reads in place), so that every output of d is held on d."""
+        if _device_key(tensor.device) == _device_key(self.devices[d]):
+            return tensor
+        with tf.device(self.devices[d]):
+            return _identity(tensor)
 
     def emit_node(self, program, index, values, op_of):
         """Emits node `index` of `program` on every device of this process, filling
@@ -343,8 +354,10 @@ class _Lowering:
         with ops.get_default_graph().device(self._place):
             for d in self.local:
                 self._emitting = self.devices[d]
-                control = [op_of[c][d] for c in node.control_inputs]
-                with tf.control_dependencies(control):
+                if node.control_inputs:
+                    with tf.control_dependencies([op_of[c][d] for c in node.control_inputs]):
+                        result = emit(d, ins)
+                else:  # (the scope costs ~6 us even when empty)
                     result = emit(d, ins)
                 if isinstance(result, ops.Operation):
                     outs[d], node_ops[d] = result.outputs, result
@@ -361,7 +374,9 @@ class _Lowering:
         no other device's tensor."""
         p = node.params
         if node.op == base.INPUT:
-            return lambda d, ins: tf.identity(self.args[p["index"]][d])
+            # the argument itself: an Identity per input and device was ~10% of the
+            # program's ops, all removed again by grappler (outputs: see lower)
+            return lambda d, ins: self.args[p["index"]][d]
         if node.op == base.SHARD_INDEX:
             return lambda d, ins: tf.constant(self.mesh.shard_index(d, p["axes"]), tf.int32)
         if node.op == base.PERMUTE:
@@ -418,7 +433,7 @@ class _Lowering:
                 return tf.zeros_like(x)
             if received is not None:
                 return received
-            return tf.identity(ins[0][source_of[d]])
+            return _identity(ins[0][source_of[d]])
         return emit
 
     def _collective(self, node, in_region=False):
@@ -500,7 +515,7 @@ class _Lowering:
                 if group not in sums:
                     sums[group] = reduce([x[m] for m in row])
                     return sums[group]
-                return tf.identity(sums[group])
+                return sums[group]  # read in place (outputs: see lower)
             # reduce-scatter: this member's chunk of every member, reduced here
             pieces = []
             for m in row:
@@ -652,6 +667,18 @@ class _Lowering:
         return [values[ref.node][ref.out] for ref in region.outputs]
 
 
+def _identity(x):
+    """tf.identity(x) of a graph tensor, without tf.identity's dispatch and op-def
+    layers (they doubled the cost of the lowering's most frequent op: one per program
+    input and device). Like tf.identity, the result keeps a resource handle's data."""
+    result = ops.get_default_graph()._create_op_internal(
+        "Identity", [x], dtypes=[x.dtype],
+        attrs={"T": attr_value_pb2.AttrValue(type=x.dtype.as_datatype_enum)}).outputs[0]
+    if hasattr(x, "_handle_data"):
+        result._handle_data = x._handle_data
+    return result
+
+
 _STACKED_REDUCE = {"sum": tf.reduce_sum, "prod": tf.reduce_prod, "max": tf.reduce_max,
                    "min": tf.reduce_min}
 
@@ -689,6 +716,13 @@ def _tf_op(node, devices):
         return ops.get_default_graph()._create_op_internal(
             node.op, args, dtypes=node.out_dtypes, attrs=op_attrs, name=f"{name}_d{d}")
     return emit
+
+
+@functools.lru_cache(maxsize=None)
+def _device_key(device):
+    """`device` (a device string, "" for none) parsed, to compare devices however their
+    names are spelled."""
+    return tf.DeviceSpec.from_string(device)
 
 
 def _on_cpu(device):
