@@ -25,6 +25,7 @@ from tensorflow.python.ops import control_flow_util_v2
 from gspmd_tf import cluster
 from gspmd_tf.backends import base, collectives, schedule
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.ir import REGION_OPS, walk
 
 
@@ -145,7 +146,8 @@ class _Compiled:
         # TF's errors name the function: __inference_<this name>_N
         spmd_program.__name__ = re.sub(r"\W+", "_", self.what).strip("_")
         fn = tf.function(spmd_program, autograph=False)
-        concrete = fn.get_concrete_function(*self.specs)
+        with gc_paused():
+            concrete = fn.get_concrete_function(*self.specs)
         # Calling the traced function directly skips ConcreteFunction's argument binding
         # (about 0.9 ms of Python for 8 shards); the captures are the ordering tokens.
         self.function = concrete.inference_fn
@@ -691,6 +693,9 @@ def _set_shapes(node, tensors):
     for tensor, shape in zip(tensors, node.out_shapes):
         if tensor.dtype in (tf.resource, tf.variant):  # scalar handles to TF
             continue
+        known = tensor.shape
+        if known.rank == len(shape) and known.as_list() == list(shape):
+            continue  # TF inferred it (most ops): set_shape would cost ~4x this check
         try:
             tensor.set_shape(shape)
         except ValueError:
