@@ -296,6 +296,7 @@ class _Lowering:
                 self.copyable = frozenset(d for d in self.local if _on_cpu(self.devices[d]))
         self.args = None
         self._scalars = {}  # (graph, device id, value) -> int32 Const on that device
+        self._consts = {}  # (graph, _const_key) -> (values, ops) of the first such node
         self._emitting = None  # name of the device emit_node is emitting for
 
     def _place(self, op):
@@ -346,6 +347,14 @@ class _Lowering:
         """Emits node `index` of `program` on every device of this process, filling
         values[index] and op_of[index] (None entries for other workers' devices)."""
         node = program.nodes[index]
+        const = _const_key(node)
+        if const is not None:
+            # one Const per value and device: the program repeats a few values (shapes,
+            # axes, the learning rate) in every layer, 13% of the FFN step's ops
+            const = (ops.get_default_graph(), const)
+            if const in self._consts:
+                values[index], op_of[index] = self._consts[const]
+                return
         emit = self._emitter(node)
         ins = [values[ref.node][ref.out] for ref in node.inputs]
         n = self.mesh.size
@@ -369,6 +378,8 @@ class _Lowering:
         values[index] = [[None if outs[d] is None else outs[d][k] for d in range(n)]
                          for k in range(len(outs[self.local[0]]))]
         op_of[index] = node_ops
+        if const is not None:
+            self._consts[const] = values[index], node_ops
 
     def _emitter(self, node, in_region=False):
         """emit(d, inputs): `node` on device d, a tensor or an op (inputs[k][e] is input
@@ -667,6 +678,14 @@ class _Lowering:
             values.append(outs)
             op_of.append(result if isinstance(result, ops.Operation) else result.op)
         return [values[ref.node][ref.out] for ref in region.outputs]
+
+
+def _const_key(node):
+    """(dtype, serialized value) of a Const node without control inputs, which any
+    other such node of equal key can stand for; None for other nodes."""
+    if node.op != "Const" or node.control_inputs:
+        return None
+    return node.attrs["dtype"].type, node.attrs["value"].SerializeToString()
 
 
 def _identity(x):
