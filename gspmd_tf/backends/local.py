@@ -10,6 +10,7 @@ included: see _Lowering._region_op).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -24,6 +25,7 @@ from tensorflow.python.ops import control_flow_util_v2
 from gspmd_tf import cluster
 from gspmd_tf.backends import base, collectives, replicas, schedule
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.ir import REGION_OPS, walk
 
 
@@ -153,7 +155,8 @@ class _Compiled:
         # TF's errors name the function: __inference_<this name>_N
         spmd_program.__name__ = re.sub(r"\W+", "_", self.what).strip("_")
         fn = tf.function(spmd_program, autograph=False)
-        concrete = fn.get_concrete_function(*self.specs)
+        with gc_paused():
+            concrete = fn.get_concrete_function(*self.specs)
         # Calling the traced function directly skips ConcreteFunction's argument binding
         # (about 0.9 ms of Python for 8 shards); the captures are the ordering tokens.
         self.function = concrete.inference_fn
@@ -306,6 +309,7 @@ class _Lowering:
                 self.copyable = frozenset(d for d in self.local if _on_cpu(self.devices[d]))
         self.args = None
         self._scalars = {}  # (graph, device id, value) -> int32 Const on that device
+        self._consts = {}  # (graph, _const_key) -> (values, ops) of the first such node
         self._emitting = None  # name of the device emit_node is emitting for
 
     def _place(self, op):
@@ -343,20 +347,30 @@ class _Lowering:
         # this order keeps those chains from waiting on a later collective.
         for index in self.order(program):
             self.emit_node(program, index, values, op_of)
-        outs = []
-        for ref in program.outputs:
-            for d in self.local:
-                x = values[ref.node][ref.out][d]
-                if self._sources(program.nodes[ref.node], ref.node)[d] != d:
-                    with tf.device(self.devices[d]):  # an output lives on its device
-                        x = tf.identity(x)
-                outs.append(x)
-        return outs
+        return [self._held_on(values[ref.node][ref.out][d], d)
+                for ref in program.outputs for d in self.local]
+
+    def _held_on(self, tensor, d):
+        """`tensor` as device d's output: a copy on d when it is a function argument or
+        another device's tensor (an input or a copy all-reduce's sum, which the program
+        reads in place), so that every output of d is held on d."""
+        if _device_key(tensor.device) == _device_key(self.devices[d]):
+            return tensor
+        with tf.device(self.devices[d]):
+            return _identity(tensor)
 
     def emit_node(self, program, index, values, op_of):
         """Emits node `index` of `program` on every device of this process, filling
         values[index] and op_of[index] (None entries for other workers' devices)."""
         node = program.nodes[index]
+        const = _const_key(node)
+        if const is not None:
+            # one Const per value and device: the program repeats a few values (shapes,
+            # axes, the learning rate) in every layer, 13% of the FFN step's ops
+            const = (ops.get_default_graph(), const)
+            if const in self._consts:
+                values[index], op_of[index] = self._consts[const]
+                return
         emit = self._emitter(node)
         ins = [values[ref.node][ref.out] for ref in node.inputs]
         n = self.mesh.size
@@ -371,8 +385,10 @@ class _Lowering:
                     outs[d], node_ops[d] = outs[sources[d]], node_ops[sources[d]]
                     continue
                 self._emitting = self.devices[d]
-                control = [op_of[c][d] for c in node.control_inputs]
-                with tf.control_dependencies(control):
+                if node.control_inputs:
+                    with tf.control_dependencies([op_of[c][d] for c in node.control_inputs]):
+                        result = emit(d, ins)
+                else:  # (the scope costs ~6 us even when empty)
                     result = emit(d, ins)
                 if isinstance(result, ops.Operation):
                     outs[d], node_ops[d] = result.outputs, result
@@ -382,6 +398,8 @@ class _Lowering:
         values[index] = [[None if outs[d] is None else outs[d][k] for d in range(n)]
                          for k in range(len(outs[self.local[0]]))]
         op_of[index] = node_ops
+        if const is not None:
+            self._consts[const] = values[index], node_ops
 
     def _sources(self, node, index):
         """sources[d]: the device whose copy of `node` (node `index` of the program)
@@ -399,7 +417,9 @@ class _Lowering:
         no other device's tensor."""
         p = node.params
         if node.op == base.INPUT:
-            return lambda d, ins: tf.identity(self.args[p["index"]][d])
+            # the argument itself: an Identity per input and device was ~10% of the
+            # program's ops, all removed again by grappler (outputs: see lower)
+            return lambda d, ins: self.args[p["index"]][d]
         if node.op == base.SHARD_INDEX:
             return lambda d, ins: tf.constant(self.mesh.shard_index(d, p["axes"]), tf.int32)
         if node.op == base.PERMUTE:
@@ -456,7 +476,7 @@ class _Lowering:
                 return tf.zeros_like(x)
             if received is not None:
                 return received
-            return tf.identity(ins[0][source_of[d]])
+            return _identity(ins[0][source_of[d]])
         return emit
 
     def _collective(self, node, in_region=False):
@@ -538,7 +558,7 @@ class _Lowering:
                 if group not in sums:
                     sums[group] = reduce([x[m] for m in row])
                     return sums[group]
-                return tf.identity(sums[group])
+                return sums[group]  # read in place (outputs: see lower)
             # reduce-scatter: this member's chunk of every member, reduced here
             pieces = []
             for m in row:
@@ -690,6 +710,26 @@ class _Lowering:
         return [values[ref.node][ref.out] for ref in region.outputs]
 
 
+def _const_key(node):
+    """(dtype, serialized value) of a Const node without control inputs, which any
+    other such node of equal key can stand for; None for other nodes."""
+    if node.op != "Const" or node.control_inputs:
+        return None
+    return node.attrs["dtype"].type, node.attrs["value"].SerializeToString()
+
+
+def _identity(x):
+    """tf.identity(x) of a graph tensor, without tf.identity's dispatch and op-def
+    layers (they doubled the cost of the lowering's most frequent op: one per program
+    input and device). Like tf.identity, the result keeps a resource handle's data."""
+    result = ops.get_default_graph()._create_op_internal(
+        "Identity", [x], dtypes=[x.dtype],
+        attrs={"T": attr_value_pb2.AttrValue(type=x.dtype.as_datatype_enum)}).outputs[0]
+    if hasattr(x, "_handle_data"):
+        result._handle_data = x._handle_data
+    return result
+
+
 _STACKED_REDUCE = {"sum": tf.reduce_sum, "prod": tf.reduce_prod, "max": tf.reduce_max,
                    "min": tf.reduce_min}
 
@@ -702,6 +742,9 @@ def _set_shapes(node, tensors):
     for tensor, shape in zip(tensors, node.out_shapes):
         if tensor.dtype in (tf.resource, tf.variant):  # scalar handles to TF
             continue
+        known = tensor.shape
+        if known.rank == len(shape) and known.as_list() == list(shape):
+            continue  # TF inferred it (most ops): set_shape would cost ~4x this check
         try:
             tensor.set_shape(shape)
         except ValueError:
@@ -727,6 +770,13 @@ def _tf_op(node, devices):
         return ops.get_default_graph()._create_op_internal(
             node.op, args, dtypes=node.out_dtypes, attrs=op_attrs, name=f"{name}_d{d}")
     return emit
+
+
+@functools.lru_cache(maxsize=None)
+def _device_key(device):
+    """`device` (a device string, "" for none) parsed, to compare devices however their
+    names are spelled."""
+    return tf.DeviceSpec.from_string(device)
 
 
 def _on_cpu(device):

@@ -37,6 +37,11 @@ from gspmd_tf.runtime.sharded_tensor import (ShardedTensor, distinct_boxes, pad_
 # id(handle tensor) -> Variable, so a traced function's captured handles lead back to
 # their variables
 _BY_HANDLE = weakref.WeakValueDictionary()
+# The name of every shard's tf.Variable. An eager variable's name is an attribute of
+# its VarHandleOp, and TF caches eager kernels by attributes and device: a name per
+# variable made every shard instantiate a kernel of its own (~0.5 ms, most of creating a
+# shard). A shard is reached through its gt.Variable only, which names it.
+_SHARD_NAME = "gt_shard"
 # True while save_checkpoint gathers this worker's entries: each distinct shard is then
 # saved by one worker only, the one holding its first device
 _saving_own_shards = False
@@ -98,17 +103,18 @@ class Variable(_WholeValueCheckpoint):
         # in place (a variable's shards cannot be resharded).
         self.layout = Layout(tuple(() if n <= 1 else axes
                                    for n, axes in zip(shape, layout.dims)))
-        local = set(mesh.addressable_ids)
         pieces = (self._global_pieces(np.asarray(value)) if value is not None
                   else self._initial_pieces(initial_value))
         self.shard_variables = [None] * mesh.size
-        for devices, piece in pieces:
+        for devices, piece in pieces:  # devices: this process's holders of the piece
+            # one tensor per distinct shard, which its devices' variables start from
+            # (TF shares the buffer between CPU devices until a variable is updated)
+            with tf.device(mesh.devices[devices[0]]):
+                piece = tf.convert_to_tensor(piece, dtype=dtype)
             for device in devices:
-                if device not in local:
-                    continue
                 with tf.device(mesh.devices[device]):
-                    self.shard_variables[device] = tf.Variable(
-                        piece, trainable=False, dtype=dtype, name=f"{self._shared_name}_shard")
+                    self.shard_variables[device] = tf.Variable(piece, trainable=False,
+                                                               name=_SHARD_NAME)
         _BY_HANDLE[id(self.handle)] = self
 
     def _local_boxes(self):
