@@ -1,10 +1,9 @@
 """Pausing Python's cyclic garbage collector around the package's bulk work.
 
-Building the local backend's per-device graph allocates a few Python objects per op
-(as do the importer, propagation and lowering, which pause the collector the same way
-inline). With TF's hundreds of thousands of live objects, every full collection those
-allocations trigger walks all of them: ~20% of the build of the 64-layer FFN train step
-on a 2x4 mesh. Their garbage is freed by reference counting; any cycles wait for the
+Importing, propagating, lowering and building the local backend's per-device graph
+each allocate a few Python objects per op. With TF's hundreds of thousands of live
+objects, every full collection those allocations trigger walks all of them: ~20% of the
+build of the 64-layer FFN train step on a 2x4 mesh. Their garbage is freed by reference counting; any cycles wait for the
 next collection after the pause. (A pause per gt.Variable does not help: the
 collections it defers run right after it, between one variable and the next.)
 """

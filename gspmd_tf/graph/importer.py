@@ -24,7 +24,6 @@ argument (and a region's input).
 
 from __future__ import annotations
 
-import gc
 
 import numpy as np
 import tensorflow as tf
@@ -33,6 +32,7 @@ from tensorflow.python.framework import function_def_to_graph
 from tensorflow.python.ops import handle_data_util
 
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.fold import VALUE_SHAPED, fold
 from gspmd_tf.graph.ir import REGION_OPS, Graph, Node, Ref
 from gspmd_tf.graph.rotate import rotations_as_rolls
@@ -63,24 +63,20 @@ def import_graph(fn, inputs=None, outputs=None) -> Graph:
     outputs = list(graph.outputs if outputs is None else outputs)
     # The import allocates a few objects per op; with TF's hundreds of thousands of
     # live objects, the collections this triggers would double its time.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        ir, ins, outs = _Importer(graph).run(graph, inputs, outputs)
-    except ShardingError:
-        # Shapes the trace left unknown only because a callee was traced on relaxed
-        # shapes become known when TF re-infers the graph from its inputs' shapes (TF
-        # infers through calls then); only the failure case pays for that re-import.
-        if not (any(op.type in _CALL_OPS for op in graph.get_operations())
-                and all(t.op.type == "Placeholder" and t.shape.is_fully_defined()
-                        for t in inputs)):
-            raise
-        body = _Body(graph.as_graph_def(), [t.name for t in inputs],
-                     [_feed(t, t.shape) for t in inputs], [t.name for t in outputs])
-        ir, ins, outs = _Importer(graph).run(body.graph, body.args, body.outputs)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    with gc_paused():
+        try:
+            ir, ins, outs = _Importer(graph).run(graph, inputs, outputs)
+        except ShardingError:
+            # Shapes the trace left unknown only because a callee was traced on relaxed
+            # shapes become known when TF re-infers the graph from its inputs' shapes (TF
+            # infers through calls then); only the failure case pays for that re-import.
+            if not (any(op.type in _CALL_OPS for op in graph.get_operations())
+                    and all(t.op.type == "Placeholder" and t.shape.is_fully_defined()
+                            for t in inputs)):
+                raise
+            body = _Body(graph.as_graph_def(), [t.name for t in inputs],
+                         [_feed(t, t.shape) for t in inputs], [t.name for t in outputs])
+            ir, ins, outs = _Importer(graph).run(body.graph, body.args, body.outputs)
     ir.inputs, ir.outputs, ir.captures = ins, outs, captures
     for t, ref in zip(inputs, ins):
         if t.dtype == tf.resource:

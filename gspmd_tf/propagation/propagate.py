@@ -13,13 +13,13 @@ from (Propagation.origin).
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from gspmd_tf import _encode, _propagation
+from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.regions import TIE, RegionPropagation, flatten, tie_rule
@@ -165,17 +165,12 @@ class Encoded:
 def encode(graph, mesh, seeds, layered=True):
     """Encode `graph`, its rules and the fixed `seeds` for the core (one layer for all
     ops unless `layered`)."""
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # the encoder allocates a few objects per op; collections would dominate
-    try:
+    with gc_paused():  # the encoder allocates a few objects per op
         (rules, rank, tensor_base, slot_tensor, dim_factors, dim_counts, dim_uneven,
          factor_size, factor_kind, op_slots, op_factors, tensor_op_start, tensor_ops,
          slot_layer, op_node) = _encode.encode_rules(
             graph.nodes, _has_rule, lambda i: _rule_for(graph, graph.nodes[i]),
             MAX_FACTORS)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     if not layered:
         slot_layer[:] = 0
     dim_start = _offsets(rank)

@@ -7,7 +7,6 @@ ConcreteFunction or an imported Graph) or for a Python function and example argu
 
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import time
@@ -15,6 +14,7 @@ import time
 import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.importer import import_graph
 from gspmd_tf.graph.ir import Graph, Ref
 from gspmd_tf.layout import Layout
@@ -82,14 +82,9 @@ def lower_traced(traced, mesh, entries, committed, out_shardings, backend_factor
     # objects every garbage collection this triggers walks them all, which doubled the
     # time of a large program. Its garbage is freed by reference counting; any cycles
     # wait for the next collection.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _lower_traced(traced, mesh, entries, committed, out_shardings,
                              backend_factory, name, caller, windowed_einsum)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_factory, name,
