@@ -17,8 +17,13 @@ from gspmd_tf.backends.xla import XlaBackend
 from util import assert_close, assert_like_tf_variable, randn, single_device
 
 P = gt.P
+# every mesh shape of 8 devices or fewer that the test suite runs on
 MESHES = [((8,), ("x",)), ((2, 4), ("data", "model")), ((4, 2), ("data", "model")),
-          ((2, 2, 2), ("a", "b", "c")), ((1,), ("x",))]
+          ((2, 2, 2), ("a", "b", "c")), ((1,), ("x",)), ((2,), ("x",)), ((4,), ("x",)),
+          ((8, 1), ("data", "model")), ((4, 1), ("data", "model")),
+          ((1, 4), ("data", "model")), ((2, 1), ("data", "model")),
+          ((2, 2), ("data", "model")), ((2, 1, 4), ("a", "b", "c")),
+          ((1, 1, 1), ("a", "b", "c"))]
 
 
 def run_xla(fn, mesh, args, in_shardings, out_shardings=None):
