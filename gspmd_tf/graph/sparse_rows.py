@@ -34,16 +34,17 @@ def mask_summed_row_picks(graph):
     """Rewrite (in place) the picks of rows by a 1-D Where whose rows are only summed,
     see the module docstring. The rewritten tensors leave graph.unknown_shapes (the
     importer's tensors of unknown shape); fold infers their consumers' shapes."""
-    unknown = getattr(graph, "unknown_shapes", None)
-    if not unknown:
+    unknown = getattr(graph, "unknown_shapes", None) or {}
+    wheres = sorted(ref.node for ref in unknown
+                    if ref.out == 0 and graph.nodes[ref.node].op == "Where")
+    if not wheres:  # (other unknown shapes are common: no graph walk for them)
         return
     users = graph.consumers()
     live = live_nodes(graph)
     dead = set()
     zeros_for = {}  # gather node index -> ZerosLike node to insert before it
-    for w, node in enumerate(graph.nodes):
-        if node.op != "Where" or Ref(w, 0) not in unknown:
-            continue
+    for w in wheres:
+        node = graph.nodes[w]
         if not live[w]:  # then nothing computed from it is live either
             dead.update(_computed_from(users, w))
             continue
