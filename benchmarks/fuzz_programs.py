@@ -13,6 +13,7 @@ This module needs only numpy (the driver process never imports TensorFlow).
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -1232,12 +1233,17 @@ for call in range(2):
 
 
 def snippet(program):
-    """A standalone reproducer: runs the program partitioned and on one device."""
+    """A standalone reproducer: runs the program partitioned (on the GSPMD_TF_BACKEND
+    this process has, if any) and on one device."""
+    head = SNIPPET_HEAD
+    if os.environ.get("GSPMD_TF_BACKEND"):
+        head = head.replace("import numpy", "os.environ.setdefault(\"GSPMD_TF_BACKEND\", "
+                            f"{os.environ['GSPMD_TF_BACKEND']!r})\nimport numpy", 1)
     if not program.get("variables"):
-        return SNIPPET_HEAD + source(program) + SNIPPET_TAIL
+        return head + source(program) + SNIPPET_TAIL
     # the same source twice: with tf.Variables for single-device TF, then gt.Variables
     names = [v["name"] for v in program["variables"]]
-    return (SNIPPET_HEAD + f"variables = {names}\n"
+    return (head + f"variables = {names}\n"
             "make_variable = lambda value, spec, name: tf.Variable(value, name=name)\n"
             + source(program)
             + "want = [f(*[tf.convert_to_tensor(a) for a in args]) for call in range(2)]\n"

@@ -1,0 +1,37 @@
+"""The fuzzer under the XLA backend (`benchmarks/fuzz.py --backend=xla`): a value that
+differs from eager single-device TF only where XLA's semantics differ from TF's kernels
+passes when single-device TF under jit_compile gives it too.
+
+Seed 46 #553 (shrunk: tf.maximum of inputs holding NaN, benchmarks/RESULTS.md §14.9):
+XLA's maximum returns a number where TF's returns NaN, on one device as on the
+mesh.
+"""
+
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+
+from fuzz import run_programs  # noqa: E402
+from fuzz_programs import generate  # noqa: E402
+
+
+def test_xla_semantics_are_taken_from_single_device_jit(monkeypatch):
+    monkeypatch.setenv("GSPMD_TF_BACKEND", "xla")  # the workers inherit it
+    result = run_programs({553: generate(46, 553)}, jobs=1, batch=1, timeout=120,
+                          collective_timeout=30)[553]
+    assert result["status"] == "pass", result
+    assert "under XLA" in result["detail"], result
+
+
+def test_the_two_semantics_differ():
+    """What makes the reference above necessary: TF's kernel and XLA disagree on NaN."""
+    x, y = tf.constant([1.0, np.nan]), tf.constant([np.nan, 2.0])
+    eager = tf.maximum(x, y).numpy()
+    compiled = tf.function(tf.maximum, jit_compile=True)(x, y).numpy()
+    assert np.isnan(eager).all()
+    assert not np.isnan(compiled).all(), compiled  # a number where TF gives NaN
