@@ -75,10 +75,11 @@ TIMEOUT = flags.DEFINE_float("timeout", 60, "seconds one program may take before
                              "counts as a hang")
 COLLECTIVE_TIMEOUT = flags.DEFINE_integer("collective_timeout", 20,
                                           "GSPMD_TF_COLLECTIVE_TIMEOUT for the workers")
-BACKEND = flags.DEFINE_enum("backend", None, ["local", "xla"],
+BACKEND = flags.DEFINE_enum("backend", "local", ["local", "xla"],
                             "gspmd-tf backend the programs run on (GSPMD_TF_BACKEND for the "
-                            "workers and the reproducers; default: the package's); with xla a "
-                            "value equal to single-device TF's under jit_compile passes")
+                            "workers and the reproducers; the package's default, auto, picks "
+                            "one of the two per program); with xla a value equal to "
+                            "single-device TF's under jit_compile passes")
 SHRINK = flags.DEFINE_integer("shrink", 20, "failures to shrink (distinct kinds first); 0: "
                               "none")
 SHRINK_BUDGET = flags.DEFINE_integer("shrink_budget", 150, "candidate runs per shrink")
@@ -588,8 +589,7 @@ def reproducer_text(index, seed, original, result, small):
 
 def main(argv):
     del argv
-    if BACKEND.value:  # the workers inherit it
-        os.environ["GSPMD_TF_BACKEND"] = BACKEND.value
+    os.environ["GSPMD_TF_BACKEND"] = BACKEND.value  # the workers inherit it
     lo, hi = (int(v) for v in OPS.value.split("-"))
     families = None if FAMILIES.value == ["all"] else FAMILIES.value
     meshes = parse_meshes(MESHES_FLAG.value)

@@ -1,0 +1,101 @@
+"""The default backend ("auto"): the XLA backend where it applies, else the local one,
+per program (gspmd_tf/backends/auto.py), and the values either way equal single-device TF.
+"""
+
+import logging
+import types
+
+import pytest
+import tensorflow as tf
+
+import gspmd_tf as gt
+from gspmd_tf.backends import auto
+from gspmd_tf.backends.local import LocalBackend
+from gspmd_tf.backends.xla import XlaBackend
+from gspmd_tf.runtime.function import DEFAULT_BACKEND
+from util import assert_close, randn, single_device
+
+P = gt.P
+
+
+def run_auto(fn, mesh, args, in_shardings, caplog):
+    """`fn` on the default backend: (outputs as numpy, single-device outputs, the backend
+    class the default chose, from its log line)."""
+    f = gt.function(fn, mesh=mesh, in_shardings=in_shardings, backend="auto")
+    with caplog.at_level(logging.INFO, logger="gspmd_tf"):
+        got = [t.numpy() for t in tf.nest.flatten(f(*args))]
+    chosen = [r.getMessage() for r in caplog.records if " runs on the " in r.getMessage()]
+    assert len(chosen) == 1, chosen
+    return got, single_device(fn, args), chosen[0]
+
+
+def test_default_is_auto():
+    assert DEFAULT_BACKEND == "auto"
+
+
+def test_small_program_on_cpus_is_compiled_by_xla(rng, caplog):
+    """A two-layer Megatron block of small matmuls: the XLA backend, equal values."""
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+
+    def mlp(x, w1, w2):
+        return tf.reduce_sum(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2) ** 2)
+
+    args = [randn(rng, 16, 32), randn(rng, 32, 64), randn(rng, 64, 32)]
+    got, want, chosen = run_auto(mlp, mesh, args,
+                                 (P("data", None), P(None, "model"), P("model", None)), caplog)
+    assert "XlaBackend" in chosen, chosen
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
+def test_large_dot_on_cpus_stays_on_tf_kernels(rng, caplog):
+    """A matmul of 2^24 multiply-adds per device or more: the local backend, equal
+    values, and the log names the dot."""
+    mesh = gt.Mesh.create((2,), ("x",))
+
+    def big(x, w):
+        return tf.matmul(x, w)
+
+    # per device: (256 / 2) x 512 x 256 = 2^24 multiply-adds
+    args = [randn(rng, 256, 512), randn(rng, 512, 256)]
+    got, want, chosen = run_auto(big, mesh, args, (P("x", None), None), caplog)
+    assert "LocalBackend" in chosen and "MatMul" in chosen, chosen
+    assert_close(got[0], want[0])
+
+
+def test_just_below_the_threshold_is_compiled(rng, caplog):
+    mesh = gt.Mesh.create((2,), ("x",))
+    args = [randn(rng, 254, 512), randn(rng, 512, 256)]  # 127 x 512 x 256 < 2^24
+    got, want, chosen = run_auto(tf.matmul, mesh, args, (P("x", None), None), caplog)
+    assert "XlaBackend" in chosen, chosen
+    assert_close(got[0], want[0])
+
+
+def test_large_convolution_stays_on_tf_kernels(rng, caplog):
+    mesh = gt.Mesh.create((2,), ("x",))
+
+    def conv(image, kernel):
+        return tf.nn.conv2d(image, kernel, strides=1, padding="SAME")
+
+    # per device: 4 x 64 x 64 x 64 outputs, each over 3 x 3 x 32 inputs: 2^25 multiply-adds
+    args = [randn(rng, 8, 64, 64, 32), randn(rng, 3, 3, 32, 64)]
+    got, want, chosen = run_auto(conv, mesh, args, (P("x"), None), caplog)
+    assert "LocalBackend" in chosen and "Conv2D" in chosen, chosen
+    assert_close(got[0], want[0])
+
+
+@pytest.mark.parametrize("device,expected", [("/job:localhost/replica:0/task:0/device:GPU:{}",
+                                              XlaBackend)])
+def test_accelerator_meshes_take_xla(device, expected):
+    """The choice reads the mesh's device kinds (no GPU here to run on: a stand-in mesh)."""
+    mesh = types.SimpleNamespace(devices=[device.format(k) for k in range(4)],
+                                 is_fully_addressable=True)
+    cls, reason = auto.choose(mesh, program=None)
+    assert cls is expected and "GPU" in reason
+
+
+def test_meshes_of_several_workers_stay_local():
+    mesh = types.SimpleNamespace(devices=[f"/job:worker/replica:0/task:{t}/device:CPU:0"
+                                          for t in range(2)], is_fully_addressable=False)
+    cls, reason = auto.choose(mesh, program=None)
+    assert cls is LocalBackend and "several workers" in reason
