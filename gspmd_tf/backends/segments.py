@@ -164,7 +164,7 @@ def cut(program, excluded=frozenset(), shared=None):
     (not program outputs) form one segment per pattern of equal devices, which the
     backend calls once per class of devices (an optimizer's update arithmetic on
     replicated weights). The segments of a stage then run as main, shared (dependencies
-    first), update.
+    first), update; an update segment left with writes only is run op by op instead.
     """
     nodes = program.nodes
     kind = []  # "source" | "constant" | "barrier" | "compute"
@@ -211,18 +211,7 @@ def cut(program, excluded=frozenset(), shared=None):
     for i in range(len(nodes)):
         if kind[i] in ("compute", "barrier"):
             (computes if kind[i] == "compute" else barriers).setdefault(stage[i], []).append(i)
-    # constants barriers or outputs read, and the constants those read: emitted op by op
-    needed = {i for i in range(len(nodes)) if kind[i] == "constant" and any(
-        kind[r] == "barrier" for r in readers[i])}
-    needed |= {ref.node for ref in program.outputs if kind[ref.node] == "constant"}
-    pending = list(needed)
-    while pending:
-        for ref in nodes[pending.pop()].inputs:
-            if ref.node not in needed:
-                needed.add(ref.node)
-                pending.append(ref.node)
-    steps = [i for i in range(len(nodes)) if kind[i] == "source"]
-    steps += sorted(needed)
+    staged = []  # the steps after sources and constants
     shared = shared or {}
     for s in range(max(stage, default=0) + 1):
         here = set(computes.get(s, []))
@@ -238,11 +227,30 @@ def cut(program, excluded=frozenset(), shared=None):
                                      for r in dependents[i]):
                 tail.add(i)
         main = [i for i in computes.get(s, []) if i not in update and i not in tail]
-        for part in _by_pattern(main, sorted(tail), shared, dependents) + [sorted(update)]:
+        # with `shared`, an update segment of writes only (their values computed once,
+        # before) runs op by op in its place: compiled, it would fuse nothing and
+        # compile once per device (RESULTS §14.9)
+        plain = sorted(update) if shared and all(nodes[i].op in VARIABLE_WRITES
+                                                 for i in update) else []
+        for i in plain:
+            kind[i] = "barrier"
+        for part in _by_pattern(main, sorted(tail), shared, dependents) + [
+                sorted(update.difference(plain))]:
             if part:
-                steps.append(_segment(program, part, readers, kind))
-        steps += barriers.get(s, [])
-    return steps
+                staged.append(_segment(program, part, readers, kind))
+        staged += plain + barriers.get(s, [])
+    # constants barriers or outputs read, and the constants those read: emitted op by op
+    needed = {i for i in range(len(nodes)) if kind[i] == "constant" and any(
+        kind[r] == "barrier" for r in readers[i])}
+    needed |= {ref.node for ref in program.outputs if kind[ref.node] == "constant"}
+    pending = list(needed)
+    while pending:
+        for ref in nodes[pending.pop()].inputs:
+            if ref.node not in needed:
+                needed.add(ref.node)
+                pending.append(ref.node)
+    steps = [i for i in range(len(nodes)) if kind[i] == "source"]
+    return steps + sorted(needed) + staged
 
 
 def _by_pattern(main, tail, shared, dependents):
