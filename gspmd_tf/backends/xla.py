@@ -6,13 +6,18 @@ segment with the same structure (identical layers of a model compile once); TF's
 bridge compiles it on its first call on a device, and on CPU the segments of every
 logical device run on the first one (_compile_device), so it compiles once. One outer
 tf.function holds, per device, the calls of the segments and the nodes between them,
-which are emitted op by op as in LocalBackend: collectives with their ordering tokens,
-keys and the call timeout, gt.Permute, control flow, variable reads, and what XLA
-cannot compile. Variable writes are compiled, in update segments (segments.py) that take
-the handles of the variables they write as arguments and run on the variables' device
-(TF touches a variable only on its own device), so an update segment compiles once per
-device. The outer graph has about
-(segments + collectives) x devices nodes instead of (all nodes) x devices.
+which are emitted op by op as in LocalBackend: collectives (copies between this
+process's CPU devices, else TF's collective ops with their ordering tokens and keys),
+gt.Permute, control flow, variable reads, and what XLA cannot compile. With
+replicated_once (as LocalBackend's) a segment whose outputs several CPU devices hold
+equal is called once for them, the others read its results; the optimizer arithmetic
+on replicated weights is cut into such segments (segments.cut's `shared`).
+Variable writes are compiled, in update segments (segments.py) that take the handles of
+the variables they write as arguments and run on the variables' device (TF touches a
+variable only on its own device), so an update segment compiles once per device; with
+replicated_once, an update segment left with writes only runs op by op instead. The outer
+graph has about (segments + collectives) x devices nodes instead of (all nodes) x
+devices.
 
 When the program is traced every distinct segment goes through TF's XLA bridge
 (experimental_get_compiler_ir); a node the bridge rejects (no XLA kernel, an argument
