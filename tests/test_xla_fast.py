@@ -4,8 +4,7 @@ Values equal single-device TF with both options on and off, forward programs and
 training step with gt.Variables, on the meshes 8x1, 2x4, 4x2 and 1x8 (uneven dims
 included); and the structure they promise: collectives of a CPU mesh made of copies (no
 CollectiveReduceV2), a segment whose outputs several devices hold equal called once for
-them (an optimizer's update arithmetic), segments writing variables called on every
-device.
+them (an optimizer's update arithmetic), every variable written on every device.
 """
 
 import collections
