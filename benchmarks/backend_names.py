@@ -8,11 +8,14 @@
                 (replicated_once=False: replicated values computed on each device)
     xla_tfdots  the XLA backend with the dots of at least `tf_dots_from` multiply-adds
                 left to TF's kernels
+    xla_plain   the XLA backend with TF's collective ops and every segment and op on
+                every device (copy_collectives=False, replicated_once=False: the XLA
+                backend before RESULTS §14.9)
 """
 
 import functools
 
-NAMES = ("xla", "local", "local_tf", "local_each", "xla_tfdots")
+NAMES = ("xla", "local", "local_tf", "local_each", "xla_tfdots", "xla_plain")
 
 
 def backend(name, tf_dots_from):
@@ -26,4 +29,7 @@ def backend(name, tf_dots_from):
     if name == "xla_tfdots":
         from gspmd_tf.backends.xla import XlaBackend
         return functools.partial(XlaBackend, tf_dots_from=tf_dots_from)
+    if name == "xla_plain":
+        from gspmd_tf.backends.xla import XlaBackend
+        return functools.partial(XlaBackend, copy_collectives=False, replicated_once=False)
     return name

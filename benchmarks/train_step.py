@@ -21,6 +21,8 @@ batch, same plain TF step function):
            (LocalBackend(replicated_once=False))
   xla_tfdots  the XLA backend with the dots of at least --tf_dots_from multiply-adds
            left to TF's kernels (oneDNN), op by op between the compiled segments
+  xla_plain  the XLA backend with TF's collective ops and every segment and op on
+           every device (XlaBackend(copy_collectives=False, replicated_once=False))
   single   tf.Variables + tf.function(step) on /CPU:0
   single_jit  the same with tf.function(step, jit_compile=True): XLA on one device
   dtensor  TF's DTensor (tf.experimental.dtensor): DVariables with the same layouts on
@@ -345,6 +347,7 @@ LABEL = {"xla": "gspmd-tf, XLA backend (gt.Variable + gt.function)",
          "local_tf": "gspmd-tf, local backend with TF's collective ops",
          "local_each": "gspmd-tf, local backend, every op on every device",
          "xla_tfdots": "gspmd-tf, XLA backend, large dots on TF's kernels",
+         "xla_plain": "gspmd-tf, XLA backend, TF's collectives, every op on every device",
          "single": "single-device TF (tf.function, /CPU:0)",
          "single_jit": "single-device TF + XLA (tf.function jit_compile, /CPU:0)",
          "dtensor": "TF DTensor (DVariable + tf.function)"}

@@ -6,17 +6,24 @@ variables, and per-variable program order holds within a segment and across
 collectives; on the meshes (8,), (2, 4) and (1, 8).
 """
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.backends import segments
+from gspmd_tf.backends.xla import XlaBackend
 from util import assert_close, assert_like_tf_variable, assert_replicas_equal, randn
 
 P = gt.P
 MESHES = [((8,), ("x",)), ((2, 4), ("data", "model")), ((1, 8), ("data", "model"))]
 MESH_IDS = ["8", "2x4", "1x8"]
+# replicated_once (the default) computes a replicated write's value once and runs the
+# writes of such values op by op (segments.cut); without it every write is compiled
+ONCE = [True, False]
+ONCE_IDS = ["once", "each"]
 
 
 def plan_of(step, *args):
@@ -39,11 +46,13 @@ def variable_writes_by_place(step, *args):
     return count(sum((s.nodes for s in found), [])), count(outside)
 
 
+@pytest.mark.parametrize("once", ONCE, ids=ONCE_IDS)
 @pytest.mark.parametrize("shape,axes", MESHES, ids=MESH_IDS)
-def test_momentum_step_equals_single_device_with_variables_in_segments(shape, axes, rng):
+def test_momentum_step_equals_single_device_with_variables_in_segments(shape, axes, once,
+                                                                        rng):
     """An SGD-with-momentum step (reads, assign, assign_sub, assign_add across the
     gradient all-reduces) for three steps: losses and variables equal TF's, and every
-    variable write is compiled."""
+    variable write is compiled (without replicated_once)."""
     mesh = gt.Mesh.create(shape, axes)
     a, b = axes[0], axes[-1]
     values = {"w1": randn(rng, 16, 32) * 0.2, "w2": randn(rng, 32, 16) * 0.2}
@@ -68,7 +77,8 @@ def test_momentum_step_equals_single_device_with_variables_in_segments(shape, ax
              gt.Variable(np.zeros((16, 32), np.float32), mesh, P(None, b), name="m1"),
              gt.Variable(np.zeros((32, 16), np.float32), mesh, P(b, None), name="m2"),
              gt.Variable(np.zeros((), np.float32), mesh, P(), name="count")]
-    step = gt.function(make_step(*gvars), mesh=mesh, in_shardings=(P(a),), backend="xla")
+    step = gt.function(make_step(*gvars), mesh=mesh, in_shardings=(P(a),),
+                       backend=functools.partial(XlaBackend, replicated_once=once))
     with tf.device("/device:CPU:0"):
         svars = [tf.Variable(values["w1"]), tf.Variable(values["w2"]),
                  tf.Variable(tf.zeros((16, 32))), tf.Variable(tf.zeros((32, 16))),
@@ -81,11 +91,12 @@ def test_momentum_step_equals_single_device_with_variables_in_segments(shape, ax
         assert_replicas_equal(g)
     assert gvars[-1].numpy() == 3.0  # one increment per step, on every device
     inside, outside = variable_writes_by_place(step, x)
-    assert inside > 0 and outside == 0, (inside, outside)
+    assert inside + outside == 5 and (once or outside == 0), (inside, outside)
 
 
+@pytest.mark.parametrize("once", ONCE, ids=ONCE_IDS)
 @pytest.mark.parametrize("shape,axes", MESHES, ids=MESH_IDS)
-def test_reads_see_the_writes_before_them(shape, axes, rng):
+def test_reads_see_the_writes_before_them(shape, axes, once, rng):
     """Reads before and after writes of one variable, in one segment and across an
     all-reduce, see exactly the writes program order puts before them."""
     mesh = gt.Mesh.create(shape, axes)
@@ -104,10 +115,11 @@ def test_reads_see_the_writes_before_them(shape, axes, rng):
 
     x = randn(rng, 16, 8)
     gv = gt.Variable(value, mesh, P(None, axes[-1]), name="v")
-    fn = gt.function(make(gv), mesh=mesh, in_shardings=(P(axes[0]),), backend="xla")
+    fn = gt.function(make(gv), mesh=mesh, in_shardings=(P(axes[0]),),
+                     backend=functools.partial(XlaBackend, replicated_once=once))
     assert_like_tf_variable(make, gv, value, [t.numpy() for t in fn(x)], (x,))
     inside, outside = variable_writes_by_place(fn, x)
-    assert inside == 3 and outside == 0, (inside, outside)
+    assert inside + outside == 3 and (once or outside == 0), (inside, outside)
 
 
 def test_variable_ops_no_longer_cut_segments(rng):

@@ -266,6 +266,13 @@ _SLOW_ON_CPU = (
 _CALL_ATTRS = {}
 
 
+def cpu_replica_classes(program, mesh):
+    """replicas.replica_classes of `program` over the CPU devices of `mesh` in this
+    process: those whose tensors the others read in place."""
+    cpus = tuple(d for d in mesh.addressable_ids if _on_cpu(mesh.devices[d]))
+    return replicas.replica_classes(program, mesh, cpus)
+
+
 def traced_region_op(node, operands):
     """The control-flow op `node` of a traced (not SPMD) graph re-created once in the
     current graph, with no device, on the tensors `operands`: its regions, which hold no
@@ -331,17 +338,9 @@ class _Lowering:
     def lower(self, program, flat):
         """Emits every node for every device of this process; returns the outputs,
         output-major."""
-        n, k = self.mesh.size, len(self.local)
-        self.args = []
-        for i in range(0, len(flat), k):
-            self.args.append([None] * n)
-            for d, x in zip(self.local, flat[i:i + k]):
-                self.args[-1][d] = x
+        self.bind(program, flat)
         values = {}   # values[node][out][device]: tf.Tensor (None on other workers)
         op_of = {}    # op_of[node][device]: tf.Operation, for control inputs
-        if self.replicated_once:
-            cpus = tuple(d for d in self.local if _on_cpu(self.devices[d]))
-            self.classes = replicas.replica_classes(program, self.mesh, cpus)
         # Node-major order: every device's copy of a node is created before the next.
         # tf.function chains stateful ops without resource inputs in creation order, and
         # this order keeps those chains from waiting on a later collective.
@@ -349,6 +348,20 @@ class _Lowering:
             self.emit_node(program, index, values, op_of)
         return [self._held_on(values[ref.node][ref.out][d], d)
                 for ref in program.outputs for d in self.local]
+
+    def bind(self, program, flat):
+        """Prepares to emit `program` with the function arguments `flat` (input-major,
+        this process's devices): sets self.args (args[i][d]: input i on device d, None
+        on other workers' devices) and, with replicated_once, self.classes unless
+        given."""
+        n, k = self.mesh.size, len(self.local)
+        self.args = []
+        for i in range(0, len(flat), k):
+            self.args.append([None] * n)
+            for d, x in zip(self.local, flat[i:i + k]):
+                self.args[-1][d] = x
+        if self.replicated_once and self.classes is None:
+            self.classes = cpu_replica_classes(program, self.mesh)
 
     def _held_on(self, tensor, d):
         """`tensor` as device d's output: a copy on d when it is a function argument or
@@ -405,11 +418,22 @@ class _Lowering:
         """sources[d]: the device whose copy of `node` (node `index` of the program)
         device d reads: d, unless the node runs once for a class of devices
         (replicated_once)."""
-        n = self.mesh.size
         if self.classes is None or not replicas.runs_once(node):
-            return range(n)
-        return [d if source is None else source
-                for d, source in enumerate(self.classes[index])]
+            return range(self.mesh.size)
+        return self.common_sources([index])
+
+    def common_sources(self, indices):
+        """sources[d]: the device s whose values of all the nodes `indices` device d
+        holds equal (self.classes: s runs them for d), when the nodes agree on one s;
+        else d (also without classes, or for no nodes)."""
+        sources = list(range(self.mesh.size))
+        if self.classes is None or not indices:
+            return sources
+        for d in self.local:
+            found = {self.classes[i][d] for i in indices}
+            if len(found) == 1 and None not in found:
+                sources[d] = found.pop()
+        return sources
 
     def _emitter(self, node, in_region=False):
         """emit(d, inputs): `node` on device d, a tensor or an op (inputs[k][e] is input

@@ -140,7 +140,7 @@ def _elements(shape):
     return count
 
 
-def cut(program, excluded=frozenset()):
+def cut(program, excluded=frozenset(), shared=None):
     """The program as steps in run order: Segments and node indices (run op by op).
 
     `excluded`: node indices to run op by op besides those why_not_compiled names.
@@ -156,6 +156,15 @@ def cut(program, excluded=frozenset()):
     A stage's compute splits into its main segment and, after it, its update segment:
     the variable writes and the compute nodes all of whose dependents (data and control)
     are in the update segment.
+
+    `shared` (node index -> a hashable naming the devices whose values of it are equal,
+    for the nodes some device reads from another: xla.py) keeps such nodes out of update
+    segments, which run on every variable's device: between a stage's main and update
+    segments, its shared nodes all of whose dependents come after the main segment
+    (not program outputs) form one segment per pattern of equal devices, which the
+    backend calls once per class of devices (an optimizer's update arithmetic on
+    replicated weights). The segments of a stage then run as main, shared (dependencies
+    first), update; an update segment left with writes only is run op by op instead.
     """
     nodes = program.nodes
     kind = []  # "source" | "constant" | "barrier" | "compute"
@@ -202,6 +211,34 @@ def cut(program, excluded=frozenset()):
     for i in range(len(nodes)):
         if kind[i] in ("compute", "barrier"):
             (computes if kind[i] == "compute" else barriers).setdefault(stage[i], []).append(i)
+    staged = []  # the steps after sources and constants
+    shared = shared or {}
+    for s in range(max(stage, default=0) + 1):
+        here = set(computes.get(s, []))
+        update, tail = set(), set()  # tail: shared nodes run after the main segment
+        for i in reversed(computes.get(s, [])):  # dependents come later in program order
+            if nodes[i].op in VARIABLE_WRITES:
+                update.add(i)
+            elif not dependents[i] or i in outputs:
+                continue
+            elif i not in shared and dependents[i] <= update:
+                update.add(i)
+            elif i in shared and all(r in update or r in tail or r not in here
+                                     for r in dependents[i]):
+                tail.add(i)
+        main = [i for i in computes.get(s, []) if i not in update and i not in tail]
+        # with `shared`, an update segment of writes only (their values computed once,
+        # before) runs op by op in its place: compiled, it would fuse nothing and
+        # compile once per device (RESULTS §14.9)
+        plain = sorted(update) if shared and all(nodes[i].op in VARIABLE_WRITES
+                                                 for i in update) else []
+        for i in plain:
+            kind[i] = "barrier"
+        for part in _by_pattern(main, sorted(tail), shared, dependents) + [
+                sorted(update.difference(plain))]:
+            if part:
+                staged.append(_segment(program, part, readers, kind))
+        staged += plain + barriers.get(s, [])
     # constants barriers or outputs read, and the constants those read: emitted op by op
     needed = {i for i in range(len(nodes)) if kind[i] == "constant" and any(
         kind[r] == "barrier" for r in readers[i])}
@@ -213,18 +250,40 @@ def cut(program, excluded=frozenset()):
                 needed.add(ref.node)
                 pending.append(ref.node)
     steps = [i for i in range(len(nodes)) if kind[i] == "source"]
-    steps += sorted(needed)
-    for s in range(max(stage, default=0) + 1):
-        update = set()
-        for i in reversed(computes.get(s, [])):  # dependents come later in program order
-            if nodes[i].op in VARIABLE_WRITES or (
-                    dependents[i] and dependents[i] <= update and i not in outputs):
-                update.add(i)
-        for part in ([i for i in computes.get(s, []) if i not in update], sorted(update)):
-            if part:
-                steps.append(_segment(program, part, readers, kind))
-        steps += barriers.get(s, [])
-    return steps
+    return steps + sorted(needed) + staged
+
+
+def _by_pattern(main, tail, shared, dependents):
+    """The main nodes and the `tail` (node indices, program order) as lists of nodes to
+    compile together, in run order: main first, each tail pattern (shared[]) on its own,
+    a list before those with a node depending on its nodes. A main list of one pattern
+    takes that pattern's tail nodes. [main, tail] when the dependencies between the
+    lists form a cycle (no order of them would serve)."""
+    patterns = {shared.get(i) for i in main}
+    key = patterns.pop() if len(patterns) == 1 and None not in patterns else None
+    groups = {key: list(main)} if main else {}  # pattern (None: the main nodes) -> nodes
+    for i in tail:
+        groups.setdefault(shared[i], []).append(i)
+    pattern = {i: p for p, members in groups.items() for i in members}
+    later = {p: set() for p in groups}  # pattern -> patterns depending on its nodes
+    for p, members in groups.items():
+        for i in members:
+            later[p].update(pattern[r] for r in dependents[i] if r in pattern)
+        later[p].discard(p)
+    waiting = dict.fromkeys(groups, 0)
+    for p in groups:
+        for q in later[p]:
+            waiting[q] += 1
+    ready = [p for p in groups if not waiting[p]]
+    ordered = []
+    while ready:
+        p = ready.pop(0)
+        ordered.append(sorted(groups[p]))
+        for q in later[p]:
+            waiting[q] -= 1
+            if not waiting[q]:
+                ready.append(q)
+    return ordered if len(ordered) == len(groups) else [main, tail]
 
 
 def _resources(program, node):

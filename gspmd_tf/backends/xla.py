@@ -6,13 +6,18 @@ segment with the same structure (identical layers of a model compile once); TF's
 bridge compiles it on its first call on a device, and on CPU the segments of every
 logical device run on the first one (_compile_device), so it compiles once. One outer
 tf.function holds, per device, the calls of the segments and the nodes between them,
-which are emitted op by op as in LocalBackend: collectives with their ordering tokens,
-keys and the call timeout, gt.Permute, control flow, variable reads, and what XLA
-cannot compile. Variable writes are compiled, in update segments (segments.py) that take
-the handles of the variables they write as arguments and run on the variables' device
-(TF touches a variable only on its own device), so an update segment compiles once per
-device. The outer graph has about
-(segments + collectives) x devices nodes instead of (all nodes) x devices.
+which are emitted op by op as in LocalBackend: collectives (copies between this
+process's CPU devices, else TF's collective ops with their ordering tokens and keys),
+gt.Permute, control flow, variable reads, and what XLA cannot compile. With
+replicated_once (as LocalBackend's) a segment whose outputs several CPU devices hold
+equal is called once for them, the others read its results; the optimizer arithmetic
+on replicated weights is cut into such segments (segments.cut's `shared`).
+Variable writes are compiled, in update segments (segments.py) that take the handles of
+the variables they write as arguments and run on the variables' device (TF touches a
+variable only on its own device), so an update segment compiles once per device; with
+replicated_once, an update segment left with writes only runs op by op instead. The outer
+graph has about (segments + collectives) x devices nodes instead of (all nodes) x
+devices.
 
 When the program is traced every distinct segment goes through TF's XLA bridge
 (experimental_get_compiler_ir); a node the bridge rejects (no XLA kernel, an argument
@@ -47,14 +52,19 @@ class XlaBackend(local.LocalBackend):
     collectives compiled by XLA (one compilation per distinct segment; on devices other
     than CPUs one per device).
 
-    `collective_timeout` as for LocalBackend. `tf_dots_from`: when set, dot-like ops
-    (matmuls, einsums, 2-D convolutions and their gradients) of at least this many
-    multiply-adds run op by op on TF's kernels instead of in the segments.
+    `collective_timeout`, `copy_collectives` and `replicated_once` as for LocalBackend
+    (collectives of this process's CPU devices as cross-device reads; a value several
+    CPU devices hold equal computed once: the op-by-op nodes as there, and a segment
+    writing no variable is called once for the devices whose outputs of it are equal).
+    `tf_dots_from`: when set, dot-like ops (matmuls, einsums, 2-D convolutions and their
+    gradients) of at least this many multiply-adds run op by op on TF's kernels instead
+    of in the segments.
     """
 
     def __init__(self, mesh, collective_timeout=None, tf_dots_from=None,
-                 async_collectives=False):
-        super().__init__(mesh, collective_timeout, async_collectives)
+                 async_collectives=False, copy_collectives=True, replicated_once=True):
+        super().__init__(mesh, collective_timeout, async_collectives, copy_collectives,
+                         replicated_once)
         self.tf_dots_from = tf_dots_from
 
     def compile(self, program, name=None):
@@ -68,30 +78,40 @@ class XlaBackend(local.LocalBackend):
             raise ShardingError("async_collectives applies to LocalBackend: the XLA "
                                 "backend's segment plan orders its collectives")
         return _XlaCompiled(self.mesh, program, self.collective_timeout, name,
-                            self.tf_dots_from)
+                            self.tf_dots_from, self.copy_collectives, self.replicated_once)
 
 
 class _XlaCompiled(local._Compiled):
-    def __init__(self, mesh, program, timeout, name, tf_dots_from):
+    def __init__(self, mesh, program, timeout, name, tf_dots_from, copy_collectives,
+                 replicated_once):
         self.tf_dots_from = tf_dots_from  # before the first trace, which makes the plan
-        super().__init__(mesh, program, timeout, name)
+        super().__init__(mesh, program, timeout, name, copy_collectives=copy_collectives,
+                         replicated_once=replicated_once)
 
     def _lowering(self):
         if getattr(self, "plan", None) is None:  # kept when traced again
-            self.plan = _Plan(self.mesh, self.program, self.what, self.tf_dots_from)
-        return _XlaLowering(self.mesh, self.keys, self.plan)
+            self.plan = _Plan(self.mesh, self.program, self.what, self.tf_dots_from,
+                              self.replicated_once)
+        return _XlaLowering(self.mesh, self.keys, self.plan, self.copy_collectives,
+                            self.replicated_once)
 
 
 class _Plan:
-    """The program's steps (segments.cut) after the compile check, and each segment's
-    function (`functions[k]` for the k-th Segment of `steps`)."""
+    """The program's steps (segments.cut) after the compile check, each segment's
+    function (`functions[k]` for the k-th Segment of `steps`) and, with
+    `replicated_once`, the program's replica classes (local.cpu_replica_classes; else
+    None)."""
 
-    def __init__(self, mesh, program, what, tf_dots_from):
+    def __init__(self, mesh, program, what, tf_dots_from, replicated_once):
         device_type = tf.DeviceSpec.from_string(mesh.devices[0]).device_type or "CPU"
         excluded = set() if tf_dots_from is None else \
             segments.large_dots(program, tf_dots_from)
+        self.classes = local.cpu_replica_classes(program, mesh) if replicated_once else None
+        # node -> its classes row, for the nodes some device reads from another
+        shared = {i: row for i, row in enumerate(self.classes or ())
+                  if any(s not in (None, d) for d, s in enumerate(row))}
         while True:
-            self.steps = segments.cut(program, excluded)
+            self.steps = segments.cut(program, excluded, shared)
             self.functions = []
             rejected = set()
             for step in self.steps:
@@ -223,14 +243,15 @@ def _variable(program, segment, ref):
 class _XlaLowering(local._Lowering):
     """Emits the plan's steps once per device: segment calls and op-by-op nodes."""
 
-    def __init__(self, mesh, keys, plan):
-        super().__init__(mesh, keys)
+    def __init__(self, mesh, keys, plan, copy_collectives, replicated_once):
+        super().__init__(mesh, keys, copy_collectives=copy_collectives,
+                         replicated_once=replicated_once)
         self.plan = plan
+        self.classes = plan.classes
         self.runs_on = [_compile_device(mesh.devices, d) for d in range(mesh.size)]
 
     def lower(self, program, flat):
-        n = self.mesh.size
-        self.args = [flat[i:i + n] for i in range(0, len(flat), n)]
+        self.bind(program, flat)
         values, op_of = {}, {}
         functions = iter(self.plan.functions)
         for step in self.plan.steps:
@@ -238,23 +259,25 @@ class _XlaLowering(local._Lowering):
                 self._emit_segment(program, step, next(functions), values, op_of)
             else:
                 self.emit_node(program, step, values, op_of)
-        outputs = []
-        for ref in program.outputs:
-            for d in range(n):
-                tensor = values[ref.node][ref.out][d]
-                if self.runs_on[d] != self.devices[d]:
-                    with tf.device(self.devices[d]):  # outputs live on their device
-                        tensor = tf.identity(tensor)
-                outputs.append(tensor)
-        return outputs
+        # outputs live on their device: segments ran on runs_on, copies read in place
+        return [self._held_on(values[ref.node][ref.out][d], d)
+                for ref in program.outputs for d in self.local]
 
     def _emit_segment(self, program, segment, function, values, op_of):
         inside = set(segment.nodes)
         control = sorted({c for i in segment.nodes for c in program.nodes[i].control_inputs
                           if c not in inside})
         graph = ops.get_default_graph()
+        # a segment is pure but for its variable writes: called once for the devices
+        # holding equal values of all its outputs, the others read the results
+        sources = (range(self.mesh.size) if function.touches_variables else
+                   self.common_sources(sorted({ref.node for ref in segment.outputs})))
         calls, results = [], []
         for d in range(self.mesh.size):
+            if sources[d] != d:
+                calls.append(calls[sources[d]])
+                results.append(results[sources[d]])
+                continue
             args = [values[ref.node][ref.out][d] for ref in segment.inputs]
             # TF touches a variable only on its own device
             runs_on = self.devices[d] if function.touches_variables else self.runs_on[d]
