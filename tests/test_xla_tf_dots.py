@@ -43,6 +43,34 @@ def test_multiply_adds_of_dots(rng):
                                  "Conv2DBackpropFilter"]), found[577]
 
 
+def test_multiply_adds_of_3d_and_depthwise_convolutions(rng):
+    """Conv3D sums over its window and input channels, a depthwise convolution over its
+    window alone; each gradient does the forward's multiply-adds."""
+    mesh = gt.Mesh.create((1,), ("x",))
+
+    def fn(volume, kernel3d, image, depthwise):
+        with tf.GradientTape() as tape:
+            tape.watch([volume, kernel3d, image, depthwise])
+            conv3d = tf.nn.conv3d(volume, kernel3d, strides=[1] * 5, padding="VALID")
+            dw = tf.nn.depthwise_conv2d(image, depthwise, strides=[1] * 4, padding="VALID")
+            loss = tf.reduce_sum(conv3d) + tf.reduce_sum(dw)
+        return (conv3d, dw, *tape.gradient(loss, [volume, kernel3d, image, depthwise]))
+
+    args = [randn(rng, 1, 4, 4, 4, 2), randn(rng, 3, 3, 3, 2, 4), randn(rng, 1, 6, 6, 2),
+            randn(rng, 3, 3, 2, 2)]
+    program = gt.lower(fn, mesh, (None,) * 4, args=args).compile().program
+
+    def found(threshold):
+        return sorted(program.nodes[i].op for i in segments.large_dots(program, threshold))
+    # conv3d: 2x2x2x4 outputs over 3x3x3x2: 1728; depthwise: 4x4x4 outputs over 3x3: 576
+    conv3d = ["Conv3D", "Conv3DBackpropFilterV2", "Conv3DBackpropInputV2"]
+    depthwise = ["DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropFilter",
+                 "DepthwiseConv2dNativeBackpropInput"]
+    assert found(576) == sorted(conv3d + depthwise), found(576)
+    assert found(577) == found(1728) == conv3d, found(577)
+    assert found(1729) == [], found(1729)
+
+
 @pytest.mark.parametrize("shape,axes", [((8,), ("x",)), ((2, 4), ("data", "model"))],
                          ids=["8", "2x4"])
 def test_large_dots_on_tf_kernels_equal_single_device(shape, axes, rng):

@@ -96,14 +96,22 @@ def why_not_compiled(program, node):
     return None
 
 
+# Convolutions and their gradients (inputs (sizes or input, filter or its sizes,
+# output gradient)), which large_dots counts with the dots
+_CONVOLUTIONS = ("Conv2D", "Conv3D", "DepthwiseConv2dNative")
+_INPUT_GRADIENTS = ("Conv2DBackpropInput", "Conv3DBackpropInputV2",
+                    "DepthwiseConv2dNativeBackpropInput")
+_FILTER_GRADIENTS = ("Conv2DBackpropFilter", "Conv3DBackpropFilterV2",
+                     "DepthwiseConv2dNativeBackpropFilter")
 # Dot-like ops large_dots may leave to TF's kernels (oneDNN on CPU)
-_DOTS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
-         "Conv2DBackpropInput", "Conv2DBackpropFilter")
+_DOTS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum") + \
+    _CONVOLUTIONS + _INPUT_GRADIENTS + _FILTER_GRADIENTS
 
 
 def large_dots(program, min_flops):
-    """Indices of the dot-like nodes (matmuls, einsums, 2-D convolutions and their
-    gradients) of `program` doing at least `min_flops` multiply-adds."""
+    """Indices of the dot-like nodes (matmuls, einsums, 2-D, 3-D and depthwise
+    convolutions and their gradients) of `program` doing at least `min_flops`
+    multiply-adds."""
     return {i for i, node in enumerate(program.nodes)
             if node.op in _DOTS and _multiply_adds(program, node) >= min_flops}
 
@@ -125,12 +133,19 @@ def _multiply_adds(program, node):
                 return out * max(_elements(lhs), _elements(rhs))
             size.update(zip(labels, shape))
         return out * _elements([size[c] for c in size if c not in output])
-    # convolutions (filter [h, w, in, out]): each output element sums over a window of
-    # the input channels, and each gradient does the forward's multiply-adds again
-    if node.op == "Conv2D":
-        return out * _elements(rhs[:3])
-    window = rhs if node.op == "Conv2DBackpropInput" else node.out_shapes[0]
-    return _elements(program.shape(node.inputs[2])) * _elements(window[:3])
+    # convolutions: each output element sums over the filter's window, and each
+    # gradient does the forward's multiply-adds again
+    if node.op in _CONVOLUTIONS:
+        return out * _window(node.op, rhs)
+    filter_shape = rhs if node.op in _INPUT_GRADIENTS else node.out_shapes[0]
+    return _elements(program.shape(node.inputs[2])) * _window(node.op, filter_shape)
+
+
+def _window(op, filter_shape):
+    """Elements of its filter (spatial dims, in channels, out channels or multiplier)
+    one output element of convolution `op` sums over: the spatial window times the
+    input channels, or for a depthwise one the spatial window alone."""
+    return _elements(filter_shape[:2] if op.startswith("Depthwise") else filter_shape[:-1])
 
 
 def _elements(shape):
