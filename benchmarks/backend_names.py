@@ -1,5 +1,6 @@
 """The gspmd-tf backends the step benchmarks name in their --systems / --backends flags.
 
+    auto        the default backend (the XLA or the local backend, chosen per program)
     xla         the XLA backend (compute between collectives compiled by XLA)
     local       the local backend (op by op; collectives of one process's CPU devices
                 as cross-device reads)
@@ -15,7 +16,7 @@
 
 import functools
 
-NAMES = ("xla", "local", "local_tf", "local_each", "xla_tfdots", "xla_plain")
+NAMES = ("auto", "xla", "local", "local_tf", "local_each", "xla_tfdots", "xla_plain")
 
 
 def backend(name, tf_dots_from):

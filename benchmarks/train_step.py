@@ -342,7 +342,8 @@ def run_on_tpu(gt, tpu, shape):
           f"| {reference:.6f} | {abs(loss - reference) / abs(reference):.1e} |")
 
 
-LABEL = {"xla": "gspmd-tf, XLA backend (gt.Variable + gt.function)",
+LABEL = {"auto": "gspmd-tf, default backend (auto: XLA or local per program)",
+         "xla": "gspmd-tf, XLA backend (gt.Variable + gt.function)",
          "local": "gspmd-tf, local backend (op by op)",
          "local_tf": "gspmd-tf, local backend with TF's collective ops",
          "local_each": "gspmd-tf, local backend, every op on every device",

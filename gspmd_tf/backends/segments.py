@@ -112,8 +112,13 @@ def large_dots(program, min_flops):
     """Indices of the dot-like nodes (matmuls, einsums, 2-D, 3-D and depthwise
     convolutions and their gradients) of `program` doing at least `min_flops`
     multiply-adds."""
-    return {i for i, node in enumerate(program.nodes)
-            if node.op in _DOTS and _multiply_adds(program, node) >= min_flops}
+    return {i for i, count in dot_multiply_adds(program).items() if count >= min_flops}
+
+
+def dot_multiply_adds(program):
+    """{node index: multiply-adds} of the dot-like nodes of `program` (large_dots')."""
+    return {i: _multiply_adds(program, node) for i, node in enumerate(program.nodes)
+            if node.op in _DOTS}
 
 
 def _multiply_adds(program, node):
