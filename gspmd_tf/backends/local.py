@@ -16,6 +16,7 @@ import re
 
 import tensorflow as tf
 from tensorflow.python.eager import context, execute
+from tensorflow.python.eager.polymorphic_function import attributes as function_attributes
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.framework import func_graph as func_graph_module
@@ -23,7 +24,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util_v2
 
 from gspmd_tf import cluster
-from gspmd_tf.backends import base, collectives, replicas, schedule
+from gspmd_tf.backends import base, collectives, ordering, replicas, schedule
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.ir import REGION_OPS, walk
@@ -154,7 +155,10 @@ class _Compiled:
             return lowering.lower(self.program, flat)
         # TF's errors name the function: __inference_<this name>_N
         spmd_program.__name__ = re.sub(r"\W+", "_", self.what).strip("_")
-        fn = tf.function(spmd_program, autograph=False)
+        # A lowering that orders the program's state itself needs no automatic control
+        # dependencies (ordering.py: ACD was a quarter of building the graph).
+        attributes = {function_attributes.DISABLE_ACD: True} if lowering.orders_state else None
+        fn = tf.function(spmd_program, autograph=False, experimental_attributes=attributes)
         with gc_paused():
             concrete = fn.get_concrete_function(*self.specs)
         # Calling the traced function directly skips ConcreteFunction's argument binding
@@ -281,7 +285,14 @@ def safe_name(name):
 
 
 class _Lowering:
-    """Emits an SPMD program into the current (function) graph, once per device."""
+    """Emits an SPMD program into the current (function) graph, once per device.
+
+    lower() adds the control edges that order the program's state on each device
+    (ordering.py: variable reads and writes, stateful ops, each device's collectives on
+    its ordering token) and makes the stateful ops control outputs, so the function is
+    traced without tf.function's automatic control dependencies (`orders_state`)."""
+
+    orders_state = True
 
     def __init__(self, mesh, keys, devices=None, order=None, copy_collectives=False,
                  replicated_once=False):
@@ -311,6 +322,9 @@ class _Lowering:
         self._scalars = {}  # (graph, device id, value) -> int32 Const on that device
         self._consts = {}  # (graph, _const_key) -> (values, ops) of the first such node
         self._emitting = None  # name of the device emit_node is emitting for
+        self.ordering = None  # ordering.Ordering of the program lower() emits
+        self.last_token = {}  # device id -> op of its last node on its ordering token
+        self.must_run = []  # ops to make control outputs of the function
 
     def _place(self, op):
         """Device function of emit_node: the op's own device (an emitter's tf.device
@@ -342,13 +356,19 @@ class _Lowering:
         if self.replicated_once:
             cpus = tuple(d for d in self.local if _on_cpu(self.devices[d]))
             self.classes = replicas.replica_classes(program, self.mesh, cpus)
-        # Node-major order: every device's copy of a node is created before the next.
-        # tf.function chains stateful ops without resource inputs in creation order, and
-        # this order keeps those chains from waiting on a later collective.
-        for index in self.order(program):
+        # Node-major order: every device's copy of a node is created before the next, so
+        # every ordering edge and every device's token chain follow one global order,
+        # and no chain waits on a collective emitted later.
+        order = list(self.order(program))
+        self.ordering = ordering.program_ordering(program, order)
+        self.last_token = dict.fromkeys(self.local)
+        self.must_run = []
+        for index in order:
             self.emit_node(program, index, values, op_of)
-        return [self._held_on(values[ref.node][ref.out][d], d)
-                for ref in program.outputs for d in self.local]
+        outputs = [self._held_on(values[ref.node][ref.out][d], d)
+                   for ref in program.outputs for d in self.local]
+        ops.get_default_graph().control_outputs.extend(self.must_run)
+        return outputs
 
     def _held_on(self, tensor, d):
         """`tensor` as device d's output: a copy on d when it is a function argument or
@@ -376,6 +396,14 @@ class _Lowering:
         n = self.mesh.size
         outs, node_ops = [None] * n, [None] * n
         sources = self._sources(node, index)
+        control = node.control_inputs
+        # with self.ordering: the ordering edges, the token chain and the control outputs
+        # (without it, tf.function's automatic control dependencies add them)
+        uses_token = self.ordering is not None and getattr(emit, "uses_token", False)
+        must_run = uses_token
+        if self.ordering is not None:
+            control = control + list(self.ordering.after.get(index, ()))
+            must_run = must_run or index in self.ordering.must_run
         # One device-function scope for every device's copy: a tf.device scope per copy
         # cost a third of the op's own creation (24 vs 70 us); the function puts each op
         # without a device of its own on the device being emitted.
@@ -385,8 +413,11 @@ class _Lowering:
                     outs[d], node_ops[d] = outs[sources[d]], node_ops[sources[d]]
                     continue
                 self._emitting = self.devices[d]
-                if node.control_inputs:
-                    with tf.control_dependencies([op_of[c][d] for c in node.control_inputs]):
+                deps = [op_of[c][d] for c in control]
+                if uses_token and self.last_token[d] is not None:
+                    deps.append(self.last_token[d])
+                if deps:
+                    with tf.control_dependencies(deps):
                         result = emit(d, ins)
                 else:  # (the scope costs ~6 us even when empty)
                     result = emit(d, ins)
@@ -395,6 +426,10 @@ class _Lowering:
                 else:
                     outs[d], node_ops[d] = [result], result.op
                 _set_shapes(node, outs[d])
+                if uses_token:
+                    self.last_token[d] = node_ops[d]
+                if must_run:
+                    self.must_run.append(node_ops[d])
         values[index] = [[None if outs[d] is None else outs[d][k] for d in range(n)]
                          for k in range(len(outs[self.local[0]]))]
         op_of[index] = node_ops
@@ -463,20 +498,27 @@ class _Lowering:
 
         def emit(d, ins):
             x = ins[0][d]
-            received = None
+            received, gathers = None, []
             for pair in (pair for pair in crossing if d in pair):
                 other = pair[1] if pair[0] == d else pair[0]
                 group = collectives.Group([self.devices[m] for m in pair], instance_key,
                                           self.tokens[d], lambda v: self._scalar(d, v))
                 sent = x if source_of.get(other) == d else tf.zeros_like(x)
                 blocks = group.all_gather(tf.expand_dims(sent, 0), 0)
+                gathers.append(blocks.op)
                 if source_of.get(d) == other:
                     received = blocks[pair.index(other)]
             if d not in source_of:
-                return tf.zeros_like(x)
-            if received is not None:
-                return received
-            return _identity(ins[0][source_of[d]])
+                result = tf.zeros_like(x)
+            elif received is not None:
+                result = received
+            else:
+                result = _identity(ins[0][source_of[d]])
+            if gathers:  # the result follows every gather, so its token chain does too
+                with tf.control_dependencies(gathers):
+                    result = _identity(result)
+            return result
+        emit.uses_token = bool(crossing)
         return emit
 
     def _collective(self, node, in_region=False):
@@ -503,6 +545,7 @@ class _Lowering:
             if node.op == base.ALL_GATHER:
                 return group.all_gather(x, p["dim"] % rank)
             return group.all_to_all(x, p["split_dim"] % rank, p["concat_dim"] % rank)
+        emit.uses_token = True  # chained on the device's ordering token (see emit_node)
         return emit
 
 
@@ -619,6 +662,7 @@ class _Lowering:
                                 shape=shapes + [tf.TensorShape([]).as_proto()]))
             return ops.get_default_graph()._create_op_internal(
                 op_type, inputs, dtypes=dtypes, attrs=op_attrs, name=f"{name}_d{d}")
+        emit.uses_token = threads_token
         return emit
 
     def _region_function(self, region, d, name, threads_token, returns_token):
