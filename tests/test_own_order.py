@@ -1,13 +1,16 @@
 """The local backend's per-device graph orders state itself (backends/ordering.py), without
 tf.function's automatic control dependencies: variable reads and writes in program order
-on every device, stateful ops chained, unused effects still run."""
+on every device, stateful ops chained, unused effects still run; and the all-reduce
+combiner is off where the local backend's all-reduces are copies."""
 
 import collections
+import functools
 
 import numpy as np
 import tensorflow as tf
 
 import gspmd_tf as gt
+from gspmd_tf.backends import LocalBackend
 from gspmd_tf.backends import ordering
 from gspmd_tf.graph.ir import Graph, Node, Ref
 from util import assert_close, assert_like_tf_variable
@@ -142,3 +145,65 @@ def test_ordering_from_the_program():
                             print2: (print1,)}
     assert result.must_run == {read, write, read2, write2, print1, print2}
     assert unused not in result.must_run
+
+
+def _all_reduce_counts(lowered):
+    return collections.Counter(c.kind for c in lowered.collectives())
+
+
+def test_no_combined_all_reduces_where_they_are_copies(mesh, monkeypatch):
+    monkeypatch.delenv("GSPMD_TF_ALL_REDUCE_COMBINE_BYTES", raising=False)
+    values = [rows(10 + k, (4, 4)) for k in range(4)]
+
+    def make(weights):
+        def step(x):
+            with tf.GradientTape() as tape:
+                h = x
+                for w in weights:
+                    h = tf.tanh(h @ w)
+                loss = tf.reduce_mean(tf.square(h))
+            for w, grad in zip(weights, tape.gradient(loss, weights)):
+                w.assign_sub(0.1 * grad)
+            return loss
+        return step
+
+    x = rows(20, (8, 4))
+    results = {}
+    for name, backend in [("copies", "local"),
+                          ("tf", functools.partial(LocalBackend, copy_collectives=False))]:
+        weights = [gt.Variable(v, mesh, P(), name=f"w{k}") for k, v in enumerate(values)]
+        step = gt.function(make(weights), mesh=mesh, in_shardings=(P("data"),),
+                           backend=backend)
+        loss = step(x).numpy()
+        lowered = step.lower(x)
+        ops = collections.Counter(n.op for n in lowered.program.graph.nodes)
+        results[name] = (loss, [w.numpy() for w in weights], _all_reduce_counts(lowered),
+                         ops)
+    with tf.device("/device:CPU:0"):
+        plain = [tf.Variable(v) for v in values]
+        want = tf.function(make(plain), autograph=False)(x).numpy()
+    for name, (loss, weights, _, _) in results.items():
+        assert_close(loss, want, f"{name}: loss")
+        for w, p in zip(weights, plain):
+            assert_close(w, p.numpy(), f"{name}: weight")
+    # copies: one all-reduce per gradient and the loss, no concat/split around them
+    copies, tf_collectives = results["copies"][2:], results["tf"][2:]
+    assert copies[0]["all-reduce"] == len(values) + 1
+    assert copies[1]["ConcatV2"] == 0 and copies[1]["SplitV"] == 0
+    # TF's collectives: merged into one, through a concat and a split
+    assert tf_collectives[0]["all-reduce"] == 1
+    assert tf_collectives[1]["ConcatV2"] >= 1 and tf_collectives[1]["SplitV"] >= 1
+
+
+def test_an_explicit_combine_threshold_applies_to_copies_too(mesh, monkeypatch):
+    monkeypatch.setenv("GSPMD_TF_ALL_REDUCE_COMBINE_BYTES", str(256 * 1024))
+
+    def f(x, y):
+        return tf.reduce_sum(x), tf.reduce_sum(y)
+
+    x, y = rows(30), rows(31)
+    step = gt.function(f, mesh=mesh, in_shardings=(P("data"), P("data")))
+    got = [t.numpy() for t in step(x, y)]
+    assert_close(got[0], x.sum())
+    assert_close(got[1], y.sum())
+    assert _all_reduce_counts(step.lower(x, y))["all-reduce"] == 1

@@ -109,6 +109,19 @@ class LocalBackend(base.Backend):
         return _Compiled(self.mesh, program, self.collective_timeout, name, order,
                          self.copy_collectives, self.replicated_once)
 
+    def all_reduce_combine_bytes(self, in_region):
+        """0 (no combining) for the top-level all-reduces when every one of them is
+        copies (copy_collectives, every device of the mesh a CPU of this process): a
+        copy all-reduce is one AddN with no fixed cost to amortise, and combining only
+        adds a flatten, a concat, a split and a reshape per member (benchmarks/
+        RESULTS.md §14.10). TF's collectives (bodies, other devices, several workers)
+        keep the combiner's default."""
+        if in_region or not self.copy_collectives or not self.mesh.is_fully_addressable:
+            return None
+        if all(_on_cpu(name) for name in self.mesh.devices):
+            return 0
+        return None
+
 
 class _Compiled:
     """A program traced into one TF function, traced again when its collective group
