@@ -592,7 +592,7 @@ class _Lowering:
             # float32), so both paths give the same values
             carried = [collectives.carry(t) for t in tensors]
             if p["reduce_op"] == "sum":
-                return collectives.restore(tf.add_n(carried), dtype)
+                return collectives.restore(_add_n(carried), dtype)
             return collectives.restore(
                 _STACKED_REDUCE[p["reduce_op"]](tf.stack(carried), 0), dtype)
 
@@ -785,6 +785,18 @@ def _identity(x):
     if hasattr(x, "_handle_data"):
         result._handle_data = x._handle_data
     return result
+
+
+def _add_n(tensors):
+    """tf.add_n of graph tensors of one dtype, created directly: tf.add_n's dispatch and
+    op-def layers cost ~0.35 ms per op against ~0.07 ms, and without the all-reduce
+    combiner the copy all-reduces are one AddN per gradient and group (1,282 for the
+    64-layer FFN step)."""
+    dtype = tensors[0].dtype.as_datatype_enum
+    return ops.get_default_graph()._create_op_internal(
+        "AddN", tensors, dtypes=[tensors[0].dtype],
+        attrs={"N": attr_value_pb2.AttrValue(i=len(tensors)),
+               "T": attr_value_pb2.AttrValue(type=dtype)}).outputs[0]
 
 
 _STACKED_REDUCE = {"sum": tf.reduce_sum, "prod": tf.reduce_prod, "max": tf.reduce_max,
