@@ -373,7 +373,8 @@ class _Lowering:
         # every ordering edge and every device's token chain follow one global order,
         # and no chain waits on a collective emitted later.
         order = list(self.order(program))
-        self.ordering = ordering.program_ordering(program, order)
+        if self.orders_state:  # else tf.function's automatic control dependencies do
+            self.ordering = ordering.program_ordering(program, order)
         self.last_token = dict.fromkeys(self.local)
         self.must_run = []
         for index in order:
