@@ -38,6 +38,13 @@ class Backend(abc.ABC):
         user's function, as errors should call it) names the program in errors.
         """
 
+    def all_reduce_combine_bytes(self, in_region):
+        """The largest all-reduce (operand bytes per device) the partitioner's combiner
+        should merge with others (spmd/combine.py) in this backend's programs: at the
+        top level, or inside control-flow bodies (`in_region`); 0 for none, None for
+        the combiner's default. What pays depends on what an all-reduce costs here."""
+        return None
+
 
 def program_inputs(program):
     """The gt.Input nodes of `program`, indexed by their `index` param.

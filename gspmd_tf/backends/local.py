@@ -16,6 +16,7 @@ import re
 
 import tensorflow as tf
 from tensorflow.python.eager import context, execute
+from tensorflow.python.eager.polymorphic_function import attributes as function_attributes
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.framework import func_graph as func_graph_module
@@ -23,7 +24,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util_v2
 
 from gspmd_tf import cluster
-from gspmd_tf.backends import base, collectives, replicas, schedule
+from gspmd_tf.backends import base, collectives, ordering, replicas, schedule
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.ir import REGION_OPS, walk
@@ -108,6 +109,19 @@ class LocalBackend(base.Backend):
         return _Compiled(self.mesh, program, self.collective_timeout, name, order,
                          self.copy_collectives, self.replicated_once)
 
+    def all_reduce_combine_bytes(self, in_region):
+        """0 (no combining) for the top-level all-reduces when every one of them is
+        copies (copy_collectives, every device of the mesh a CPU of this process): a
+        copy all-reduce is one AddN with no fixed cost to amortise, and combining only
+        adds a flatten, a concat, a split and a reshape per member (benchmarks/
+        RESULTS.md §14.10). TF's collectives (bodies, other devices, several workers)
+        keep the combiner's default."""
+        if in_region or not self.copy_collectives or not self.mesh.is_fully_addressable:
+            return None
+        if all(_on_cpu(name) for name in self.mesh.devices):
+            return 0
+        return None
+
 
 class _Compiled:
     """A program traced into one TF function, traced again when its collective group
@@ -154,7 +168,10 @@ class _Compiled:
             return lowering.lower(self.program, flat)
         # TF's errors name the function: __inference_<this name>_N
         spmd_program.__name__ = re.sub(r"\W+", "_", self.what).strip("_")
-        fn = tf.function(spmd_program, autograph=False)
+        # A lowering that orders the program's state itself needs no automatic control
+        # dependencies (ordering.py: ACD was a quarter of building the graph).
+        attributes = {function_attributes.DISABLE_ACD: True} if lowering.orders_state else None
+        fn = tf.function(spmd_program, autograph=False, experimental_attributes=attributes)
         with gc_paused():
             concrete = fn.get_concrete_function(*self.specs)
         # Calling the traced function directly skips ConcreteFunction's argument binding
@@ -288,7 +305,14 @@ def safe_name(name):
 
 
 class _Lowering:
-    """Emits an SPMD program into the current (function) graph, once per device."""
+    """Emits an SPMD program into the current (function) graph, once per device.
+
+    lower() adds the control edges that order the program's state on each device
+    (ordering.py: variable reads and writes, stateful ops, each device's collectives on
+    its ordering token) and makes the stateful ops control outputs, so the function is
+    traced without tf.function's automatic control dependencies (`orders_state`)."""
+
+    orders_state = True
 
     def __init__(self, mesh, keys, devices=None, order=None, copy_collectives=False,
                  replicated_once=False):
@@ -318,6 +342,9 @@ class _Lowering:
         self._scalars = {}  # (graph, device id, value) -> int32 Const on that device
         self._consts = {}  # (graph, _const_key) -> (values, ops) of the first such node
         self._emitting = None  # name of the device emit_node is emitting for
+        self.ordering = None  # ordering.Ordering of the program lower() emits
+        self.last_token = {}  # device id -> op of its last node on its ordering token
+        self.must_run = []  # ops to make control outputs of the function
 
     def _place(self, op):
         """Device function of emit_node: the op's own device (an emitter's tf.device
@@ -341,13 +368,20 @@ class _Lowering:
         self.bind(program, flat)
         values = {}   # values[node][out][device]: tf.Tensor (None on other workers)
         op_of = {}    # op_of[node][device]: tf.Operation, for control inputs
-        # Node-major order: every device's copy of a node is created before the next.
-        # tf.function chains stateful ops without resource inputs in creation order, and
-        # this order keeps those chains from waiting on a later collective.
-        for index in self.order(program):
+        # Node-major order: every device's copy of a node is created before the next, so
+        # every ordering edge and every device's token chain follow one global order,
+        # and no chain waits on a collective emitted later.
+        order = list(self.order(program))
+        if self.orders_state:  # else tf.function's automatic control dependencies do
+            self.ordering = ordering.program_ordering(program, order)
+        self.last_token = dict.fromkeys(self.local)
+        self.must_run = []
+        for index in order:
             self.emit_node(program, index, values, op_of)
-        return [self._held_on(values[ref.node][ref.out][d], d)
-                for ref in program.outputs for d in self.local]
+        outputs = [self._held_on(values[ref.node][ref.out][d], d)
+                   for ref in program.outputs for d in self.local]
+        ops.get_default_graph().control_outputs.extend(self.must_run)
+        return outputs
 
     def bind(self, program, flat):
         """Prepares to emit `program` with the function arguments `flat` (input-major,
@@ -389,6 +423,14 @@ class _Lowering:
         n = self.mesh.size
         outs, node_ops = [None] * n, [None] * n
         sources = self._sources(node, index)
+        control = node.control_inputs
+        # with self.ordering: the ordering edges, the token chain and the control outputs
+        # (without it, tf.function's automatic control dependencies add them)
+        uses_token = self.ordering is not None and getattr(emit, "uses_token", False)
+        must_run = uses_token
+        if self.ordering is not None:
+            control = control + list(self.ordering.after.get(index, ()))
+            must_run = must_run or index in self.ordering.must_run
         # One device-function scope for every device's copy: a tf.device scope per copy
         # cost a third of the op's own creation (24 vs 70 us); the function puts each op
         # without a device of its own on the device being emitted.
@@ -398,8 +440,11 @@ class _Lowering:
                     outs[d], node_ops[d] = outs[sources[d]], node_ops[sources[d]]
                     continue
                 self._emitting = self.devices[d]
-                if node.control_inputs:
-                    with tf.control_dependencies([op_of[c][d] for c in node.control_inputs]):
+                deps = [op_of[c][d] for c in control]
+                if uses_token and self.last_token[d] is not None:
+                    deps.append(self.last_token[d])
+                if deps:
+                    with tf.control_dependencies(deps):
                         result = emit(d, ins)
                 else:  # (the scope costs ~6 us even when empty)
                     result = emit(d, ins)
@@ -408,6 +453,10 @@ class _Lowering:
                 else:
                     outs[d], node_ops[d] = [result], result.op
                 _set_shapes(node, outs[d])
+                if uses_token:
+                    self.last_token[d] = node_ops[d]
+                if must_run:
+                    self.must_run.append(node_ops[d])
         values[index] = [[None if outs[d] is None else outs[d][k] for d in range(n)]
                          for k in range(len(outs[self.local[0]]))]
         op_of[index] = node_ops
@@ -487,20 +536,27 @@ class _Lowering:
 
         def emit(d, ins):
             x = ins[0][d]
-            received = None
+            received, gathers = None, []
             for pair in (pair for pair in crossing if d in pair):
                 other = pair[1] if pair[0] == d else pair[0]
                 group = collectives.Group([self.devices[m] for m in pair], instance_key,
                                           self.tokens[d], lambda v: self._scalar(d, v))
                 sent = x if source_of.get(other) == d else tf.zeros_like(x)
                 blocks = group.all_gather(tf.expand_dims(sent, 0), 0)
+                gathers.append(blocks.op)
                 if source_of.get(d) == other:
                     received = blocks[pair.index(other)]
             if d not in source_of:
-                return tf.zeros_like(x)
-            if received is not None:
-                return received
-            return _identity(ins[0][source_of[d]])
+                result = tf.zeros_like(x)
+            elif received is not None:
+                result = received
+            else:
+                result = _identity(ins[0][source_of[d]])
+            if gathers:  # the result follows every gather, so its token chain does too
+                with tf.control_dependencies(gathers):
+                    result = _identity(result)
+            return result
+        emit.uses_token = bool(crossing)
         return emit
 
     def _collective(self, node, in_region=False):
@@ -527,6 +583,7 @@ class _Lowering:
             if node.op == base.ALL_GATHER:
                 return group.all_gather(x, p["dim"] % rank)
             return group.all_to_all(x, p["split_dim"] % rank, p["concat_dim"] % rank)
+        emit.uses_token = True  # chained on the device's ordering token (see emit_node)
         return emit
 
 
@@ -560,7 +617,7 @@ class _Lowering:
             # float32), so both paths give the same values
             carried = [collectives.carry(t) for t in tensors]
             if p["reduce_op"] == "sum":
-                return collectives.restore(tf.add_n(carried), dtype)
+                return collectives.restore(_add_n(carried), dtype)
             return collectives.restore(
                 _STACKED_REDUCE[p["reduce_op"]](tf.stack(carried), 0), dtype)
 
@@ -643,6 +700,7 @@ class _Lowering:
                                 shape=shapes + [tf.TensorShape([]).as_proto()]))
             return ops.get_default_graph()._create_op_internal(
                 op_type, inputs, dtypes=dtypes, attrs=op_attrs, name=f"{name}_d{d}")
+        emit.uses_token = threads_token
         return emit
 
     def _region_function(self, region, d, name, threads_token, returns_token):
@@ -752,6 +810,18 @@ def _identity(x):
     if hasattr(x, "_handle_data"):
         result._handle_data = x._handle_data
     return result
+
+
+def _add_n(tensors):
+    """tf.add_n of graph tensors of one dtype, created directly: tf.add_n's dispatch and
+    op-def layers cost ~0.35 ms per op against ~0.07 ms, and without the all-reduce
+    combiner the copy all-reduces are one AddN per gradient and group (1,282 for the
+    64-layer FFN step)."""
+    dtype = tensors[0].dtype.as_datatype_enum
+    return ops.get_default_graph()._create_op_internal(
+        "AddN", tensors, dtypes=[tensors[0].dtype],
+        attrs={"N": attr_value_pb2.AttrValue(i=len(tensors)),
+               "T": attr_value_pb2.AttrValue(type=dtype)}).outputs[0]
 
 
 _STACKED_REDUCE = {"sum": tf.reduce_sum, "prod": tf.reduce_prod, "max": tf.reduce_max,

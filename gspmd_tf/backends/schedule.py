@@ -1,7 +1,9 @@
 """The order a backend emits an SPMD program's nodes in, which orders its collectives.
 
 Every collective of a device takes the device's ordering token (collectives.
-ordering_token), so tf.function chains them in the order they are created: a collective
+ordering_token), and collectives on one token are chained in the order they are created
+(by tf.function's automatic control dependencies, or the local lowering's own ordering,
+ordering.py): a collective
 starts only when the one created before it on its device has finished, whatever its
 operand. Emitted in program order, a collective whose operand is ready early (a weight's
 all-gather, whose variable read the importer places where the graph uses it) waits

@@ -243,6 +243,8 @@ def _variable(program, segment, ref):
 class _XlaLowering(local._Lowering):
     """Emits the plan's steps once per device: segment calls and op-by-op nodes."""
 
+    orders_state = False  # its segment calls are ordered by tf.function's ACD
+
     def __init__(self, mesh, keys, plan, copy_collectives, replicated_once):
         super().__init__(mesh, keys, copy_collectives=copy_collectives,
                          replicated_once=replicated_once)

@@ -135,7 +135,10 @@ def lower_seeded(graph, mesh, seeds, out_layouts, count, backend_factory, name,
     log.info("gspmd_tf: %s propagated from %d annotations (%.1f s)", name, len(seeds),
              propagated - start)
     out_layouts = [l or propagation.layout(r) for l, r in zip(out_layouts, graph.outputs)]
-    program = partition(graph, mesh, propagation, out_layouts, windowed_einsum)
+    # the backend says which all-reduces are worth combining (an abstract mesh runs none)
+    combine_bytes = (None if mesh.is_abstract
+                     else backend_factory(mesh).all_reduce_combine_bytes)
+    program = partition(graph, mesh, propagation, out_layouts, windowed_einsum, combine_bytes)
     log.info("gspmd_tf: %s partitioned: %d ops in the SPMD program (%.1f s)", name,
              len(program.graph.nodes), time.perf_counter() - propagated)
     lowered = Lowered(mesh, graph, propagation, program, count, set(seeds), backend_factory,

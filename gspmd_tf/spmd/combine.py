@@ -45,12 +45,12 @@ GROUP_FACTOR = 16
 _DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
-def threshold_bytes():
+def threshold_bytes(default=DEFAULT_THRESHOLD):
     """GSPMD_TF_ALL_REDUCE_COMBINE_BYTES when set (0 turns the combiner off), else
-    DEFAULT_THRESHOLD: the largest all-reduce (operand bytes per device) combined."""
+    `default`: the largest all-reduce (operand bytes per device) combined."""
     text = os.environ.get("GSPMD_TF_ALL_REDUCE_COMBINE_BYTES")
     if text is None:
-        return DEFAULT_THRESHOLD
+        return default
     try:
         value = int(text)
         if value < 0:

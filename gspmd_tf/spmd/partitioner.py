@@ -23,7 +23,7 @@ from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.registry import op_def
 from gspmd_tf.spmd import planner
-from gspmd_tf.spmd.combine import combine_all_reduces
+from gspmd_tf.spmd.combine import DEFAULT_THRESHOLD, combine_all_reduces, threshold_bytes
 from gspmd_tf.spmd.dce import live_nodes
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.handlers.basic import any_padded, local_shapes
@@ -276,10 +276,12 @@ class Partitioner:
     """Builds the SPMD program of an imported graph from its propagated layouts."""
 
     def __init__(self, graph, mesh, propagation, parent=None, prefix="",
-                 windowed_einsum=None):
+                 windowed_einsum=None, combine_bytes=None):
         """`windowed_einsum`: the byte threshold of windowed dots (see
-        spmd/windowed_einsum.py), None for none; a region's partitioner takes its
-        parent's."""
+        spmd/windowed_einsum.py), None for none; `combine_bytes(in_region)`: the
+        all-reduce combiner's threshold the backend asks for (Backend.
+        all_reduce_combine_bytes), None for the combiner's default; a region's
+        partitioner takes both from its parent."""
         self.graph = graph
         self.propagation = propagation
         self.b = ProgramBuilder(mesh, prefix)
@@ -297,6 +299,7 @@ class Partitioner:
         self.operand_layouts = {}  # of this graph's ops (a region's are its own)
         self.result_layouts = {}
         self.windowed_einsum = parent.windowed_einsum if parent else windowed_einsum
+        self.combine_bytes = parent.combine_bytes if parent else combine_bytes
 
     def decide(self, rule, inputs, targets, node):
         """The Decision for an op with `rule`, operands `inputs` (Locals) and result
@@ -370,7 +373,7 @@ class Partitioner:
         outputs = self._partition(output_layouts)
         self._warn_replicated()
         graph = self.graph
-        return SpmdProgram(combine_all_reduces(self.b.graph, live=live_nodes(self.b.graph)),
+        return SpmdProgram(self._combined(in_region=False),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops,
                            self.operand_layouts, self.result_layouts)
@@ -380,8 +383,15 @@ class Partitioner:
         parameters come in `input_layouts` (gt.Input nodes, in order), its results leave
         in `output_layouts` (a None entry: in the layout the result has)."""
         outputs = self._partition(output_layouts, input_layouts)
-        return (combine_all_reduces(self.b.graph, live=live_nodes(self.b.graph)),
-                [local.layout for local in outputs])
+        return self._combined(in_region=True), [local.layout for local in outputs]
+
+    def _combined(self, in_region):
+        """The program built, its dead nodes dropped and its all-reduces combined at the
+        threshold the backend asks for (GSPMD_TF_ALL_REDUCE_COMBINE_BYTES, when set,
+        wins: combine.threshold_bytes)."""
+        asked = self.combine_bytes(in_region) if self.combine_bytes else None
+        threshold = threshold_bytes(DEFAULT_THRESHOLD if asked is None else asked)
+        return combine_all_reduces(self.b.graph, threshold, live=live_nodes(self.b.graph))
 
     def _partition(self, output_layouts, input_layouts=None):
         """Partition every node; returns the outputs (Locals) in `output_layouts`.
@@ -563,8 +573,10 @@ class Partitioner:
                 for ref, shape, dtype in zip(refs, node.out_shapes, node.out_dtypes)]
 
 
-def partition(graph, mesh, propagation, output_layouts, windowed_einsum=None):
+def partition(graph, mesh, propagation, output_layouts, windowed_einsum=None,
+              combine_bytes=None):
     """The SPMD program of `graph` (see Partitioner; `windowed_einsum`: a byte
-    threshold, or None)."""
-    return Partitioner(graph, mesh, propagation,
-                       windowed_einsum=windowed_einsum).run(output_layouts)
+    threshold, or None; `combine_bytes`: the backend's all_reduce_combine_bytes, or
+    None)."""
+    return Partitioner(graph, mesh, propagation, windowed_einsum=windowed_einsum,
+                       combine_bytes=combine_bytes).run(output_layouts)
