@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from gspmd_tf.backends import auto
+from gspmd_tf.backends import auto, segments
 from gspmd_tf.backends.local import LocalBackend
 from gspmd_tf.backends.xla import XlaBackend
 from gspmd_tf.runtime.function import DEFAULT_BACKEND
@@ -48,40 +48,55 @@ def test_small_program_on_cpus_is_compiled_by_xla(rng, caplog):
         assert_close(g, w)
 
 
-def test_large_dot_on_cpus_stays_on_tf_kernels(rng, caplog):
-    """A matmul of 2^24 multiply-adds per device or more: the local backend, equal
-    values, and the log names the dot."""
+def test_matmul_heavy_program_on_cpus_stays_on_tf_kernels(rng, caplog):
+    """Dots of DOT_PER_OP multiply-adds or more per program op: the local backend."""
     mesh = gt.Mesh.create((2,), ("x",))
-
-    def big(x, w):
-        return tf.matmul(x, w)
-
-    # per device: (256 / 2) x 512 x 256 = 2^24 multiply-adds
+    # per device: (256 / 2) x 512 x 256 = 2^24 multiply-adds over a handful of ops
     args = [randn(rng, 256, 512), randn(rng, 512, 256)]
-    got, want, chosen = run_auto(big, mesh, args, (P("x", None), None), caplog)
-    assert "LocalBackend" in chosen and "MatMul" in chosen, chosen
+    got, want, chosen = run_auto(tf.matmul, mesh, args, (P("x", None), None), caplog)
+    assert "LocalBackend" in chosen and "per op" in chosen, chosen
     assert_close(got[0], want[0])
 
 
-def test_just_below_the_threshold_is_compiled(rng, caplog):
+def test_large_convolution_stays_on_tf_kernels_among_cheap_ops(rng, caplog):
+    """A convolution of CONVOLUTION multiply-adds per device or more sends the program to
+    the local backend even where its dots per op are few."""
     mesh = gt.Mesh.create((2,), ("x",))
-    args = [randn(rng, 254, 512), randn(rng, 512, 256)]  # 127 x 512 x 256 < 2^24
-    got, want, chosen = run_auto(tf.matmul, mesh, args, (P("x", None), None), caplog)
+
+    def conv_then_elementwise(image, kernel):
+        y = tf.nn.conv2d(image, kernel, strides=1, padding="SAME")
+        for _ in range(12):  # cheap ops: the dots per op fall below DOT_PER_OP
+            y = tf.nn.relu(y) * 0.5 + 0.25
+        return y
+
+    # per device: 16 x 16 x 32 outputs over 3 x 3 x 16 inputs: 1,179,648 >= 2^20
+    args = [randn(rng, 2, 16, 16, 16), randn(rng, 3, 3, 16, 32)]
+    f = gt.function(conv_then_elementwise, mesh=mesh, in_shardings=(P("x"), None))
+    program = f.lower(*args).compile().program
+    per_op = sum(segments.dot_multiply_adds(program).values()) / len(program.nodes)
+    assert per_op < auto.DOT_PER_OP, per_op
+    got, want, chosen = run_auto(conv_then_elementwise, mesh, args, (P("x"), None), caplog)
+    assert "LocalBackend" in chosen and "Conv2D" in chosen, chosen
+    assert_close(got[0], want[0])
+
+
+def test_small_convolution_is_compiled(rng, caplog):
+    mesh = gt.Mesh.create((2,), ("x",))
+
+    def conv(image, kernel):
+        return tf.nn.relu(tf.nn.conv2d(image, kernel, strides=1, padding="SAME")) + 1.0
+
+    args = [randn(rng, 2, 6, 6, 2), randn(rng, 3, 3, 2, 3)]
+    got, want, chosen = run_auto(conv, mesh, args, (P("x"), None), caplog)
     assert "XlaBackend" in chosen, chosen
     assert_close(got[0], want[0])
 
 
-def test_large_convolution_stays_on_tf_kernels(rng, caplog):
-    mesh = gt.Mesh.create((2,), ("x",))
-
-    def conv(image, kernel):
-        return tf.nn.conv2d(image, kernel, strides=1, padding="SAME")
-
-    # per device: 4 x 64 x 64 x 64 outputs, each over 3 x 3 x 32 inputs: 2^25 multiply-adds
-    args = [randn(rng, 8, 64, 64, 32), randn(rng, 3, 3, 32, 64)]
-    got, want, chosen = run_auto(conv, mesh, args, (P("x"), None), caplog)
-    assert "LocalBackend" in chosen and "Conv2D" in chosen, chosen
-    assert_close(got[0], want[0])
+def test_the_partitioner_combines_no_copy_all_reduce():
+    """Both backends it picks make a CPU mesh's all-reduces copies: no combining."""
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+    assert auto.AutoBackend(mesh).all_reduce_combine_bytes(in_region=False) == 0
+    assert auto.AutoBackend(mesh).all_reduce_combine_bytes(in_region=True) is None
 
 
 @pytest.mark.parametrize("device,expected", [("/job:localhost/replica:0/task:0/device:GPU:{}",

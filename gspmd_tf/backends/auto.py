@@ -6,12 +6,14 @@ Where it applies, measured on this project's workloads (benchmarks/RESULTS.md §
 - a mesh of this process's devices (the XLA backend runs no mesh spanning workers);
 - on accelerators, always: XLA is the compiler TF's GPU and TPU paths are built around,
   and a GPU pays per kernel launch what compiling removes (not measured here: no GPU);
-- on CPUs, for programs without a large dot or convolution: compiling the program's
-  compute between collectives removes the per-op dispatch of 8 logical devices' copies
-  of every small op (a Transformer LM's training step 1.6x faster data parallel, its
-  forward 1.35x on 2x4), while XLA:CPU's dots and convolutions are slower than TF's
-  oneDNN kernels once they are large (an FFN with 268M multiply-adds per device and
-  dot: 2.1x slower; ResNet50: 2.6x).
+- on CPUs, for programs of many cheap ops: compiling the compute between collectives
+  removes the dispatch of every op's copy on every logical device, but XLA:CPU's dots
+  are slower than TF's oneDNN kernels and its convolutions much slower. So a CPU program
+  runs on the XLA backend unless it has a convolution of CONVOLUTION multiply-adds per
+  device or more (ResNet50: 2.6x slower under XLA), or its dots do DOT_PER_OP
+  multiply-adds or more per op of the program (FFN train steps of width 64 to 512:
+  4.4e5 to 2.9e7, 1.4-2.1x slower under XLA; a Transformer LM's forward and training
+  steps: 6.7e4 to 2.1e5, 1.0-1.7x faster).
 
 The choice is logged (logger "gspmd_tf", INFO) with its reason; `choose` gives it
 without compiling. backend="local" or "xla" (or GSPMD_TF_BACKEND) fixes the backend.
@@ -29,10 +31,12 @@ from gspmd_tf.backends.xla import XlaBackend
 
 log = logging.getLogger("gspmd_tf")
 
-# Multiply-adds per device from which a dot or convolution runs faster on TF's oneDNN
-# kernels than under XLA:CPU (benchmarks/RESULTS.md §14.11: the crossover of the FFN
-# train step's width).
-LARGE_DOT = 2 ** 24
+# The thresholds of the module docstring, in multiply-adds per device. CONVOLUTION lies
+# below ResNet50's convolutions at 64x64 pixels and 2 images per device (up to 1.9e7);
+# it was not calibrated further. DOT_PER_OP is about the geometric middle between the
+# LM's 2.1e5 and the FFN's 4.4e5 (RESULTS §14.11).
+CONVOLUTION = 2 ** 20
+DOT_PER_OP = 2 ** 18
 
 
 def choose(mesh, program):
@@ -46,15 +50,23 @@ def choose(mesh, program):
     if kinds != {"CPU"}:
         return XlaBackend, f"the mesh's {'/'.join(sorted(kinds - {'CPU'}))} devices run " \
                            "XLA-compiled segments"
-    large = sorted(segments.large_dots(program, LARGE_DOT))
-    if large:
-        node = program.nodes[large[0]]
+    dots = segments.dot_multiply_adds(program)
+    convolutions = [i for i, count in dots.items()
+                    if count >= CONVOLUTION and segments.is_convolution(program.nodes[i])]
+    if convolutions:
+        node = program.nodes[convolutions[0]]
         return LocalBackend, (
-            f"{len(large)} dots or convolutions of {LARGE_DOT:,} multiply-adds per device "
+            f"{len(convolutions)} convolutions of {CONVOLUTION:,} multiply-adds per device "
             f"or more (e.g. {node.name}, {node.op}) run faster on TF's CPU kernels than "
             "under XLA:CPU")
-    return XlaBackend, "no dot or convolution of 2^24 multiply-adds per device or more " \
-                       "on a CPU mesh: compiled segments save the per-op dispatch"
+    per_op = sum(dots.values()) / max(len(program.nodes), 1)
+    if per_op >= DOT_PER_OP:
+        return LocalBackend, (
+            f"its dots do {per_op:,.0f} multiply-adds per op of the program (from "
+            f"{DOT_PER_OP:,} TF's CPU kernels are faster than XLA:CPU's)")
+    return XlaBackend, (
+        f"its dots do {per_op:,.0f} multiply-adds per op of the program, fewer than "
+        f"{DOT_PER_OP:,}: compiled segments save more dispatch than XLA:CPU's dots cost")
 
 
 class AutoBackend(base.Backend):
@@ -64,6 +76,12 @@ class AutoBackend(base.Backend):
     def __init__(self, mesh, collective_timeout=None):
         super().__init__(mesh)
         self.collective_timeout = collective_timeout
+
+    def all_reduce_combine_bytes(self, in_region):
+        """As both backends it picks from answer (they share the local backend's
+        collectives): the partitioner asks before the program exists to choose by."""
+        return LocalBackend(self.mesh, self.collective_timeout).all_reduce_combine_bytes(
+            in_region)
 
     def compile(self, program, name=None):
         """The chosen backend's compile(program, name)."""

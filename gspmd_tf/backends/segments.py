@@ -115,6 +115,11 @@ def large_dots(program, min_flops):
     return {i for i, count in dot_multiply_adds(program).items() if count >= min_flops}
 
 
+def is_convolution(node):
+    """Whether `node` is a convolution or a convolution's gradient."""
+    return node.op in _CONVOLUTIONS + _INPUT_GRADIENTS + _FILTER_GRADIENTS
+
+
 def dot_multiply_adds(program):
     """{node index: multiply-adds} of the dot-like nodes of `program` (large_dots')."""
     return {i: _multiply_adds(program, node) for i, node in enumerate(program.nodes)
