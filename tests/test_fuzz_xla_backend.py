@@ -2,7 +2,7 @@
 differs from eager single-device TF only where XLA's semantics differ from TF's kernels
 passes when single-device TF under jit_compile gives it too.
 
-Seed 46 #553 (shrunk: tf.maximum of inputs holding NaN, benchmarks/RESULTS.md §14.9):
+Seed 46 #553 (shrunk: tf.maximum of inputs holding NaN, benchmarks/RESULTS.md §14.11):
 XLA's maximum returns a number where TF's returns NaN, on one device as on the
 mesh.
 """
