@@ -73,7 +73,7 @@ class XlaBackend(local.LocalBackend):
         if not self.mesh.is_fully_addressable:
             raise ShardingError(
                 f"backend='xla' runs meshes of one process; {self.mesh!r} spans several "
-                "workers: use backend='local' (the default) there")
+                "workers: use backend='local' (or the default, 'auto') there")
         if self.async_collectives:
             raise ShardingError("async_collectives applies to LocalBackend: the XLA "
                                 "backend's segment plan orders its collectives")
