@@ -40,12 +40,13 @@ from fuzz_programs import loosest, output_precisions, source, watched  # noqa: E
 
 # The traced single-device programs a partitioned result may equal instead of the eager
 # one: (jit_compile, in words). The XLA backend compiles the program's compute with TF's
-# XLA bridge and so has XLA's semantics where they differ from TF's kernels, as
+# XLA bridge (as the default, auto, does for most programs) and so has XLA's semantics
+# where they differ from TF's kernels, as
 # tf.function(jit_compile=True) has on one device (e.g. XLA's minimum and maximum return
 # a number where TF's return NaN; fuzz seed 46 #553, #28 under --backend=xla).
 TRACED_REFERENCES = ((None, "in graph mode"),) + (
-    ((True, "under XLA (jit_compile)"),) if os.environ.get("GSPMD_TF_BACKEND") == "xla"
-    else ())
+    ((True, "under XLA (jit_compile)"),)
+    if os.environ.get("GSPMD_TF_BACKEND") in ("xla", "auto") else ())
 
 # Relative error bound (norm of the error over norm of the value, finite entries) per
 # dtype: float32 as the test suite; half types only as loose as their precision forces.

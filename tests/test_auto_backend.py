@@ -92,6 +92,25 @@ def test_small_convolution_is_compiled(rng, caplog):
     assert_close(got[0], want[0])
 
 
+def test_what_runs_op_by_op_is_no_warning_under_the_default(rng, caplog):
+    """A while loop runs op by op under the XLA backend: a warning when the user chose
+    backend="xla", an INFO line when the default chose it."""
+    mesh = gt.Mesh.create((2,), ("x",))
+
+    def loop(x):
+        return tf.while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, y * 2.0),
+                             (tf.constant(0), x))[1]
+
+    x = randn(rng, 4, 3)
+    with caplog.at_level(logging.INFO, logger="gspmd_tf"):
+        for backend in ("auto", "xla"):
+            assert_close(gt.function(loop, mesh=mesh, in_shardings=(P("x"),),
+                                     backend=backend)(x).numpy(), single_device(loop, [x])[0])
+    levels = {r.levelname for r in caplog.records if "op by op" in r.getMessage()}
+    assert levels == {"INFO", "WARNING"}, levels
+    assert sum(r.levelname == "WARNING" for r in caplog.records) == 1
+
+
 def test_the_partitioner_combines_no_copy_all_reduce():
     """Both backends it picks make a CPU mesh's all-reduces copies: no combining."""
     mesh = gt.Mesh.create((2, 4), ("data", "model"))

@@ -71,6 +71,20 @@ def test_multiply_adds_of_3d_and_depthwise_convolutions(rng):
     assert found(1729) == [], found(1729)
 
 
+def test_an_einsum_of_one_operand_multiplies_nothing(rng):
+    """'aa->a' and 'ij->j' sum without products: no multiply-adds (it crashed the count)."""
+    mesh = gt.Mesh.create((1,), ("x",))
+
+    def fn(square, matrix):
+        return tf.einsum("aa->a", square), tf.einsum("ij->j", matrix), \
+            tf.einsum("ij,jk->ik", matrix, tf.transpose(matrix))
+
+    args = [randn(rng, 5, 5), randn(rng, 4, 3)]
+    program = gt.lower(fn, mesh, (None,) * 2, args=args).compile().program
+    counts = sorted(segments.dot_multiply_adds(program).values())
+    assert counts == [0, 0, 4 * 4 * 3], counts
+
+
 @pytest.mark.parametrize("shape,axes", [((8,), ("x",)), ((2, 4), ("data", "model"))],
                          ids=["8", "2x4"])
 def test_large_dots_on_tf_kernels_equal_single_device(shape, axes, rng):

@@ -88,4 +88,8 @@ class AutoBackend(base.Backend):
         cls, reason = choose(self.mesh, program)
         log.info("gspmd_tf: %s runs on the %s: %s", name or "an SPMD program",
                  cls.__name__, reason)
-        return cls(self.mesh, self.collective_timeout).compile(program, name)
+        if cls is XlaBackend:  # the user did not ask for XLA: its fallbacks are no news
+            backend = XlaBackend(self.mesh, self.collective_timeout, fallback_level=logging.INFO)
+        else:
+            backend = cls(self.mesh, self.collective_timeout)
+        return backend.compile(program, name)

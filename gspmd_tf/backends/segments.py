@@ -130,6 +130,8 @@ def _multiply_adds(program, node):
     """Multiply-adds of the dot-like `node`: its output's elements times the length of
     what each sums over (the contracted dims; a convolution's window x input channels)."""
     out = _elements(node.out_shapes[0])
+    if len(node.inputs) < 2:
+        return 0  # an einsum of one operand ("aa->a", "ij->j"): sums, no products
     lhs, rhs = (program.shape(ref) for ref in node.inputs[:2])
     if node.op == "MatMul":
         return out * lhs[0 if node.attrs["transpose_a"].b else 1]

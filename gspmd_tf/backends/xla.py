@@ -58,14 +58,17 @@ class XlaBackend(local.LocalBackend):
     writing no variable is called once for the devices whose outputs of it are equal).
     `tf_dots_from`: when set, dot-like ops (matmuls, einsums, 2-D convolutions and their
     gradients) of at least this many multiply-adds run op by op on TF's kernels instead
-    of in the segments.
+    of in the segments. `fallback_level`: the logging level of the messages naming the
+    ops that run op by op (WARNING; AutoBackend, which chose XLA for the user, INFO).
     """
 
     def __init__(self, mesh, collective_timeout=None, tf_dots_from=None,
-                 async_collectives=False, copy_collectives=True, replicated_once=True):
+                 async_collectives=False, copy_collectives=True, replicated_once=True,
+                 fallback_level=logging.WARNING):
         super().__init__(mesh, collective_timeout, async_collectives, copy_collectives,
                          replicated_once)
         self.tf_dots_from = tf_dots_from
+        self.fallback_level = fallback_level
 
     def compile(self, program, name=None):
         """Returns run(inputs) -> outputs, as LocalBackend.compile; `run.plan` holds the
@@ -78,20 +81,22 @@ class XlaBackend(local.LocalBackend):
             raise ShardingError("async_collectives applies to LocalBackend: the XLA "
                                 "backend's segment plan orders its collectives")
         return _XlaCompiled(self.mesh, program, self.collective_timeout, name,
-                            self.tf_dots_from, self.copy_collectives, self.replicated_once)
+                            self.tf_dots_from, self.copy_collectives, self.replicated_once,
+                            self.fallback_level)
 
 
 class _XlaCompiled(local._Compiled):
     def __init__(self, mesh, program, timeout, name, tf_dots_from, copy_collectives,
-                 replicated_once):
+                 replicated_once, fallback_level):
         self.tf_dots_from = tf_dots_from  # before the first trace, which makes the plan
+        self.fallback_level = fallback_level
         super().__init__(mesh, program, timeout, name, copy_collectives=copy_collectives,
                          replicated_once=replicated_once)
 
     def _lowering(self):
         if getattr(self, "plan", None) is None:  # kept when traced again
             self.plan = _Plan(self.mesh, self.program, self.what, self.tf_dots_from,
-                              self.replicated_once)
+                              self.replicated_once, self.fallback_level)
         return _XlaLowering(self.mesh, self.keys, self.plan, self.copy_collectives,
                             self.replicated_once)
 
@@ -100,9 +105,9 @@ class _Plan:
     """The program's steps (segments.cut) after the compile check, each segment's
     function (`functions[k]` for the k-th Segment of `steps`) and, with
     `replicated_once`, the program's replica classes (local.cpu_replica_classes; else
-    None)."""
+    None). The ops that run op by op are logged at `fallback_level`."""
 
-    def __init__(self, mesh, program, what, tf_dots_from, replicated_once):
+    def __init__(self, mesh, program, what, tf_dots_from, replicated_once, fallback_level):
         device_type = tf.DeviceSpec.from_string(mesh.devices[0]).device_type or "CPU"
         excluded = set() if tf_dots_from is None else \
             segments.large_dots(program, tf_dots_from)
@@ -124,8 +129,8 @@ class _Plan:
                     positions, message = failed
                     for k in positions or range(len(step.nodes)):
                         node = program.nodes[step.nodes[k]]
-                        log.warning("gspmd_tf: XLA cannot compile %s (%s) of %s; it runs op "
-                                    "by op: %s", node.name, node.op, what, message)
+                        log.log(fallback_level, "gspmd_tf: XLA cannot compile %s (%s) of "
+                                "%s; it runs op by op: %s", node.name, node.op, what, message)
                         rejected.add(step.nodes[k])
             if not rejected:
                 break
@@ -139,8 +144,8 @@ class _Plan:
                     program.nodes[i].op not in _EXPECTED:
                 reasons.setdefault((program.nodes[i].op, why), None)
         if reasons:
-            log.warning("gspmd_tf: the XLA backend runs these ops of %s op by op: %s", what,
-                        "; ".join(f"{op} ({why})" for op, why in reasons))
+            log.log(fallback_level, "gspmd_tf: the XLA backend runs these ops of %s op by op: "
+                    "%s", what, "; ".join(f"{op} ({why})" for op, why in reasons))
 
 
 # Ops that run op by op by design (variable reads; writes reaching their variable
