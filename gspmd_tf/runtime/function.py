@@ -69,11 +69,10 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     else the local one, per program: backends/auto.py), "local" (op by op), "xla"
     (compute between collectives compiled by XLA), None (GSPMD_TF_BACKEND, else
     DEFAULT_BACKEND, "auto"), or a factory mesh -> gspmd_tf.backends.Backend; see
-    backend_factory. windowed_einsum:
-    True, False (the default) or a size in bytes: a dot whose operand would be
-    all-gathered (or whose result reduce-scattered) along a mesh axis, at least that big
-    on one device, runs as a loop of local dots and collective-permutes that overlap
-    (spmd/windowed_einsum.py).
+    backend_factory. windowed_einsum: True, False (the default) or a size in bytes: a
+    dot whose operand would be all-gathered (or whose result reduce-scattered) along a
+    mesh axis, at least that big on one device, runs as a loop of local dots and
+    collective-permutes that overlap (spmd/windowed_einsum.py).
     """
     threshold_of(windowed_einsum)  # a bad value fails here, not at the first call
     if fn is None:
