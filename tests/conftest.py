@@ -6,6 +6,11 @@ This runs before any test module, so the device split happens before TF's runtim
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TF turns its oneDNN CPU kernels on by default only on some x86 CPUs; on the others
+# (AMD EPYC here) the Eigen kernels refuse programs the suite compares against (a dilated
+# Conv3D, an NCDHW layout). The suite checks partitioning against single-device TF, so it
+# asks for the same kernels on every machine (the workers the fuzz tests start inherit it).
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 # Backends read this: a collective that cannot complete fails instead of hanging.
 os.environ.setdefault("GSPMD_TF_COLLECTIVE_TIMEOUT", "60")
 # The suite checks partitioning on the local backend: the default ("auto") would compile
