@@ -9,15 +9,10 @@ A failure names the programs; reproduce one with
 which also prints it shrunk to a standalone snippet.
 """
 
-import os
-import sys
-
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
-
-from fuzz import run_programs, signature  # noqa: E402
-from fuzz_programs import describe, generate  # noqa: E402
+from gspmd_tf.testing.generator import generate
+from gspmd_tf.testing.program_text import describe
+from gspmd_tf.testing.shrink import signature
+from gspmd_tf.testing.workers import run_programs
 
 SEED = 0
 PROGRAMS = 40
@@ -44,7 +39,7 @@ def test_accuracy_rule_excuses_only_tf_rounding():
     the float64 program's value than TF's is (TF's float32 sum of terms that cancel)."""
     import numpy as np
     import pytest
-    from fuzz_worker import Mismatch, check_values
+    from gspmd_tf.testing.accuracy import Mismatch, check_values
 
     exact = np.array([-0.00628261361271143])
     tf_sum, ours = np.float32([-0.0062847137]), np.float32([-0.0062828064])
@@ -62,7 +57,7 @@ def test_overflow_rule_excuses_only_disputed_non_finite_kinds():
     #4063: an overflowing sum whose sign is an accident of order)."""
     import numpy as np
     import pytest
-    from fuzz_worker import Mismatch, check_values
+    from gspmd_tf.testing.accuracy import Mismatch, check_values
 
     inf, nan = np.inf, np.nan
     # 8884: TF NaN, float64 -Inf, ours -Inf; 4063: TF -Inf, float64 +Inf, ours NaN.
@@ -85,8 +80,8 @@ def test_mismatch_of_tf_kernel_choice_is_checked_against_eigen_kernels():
     worker alone calls it a mismatch; the driver passes it because gspmd-tf's values equal
     single-device TF's with TF_ENABLE_ONEDNN_OPTS=0, and a reference off by one value is
     still a mismatch."""
-    from fuzz import EIGEN_KERNELS, Worker
-    from fuzz_worker import decode_values, encode_values
+    from gspmd_tf.testing.differential import decode_values, encode_values
+    from gspmd_tf.testing.workers import EIGEN_KERNELS, Worker
 
     program = generate(27, 9392)
     worker = Worker(120, 30)
@@ -112,7 +107,7 @@ def test_mismatch_of_tf_kernel_choice_is_checked_against_eigen_kernels():
 def test_reference_values_survive_encoding():
     import numpy as np
     import tensorflow as tf
-    from fuzz_worker import decode_values, encode_values
+    from gspmd_tf.testing.differential import decode_values, encode_values
 
     arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array(np.inf, np.float64),
               np.array([1.5, -2], dtype=tf.bfloat16.as_numpy_dtype), np.zeros((0, 4), np.int32)]
@@ -131,7 +126,7 @@ def test_exp_rounding_rule_scales_with_its_argument():
     import numpy as np
     import pytest
     import tensorflow as tf
-    from fuzz_worker import Mismatch, check_values, summed_magnitude
+    from gspmd_tf.testing.accuracy import Mismatch, check_values, summed_magnitude
 
     x = tf.constant([79.22395802536995, 0.5, -3.0], tf.float64)
     magnitude = tf.function(lambda t: summed_magnitude(tf, tf.exp(t)))(x).numpy()
@@ -158,7 +153,7 @@ def test_error_of_graph_mode_tf_is_not_ours():
     tf.function alike (eager TF runs it): invalid, not gspmd-tf's error. An error that
     graph-mode TF does not raise stays an error."""
     import tensorflow as tf
-    from fuzz_worker import fails_in_graph_mode_too
+    from gspmd_tf.testing.differential import fails_in_graph_mode_too
 
     def remapped():
         f = tf.function(lambda p, x, b: tf.add(b, tf.linalg.matmul(p, x, transpose_a=True)))

@@ -6,18 +6,12 @@ wrapping, so the partitioned mean sums, combines and divides in int64.
 result is an accident of summation order, which the fuzzer's rule now accepts.
 """
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
 from util import check_partitioned
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16, np.int32,
@@ -53,7 +47,7 @@ def test_seed_35_9094_segment_max_fill_values_mean():
 def test_overflowing_terms_leave_the_kind_to_summation_order():
     """Where the float64 magnitudes of the terms overflow and TF's value is non-finite,
     ours may be any non-finite value; elsewhere the kinds must match."""
-    from fuzz_worker import Mismatch, check_values
+    from gspmd_tf.testing.accuracy import Mismatch, check_values
 
     inf, nan = np.inf, np.nan
     tf_value, exact = np.float64([inf, 1.0]), np.float64([inf, 1.0])

@@ -7,18 +7,12 @@ run"), through the fuzzer's own worker.
 cancellation; the accuracy rule now bounds the terms a cross-entropy cancels.
 """
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
-
-from fuzz import run_programs  # noqa: E402
-from fuzz_programs import generate  # noqa: E402
+from gspmd_tf.testing.generator import generate
+from gspmd_tf.testing.workers import run_programs
 
 
 @pytest.mark.parametrize("index", [9544, 3936])
@@ -31,7 +25,7 @@ def test_seed_37_programs_pass(index):
 def test_cross_entropy_magnitude_bounds_the_cancelled_terms():
     """|labels| * (|logsumexp| + max|logits|) per example, for dense and sparse labels;
     a 30x error relative to it is still a mismatch."""
-    from fuzz_worker import Mismatch, check_values, summed_magnitude
+    from gspmd_tf.testing.accuracy import Mismatch, check_values, summed_magnitude
 
     logits = np.array([[1.0, -2.0, 0.5, 3.0]])
     labels = np.array([[0.5, -1.0, 2.0, 0.25]])

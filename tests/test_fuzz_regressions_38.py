@@ -10,20 +10,14 @@ and a roll, which the accuracy rule's term magnitudes did not follow: they now f
 moves and constant scalings, and the fuzzer's loops run unrolled while they are taken.
 """
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
-
-from fuzz import run_programs  # noqa: E402
-from fuzz_programs import generate  # noqa: E402
-from fuzz_worker import (Mismatch, check_values, cross_entropy_magnitude,  # noqa: E402
-                         summed_magnitude, unrolling_while_loops)
+from gspmd_tf.testing.accuracy import (Mismatch, check_values, cross_entropy_magnitude,
+                                       summed_magnitude, unrolling_while_loops)
+from gspmd_tf.testing.generator import generate
+from gspmd_tf.testing.workers import run_programs
 
 
 @pytest.mark.parametrize("seed,index", [(38, 9023), (36, 4500)])

@@ -1,9 +1,6 @@
 """Regressions of the fourth 10,000-program fuzzer run's open programs (seed 24) and the
 slice after them (benchmarks/RESULTS.md §6, "Open programs of the fourth run")."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -128,14 +125,11 @@ def test_shape_a_loop_recomputes_stays_unknown():
         f(p)
 
 
-# The fuzzer's comparison rules (benchmarks/fuzz_worker.py) for seed 24 #1489.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
-
+# The fuzzer's comparison rules (gspmd_tf/testing/accuracy.py) for seed 24 #1489.
 
 def _magnitudes(f, *args):
-    """f's float64 outputs and fuzz_worker.summed_magnitude of each, traced."""
-    from fuzz_worker import summed_magnitude
+    """f's float64 outputs and accuracy.summed_magnitude of each, traced."""
+    from gspmd_tf.testing.accuracy import summed_magnitude
 
     def with_magnitudes(*args):
         outs = f(*args)
@@ -190,7 +184,7 @@ def test_accuracy_rule_relative_to_the_cancelling_terms():
     float64 program 3.1e-16, its 6 terms 0.335 in magnitude. Both are float32 rounding of
     those terms (1.3 and 2.3 eps32 times it): excused relative to the terms, not to the
     value; a dropped term, a wrong sign, or an error 30 times the bound is not."""
-    from fuzz_worker import Mismatch, check_values
+    from gspmd_tf.testing.accuracy import Mismatch, check_values
 
     exact, terms = np.array(3.0531133177191805e-16), np.array(0.3354347574220473)
     tf_value, ours = np.float32(5.2154064e-08), np.float32(9.313226e-08)

@@ -52,12 +52,9 @@ def test_roll_of_an_empty_dim_in_a_cond_branch():
 def test_shrinker_candidates_of_control_flow_programs_are_programs():
     """The shrinker's simpler forms of while/cond ops (fewer trips or body steps, one
     branch) render to Python and keep every op's declared shape consistent."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "benchmarks"))
-    from fuzz import candidates
-    from fuzz_programs import generate, source
+    from gspmd_tf.testing.generator import generate
+    from gspmd_tf.testing.program_text import source
+    from gspmd_tf.testing.shrink import candidates
 
     simplified = 0
     for index in range(12):

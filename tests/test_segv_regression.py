@@ -20,10 +20,9 @@ import textwrap
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from gspmd_tf.testing.generator import generate
 
-from fuzz_programs import generate  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CALLS = 30  # calls of each partitioned program (the reference faults within ~8)
 
@@ -75,7 +74,7 @@ PROBE = textwrap.dedent("""
     print(json.dumps(report))
 """)
 
-TOLERANCE = {"float32": 1e-5, "bfloat16": 4e-2}  # the fuzzer's (benchmarks/fuzz_worker.py)
+TOLERANCE = {"float32": 1e-5, "bfloat16": 4e-2}  # the fuzzer's (gspmd_tf/testing/accuracy.py)
 
 
 def test_broadcast_batch_matmul_runs_repeatedly_without_a_fault():
@@ -120,7 +119,7 @@ def test_generated_body_matmuls_broadcast_over_at_most_one_batch_dim():
 def test_worker_runs_either_side_of_a_program_alone():
     """The worker runs only a program's reference or only its partitioned program on
     request (what the fuzzer's crash attribution asks of it)."""
-    from fuzz import Worker
+    from gspmd_tf.testing.workers import Worker
 
     worker = Worker(120, 30)
     try:
@@ -137,7 +136,7 @@ def test_crash_is_tf_s_only_if_the_reference_alone_dies(monkeypatch, reference, 
     """A crash is charged to single-device TF only when its reference alone kills a fresh
     worker and gspmd-tf's program alone does not (here with the workers' answers
     given)."""
-    import fuzz
+    from gspmd_tf.testing import workers
 
     answers = {"reference": reference, "partitioned": partitioned}
     seen = []
@@ -146,7 +145,7 @@ def test_crash_is_tf_s_only_if_the_reference_alone_dies(monkeypatch, reference, 
         seen.append((len(programs), part))
         return {"status": answers[part], "detail": "worker died: signal SIGSEGV"}
 
-    monkeypatch.setattr(fuzz, "run_fresh", run_fresh)
-    detail = fuzz.blame_reference({"ops": []}, 60, 20, runs=7)
+    monkeypatch.setattr(workers, "run_fresh", run_fresh)
+    detail = workers.blame_reference({"ops": []}, 60, 20, runs=7)
     assert (detail == "worker died: signal SIGSEGV") if blamed else detail is None
     assert seen[0] == (7, "reference") and all(n == 7 for n, _ in seen)
