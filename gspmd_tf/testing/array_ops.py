@@ -20,6 +20,8 @@ class ArrayOps:
     of its family to the program (self is a Generator)."""
 
     def op_unary(self):
+        """An elementwise unary op fitting the operand's dtype (ill-conditioned ones, which may
+        make NaN/Inf, only of values that do not depend on summation order)."""
         x = self.operand(make=lambda: self.new_input(self.shape(), self.any_dtype()))
         if x.is_float:
             fns = UNARY_FLOAT + ([] if x.rounded else UNARY_FLOAT_ILL)
@@ -49,6 +51,8 @@ class ArrayOps:
         return shape, result
 
     def op_binary(self):
+        """An elementwise binary op with a tensor of the same shape or a fresh broadcasting
+        input, in either order."""
         x = self.operand(make=lambda: self.new_input(self.shape(), self.any_dtype()))
         if x.is_float:
             fns = BINARY_FLOAT + ([] if x.rounded else BINARY_FLOAT_ILL)
@@ -71,6 +75,7 @@ class ArrayOps:
                   nonfinite=x.nonfinite or y.nonfinite or fn in NONFINITE_MAKERS)
 
     def op_add_n(self):
+        """tf.add_n of two or three tensors of one shape and dtype."""
         x = self.operand(lambda t: t.dtype in ("float32", "float64", "int32"))
         if x is None:
             return
@@ -94,6 +99,7 @@ class ArrayOps:
         return shape
 
     def op_reshape(self):
+        """A reshape to a random factorization of the operand's size."""
         x = self.operand(make=lambda: self.new_input(self.shape(), self.any_dtype()))
         rank = int(self.rng.integers(1, 5))
         if x.size == 0:
@@ -107,6 +113,7 @@ class ArrayOps:
         self.emit(f"tf.reshape({{0}}, {target})", [x], shape, x.dtype, family="reshape")
 
     def op_expand_squeeze(self):
+        """tf.squeeze of one or every size-1 dim, or tf.expand_dims at a random axis."""
         x = self.operand(make=lambda: self.new_input(self.shape(), self.any_dtype()))
         ones = [d for d, n in enumerate(x.shape) if n == 1]
         if ones and self.chance(0.6):
@@ -126,6 +133,7 @@ class ArrayOps:
                   family="expand_squeeze")
 
     def op_transpose(self):
+        """A transpose by a random permutation."""
         x = self.operand(lambda t: t.rank >= 2,
                          lambda: self.new_input(self.shape(int(self.rng.integers(2, 4))),
                                                 self.any_dtype()))
@@ -134,6 +142,7 @@ class ArrayOps:
                   family="transpose")
 
     def op_slice(self):
+        """tf.slice with random in-range begin and size."""
         x = self.operand(lambda t: t.rank >= 1)
         if x is None:
             x = self.new_input(self.shape(), self.any_dtype())
@@ -150,6 +159,7 @@ class ArrayOps:
         self.emit(f"tf.slice({{0}}, {begin}, {size})", [x], shape, x.dtype, family="slice")
 
     def op_strided_slice(self):
+        """A Python getitem: strides, negative indices, ellipsis, new axes, shrinks."""
         x = self.operand(lambda t: t.rank >= 1)
         if x is None:
             x = self.new_input(self.shape(), self.any_dtype())
@@ -182,6 +192,7 @@ class ArrayOps:
                   family="strided_slice")
 
     def op_pad(self):
+        """tf.pad with random paddings: constant (value 0, 1 or -2), reflect or symmetric."""
         x = self.operand(lambda t: t.rank >= 1 and t.dtype != "bool")
         if x is None:
             x = self.new_input(self.shape(), self.float_dtype())
@@ -204,6 +215,7 @@ class ArrayOps:
         self.emit(expr, [x], shape, x.dtype, family="pad")
 
     def op_concat(self):
+        """tf.concat of the operand with itself or fresh inputs along a random axis."""
         x = self.operand(lambda t: t.rank >= 1)
         if x is None:
             x = self.new_input(self.shape(), self.any_dtype())
@@ -225,6 +237,7 @@ class ArrayOps:
                   f"], axis={axis})", args, shape, x.dtype, family="concat")
 
     def op_tile(self):
+        """tf.tile by random multiples."""
         x = self.operand(lambda t: t.rank >= 1 and t.size <= 64)
         if x is None:
             return
@@ -244,6 +257,7 @@ class ArrayOps:
         return self.new_input(shape, "int32", kind="index", bound=[low, bound])
 
     def op_gather(self):
+        """tf.gather along a random axis with in-range indices of rank 0 to 2."""
         x = self.operand(lambda t: t.rank >= 1)
         if x is None:
             x = self.new_input(self.shape(), self.any_dtype())
@@ -258,6 +272,7 @@ class ArrayOps:
                   family="gather")
 
     def op_one_hot(self):
+        """tf.one_hot of fresh indices, -1 and depth included (all-off rows)."""
         depth = 0 if self.chance(self.zero_prob) else int(self.pick([1, 2, 3, 5, 8]))
         ishape = self.shape(int(self.rng.integers(0, 3)))
         idx = self.index_input(ishape, depth + 1, low=-1)  # -1 and depth: all-off rows
@@ -271,6 +286,7 @@ class ArrayOps:
                   f"dtype=tf.{dtype})", [idx], shape, dtype, family="one_hot")
 
     def op_segment(self):
+        """An unsorted segment reduction with random segment ids."""
         x = self.operand(lambda t: t.rank >= 1 and t.dtype in ("float32", "float64", "int32"),
                          lambda: self.new_input(self.shape(), "float32"))
         k = int(self.rng.integers(1, x.rank + 1))
@@ -284,6 +300,8 @@ class ArrayOps:
                   rounded=x.is_float and fn.endswith(("sum", "prod")), family="segment")
 
     def op_select(self):
+        """tf.where with a broadcasting condition, or tf.raw_ops.Select with a condition on
+        the first dim."""
         x = self.operand(make=lambda: self.new_input(self.shape(), self.any_dtype()))
         if x.rank >= 2 and self.chance(0.25):
             cond = self.new_input([x.shape[0]], "bool")
@@ -299,6 +317,8 @@ class ArrayOps:
         self.emit("tf.where({2}, {0}, {1})", [x, y, cond], out, x.dtype, family="select")
 
     def op_cast(self):
+        """tf.cast to another float type, or to int32 or bool where the value allows
+        (floats clipped before an int32 cast)."""
         x = self.operand(make=lambda: self.new_input(self.shape(), self.any_dtype()))
         targets = list(FLOATS)
         if not x.is_float or (not x.rounded and not x.nonfinite):
@@ -312,6 +332,7 @@ class ArrayOps:
         self.emit(expr, [x], x.shape, dtype, family="cast")
 
     def op_broadcast(self):
+        """tf.fill of a constant, or tf.broadcast_to of a small tensor over larger or more dims."""
         if self.chance(0.3):
             shape = self.shape()
             dtype = self.pick(["float32", "int32"])
@@ -329,6 +350,8 @@ class ArrayOps:
         self.emit(f"tf.broadcast_to({{0}}, {shape})", [x], shape, x.dtype, family="broadcast")
 
     def op_no_rule(self):
+        """An op that ran without a partitioning rule when the family was made (cumsum,
+        reverse, roll)."""
         x = self.operand(lambda t: t.rank >= 1 and t.dtype in ("float32", "int32"))
         if x is None:
             return

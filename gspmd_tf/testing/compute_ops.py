@@ -15,6 +15,7 @@ class ComputeOps:
     Generator)."""
 
     def op_reduce(self):
+        """A reduction (sum, mean, max, min, prod, all, any) over random axes."""
         x = self.operand(make=lambda: self.new_input(self.shape(), self.any_dtype()))
         if x.dtype == "bool":
             fn = self.pick(["tf.reduce_all", "tf.reduce_any"])
@@ -41,6 +42,7 @@ class ComputeOps:
                   family="reduce")
 
     def op_arg_reduce(self):
+        """tf.argmax or tf.argmin along a random axis."""
         x = self.operand(lambda t: t.rank >= 1 and t.dtype != "bool" and not t.rounded
                          and 0 not in t.shape)
         if x is None:
@@ -53,6 +55,7 @@ class ComputeOps:
                   out_type, family="arg_reduce")
 
     def op_softmax(self):
+        """softmax or log_softmax along a random axis."""
         fn = self.pick(["tf.nn.softmax", "tf.nn.log_softmax"])
         # TF's float32/bfloat16 softmax (oneDNN) puts NaN in lane-dependent places of a row
         # holding NaN/+Inf ([0..14, nan] -> NaN at 0 and 15, 0 elsewhere; [0..15, nan] ->
@@ -69,6 +72,7 @@ class ComputeOps:
                   family="softmax")
 
     def op_cross_entropy(self):
+        """A softmax cross-entropy, dense (soft labels) or sparse."""
         logits = self.operand(lambda t: t.rank == 2 and t.dtype in ("float32", "float64")
                               and t.shape[1] > 0,
                               lambda: self.new_input([self.dim(), self.pick(DIMS)],
@@ -84,6 +88,8 @@ class ComputeOps:
                   nonfinite=True, family="cross_entropy")
 
     def op_einsum(self):
+        """tf.einsum of one or two operands with random letters (shared, contracted, summed
+        out, repeated)."""
         x = self.float_operand(min_rank=1)
         letters = iter("abcdefghij")
         xl = []
@@ -113,6 +119,8 @@ class ComputeOps:
                   + ")", args, shape, x.dtype, rounded=True, family="einsum")
 
     def op_matmul(self):
+        """tf.linalg.matmul with random transposes and batch dims (broadcasting over at most
+        one batch dim)."""
         x = self.operand(lambda t: t.rank in (2, 3, 4) and t.dtype in ("float32", "float64",
                                                                       "int32", "bfloat16")
                          and not (t.dtype == "int32" and t.rank == 2),
@@ -125,7 +133,7 @@ class ComputeOps:
         yb = list(batch)
         # no broadcast over two or more batch dims: TF's oneDNN kernel, the reference,
         # corrupts memory on some ((3, 1, 6, 3) @ (3, 1), seed 21 #7078); gspmd-tf emits
-        # them without an in-kernel broadcast (tests/test_fuzz_regressions_3.py)
+        # them without an in-kernel broadcast (tests/test_reduction_numerics.py)
         if len(batch) == 1 and self.chance(0.3):
             yb = [1 if self.chance(0.5) else n for n in batch[int(self.rng.integers(
                 0, len(batch) + 1)):]]
@@ -135,6 +143,7 @@ class ComputeOps:
                   [x, y], list(out_batch) + [i, j], x.dtype, rounded=True, family="matmul")
 
     def op_bias_add(self):
+        """tf.nn.bias_add of a fresh bias vector, NHWC or NCHW."""
         x = self.operand(lambda t: t.rank >= 2 and t.dtype in ("float32", "float64", "int32"))
         if x is None:
             x = self.new_input(self.shape(int(self.rng.integers(2, 4))), "float32")
@@ -146,6 +155,7 @@ class ComputeOps:
                   family="bias_add")
 
     def image(self):
+        """A small rank-4 float NHWC operand: an existing one or a fresh input."""
         def make():
             shape = [0 if self.chance(self.zero_prob) else self.pick([1, 2, 3]),
                      self.pick([1, 3, 4, 5, 6, 8]), self.pick([1, 3, 4, 5, 7]),
@@ -156,6 +166,8 @@ class ComputeOps:
                             and np.prod(t.shape[1:3]) <= 64 and t.shape[3] > 0, make)
 
     def window(self, n, stride_ok=True, dilation_ok=True):
+        """A random (kernel, stride, dilation) for one spatial dim (no dilation with a stride
+        or a gradient)."""
         k = self.pick([1, 2, 3])
         s = self.pick([1, 1, 2, 3]) if stride_ok else 1
         # TF's CPU kernels have no gradient of a dilated convolution
@@ -164,6 +176,7 @@ class ComputeOps:
 
     @staticmethod
     def out_size(n, k, s, d, padding):
+        """The output size of a window of kernel k, stride s, dilation d over n."""
         eff = (k - 1) * d + 1
         if padding == "SAME":
             return -(-n // s)
@@ -183,6 +196,8 @@ class ComputeOps:
         return s != 1 and cls.out_size(n, k, s, d, padding) == 1
 
     def op_conv(self):
+        """tf.nn.conv2d or tf.nn.depthwise_conv2d with random windows and padding (3-D in
+        volume programs)."""
         if self.volumes:
             self.op_conv3d()
             return
@@ -224,6 +239,7 @@ class ComputeOps:
         self.emit(expr, [x, f], shape, x.dtype, rounded=True, family="conv")
 
     def op_pool(self):
+        """A 2-D max or average pool (3-D in volume programs)."""
         if self.volumes:
             self.op_pool3d()
             return
@@ -272,6 +288,7 @@ class ComputeOps:
         return out
 
     def op_conv3d(self):
+        """A 3-D convolution over a volume."""
         x = self.volume()
         nb, c = x.shape[0], x.shape[4]
         padding = self.pick(["SAME", "VALID"])
@@ -287,6 +304,7 @@ class ComputeOps:
                   x.dtype, rounded=True, family="conv")
 
     def op_pool3d(self):
+        """A 3-D max or average pool over a volume."""
         x = self.volume()
         padding = self.pick(["SAME", "VALID"])
         windows = self.volume_windows(x.shape[1:4], padding, dilation_ok=False)

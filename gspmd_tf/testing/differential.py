@@ -310,6 +310,7 @@ def compare(program, got, want, scope, exact=None, terms=None):
 
 
 def main():
+    """Serve requests on stdin until EOF (the worker process's entry point)."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray writes to stdout must not corrupt the answer channel
     sys.stdout = sys.stderr

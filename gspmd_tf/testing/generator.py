@@ -51,17 +51,21 @@ class Generator(ArrayOps, ComputeOps, ControlFlowOps):
 
     # ------------------------------------------------------------------ helpers
     def chance(self, p):
+        """True with probability p."""
         return self.rng.random() < p
 
     def pick(self, seq):
+        """A random element of seq."""
         return seq[self.rng.integers(len(seq))]
 
     def dim(self):
+        """A random dim size (0 with probability zero_prob)."""
         if self.chance(self.zero_prob):
             return 0
         return int(self.pick(DIMS))
 
     def shape(self, rank=None):
+        """A random shape of `rank` dims (1-3 if None) of at most MAX_ELEMENTS elements."""
         rank = int(self.rng.integers(1, 4)) if rank is None else rank
         for _ in range(20):
             shape = [self.dim() for _ in range(rank)]
@@ -70,11 +74,13 @@ class Generator(ArrayOps, ComputeOps, ControlFlowOps):
         return [1] * rank
 
     def float_dtype(self):
+        """A random float dtype, float32 most often."""
         r = self.rng.random()
         return "float32" if r < 0.8 else "float64" if r < 0.88 else "float16" if r < 0.94 \
             else "bfloat16"
 
     def any_dtype(self):
+        """A random dtype: mostly floats, some int32 and bool."""
         r = self.rng.random()
         return self.float_dtype() if r < 0.85 else "int32" if r < 0.95 else "bool"
 
@@ -123,6 +129,7 @@ class Generator(ArrayOps, ComputeOps, ControlFlowOps):
         return make() if make is not None else None
 
     def float_operand(self, rank=None, min_rank=0):
+        """A float tensor of `rank` (or at least `min_rank`) dims, existing or fresh."""
         def ok(t):
             return t.is_float and t.rank >= min_rank and (rank is None or t.rank == rank)
         r = rank if rank is not None else int(self.rng.integers(max(min_rank, 1), 4))
@@ -152,6 +159,7 @@ class Generator(ArrayOps, ComputeOps, ControlFlowOps):
 
     # ------------------------------------------------------------------ the program
     def program(self):
+        """The finished program (plain data): mesh, inputs, ops, outputs, shardings."""
         if self.with_variables:
             for _ in range(int(self.rng.integers(1, 3))):
                 self.new_variable()

@@ -84,12 +84,15 @@ class Tensor:
 
     @property
     def rank(self):
+        """Number of dims."""
         return len(self.shape)
 
     @property
     def size(self):
+        """Number of elements."""
         return int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def is_float(self):
+        """Whether the dtype is a float."""
         return self.dtype in FLOATS

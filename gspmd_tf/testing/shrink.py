@@ -53,6 +53,7 @@ def dead_code_eliminated(program):
 
 
 def with_outputs(program, outputs):
+    """The program with only `outputs` kept (and what they need)."""
     p = copy.deepcopy(program)
     dtypes = {op["out"]: op["dtype"] for op in p["ops"]}
     if p["out_shardings"] is not None:

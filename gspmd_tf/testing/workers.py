@@ -40,6 +40,7 @@ class Worker:
         self.buffer = b""
 
     def start(self):
+        """Start the worker subprocess and wait until it has imported TF."""
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                    GSPMD_TF_COLLECTIVE_TIMEOUT=str(self.collective_timeout),
                    PYTHONPATH=PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
