@@ -1,5 +1,5 @@
 """One output of one fuzzer program: TF's, gspmd-tf's and the float64 program's value,
-and the magnitude of the terms it sums (the accuracy rule's scale, fuzz_worker.py).
+and the magnitude of the terms it sums (the accuracy rule's scale, gspmd_tf/testing/accuracy.py).
 
     .venv/bin/python benchmarks/fuzz_cancellation.py --seed=24 --index=1489 --output=7
 
@@ -15,7 +15,6 @@ import sys
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SEED = flags.DEFINE_integer("seed", 24, "fuzzer run seed")
@@ -31,8 +30,10 @@ def main(argv):
     gt.configure_cpu_devices(8)
     import tensorflow as tf
 
-    from fuzz_programs import generate, source
-    from fuzz_worker import as_float64, program_scope, summed_magnitude
+    from gspmd_tf.testing.accuracy import summed_magnitude
+    from gspmd_tf.testing.differential import as_float64, program_scope
+    from gspmd_tf.testing.generator import generate
+    from gspmd_tf.testing.program_text import source
 
     k = OUTPUT.value
     text = source(generate(SEED.value, INDEX.value))

@@ -27,7 +27,7 @@ on an abstract mesh (gt.Mesh.abstract: no devices, nothing runs). Two sweeps:
 Each cell is the median of --repeats runs after one untimed warm-up run. Stage times are
 wall-clock; "total CPU ms" is the process CPU time of the whole lowering (less sensitive
 to other load on a shared machine than wall time). gt.lower pauses Python's garbage
-collector (see docs/INTERNALS.md); "GC after ms" is a full collection run right after
+collector (see docs/DESIGN_LOG.md); "GC after ms" is a full collection run right after
 each lowering (gc.collect()), not in the total; --no_gc_pause lowers with the collector
 running, as before the pause, to compare both. Model sizes default to ones every mesh axis
 divides (d_model 1024 = 64 heads x 16, d_ff 4096, vocab 32768, batch 64), so the same

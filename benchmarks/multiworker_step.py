@@ -26,7 +26,7 @@ so the losses agree to float32 round-off).
 --model=halo times instead a training step of --conv_layers 3x3 SAME convolutions
 (tanh, replicated kernels, SGD) on an image batch P("model", "data"): the height is
 split over "data", the axis spanning the workers, so every halo exchange (gt.Permute)
-crosses the processes, as the pair gathers of docs/INTERNALS.md, "Multi-worker"
+crosses the processes, as the pair gathers of docs/DESIGN_LOG.md, "Multi-worker"
 (--run=one,workers: MWMS has no spatial partitioning to compare).
 
     .venv/bin/python benchmarks/multiworker_step.py --model=halo --run=one,workers

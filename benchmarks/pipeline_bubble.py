@@ -22,7 +22,7 @@ On a mesh "S" the stage dim is split over one "stage" axis; on "S,D,M" over
 shape, not a speed-up over one device.
 
 --train_steps=N also trains the small pipelined Transformer stack of
-benchmarks/pipeline_model.py for N SGD steps on a 2x2x2 (stage, data, model) mesh and
+gspmd_tf/testing/pipeline_model.py for N SGD steps on a 2x2x2 (stage, data, model) mesh and
 on one device (the unpipelined sequential model), and prints both losses per step.
 """
 
@@ -36,7 +36,6 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
@@ -127,8 +126,9 @@ def time_bubble(gt, tf, mesh):
 
 
 def train_transformer(gt, tf):
-    """The pipelined Transformer of pipeline_model.py on a 2x2x2 mesh vs one device."""
-    import pipeline_model as pm
+    """The pipelined Transformer of gspmd_tf/testing/pipeline_model.py on a 2x2x2 mesh vs
+    one device."""
+    from gspmd_tf.testing import pipeline_model as pm
     P = gt.P
     mesh = gt.Mesh.create((2, 2, 2), ("stage", "data", "model"))
     rng = np.random.default_rng(0)

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/reshard_plans.py [--case=NAME]
 
-The cases are in benchmarks/collective_cases.py; XLA's side comes from
+The cases are in gspmd_tf/testing/collective_cases.py; XLA's side comes from
 benchmarks/xla_collectives.py (run under JAX). Reshards print the planner's steps,
 each collective as (kind, operand bytes per device, group size) and the bytes the
 planner's cost model says each device moves; dots are lowered by gt.function on an
@@ -23,7 +23,7 @@ import gspmd_tf as gt  # noqa: E402
 from gspmd_tf.layout import Layout  # noqa: E402
 from gspmd_tf.spmd import planner  # noqa: E402
 
-from collective_cases import print_cases, window_op  # noqa: E402
+from gspmd_tf.testing.collective_cases import print_cases, window_op  # noqa: E402
 
 CASE = flags.DEFINE_string("case", "all", "case name, or 'all'")
 

@@ -15,9 +15,10 @@ reduce it (the reduction's scalar all-reduce is reported too; tests skip it by s
 Window cases pad or slice a split dim, operand and result constrained alike, then reduce.
 tests/test_planner.py (tests/test_slicing.py for the window cases) holds the results as
 constants; benchmarks/reshard_plans.py prints
-gspmd-tf's side of the same cases (collective_cases.py).
+gspmd-tf's side of the same cases (gspmd_tf/testing/collective_cases.py).
 """
 
+import importlib.util
 import os
 import re
 
@@ -30,7 +31,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from collective_cases import print_cases, window_op  # noqa: E402
+# The cases module is loaded by its path: importing it as gspmd_tf.testing.collective_cases
+# would import gspmd_tf, and with it TensorFlow, which JAX's environment lacks.
+_CASES_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "gspmd_tf", "testing", "collective_cases.py")
+_spec = importlib.util.spec_from_file_location("collective_cases", _CASES_PATH)
+collective_cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(collective_cases)
+print_cases, window_op = collective_cases.print_cases, collective_cases.window_op
 
 CASE = flags.DEFINE_string("case", "all", "case name, or 'all'")
 

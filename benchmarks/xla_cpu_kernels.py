@@ -6,7 +6,7 @@ Each op is put alone in a tf.function(jit_compile=True) on a [8, 4] float32 inpu
 group of one device (compile-time constant group assignments, as the XLA ops require),
 and asked for its HLO (experimental_get_compiler_ir: nothing runs). Prints a markdown
 table: the op, whether the bridge has an XLA_CPU_JIT kernel for it, and the HLO
-collective it becomes. docs/INTERNALS.md ("TPU / XLA bridge") records the result.
+collective it becomes. docs/DESIGN_LOG.md ("TPU / XLA bridge") records the result.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The collectives XLA's SPMD partitioner emits for a rotation of a split dim (JAX
-reference for the pipeline shift; docs/INTERNALS.md, "Pipeline parallelism").
+reference for the pipeline shift; docs/DESIGN_LOG.md, "Pipeline parallelism").
 
 NEEDS JAX (not a dependency of gspmd-tf; see benchmarks/xla_reference.py for the venv):
 

@@ -5,7 +5,7 @@ and starts this process's gRPC server with TF's collective ops and coordination 
 enabled, the way tf.distribute.MultiWorkerMirroredStrategy does: collective ops then run
 between devices of all workers, over gRPC, and every worker knows the devices of all
 (however many each has). Every worker runs the same program (multi-client SPMD); each
-emits and runs only its own devices' part (see docs/INTERNALS.md, "Multi-worker").
+emits and runs only its own devices' part (see docs/DESIGN_LOG.md, "Multi-worker").
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class SubAxis(NamedTuple):
     `pre` devices in the factors more major than it.
 
     Only the reshard planner makes them, for the steps between two layouts of one plan
-    (spmd/planner.py, "Sub-axis steps" in docs/INTERNALS.md); Mesh.groups, shard_index and
+    (spmd/planner.py, "Sub-axis steps" in docs/DESIGN_LOG.md); Mesh.groups, shard_index and
     arrange accept them wherever they accept an axis name. (A named tuple: the planner
     hashes layouts holding them in its search.)"""
 

@@ -21,7 +21,7 @@ With `mesh` and `specs` the layer annotates as GShard does: x, y and the dispatc
 combine weights split on G, the expert weights split on E, the dispatched tensor and the
 expert output split on E (and on G over any remaining axes). The partitioner then turns
 the dispatch and the combine into all-to-alls that move the split from G to E and back
-(docs/INTERNALS.md, "Mixture of experts"). Without them the same code runs on one device.
+(docs/DESIGN_LOG.md, "Mixture of experts"). Without them the same code runs on one device.
 """
 
 from __future__ import annotations

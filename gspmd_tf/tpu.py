@@ -4,7 +4,7 @@ On TPUs gspmd-tf does not emit its per-device SPMD program: the annotated global
 (gspmd_tf.runtime.annotated: the traced ops with every tensor's sharding as an XlaSharding
 annotation) runs as ONE replica spanning all cores of the TPU, under a TPUStrategy with
 XLA's SPMD partitioning on, so the TPU bridge hands XLA's partitioner our shardings
-(docs/INTERNALS.md, "TPU / XLA bridge"). Lower for the TPU on an abstract mesh with as
+(docs/DESIGN_LOG.md, "TPU / XLA bridge"). Lower for the TPU on an abstract mesh with as
 many devices as the strategy has cores (`TPUSystem.mesh`).
 
     from gspmd_tf import tpu

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 import gspmd_tf as gt
-from gspmd_tf.demo import adam_update
+from gspmd_tf.optimizer import adam_update
 
 P = gt.P
 

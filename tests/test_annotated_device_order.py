@@ -2,13 +2,12 @@
 device orders included, so XLA's SPMD partitioner moves what gspmd-tf moves.
 
 The XLA check runs the HLO through XLA's GSPMD partitioner on 8 XLA CPU devices (JAX's
-XLA, test-only: skipped when /work/jaxref is absent; by hand:
+XLA, test-only: skipped unless GSPMD_TF_JAX_PYTHON names JAX's python; by hand:
 benchmarks/bridge_cases.py then benchmarks/xla_spmd_check.py, RESULTS section 11.1)."""
 
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,14 +15,12 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.runtime.annotated import AnnotatedGraph
+from gspmd_tf.testing.bridge_cases import CASES, write_case
+from util import JAX_PYTHON, requires_jax_python
 
 P = gt.P
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
-JAX_PYTHON = os.environ.get("GSPMD_TF_JAX_PYTHON", "/work/jaxref/bin/python")
-sys.path.insert(0, BENCHMARKS)
-
-from bridge_cases import CASES, write_case  # noqa: E402
 
 MESH = gt.Mesh.abstract((2, 4), ("data", "model"))
 
@@ -77,8 +74,7 @@ def test_annotated_steps_keep_the_values():
     np.testing.assert_allclose(got.numpy(), x * 2.0 + 1.0, rtol=1e-6)
 
 
-@pytest.mark.skipif(not os.path.exists(JAX_PYTHON),
-                    reason=f"needs JAX's XLA at {JAX_PYTHON} (GSPMD_TF_JAX_PYTHON)")
+@requires_jax_python
 def test_xla_moves_what_gspmd_tf_moves(tmp_path):
     """On 8 XLA CPU devices: values equal single device, and XLA's collectives are
     gspmd-tf's (same bytes per device) for a reshard through another device order and
@@ -171,8 +167,7 @@ def test_tpu_program_trains_captured_variables(mesh):
     np.testing.assert_array_equal(w.numpy(), w0)
 
 
-@pytest.mark.skipif(not os.path.exists(JAX_PYTHON),
-                    reason=f"needs JAX's XLA at {JAX_PYTHON} (GSPMD_TF_JAX_PYTHON)")
+@requires_jax_python
 def test_xla_runs_training_steps_on_captured_variables(tmp_path):
     """benchmarks/bridge_cases.py's train_step_variables (an SGD step of a Megatron MLP
     whose weights are captured gt.Variables) and embedding_step_variables (a gathered

@@ -56,7 +56,7 @@ def test_training_step_values_and_all_reduce_counts(monkeypatch, threshold, expe
     mesh = gt.Mesh.create((2, 4), ("data", "model"))
     weights = [gt.Variable(v, mesh, P(), name=f"w{i}") for i, v in enumerate(values)]
     # TF's collectives: where the local backend's all-reduces are copies it asks for no
-    # combining by default (tests/test_own_order.py)
+    # combining by default (tests/test_state_order_per_device.py)
     step = gt.function(make_step(weights), mesh=mesh, in_shardings=(P(("data", "model")),),
                        backend=functools.partial(LocalBackend, copy_collectives=False))
     losses = [step(x).numpy() for _ in range(3)]

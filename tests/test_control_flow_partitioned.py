@@ -9,7 +9,7 @@ import tensorflow as tf
 import gspmd_tf as gt
 from gspmd_tf.graph.ir import walk
 from util import assert_close, randn, single_device
-from util import run_and_compare as run, tensor_lists
+from util import run_and_compare, tensor_lists
 
 P = gt.P
 
@@ -41,8 +41,8 @@ def test_while_matmul_all_reduce_in_body(mesh, xw, caplog):
     """Model-split weights: the body's matmul contracts a split dim, so the body holds an
     all-reduce (run on each of the 4 iterations on all 8 devices); the loop value stays
     split and nothing is gathered."""
-    low, warnings = run(matmul_loop, xw, mesh, (P("data", "model"), P("model", None)),
-                        caplog=caplog)
+    low, warnings = run_and_compare(matmul_loop, xw, mesh, (P("data", "model"), P("model", None)),
+                                    caplog=caplog)
     assert not low.program.replicated_ops and not warnings
     loop = region_op(low, ("While", "StatelessWhile"))
     # the partial product is reduce-scattered back to the loop value's column split
@@ -63,7 +63,7 @@ def test_while_row_parallel_matmul_all_reduces_every_iteration(mesh, xw):
         def body(i, h):
             return i + 1, gt.mesh_split(tf.tanh(h @ w), mesh, P("data", None))
         return tf.while_loop(lambda i, h: i < 5, body, (0, x))[1]
-    low, _ = run(fn, xw, mesh, (P("data", None), P("model", None)))
+    low, _ = run_and_compare(fn, xw, mesh, (P("data", None), P("model", None)))
     loop = region_op(low, ("While", "StatelessWhile"))
     assert body_collectives(loop) == ["gt.AllReduce"]
     assert [c.kind for c in low.collectives()] == ["all-reduce"]
@@ -74,7 +74,7 @@ def test_loop_carried_split_tensor_needs_no_collective(mesh, xw):
         return tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h * 0.5 + w * h),
                              (0, x))[1]
     x, w = xw
-    low, _ = run(fn, (x, w[:8]), mesh, (P("data", "model"), P("data", "model")))
+    low, _ = run_and_compare(fn, (x, w[:8]), mesh, (P("data", "model"), P("data", "model")))
     assert low.collectives() == []
     assert low.output_shardings[0] == gt.Sharding.from_spec(mesh, P("data", "model"), 2)
 
@@ -85,7 +85,7 @@ def test_permute_inside_the_body(mesh, xw):
     def fn(x, w):
         return tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h * 0.5 + w[:8]),
                              (0, x))[1]
-    low, _ = run(fn, xw, mesh, (P("data", "model"), P("data", "model")))
+    low, _ = run_and_compare(fn, xw, mesh, (P("data", "model"), P("data", "model")))
     assert [c.kind for c in low.collectives()] == ["collective-permute"]
 
 
@@ -96,7 +96,7 @@ def test_split_inside_the_body_propagates_out(mesh, xw):
         def body(i, h):
             return i + 1, gt.mesh_split(tf.sin(h) + 1.0, mesh, P(None, "model"))
         return tf.while_loop(lambda i, h: i < 3, body, (0, x))[1]
-    low, _ = run(fn, xw, mesh, (None, None))
+    low, _ = run_and_compare(fn, xw, mesh, (None, None))
     want = gt.Sharding.from_spec(mesh, P(None, "model"), 2)
     assert low.input_shardings[0] == want and low.output_shardings[0] == want
 
@@ -107,8 +107,8 @@ def test_cond_with_split_operands(mesh, xw, caplog):
     x, w = xw
     for sign in (1, -1):
         xs = np.abs(x) * sign
-        low, warnings = run(fn, (xs, w), mesh, (P("data", None), P(None, "model")),
-                            caplog=caplog)
+        low, warnings = run_and_compare(fn, (xs, w), mesh, (P("data", None), P(None, "model")),
+                                        caplog=caplog)
     assert not low.program.replicated_ops and not warnings
     node = region_op(low, ("If", "StatelessIf"))
     # operands enter split: x by rows, w by columns
@@ -124,7 +124,7 @@ def test_case_with_split_operands(mesh, xw):
     for k in (0, 1, 2):
         xk = x.copy()
         xk[0, 0] = k
-        low, _ = run(fn, (xk, w), mesh, (P("data", "model"), P("model", None)))
+        low, _ = run_and_compare(fn, (xk, w), mesh, (P("data", "model"), P("model", None)))
         node = region_op(low, ("Case", "StatelessCase"))
         assert low.program.graph.shape(node.inputs[1]) == (4, 4)
         assert "gt.ReduceScatter" in body_collectives(node)  # the x @ w branch
@@ -136,7 +136,7 @@ def test_nested_cond_in_while_with_collectives(mesh, xw):
             h = tf.cond(i % 2 == 0, lambda: tf.tanh(h @ w), lambda: tf.sin(h))
             return i + 1, h
         return tf.while_loop(lambda i, h: i < 5, body, (0, x))[1]
-    low, _ = run(fn, xw, mesh, (P("data", "model"), P("model", None)))
+    low, _ = run_and_compare(fn, xw, mesh, (P("data", "model"), P("model", None)))
     assert {c.kind for c in low.collectives()} == {"reduce-scatter"}
 
 
@@ -147,8 +147,8 @@ def test_gradient_through_the_loop(mesh, xw, caplog):
             tape.watch(w)
             y = tf.reduce_sum(matmul_loop(x, w) ** 2)
         return tape.gradient(y, w)
-    low, warnings = run(grad, xw, mesh, (P("data", "model"), P("model", None)),
-                        caplog=caplog)
+    low, warnings = run_and_compare(grad, xw, mesh, (P("data", "model"), P("model", None)),
+                                    caplog=caplog)
     assert not warnings
     loops = [n for n in low.program.graph.nodes if n.regions]
     assert len(loops) == 2 and all(body_collectives(n) for n in loops)
@@ -165,8 +165,8 @@ def accumulate(x, w):
 def test_tensor_list_accumulate(mesh, xw, caplog):
     """A TensorArray of split elements stays split: each device's list holds its shards
     (the list's index dim whole), and the stacked result is split like the elements."""
-    low, warnings = run(accumulate, xw, mesh, (P("data", "model"), P("model", None)),
-                        caplog=caplog)
+    low, warnings = run_and_compare(accumulate, xw, mesh, (P("data", "model"), P("model", None)),
+                                    caplog=caplog)
     assert not warnings
     lists = {n.op: n.out_shapes[0] for n in walk(low.program.graph) if "TensorList" in n.op}
     assert lists == {"TensorListReserve": (4, 4), "TensorListSetItem": (4, 4),
@@ -184,8 +184,8 @@ def test_tensor_list_gradient(mesh, xw, caplog):
             tape.watch(w)
             y = tf.reduce_sum(accumulate(x, w) ** 2)
         return tape.gradient(y, w)
-    low, warnings = run(grad, xw, mesh, (P("data", "model"), P("model", None)),
-                        caplog=caplog)
+    low, warnings = run_and_compare(grad, xw, mesh, (P("data", "model"), P("model", None)),
+                                    caplog=caplog)
     assert not warnings
     ops = {n.op for n in walk(low.program.graph)}
     assert {"EmptyTensorList", "TensorListPushBack", "TensorListPopBack"} <= ops
@@ -197,7 +197,7 @@ def test_roll_on_a_split_dim_inside_the_body(mesh, xw):
         def body(i, h):
             return i + 1, tf.roll(h, 1, axis=0) * 0.5 + 1.0
         return tf.while_loop(lambda i, h: i < 3, body, (0, x))[1]
-    run(fn, xw, mesh, (P("data", None), None))
+    run_and_compare(fn, xw, mesh, (P("data", None), None))
 
 
 def test_body_collectives_have_fixed_deterministic_keys(mesh, xw):
@@ -256,8 +256,8 @@ def test_every_tensor_list_op_on_split_elements(mesh, caplog):
     every device's lists hold its shards, values equal one device, and nothing moves
     between devices."""
     rng = np.random.default_rng(2)
-    low, warnings = run(tensor_lists, (randn(rng, 3, 4, 6), randn(rng, 4, 6)), mesh,
-                        (P(None, "data", "model"), P("data", "model")), caplog=caplog)
+    low, warnings = run_and_compare(tensor_lists, (randn(rng, 3, 4, 6), randn(rng, 4, 6)), mesh,
+                                    (P(None, "data", "model"), P("data", "model")), caplog=caplog)
     assert not warnings and low.collectives() == []
 
 
@@ -271,8 +271,8 @@ def test_cond_returning_a_tensor_list(mesh, xw, caplog):
         return array.read(0) + 2.0 * array.read(1)  # an unwritten element reads zeros
     x, w = xw
     for sign in (1, -1):
-        low, warnings = run(fn, (np.abs(x) * sign, w), mesh,
-                            (P("data", None), P(None, "model")), caplog=caplog)
+        low, warnings = run_and_compare(fn, (np.abs(x) * sign, w), mesh,
+                                        (P("data", None), P(None, "model")), caplog=caplog)
         assert not warnings
 
 

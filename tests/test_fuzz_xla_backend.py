@@ -7,17 +7,11 @@ XLA's maximum returns a number where TF's returns NaN, on one device as on the
 mesh.
 """
 
-import os
-import sys
-
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
-
-from fuzz import run_programs  # noqa: E402
-from fuzz_programs import generate  # noqa: E402
+from gspmd_tf.testing.generator import generate
+from gspmd_tf.testing.workers import run_programs
 
 
 def test_xla_semantics_are_taken_from_single_device_jit(monkeypatch):

@@ -310,3 +310,60 @@ def test_shrinking_slices_and_their_gradients(mesh, rng):
 
     low = check_partitioned(f, (randn(rng, 4, 3, 8),), mesh, (P("data", None, "model"),))
     assert low.program.replicated_ops == []
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 4), (2, 4)])
+def test_masking_a_tile_gradient_of_ten_dims(mesh_shape):
+    """Seed 28 #1986: the gradient of a rank-5 Tile sums a rank-10 view; with the tiled
+    result split unevenly (2 over 4) the padding mask is a SelectV2 of 10 dims, which TF
+    cannot broadcast ("Broadcast between [1,...] and [...] is not supported yet"): the
+    mask runs on a three-dim view of the tensor."""
+    p = np.random.default_rng(1000).standard_normal((2, 3, 1, 2, 1)).astype(np.float32)
+    weights = np.random.default_rng(0).uniform(0.5, 1.5, (2, 9, 1, 6, 2)).astype(np.float32)
+    mesh = gt.Mesh.create(mesh_shape, ("a", "b"))
+
+    def f(p):
+        with tf.GradientTape() as tape:
+            tape.watch(p)
+            tiled = tf.tile(p, [1, 3, 1, 3, 2])
+            loss = tf.reduce_sum(tiled * weights)
+        return [tiled, tape.gradient(loss, p)]
+    want = f(tf.convert_to_tensor(p))
+    got = gt.function(f, mesh=mesh, in_shardings=(gt.P(),),
+                      out_shardings=[gt.P("a", None, None, None, "b"), None])(p)
+    assert got[0].layout.dims[4] == ("b",)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape, spec, pool", [
+    ((2,), P(None, None, "data"), "2d"), ((2, 4), P(None, "model", "data"), "2d"),
+    ((2, 4), P(None, "model", "data"), "3d")])
+def test_max_pool_gradient_of_a_nan_first_in_a_padded_window(mesh_shape, spec, pool):
+    """Seed 28 #7859: TF's max-pool gradient goes to the first element of a window (TF
+    clips windows to x) unless a later one is larger, so a NaN first in a window takes
+    it; behind a -inf halo pad it did not (0.0 vs 2.21). The device whose window starts
+    before x runs the op with its own explicit padding (2-D); MaxPool3DGrad, which takes
+    none, runs whole."""
+    rng = np.random.default_rng(830756739)
+    shape = (2, 6, 7, 1) if pool == "2d" else (2, 6, 7, 3, 1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[(0, 3, 3) + (0,) * (len(shape) - 3)] = np.nan
+    x[(1, 3, 0) + (0,) * (len(shape) - 3)] = np.nan
+    x[(1, 0, 4) + (0,) * (len(shape) - 3)] = np.nan
+    mesh = gt.Mesh.create(mesh_shape, ("data",) if len(mesh_shape) == 1 else ("data", "model"))
+
+    def f(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            if pool == "2d":
+                y = tf.nn.max_pool2d(x, ksize=[3, 3], strides=[1, 2], padding="SAME")
+            else:
+                y = tf.nn.max_pool3d(x, ksize=[3, 3, 2], strides=[1, 2, 1], padding="SAME")
+            weights = tf.reshape(tf.range(1, tf.size(y) + 1, dtype=tf.float32), tf.shape(y))
+            loss = tf.reduce_sum(y * weights)
+        return [y, tape.gradient(loss, x)]
+    want = f(tf.convert_to_tensor(x))  # single-device eager TF
+    got = gt.function(f, mesh=mesh, in_shardings=(spec,))(x)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5)

@@ -37,7 +37,7 @@ TRAIN_CASES = [((8,), "even"), ((8,), "uneven"), ((2, 4), "even"),
                ((2, 4), "uneven_experts"), ((2, 4), "top1")]
 # G = 12 over (data, expert) has shards of 2, over data shards of 6: the expert axis's
 # 4 x 2 rows per data shard are not the 6 the buffers' G split over data holds, so no
-# all-to-all moves the split exactly and the planner gathers G (docs/INTERNALS.md,
+# all-to-all moves the split exactly and the planner gathers G (docs/DESIGN_LOG.md,
 # "Mixture of experts"); values only
 UNNESTED_CASES = [((2, 4), "uneven")]
 
@@ -217,7 +217,7 @@ def test_sgd_steps_on_sharded_variables_match_single_device():
 @pytest.mark.parametrize("mesh_shape", list(LAYOUTS))
 def test_paper_annotations_only_still_match(mesh_shape):
     """The GShard paper's four annotations (gating unannotated): the combine weights come
-    out split on E (docs/INTERNALS.md), values and gradients still exact."""
+    out split on E (docs/DESIGN_LOG.md), values and gradients still exact."""
     g, s, m, h, e, k, cf = SHAPES["even"]
     mesh, specs = make_mesh(mesh_shape)
     args = params(np.random.default_rng(4), g, s, m, h, e)

@@ -4,9 +4,6 @@ model on single-device TF (forward and the gradients of the stacked weights, rel
 stages is collective-permutes, never an all-gather; a pipelined Transformer stack trains
 on the 3-D mesh as it does on one device."""
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -14,10 +11,8 @@ import tensorflow as tf
 import gspmd_tf as gt
 from gspmd_tf.graph.ir import walk
 from gspmd_tf.spmd.program import COLLECTIVES
+from gspmd_tf.testing import pipeline_model
 from util import assert_close, randn, single_device
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import pipeline_model  # noqa: E402
 
 P = gt.P
 _LINE = gt.Mesh.create((4,), ("stage",))

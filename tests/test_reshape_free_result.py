@@ -141,7 +141,7 @@ def test_split_does_not_flow_backward_into_a_free_operand():
 def test_reverse_reshape_keeps_gathering():
     """The reverse, a split dim reshaped so that the new major dim would be split
     unevenly, is not given that split when its result is free: its padded blocks cost more
-    to gather later than the even operand (docs/INTERNALS.md)."""
+    to gather later than the even operand (docs/DESIGN_LOG.md)."""
     lowered = gt.lower(lambda x: tf.reshape(x * 2.0, (6, 8)) * 3.0, MESHES["line"],
                        (gt.P("x"),), None, args=[tf.TensorSpec((48,))])
     assert str(lowered.output_shardings[0]) == "{replicated}"

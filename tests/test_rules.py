@@ -264,7 +264,7 @@ TENSOR_LIST_ROWS = [(op, tensor_lists, [f32(3, 4, 6), f32(4, 6)], expected) for 
 
 
 def scattered_lists(x):
-    """TensorArray.scatter / gather's list ops (values: tests/test_remaining_op_rules.py)."""
+    """TensorArray.scatter / gather's list ops (values: tests/test_tensor_list_and_random_op_rules.py)."""
     from tensorflow.python.ops import gen_list_ops as lists
     one = lists.tensor_list_scatter(x, [0, 2, 1], element_shape=[4, 6])
     two = lists.tensor_list_scatter_v2(x, [0, 2, 1], element_shape=[4, 6], num_elements=3)
@@ -283,7 +283,7 @@ TENSOR_LIST_ROWS += [(op, scattered_lists, [f32(3, 4, 6)], expected) for op, exp
     ("TensorListGather", "([i, j], _, _)->([k, i, j]) {i=4, j=6, k=2} need_replication={k}"),
     ("TensorListElementShape", f"([i, j])->([1]) {ELEMENT}"),
 ]]
-# stateful random ops: sources, as the stateless ones (values: test_remaining_op_rules.py)
+# stateful random ops: sources, as the stateless ones (values: test_tensor_list_and_random_op_rules.py)
 STATEFUL_RANDOM_ROWS = [(op, fn, [], "(_)->([i, j]) {i=4, j=6}") for op, fn in [
     ("RandomUniform", lambda: tf.random.uniform((4, 6), seed=1)),
     ("RandomStandardNormal", lambda: tf.random.normal((4, 6), seed=1)),

@@ -2,9 +2,6 @@
 result block from its own block and halos its neighbours send (collective-permutes),
 as XLA does, instead of gathering the dim."""
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -12,10 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import gspmd_tf as gt
+from gspmd_tf.testing.collective_cases import WINDOWS, window_op
 from util import check_partitioned, randn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from collective_cases import WINDOWS, window_op  # noqa: E402
 
 P = gt.P
 _MESH = gt.Mesh.create((2, 4), ("data", "model"))
@@ -109,7 +104,7 @@ def test_height_split_conv_zero_padding_conv_stays_split(mesh, rng):
 
 
 # XLA's collectives (kind, operand bytes per device) for the WINDOWS cases of
-# benchmarks/collective_cases.py on the 2x4 mesh, the scalar all-reduce of the script's
+# gspmd_tf/testing/collective_cases.py on the 2x4 mesh, the scalar all-reduce of the script's
 # final sum left out:
 #   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
 #       /work/jaxref/bin/python benchmarks/xla_collectives.py --case=NAME  (JAX 0.10.2)

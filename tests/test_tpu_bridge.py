@@ -1,11 +1,11 @@
 """The annotated global graph through TF's XLA bridge: Lowered.as_text("hlo"), and the HLO
 run through XLA's SPMD partitioner on 8 XLA CPU devices (JAX's XLA, test-only: skipped
-when /work/jaxref is absent; the same check by hand is in benchmarks/bridge_cases.py)."""
+unless GSPMD_TF_JAX_PYTHON names JAX's python; the same check by hand is in
+benchmarks/bridge_cases.py)."""
 
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,14 +13,12 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.runtime.annotated import AnnotatedGraph
+from gspmd_tf.testing.bridge_cases import CASES, write_case
+from util import JAX_PYTHON, requires_jax_python
 
 P = gt.P
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
-JAX_PYTHON = os.environ.get("GSPMD_TF_JAX_PYTHON", "/work/jaxref/bin/python")
-sys.path.insert(0, BENCHMARKS)
-
-from bridge_cases import CASES, write_case  # noqa: E402
 
 
 def _mlp(x, w1, w2):
@@ -131,8 +129,7 @@ def test_annotated_graph_computes_the_function():
     np.testing.assert_allclose(got, _mlp(*values).numpy(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not os.path.exists(JAX_PYTHON),
-                    reason=f"needs JAX's XLA at {JAX_PYTHON} (GSPMD_TF_JAX_PYTHON)")
+@requires_jax_python
 def test_xla_spmd_partitioner_runs_the_hlo(tmp_path):
     """matmul data and model parallel, a spatially split conv, a while loop and a cond,
     a 2-layer Transformer: values equal single device, XLA's collective bytes <=

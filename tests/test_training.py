@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from gspmd_tf.demo import slot_spec
+from gspmd_tf.optimizer import slot_spec
 from lm import NAMES, SPECS, init_params, loss_fn, make_step
 from util import assert_replicas_equal
 

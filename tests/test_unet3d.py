@@ -4,20 +4,13 @@ mesh axes). Loss, gradients and trained weights equal single-device TF, and the
 activations move only as halos (collective-permutes), never all-gathered. The model is
 benchmarks/unet3d.py (which also prints these collectives beside XLA's, RESULTS.md)."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
+from gspmd_tf.testing.unet3d_model import NAMES, SHAPES, init, loss_and_grads, loss_fn
 from util import assert_close, check_partitioned, randn
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
-
-from unet3d import NAMES, SHAPES, init, loss_and_grads, loss_fn  # noqa: E402
 
 P = gt.P
 SPATIAL = P(None, "a", "b", "c")  # NDHWC: D, H, W over a, b, c

@@ -1,12 +1,33 @@
 """Shared test helpers: compare a partitioned function with the single-device one."""
 
+import os
+
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.runtime.sharded_tensor import distinct_boxes
 
 RTOL = 1e-5  # float32 relative error, measured on the whole tensor
+
+
+def _jax_python_problem(path):
+    """Why `path` cannot serve as JAX's interpreter, or None if it can."""
+    if not path:
+        return ("GSPMD_TF_JAX_PYTHON is unset: set it to the python of an environment with "
+                "JAX (jax[cpu]) to run XLA's own SPMD partitioner on these cases")
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        return f"GSPMD_TF_JAX_PYTHON={path} is not an executable file"
+    return None
+
+
+# The interpreter of a Python environment with JAX, for the tests that check gspmd-tf's
+# programs against XLA's own SPMD partitioner (benchmarks/xla_spmd_check.py): named by
+# GSPMD_TF_JAX_PYTHON, no machine-local default; those tests skip, saying why, without it.
+JAX_PYTHON = os.environ.get("GSPMD_TF_JAX_PYTHON", "")
+requires_jax_python = pytest.mark.skipif(_jax_python_problem(JAX_PYTHON) is not None,
+                                         reason=_jax_python_problem(JAX_PYTHON) or "")
 
 
 def single_device(fn, args):

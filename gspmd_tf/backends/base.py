@@ -19,7 +19,7 @@ class Backend(abc.ABC):
     """Lowers SPMD programs for one concrete mesh.
 
     An SPMD program is one gspmd_tf.graph.ir.Graph with LOCAL shapes, the same for every
-    device (see docs/INTERNALS.md, "SPMD program"); a backend emits it once per device.
+    device (see docs/INTERNALS.md, "Contract: SPMD program"); a backend emits it once per device.
     """
 
     def __init__(self, mesh):

@@ -6,7 +6,7 @@ data-parallel optimizer update, for one, runs on every device on the same summed
 gradient and the same weights. Between CPU devices of one process a read of another
 device's tensor costs nothing (TF hands the buffer over), so the local backend runs such
 an op on one device of each group of devices holding equal values and the others read
-its result (docs/INTERNALS.md, "Backends").
+its result (docs/DESIGN_LOG.md, "Backends").
 
 `replica_classes` finds those groups by following values, not layouts: a device's
 value of a node is equal to another's when the node is a deterministic function of

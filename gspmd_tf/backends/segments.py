@@ -13,7 +13,7 @@ stage (the combiner's merged all-reduces, the gradient all-reduces of a layer) c
 program once, not once each. Variable writes and the arithmetic only they use (an
 optimizer's update, a moving average) form a stage's update segment, run after its
 main segment on the variables' own device; the main segments stay pure functions of
-tensors. See docs/INTERNALS.md, "XLA backend".
+tensors. See docs/DESIGN_LOG.md, "XLA backend".
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class Node:
     `regions` holds the bodies of a control-flow op (REGION_OPS) as Graphs, in the order
     REGION_OPS gives (While: cond, body; If: then, else; Case: one per branch); each
     region's inputs are its parameters, fed by `region_operands()`, and its outputs its
-    results (see docs/INTERNALS.md, "Regions").
+    results (see docs/DESIGN_LOG.md, "Regions").
     """
 
     __slots__ = ("name", "op", "inputs", "control_inputs", "attrs", "out_shapes",

@@ -13,7 +13,7 @@ propagates. Data-flow edges tie what must share a sharding, each an identity rul
   (XLA's kConditional: the branches' roots and the op share a sharding).
 
 The Cython core sees ordinary ops; the fixpoint runs across the region boundary in both
-directions until stable. See docs/INTERNALS.md, "Partitioned control flow".
+directions until stable. See docs/DESIGN_LOG.md, "Partitioned control flow".
 """
 
 from __future__ import annotations

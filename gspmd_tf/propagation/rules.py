@@ -308,7 +308,7 @@ def reshape(ctx, data_inputs=(0,)):
     Not backward (a free operand's producer is often sliced from a replicated tensor for
     nothing, where the re-block would add a collective-permute), and not into the
     reverse reshape's unevenly split major dim (its padded blocks cost more to gather
-    later than the even operand; docs/INTERNALS.md, "Merging reshapes with free
+    later than the even operand; docs/DESIGN_LOG.md, "Merging reshapes with free
     results")."""
     rule = OpRule()
     in_shape, out_shape = ctx.in_shapes[0], ctx.out_shapes[0]

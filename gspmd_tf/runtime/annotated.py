@@ -16,7 +16,7 @@ with the first of them XLA can express, then the rest of the plan, so XLA moves 
 ours moves. Arguments that are placeholders of the graph being built also get
 the `_XlaSharding` attr, which TF's bridge turns into the HLO parameter's sharding.
 XLA's SPMD partitioner then partitions the program with our decisions, and XLA compiles
-it whole (see docs/INTERNALS.md, "TPU / XLA bridge").
+it whole (see docs/DESIGN_LOG.md, "TPU / XLA bridge").
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def compiler_ir(lowered, stage="hlo", operand_shardings=True):
     after the arguments, sharded as the variables, and their final values are outputs
     after the program's, so a step that updates its variables compiles too (as a
     resource the bridge would need a sharding on every output, which a tf.function
-    cannot give; docs/INTERNALS.md). Nothing is allocated or run; abstract meshes work.
+    cannot give; docs/DESIGN_LOG.md). Nothing is allocated or run; abstract meshes work.
     `operand_shardings` as AnnotatedGraph takes it."""
     graph = lowered.graph
     annotated = AnnotatedGraph(lowered, operand_shardings)

@@ -15,7 +15,7 @@ reduce-scatter or all-reduce pending partial sums. The cheapest sequence wins; a
 costs, fewer collectives, then fewer steps. Beside the search over whole mesh axes, one
 search per way of cutting an axis of the reshard in two (`_sub_axis_splits`) may find a
 cheaper plan whose steps run over part of an axis (mesh.SubAxis), as XLA's do; layouts
-between plans still name whole axes (docs/INTERNALS.md, "Sub-axis steps"). Shrinking
+between plans still name whole axes (docs/DESIGN_LOG.md, "Sub-axis steps"). Shrinking
 moves cost nothing, so the search slices before it gathers (the order of Shardy's
 collective inserter: slice, permute, all-to-all, all-gather), which also keeps the
 gathered tensors small.

@@ -1,6 +1,7 @@
-"""Reshard and dot cases compared with XLA (shared by xla_collectives.py, which runs under
-JAX, and reshard_plans.py, which runs gspmd-tf). Specs are PartitionSpec entries on a 2x4
-("data", "model") mesh; tensors are float32."""
+"""Reshard, dot and window cases compared with XLA (shared by benchmarks/xla_collectives.py,
+which runs under JAX and loads this file by its path, benchmarks/reshard_plans.py, which
+runs gspmd-tf, and tests/test_slicing.py). Specs are PartitionSpec entries on a 2x4
+("data", "model") mesh; tensors are float32. Pure Python: it must import nothing."""
 
 # name -> (global shape, source spec, target spec)
 RESHARDS = {

@@ -1,5 +1,5 @@
-"""Regressions of the fuzzer's run with seed 36 (benchmarks/RESULTS.md §6, "The eleventh
-run").
+"""The SPMD program runs without the grappler rewrites that break on local shapes (fuzzer
+seed 36, benchmarks/RESULTS.md §6, "The eleventh run").
 
 #2904: grappler's remapper fused an Add of a (1, 1, 1) tensor into the MatMul of a
 (1, 1) shard as its bias, which TF's fused kernel refuses ("bias must be
@@ -17,7 +17,7 @@ from tensorflow.python.eager import context
 from util import check_partitioned
 
 
-def test_seed_36_2904_add_after_a_matmul_of_one_element_shards():
+def test_add_after_a_matmul_of_one_element_shards_is_not_fused_as_its_bias():
     mesh = gt.Mesh.create((4,), ("data",))
     rng = np.random.default_rng(2904)
     x0, x1 = rng.standard_normal((5, 1)), rng.standard_normal((5, 3))

@@ -198,7 +198,7 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
-def test_seed31_814_program_runs_without_a_fault():
+def test_strided_filter_gradient_program_runs_repeatedly_without_a_fault():
     """#814's program through gspmd-tf, called 30 times in a subprocess (a crash kills
     only the subprocess; before the workaround its first call died, 9 runs of 9): the
     run exits 0. One process, not several, to keep the test fast."""
@@ -208,82 +208,3 @@ def test_seed31_814_program_runs_without_a_fault():
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert done.returncode == 0 and "OK" in done.stdout, (
         f"return code {done.returncode}\n" + done.stderr[-3000:])
-
-
-# ------------------------------------------- the fuzzer's attribution of #814's failures
-
-class _ScriptedWorker:
-    """A fuzz.Worker stand-in answering each run with the next scripted status."""
-
-    def __init__(self, statuses, timeout=60, collective_timeout=20, env=None):
-        self.statuses, self.runs = list(statuses), []
-        self.timeout, self.collective_timeout = timeout, collective_timeout
-
-    def run(self, program, timeout=None, part=None, reference=None):
-        self.runs.append(part)
-        return {"status": self.statuses.pop(0), "detail": "AbortedError: reorder primitive"}
-
-    def stop(self):
-        pass
-
-
-def _fuzz():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    import fuzz
-    return fuzz
-
-
-@pytest.mark.parametrize("part, runs, status", [("reference", 2, "error"), (None, 3, "pass")])
-def test_one_side_runs_stop_at_the_first_failure(monkeypatch, part, runs, status):
-    """run_fresh of one side (which compares nothing) stops at its first run that does
-    not pass; whole programs run on past an error (only a crash or hang stops them)."""
-    fuzz = _fuzz()
-    worker = _ScriptedWorker(["pass", "error", "pass"])
-    monkeypatch.setattr(fuzz, "Worker", lambda *a, **k: worker)
-    assert fuzz.run_fresh([{}] * 3, 60, 20, part=part)["status"] == status
-    assert len(worker.runs) == runs
-
-
-@pytest.mark.parametrize("reference, partitioned, blamed", [
-    ("error", "pass", True), ("error", "error", False), ("crash", "error", False),
-    ("pass", "pass", False)])
-def test_reference_error_alone_blames_tf(monkeypatch, reference, partitioned, blamed):
-    """A failure is TF's when the reference alone raises or dies and gspmd-tf's program
-    alone neither raises nor dies (#814's reference raised AbortedError in oneDNN's
-    filter gradient in 4 of 5 fresh workers, and killed the fifth)."""
-    fuzz = _fuzz()
-    answers = {"reference": reference, "partitioned": partitioned}
-    monkeypatch.setattr(fuzz, "run_fresh", lambda programs, timeout, collective_timeout,
-                        part=None: {"status": answers[part], "detail": "AbortedError: x"})
-    detail = fuzz.blame_reference({"ops": []}, 60, 20, runs=5)
-    assert (detail == "AbortedError: x") if blamed else detail is None
-
-
-@pytest.mark.parametrize("blamed", [True, False])
-def test_error_of_a_program_is_invalid_only_when_tf_is_to_blame(monkeypatch, blamed):
-    """run_batch turns an error into "invalid" (naming the reference's failure) exactly
-    when blame_reference blames single-device TF, and keeps the worker for the rest of
-    the batch."""
-    fuzz = _fuzz()
-    worker = _ScriptedWorker(["error", "pass"])
-    monkeypatch.setattr(fuzz, "Worker", lambda *a, **k: worker)
-    monkeypatch.setattr(fuzz, "blame_reference", lambda *a: "AbortedError: y" if blamed else None)
-    results = {}
-    fuzz.run_batch([(814, {}), (815, {})], 60, 20, lambda i, r: results.setdefault(i, r))
-    assert results[814]["status"] == ("invalid" if blamed else "error")
-    assert ("AbortedError: y" in results[814]["detail"]) == blamed
-    assert results[815]["status"] == "pass" and worker.runs == [None, None]
-
-
-@pytest.mark.parametrize("fresh, before, said", [
-    ("crash", [], "reproduces alone in a second fresh worker (flaky)"),
-    ("pass", [], "does not reproduce (flaky)"),
-    ("crash", [{}], "only after the 1 program(s) before it in the batch")])
-def test_crash_attribution_names_how_it_reproduces(monkeypatch, fresh, before, said):
-    """attribute_crash: a crash that the worker's re-run alone survives but a second
-    fresh worker does not is flaky alone, not "after 1 program" when none came before."""
-    fuzz = _fuzz()
-    monkeypatch.setattr(fuzz, "run_fresh", lambda programs, timeout, collective_timeout,
-                        part=None: {"status": fresh if len(programs) == len(before) + 1
-                                    else "pass"})
-    assert fuzz.attribute_crash(before, {}, _ScriptedWorker(["pass"])) == said
