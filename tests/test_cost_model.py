@@ -1,13 +1,17 @@
 """The cost model (gspmd_tf/cost_model.py): links per mesh axis from the workers holding
 the devices, seconds per collective kind, reduce-scatter as the backend emits it, compute,
-the combiner's threshold."""
+the combiner's threshold; and the planner reading it."""
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf import cost_model
 from gspmd_tf.cost_model import CROSS_WORKER, INTRA_PROCESS, CostModel, Link
+from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import SubAxis
+from gspmd_tf.spmd import planner
 
 P = gt.P
 KIB = 1024
@@ -99,3 +103,44 @@ def test_bad_models_are_refused():
         CostModel({"x": 2}, {"x": Link(1e-3, 0)})
     with pytest.raises(gt.ShardingError, match="unknown collective kind 'broadcast'"):
         CostModel({"x": 2}).wire_bytes("broadcast", 8, ("x",))
+
+
+def test_the_planner_keeps_traffic_off_the_cross_worker_axis_for_equal_bytes():
+    # [8, 8] float32 split over "i" moved to a split over "w": in one process a
+    # collective-permute (every device sends its 128 bytes, half of them to the other
+    # worker); across workers ("w" spans them) a gather over "i" and a local slice: the
+    # same 128 bytes, none crossing the workers
+    square = dict(shape=(2, 2), axis_names=("w", "i"))
+    src, dst = Layout((("i",), ())), Layout((("w",), ()))
+    in_one = planner.plan(src, dst, (8, 8), tf.float32, gt.Mesh.abstract(**square))
+    across = planner.plan(src, dst, (8, 8), tf.float32,
+                          gt.Mesh.abstract(**square, workers=[0, 0, 1, 1]))
+    assert [type(s) for s in in_one] == [planner.CollectivePermute]
+    assert across == (planner.AllGather(0, ("i",), 128, 2), planner.LocalSlice(0, ("w",)))
+    assert planner.cost(in_one).bytes == planner.cost(across).bytes == 128
+
+
+def test_lowering_on_two_workers_keeps_the_reshard_on_the_intra_worker_axis():
+    def f(x):
+        return x * 2.0
+
+    spec = [tf.TensorSpec((8, 8), tf.float32)]
+    axes = ("w", "i")
+    kinds = {}
+    for name, workers in (("one", None), ("two", [0, 0, 1, 1])):
+        mesh = gt.Mesh.abstract((2, 2), axes, workers=workers)
+        low = gt.lower(f, mesh, in_shardings=(P("i"),), out_shardings=(P("w"),), args=spec)
+        kinds[name] = [(c.kind, c.axes) for c in low.collectives()]
+    assert kinds["one"] == [("collective-permute", ())]  # a permute names no axes
+    assert kinds["two"] == [("all-gather", ("i",))]
+
+
+def test_a_backends_native_reduce_scatter_brings_back_xlas_plan():
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    native = CostModel.for_mesh(mesh, native_reduce_scatter=True)
+    src = Layout(((), ()), ("data", "model"))
+    steps = planner.plan(src, Layout((("model",), ())), (16, 32), tf.float32, mesh, native)
+    assert [type(s) for s in steps] == [planner.ReduceScatter, planner.AllReduce]
+    np.testing.assert_equal(planner.plan_estimate(src, Layout((("model",), ())), (16, 32),
+                                                  tf.float32, mesh, native),
+                            planner.seconds(steps, native))
