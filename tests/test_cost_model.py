@@ -1,6 +1,8 @@
 """The cost model (gspmd_tf/cost_model.py): links per mesh axis from the workers holding
 the devices, seconds per collective kind, reduce-scatter as the backend emits it, compute,
-the combiner's threshold; and the planner reading it."""
+the combiner's threshold; and the planner and combiner reading it."""
+
+import collections
 
 import numpy as np
 import pytest
@@ -133,6 +135,32 @@ def test_lowering_on_two_workers_keeps_the_reshard_on_the_intra_worker_axis():
         kinds[name] = [(c.kind, c.axes) for c in low.collectives()]
     assert kinds["one"] == [("collective-permute", ())]  # a permute names no axes
     assert kinds["two"] == [("all-gather", ("i",))]
+
+
+def test_the_combiner_merges_below_the_models_threshold(monkeypatch):
+    # 8 weight gradients x^T g of 192 KiB (64 x 768 float32), each a partial sum over
+    # "data" all-reduced: latency-bound in one process (below 256 KiB: all merged into
+    # one), bandwidth-bound across workers (above ~164 KiB: left apart)
+    monkeypatch.delenv("GSPMD_TF_ALL_REDUCE_COMBINE_BYTES", raising=False)
+
+    def f(x, *gs):
+        return [tf.matmul(x, g, transpose_a=True) for g in gs]
+
+    spec = [tf.TensorSpec((1024, 64), tf.float32)] + [tf.TensorSpec((1024, 768),
+                                                                    tf.float32)] * 8
+    shardings = dict(in_shardings=(P("data"),) * 9, out_shardings=(P(),) * 8, args=spec)
+    gradient = 64 * 768 * 4
+    found = {}
+    for name, workers in (("one", None), ("two", TWO_WORKERS)):
+        mesh = gt.Mesh.abstract((2, 4), ("data", "model"), workers=workers)
+        low = gt.lower(f, mesh, **shardings)
+        found[name] = collections.Counter((c.kind, c.bytes) for c in low.collectives())
+    assert found["one"] == {("all-reduce", 8 * gradient): 1}
+    assert found["two"] == {("all-reduce", gradient): 8}
+    # the setting still wins
+    monkeypatch.setenv("GSPMD_TF_ALL_REDUCE_COMBINE_BYTES", str(1 << 20))
+    low = gt.lower(f, two_worker_mesh(), **shardings)
+    assert [(c.kind, c.bytes) for c in low.collectives()] == [("all-reduce", 8 * gradient)]
 
 
 def test_a_backends_native_reduce_scatter_brings_back_xlas_plan():

@@ -24,7 +24,7 @@ from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.registry import op_def
 from gspmd_tf.spmd import planner
-from gspmd_tf.spmd.combine import DEFAULT_THRESHOLD, combine_all_reduces, threshold_bytes
+from gspmd_tf.spmd.combine import combine_all_reduces, threshold_bytes
 from gspmd_tf.spmd.dce import live_nodes
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.handlers.basic import any_padded, local_shapes
@@ -283,9 +283,9 @@ class Partitioner:
         """`windowed_einsum`: the byte threshold of windowed dots (see
         spmd/windowed_einsum.py), None for none; `combine_bytes(in_region)`: the
         all-reduce combiner's threshold the backend asks for (Backend.
-        all_reduce_combine_bytes), None for the combiner's default; `cost_model` prices
-        reshards (CostModel.for_mesh(mesh) by default); a region's partitioner takes all
-        three from its parent."""
+        all_reduce_combine_bytes), None for the cost model's; `cost_model` prices
+        reshards and sets the combiner's default (CostModel.for_mesh(mesh) by default);
+        a region's partitioner takes all three from its parent."""
         self.graph = graph
         self.propagation = propagation
         self.b = ProgramBuilder(mesh, prefix, parent.b.cost_model if parent else cost_model)
@@ -392,10 +392,11 @@ class Partitioner:
 
     def _combined(self, in_region):
         """The program built, its dead nodes dropped and its all-reduces combined at the
-        threshold the backend asks for (GSPMD_TF_ALL_REDUCE_COMBINE_BYTES, when set,
-        wins: combine.threshold_bytes)."""
+        threshold the backend asks for, else the cost model's (GSPMD_TF_ALL_REDUCE_
+        COMBINE_BYTES, when set, wins: combine.threshold_bytes)."""
         asked = self.combine_bytes(in_region) if self.combine_bytes else None
-        threshold = threshold_bytes(DEFAULT_THRESHOLD if asked is None else asked)
+        threshold = threshold_bytes(self.b.cost_model.combine_threshold_bytes()
+                                    if asked is None else asked)
         return combine_all_reduces(self.b.graph, threshold, live=live_nodes(self.b.graph))
 
     def _partition(self, output_layouts, input_layouts=None):
