@@ -8,7 +8,7 @@ training step (mesh axes x=16, y=32 there; data=2, model=4 here): an activation
 [B, S, M] split [X, -, Y] constrained to [-, -, X] before a dot with a weight, and the
 partial sum over Y of a dot's [B, S, M] result, split [-, -, X], constrained back to
 [X, -, Y]. Sizes are large enough that the planner's latency term
-(planner.LATENCY_BYTES per collective) does not decide.
+(planner.LATENCY_WEIGHT of a link's latency per collective) does not decide.
 """
 
 # name -> (global shape, source spec, target spec) on the 2x4 mesh

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -117,7 +118,10 @@ class Mesh:
     worker-major). `device_ids` holds the id at each mesh position (any permutation of
     0..N-1); `devices[i]` is the TF device name of device id i (None for an abstract mesh,
     which serves lowering and reports). `addressable_ids` are the ids of this process's
-    devices (all of them unless the mesh spans several workers).
+    devices (all of them unless the mesh spans several workers). `workers[i]` numbers the
+    worker process holding device id i (0, 1, ... in order of first appearance; from the
+    job and task of the device names, or as given to Mesh.abstract): the cost model
+    (gspmd_tf/cost_model.py) prices axes whose groups span workers as slower links.
     """
 
     def __init__(self, devices, axis_names):
@@ -129,9 +133,10 @@ class Mesh:
         by_id = sorted(range(len(names)), key=lambda position: order[names[position]])
         ids = np.empty(len(names), dtype=np.int64)
         ids[by_id] = np.arange(len(names))
-        self._init(shape, axis_names, ids.reshape(shape), [names[p] for p in by_id])
+        devices = [names[p] for p in by_id]
+        self._init(shape, axis_names, ids.reshape(shape), devices, _worker_numbers(devices))
 
-    def _init(self, shape, axis_names, device_ids, devices):
+    def _init(self, shape, axis_names, device_ids, devices, workers):
         self.shape = shape
         self.axis_names = axis_names
         self.size = int(device_ids.size)
@@ -143,6 +148,8 @@ class Mesh:
         self.devices = devices
         self.addressable_ids = () if devices is None else tuple(
             i for i, name in enumerate(devices) if cluster.is_addressable(name))
+        workers.setflags(write=False)
+        self.workers = workers
         self._groups = {}
         self._shard_indices = {}
 
@@ -170,11 +177,13 @@ class Mesh:
         return cls(np.array(names[:needed], dtype=object).reshape(shape), axis_names)
 
     @classmethod
-    def abstract(cls, shape, axis_names, device_ids=None):
+    def abstract(cls, shape, axis_names, device_ids=None, workers=None):
         """A mesh with no devices: for lowering and reports only.
 
         `device_ids` (optional, an int array of `shape` holding each of 0..N-1 once) gives
-        the device id at each position; row-major arange by default.
+        the device id at each position; row-major arange by default. `workers` (optional,
+        N ints) gives the worker process of each device id, as on a mesh spanning several
+        workers (e.g. [0, 0, 0, 0, 1, 1, 1, 1]: two workers of 4 devices); one by default.
         """
         shape, axis_names = _check_axes(shape, axis_names)
         size = int(np.prod(shape, dtype=np.int64))
@@ -187,7 +196,7 @@ class Mesh:
                     f"abstract mesh {shape}: device_ids {_short_list(ids)} must be an array of "
                     f"shape {shape} holding each id 0..{size - 1} once")
         mesh = cls.__new__(cls)
-        mesh._init(shape, axis_names, ids, None)
+        mesh._init(shape, axis_names, ids, None, _abstract_workers(workers, size))
         return mesh
 
     @property
@@ -309,16 +318,47 @@ class Mesh:
     def __eq__(self, other):
         return (isinstance(other, Mesh) and self.shape == other.shape
                 and self.axis_names == other.axis_names and self.devices == other.devices
-                and np.array_equal(self.device_ids, other.device_ids))
+                and np.array_equal(self.device_ids, other.device_ids)
+                and np.array_equal(self.workers, other.workers))
 
     def __hash__(self):
         return hash((self.shape, self.axis_names, tuple(self.devices or ()),
-                     self.device_ids.tobytes()))
+                     self.device_ids.tobytes(), self.workers.tobytes()))
 
     def __repr__(self):
         kind = "abstract " if self.is_abstract else ""
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         return f"<{kind}Mesh {axes}>"
+
+
+_JOB_TASK = re.compile(r"/job:([^/]+)/(?:replica:\d+/)?task:(\d+)")
+
+
+def _worker_numbers(names):
+    """The worker of each device name: 0, 1, ... per distinct (job, task), in order of
+    first appearance (names without a job and task: this process's)."""
+    numbers = {}
+    workers = np.empty(len(names), np.int64)
+    for i, name in enumerate(names):
+        match = _JOB_TASK.search(name)
+        key = (match.group(1), int(match.group(2))) if match else None
+        workers[i] = numbers.setdefault(key, len(numbers))
+    return workers
+
+
+def _abstract_workers(workers, size):
+    """`workers` (Mesh.abstract's) checked, as an int64 array of `size`."""
+    if workers is None:
+        return np.zeros(size, np.int64)
+    try:
+        array = np.array(workers, dtype=np.int64)
+    except (TypeError, ValueError):
+        array = None
+    if array is None or array.shape != (size,) or (array < 0).any():
+        raise ShardingError(
+            f"abstract mesh of {size} devices: workers {_short_list(workers)} must be "
+            f"{size} integers >= 0, the worker process of each device id")
+    return array
 
 
 def _check_axes(shape, axis_names):

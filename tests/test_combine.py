@@ -163,6 +163,8 @@ def test_the_threshold_bounds_each_member_and_the_sum():
 def test_the_threshold_setting_is_checked(monkeypatch):
     monkeypatch.setenv("GSPMD_TF_ALL_REDUCE_COMBINE_BYTES", "lots")
     with pytest.raises(ValueError, match="GSPMD_TF_ALL_REDUCE_COMBINE_BYTES='lots'"):
-        combine.threshold_bytes()
+        combine.threshold_bytes(1024)
+    monkeypatch.setenv("GSPMD_TF_ALL_REDUCE_COMBINE_BYTES", "0")
+    assert combine.threshold_bytes(1024) == 0  # the setting wins over the default
     monkeypatch.delenv("GSPMD_TF_ALL_REDUCE_COMBINE_BYTES")
-    assert combine.threshold_bytes() == combine.DEFAULT_THRESHOLD
+    assert combine.threshold_bytes(1024) == 1024

@@ -14,6 +14,7 @@ from hypothesis import given, strategies as st
 
 import gspmd_tf as gt
 from gspmd_tf.backends import LocalBackend
+from gspmd_tf.cost_model import CostModel
 from gspmd_tf.layout import Layout, ceil_div
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.spmd import planner
@@ -246,17 +247,41 @@ def test_cost_per_step_and_axes():
     c = cost(steps)
     assert c.bytes_by_axes == ((("data",), 256),)  # (2 - 1) * 256 bytes gathered
     assert c.collectives == 1 and c.steps == 2
-    # a slower link on "data" makes the same plan dearer
-    assert c.estimate(bandwidth={"data": 0.5}) > c.estimate()
+    # a cross-worker link on "data" makes the same plan dearer
+    intra = CostModel.for_mesh(XLA_MESH)
+    cross = CostModel.for_mesh(Mesh.abstract((2, 4), ("data", "model"),
+                                             workers=[0, 0, 0, 0, 1, 1, 1, 1]))
+    assert planner.seconds(steps, cross) > planner.seconds(steps, intra) > 0
 
 
 def test_partial_sum_reduce_scatters_what_the_target_splits_then_all_reduces_the_rest():
+    # on a backend with a true reduce-scatter (XLA's plan)
+    native = CostModel.for_mesh(XLA_MESH, native_reduce_scatter=True)
     src = L((), (), partial=("data", "model"))
-    steps = plan(src, L(("model",), ()), (16, 32), tf.float32, XLA_MESH)
+    steps = plan(src, L(("model",), ()), (16, 32), tf.float32, XLA_MESH, native)
     assert [type(s) for s in steps] == [planner.ReduceScatter, planner.AllReduce]
     # 3/4 of 2048 bytes, then 2 * 1/2 of the 512 left, against 2 * 7/8 * 2048 at once
     assert cost(steps).bytes == 1536 + 512 < cost((planner.AllReduce(("data", "model"), 2048,
                                                                      8),)).bytes
+
+
+def test_reduce_scatter_is_priced_as_the_all_reduce_and_slice_the_backend_emits():
+    # TF's collectives reduce-scatter by an all-reduce and a slice (the default model):
+    # the reduce-scatter above then moves 2 * 3/4 of 2048 bytes, and with the 512 of the
+    # all-reduce after it as many as one all-reduce over both axes, 2 * 7/8 * 2048, in
+    # one collective instead of two
+    src = L((), (), partial=("data", "model"))
+    steps = plan(src, L(("model",), ()), (16, 32), tf.float32, XLA_MESH)
+    assert steps == (planner.AllReduce(("data", "model"), 2048, 8), LocalSlice(0, ("model",)))
+    default = CostModel.for_mesh(XLA_MESH)
+    scatter = planner.ReduceScatter(0, ("model",), 2048, 4)
+    assert default.wire_bytes("reduce-scatter", 2048, ("model",)) == 3072 == \
+        default.wire_bytes("all-reduce", 2048, ("model",))
+    assert planner.step_seconds(scatter, default) == \
+        planner.step_seconds(planner.AllReduce(("model",), 2048, 4), default)
+    native = CostModel.for_mesh(XLA_MESH, native_reduce_scatter=True)
+    assert native.wire_bytes("reduce-scatter", 2048, ("model",)) == 1536
+    assert planner.step_seconds(scatter, native) < planner.step_seconds(scatter, default)
 
 
 def test_plans_are_cached():

@@ -16,6 +16,7 @@ from hypothesis import given, strategies as st
 
 import gspmd_tf as gt
 from gspmd_tf.backends import LocalBackend
+from gspmd_tf.cost_model import CostModel
 from gspmd_tf.mesh import Mesh, SubAxis
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd import planner
@@ -62,8 +63,8 @@ def check_steps_exact(mesh, src, dst, steps, value, rng):
 
 def candidates(mesh, src, dst, shape):
     """Every plan the search compares: over whole axes, and with each axis cut."""
-    sizes = dict(zip(mesh.axis_names, mesh.shape))
-    return [steps for _, steps in planner._candidates(src, dst, tuple(shape), 4, sizes)]
+    model = CostModel.for_mesh(mesh)
+    return [steps for _, steps in planner._candidates(src, dst, tuple(shape), 4, model)]
 
 
 # ------------------------------------------------------------------------ mesh

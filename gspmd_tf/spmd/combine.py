@@ -7,8 +7,11 @@ nodes with the same axes, reduce op and dtype, none reading another's result, ar
 each operand flattened, one concat, one all-reduce, one split, each piece reshaped
 back. Only all-reduces of at most `threshold` bytes are merged, at most GROUP_FACTOR
 of the threshold's worth into one: large ones are bandwidth-bound, and the concat and
-split would only add copies (benchmarks/all_reduce_combiner.py measures where it pays;
-see benchmarks/RESULTS.md, "All-reduce combiner").
+split would only add copies. The partitioner's threshold is the size below which the
+cost model (gspmd_tf/cost_model.py) finds an all-reduce latency-bound: 256 KiB on one
+process's devices, where benchmarks/all_reduce_combiner.py measured combining to stop
+paying (benchmarks/RESULTS.md, "All-reduce combiner": 1 KiB gradients merged 5x
+faster, 64 KiB 3x, 1 or 4 MiB not at all).
 
 The pass schedules the program once, in order, with one open group per (axes, reduce
 op, dtype). A node that reads an open group's member (as data or control input, or
@@ -37,17 +40,16 @@ from gspmd_tf.spmd.dce import compact, has_effect
 from gspmd_tf.spmd.program import attr_value
 
 ALL_REDUCE = "gt.AllReduce"
-# Measured in benchmarks/all_reduce_combiner.py (RESULTS.md, "All-reduce combiner"):
-# merging gradients of 1 KiB paid 5x, of 64 KiB 3x, of 1 or 4 MiB nothing.
-DEFAULT_THRESHOLD = 256 * 1024
 # a combined all-reduce carries at most this many thresholds' worth of bytes
 GROUP_FACTOR = 16
 _DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
-def threshold_bytes(default=DEFAULT_THRESHOLD):
+def threshold_bytes(default: int) -> int:
     """GSPMD_TF_ALL_REDUCE_COMBINE_BYTES when set (0 turns the combiner off), else
-    `default`: the largest all-reduce (operand bytes per device) combined."""
+    `default` (the partitioner's: the backend's answer, else the size below which the
+    cost model finds an all-reduce latency-bound, CostModel.combine_threshold_bytes):
+    the largest all-reduce (operand bytes per device) combined."""
     text = os.environ.get("GSPMD_TF_ALL_REDUCE_COMBINE_BYTES")
     if text is None:
         return default
@@ -61,12 +63,11 @@ def threshold_bytes(default=DEFAULT_THRESHOLD):
     return value
 
 
-def combine_all_reduces(graph, threshold=None, live=None):
+def combine_all_reduces(graph, threshold: int, live=None):
     """`graph` (an SPMD program) with its independent small all-reduces merged (see the
-    module doc); `threshold` in bytes, threshold_bytes() by default. The nodes are moved
-    into the returned graph, as dce.eliminate_dead_code does. `live` (dce.live_nodes of
-    `graph`) drops the dead nodes in the same pass: the program is renumbered once."""
-    threshold = threshold_bytes() if threshold is None else threshold
+    module doc); `threshold` in bytes. The nodes are moved into the returned graph, as
+    dce.eliminate_dead_code does. `live` (dce.live_nodes of `graph`) drops the dead
+    nodes in the same pass: the program is renumbered once."""
     order = _schedule(graph, threshold, live)
     if not any(isinstance(item, list) for item in order):
         return graph if live is None else compact(graph, live)

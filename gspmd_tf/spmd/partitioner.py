@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
+from gspmd_tf.cost_model import CostModel
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.registry import op_def
 from gspmd_tf.spmd import planner
-from gspmd_tf.spmd.combine import DEFAULT_THRESHOLD, combine_all_reduces, threshold_bytes
+from gspmd_tf.spmd.combine import combine_all_reduces, threshold_bytes
 from gspmd_tf.spmd.dce import live_nodes
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.handlers.basic import any_padded, local_shapes
@@ -158,12 +159,12 @@ def _split_candidates(mesh, rule, dims_factors, layout):
     return found
 
 
-def _choose_factor_axes(mesh, rule, inputs, targets, node):
+def _choose_factor_axes(mesh, model, rule, inputs, targets, node):
     """Mesh axes for every factor, each axis used once.
 
     Variables and TensorLists come first (their shards cannot move). Then a few greedy orders are tried
-    and the one whose reshards cost least (planner.cost of every operand's and result's
-    plan) wins, the first on a tie: the result targets before the operands; the operands'
+    and the one whose reshards cost least on cost model `model` (planner.seconds of every
+    operand's and result's plan) wins, the first on a tie: the result targets before the operands; the operands'
     split reduced factors first (compute a partial result and reduce-scatter it, rather
     than gather an operand); the operands before the results; the operands largest first
     (when operands' splits conflict, keep the larger one's: it is the costlier to move).
@@ -179,7 +180,7 @@ def _choose_factor_axes(mesh, rule, inputs, targets, node):
     best = _assign(mesh, rule, results + others, start=pinned, pinned=pinned_factors)
     if not others:
         return best
-    best_cost = _reshard_cost(mesh, rule, best, inputs, targets, node)
+    best_cost = _reshard_cost(mesh, model, rule, best, inputs, targets, node)
     if best_cost == 0:  # nothing moves: no candidate can do better
         return best
     largest_first = [(dims, x.layout) for dims, x in
@@ -198,7 +199,7 @@ def _choose_factor_axes(mesh, rule, inputs, targets, node):
         if chosen in tried:
             continue
         tried.append(chosen)
-        estimate = _reshard_cost(mesh, rule, chosen, inputs, targets, node)
+        estimate = _reshard_cost(mesh, model, rule, chosen, inputs, targets, node)
         if estimate < best_cost:
             best, best_cost = chosen, estimate
     return best
@@ -226,8 +227,8 @@ def _assign(mesh, rule, sources, kinds=None, start=None, pinned=()):
     return chosen
 
 
-def _reshard_cost(mesh, rule, chosen, inputs, targets, node):
-    """planner.Cost estimate of a choice: every operand resharded to its factors' axes,
+def _reshard_cost(mesh, model, rule, chosen, inputs, targets, node):
+    """planner.seconds of a choice on `model`: every operand resharded to its factors' axes,
     every result (partial over the split REDUCE factors) resharded to its target."""
     def layout_of(dims, partial=()):
         return Layout(tuple(tuple(a for f in fs for a in chosen[f]) for fs in dims), partial,
@@ -236,14 +237,15 @@ def _reshard_cost(mesh, rule, chosen, inputs, targets, node):
     total = 0.0
     for dims, x in zip(rule.operands, inputs):
         if dims is not None:
-            total += planner.plan_estimate(x.layout, layout_of(dims), x.shape, x.dtype, mesh)
+            total += planner.plan_estimate(x.layout, layout_of(dims), x.shape, x.dtype, mesh,
+                                           model)
     partial = tuple(a for f, kind in enumerate(rule.factor_kinds) if kind == REDUCE
                     for a in chosen[f])
     for dims, target, shape, dtype in zip(rule.results, targets, node.out_shapes,
                                           node.out_dtypes):
         if dims is not None:
             total += planner.plan_estimate(layout_of(dims, partial), target, shape, dtype,
-                                           mesh)
+                                           mesh, model)
     return total
 
 
@@ -276,15 +278,17 @@ class Partitioner:
     """Builds the SPMD program of an imported graph from its propagated layouts."""
 
     def __init__(self, graph, mesh, propagation, parent=None, prefix="",
-                 windowed_einsum=None, combine_bytes=None):
+                 windowed_einsum=None, combine_bytes=None,
+                 cost_model: CostModel | None = None):
         """`windowed_einsum`: the byte threshold of windowed dots (see
         spmd/windowed_einsum.py), None for none; `combine_bytes(in_region)`: the
         all-reduce combiner's threshold the backend asks for (Backend.
-        all_reduce_combine_bytes), None for the combiner's default; a region's
-        partitioner takes both from its parent."""
+        all_reduce_combine_bytes), None for the cost model's; `cost_model` prices
+        reshards and sets the combiner's default (CostModel.for_mesh(mesh) by default);
+        a region's partitioner takes all three from its parent."""
         self.graph = graph
         self.propagation = propagation
-        self.b = ProgramBuilder(mesh, prefix)
+        self.b = ProgramBuilder(mesh, prefix, parent.b.cost_model if parent else cost_model)
         self.values = {}
         self._resharded = {}
         # a region's partitioner shares its parent's memos and list of replicated ops
@@ -318,7 +322,8 @@ class Partitioner:
         decision = decisions.get(key)
         if decision is None:
             decision = decisions[key] = Decision(
-                _choose_factor_axes(self.b.mesh, rule, inputs, targets, node))
+                _choose_factor_axes(self.b.mesh, self.b.cost_model, rule, inputs, targets,
+                                    node))
         return decision
 
     def local_shape(self, layout, shape):
@@ -387,10 +392,11 @@ class Partitioner:
 
     def _combined(self, in_region):
         """The program built, its dead nodes dropped and its all-reduces combined at the
-        threshold the backend asks for (GSPMD_TF_ALL_REDUCE_COMBINE_BYTES, when set,
-        wins: combine.threshold_bytes)."""
+        threshold the backend asks for, else the cost model's (GSPMD_TF_ALL_REDUCE_
+        COMBINE_BYTES, when set, wins: combine.threshold_bytes)."""
         asked = self.combine_bytes(in_region) if self.combine_bytes else None
-        threshold = threshold_bytes(DEFAULT_THRESHOLD if asked is None else asked)
+        threshold = threshold_bytes(self.b.cost_model.combine_threshold_bytes()
+                                    if asked is None else asked)
         return combine_all_reduces(self.b.graph, threshold, live=live_nodes(self.b.graph))
 
     def _partition(self, output_layouts, input_layouts=None):
@@ -574,9 +580,9 @@ class Partitioner:
 
 
 def partition(graph, mesh, propagation, output_layouts, windowed_einsum=None,
-              combine_bytes=None):
+              combine_bytes=None, cost_model: CostModel | None = None):
     """The SPMD program of `graph` (see Partitioner; `windowed_einsum`: a byte
     threshold, or None; `combine_bytes`: the backend's all_reduce_combine_bytes, or
-    None)."""
+    None; `cost_model`: the backend's CostModel, or None for CostModel.for_mesh)."""
     return Partitioner(graph, mesh, propagation, windowed_einsum=windowed_einsum,
-                       combine_bytes=combine_bytes).run(output_layouts)
+                       combine_bytes=combine_bytes, cost_model=cost_model).run(output_layouts)

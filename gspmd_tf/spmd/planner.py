@@ -2,10 +2,11 @@
 
 `plan(src, dst, shape, dtype, mesh)` returns a tuple of typed steps (LocalSlice,
 CollectivePermute, AllToAll, AllGather, ReduceScatter, AllReduce) that turn the shards of
-`src` into the shards of `dst`; `cost(steps)` prices them (bytes each device moves, per
-group of mesh axes, plus a latency term per collective); spmd/reshard.py emits them. The
-planner is pure (no TF, no builder) and cached, so the partitioner can price candidate
-layouts cheaply.
+`src` into the shards of `dst`; `cost(steps)` counts the bytes each device sends (ring
+algorithms), `seconds(steps, model)` prices them on a CostModel (gspmd_tf/cost_model.py:
+links per mesh axis, reduce-scatter as the backend emits it); spmd/reshard.py emits them.
+The planner is pure (no TF, no builder) and cached, so the partitioner can price
+candidate layouts cheaply.
 
 Search: Dijkstra over layouts, from `src` to `dst`, with moves that each keep every shard
 exact, uneven dims included (see `nests`): slice axes into a dim locally, gather a dim's
@@ -18,7 +19,9 @@ cheaper plan whose steps run over part of an axis (mesh.SubAxis), as XLA's do; l
 between plans still name whole axes (docs/DESIGN_LOG.md, "Sub-axis steps"). Shrinking
 moves cost nothing, so the search slices before it gathers (the order of Shardy's
 collective inserter: slice, permute, all-to-all, all-gather), which also keeps the
-gathered tensors small.
+gathered tensors small. On a mesh whose axes run over different links (one spanning
+workers), the same bytes cost more on the slower axis, so plans keep traffic on the fast
+axes where they can.
 
 Uneven dims: a dim of n split k ways has shards of ceil(n / k) elements, shard i holding
 [i * ceil(n/k), (i + 1) * ceil(n/k)) of the global dim and arbitrary padding past n.
@@ -29,16 +32,20 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from gspmd_tf.cost_model import CostModel, ring_bytes
 from gspmd_tf.layout import Layout, ceil_div
 from gspmd_tf.mesh import SubAxis
 
-# Latency of one collective, in bytes of bandwidth it is worth: a tie-breaker that prefers
-# fewer collectives for small tensors (no effect once tensors are much larger).
-LATENCY_BYTES = 1024
+# The share of a collective's latency the planner counts: a tie-breaker among plans moving
+# about the same bytes. XLA picks reshards by bytes, and its choices are the reference
+# (tests/test_xla_match.py) at shapes of a few KiB, where the whole latency (256 KiB of
+# intra-process bandwidth) would rank plans by their count of collectives alone. 2^-8 of
+# it is 1 KiB: on one process's mesh, plans rank exactly as by bytes + 1 KiB each.
+LATENCY_WEIGHT = 2.0 ** -8
 
 
 def nests(n, k_outer, k_inner):
@@ -52,7 +59,15 @@ def nests(n, k_outer, k_inner):
 # ------------------------------------------------------------------------ steps
 
 class _Step:
-    """What every step shares: `apply`, the layout after the step."""
+    """What every step shares: `apply`, the layout after the step; `kind`, the XLA name
+    of its collective (None for a local slice)."""
+
+    kind = None
+
+    @property
+    def link_axes(self):
+        """The axes whose links the step runs over (its group's)."""
+        return self.axes
 
     def apply(self, layout):
         """The layout after this step. A step may name sub-axes (SubAxis): the layout's
@@ -83,6 +98,7 @@ class LocalSlice(_Step):
 class AllGather(_Step):
     """Gather the minor `axes` of dim `dim` (uneven dims gathered whole are unpadded)."""
 
+    kind = "all-gather"
     dim: int
     axes: tuple
     bytes_in: int = 0
@@ -99,6 +115,7 @@ class AllToAll(_Step):
     """Move the minor `axes` of dim `concat_dim` to the end of dim `split_dim`: one
     all-to-all over the group of `axes` (the split dim padded first when uneven)."""
 
+    kind = "all-to-all"
     axes: tuple
     concat_dim: int
     split_dim: int
@@ -117,14 +134,23 @@ class CollectivePermute(_Step):
     """Every device takes the shard it needs from one other device: dims get new axes with
     the same shard counts (`dims` holds (dim, axes) pairs)."""
 
+    kind = "collective-permute"
     dims: tuple
     bytes_in: int = 0
     group: int = 1
+    # the axes the dims leave and those they take: the links data moves over (a split
+    # over "w" permuted to one over "i" crosses "w"); not part of what the step is
+    over: tuple = field(default=(), compare=False)
 
     @property
     def axes(self):
         """Mesh axes whose coordinates change hands."""
         return tuple(sorted({a for _, axes in self.dims for a in axes}, key=str))
+
+    @property
+    def link_axes(self):
+        """The axes whose links the step runs over."""
+        return self.over or self.axes
 
     def move(self, layout):
         """The layout after this step, the axes it names taken as they are."""
@@ -137,6 +163,7 @@ class ReduceScatter(_Step):
     dim `dim` (the axes appended to the dim, in this order); other partial axes stay
     pending."""
 
+    kind = "reduce-scatter"
     dim: int
     axes: tuple
     bytes_in: int = 0
@@ -154,6 +181,7 @@ class ReduceScatter(_Step):
 class AllReduce(_Step):
     """Reduce the pending partial `axes`."""
 
+    kind = "all-reduce"
     axes: tuple
     bytes_in: int = 0
     group: int = 1
@@ -226,8 +254,9 @@ def _merged(layout):
 
 @dataclass(frozen=True)
 class Cost:
-    """What a plan costs one device: bytes it moves, per group of mesh axes the
-    collective runs over, and the number of collectives (a latency term)."""
+    """What a plan moves on one device: bytes sent by ring algorithms (to compare with
+    XLA's plans; seconds() prices what the backend emits), per group of mesh axes the
+    collective runs over, and the number of collectives."""
 
     bytes_by_axes: tuple   # ((axes, bytes), ...), one entry per collective
     collectives: int
@@ -237,18 +266,6 @@ class Cost:
     def bytes(self):
         """Total bytes moved per device."""
         return sum(b for _, b in self.bytes_by_axes)
-
-    def estimate(self, latency_bytes=LATENCY_BYTES, bandwidth=None):
-        """One number to compare plans: bytes over each group's bandwidth (relative
-        to 1; `bandwidth` maps a mesh axis to its relative bandwidth and a group runs at
-        its slowest axis) plus `latency_bytes` per collective."""
-        total = 0.0
-        for axes, moved in self.bytes_by_axes:
-            # a sub-axis's links are its axis's
-            speed = min((bandwidth or {}).get(getattr(a, "axis", a), 1.0)
-                        for a in axes) if axes else 1.0
-            total += moved / speed
-        return total + latency_bytes * self.collectives
 
     def __add__(self, other):
         return Cost(self.bytes_by_axes + other.bytes_by_axes,
@@ -260,18 +277,9 @@ ZERO = Cost((), 0, 0)
 
 def step_cost(step):
     """Bytes one step moves per device (ring algorithms; `bytes_in` is its operand)."""
-    k, size = step.group, step.bytes_in
-    if isinstance(step, LocalSlice):
+    if step.kind is None:
         return Cost((), 0, 1)
-    if isinstance(step, AllGather):
-        moved = (k - 1) * size
-    elif isinstance(step, AllReduce):
-        moved = 2 * (k - 1) * size // k
-    elif isinstance(step, CollectivePermute):
-        moved = size
-    else:  # all-to-all, reduce-scatter: all but one k-th of the operand leaves
-        moved = (k - 1) * size // k
-    return Cost(((tuple(step.axes), moved),), 1, 1)
+    return Cost(((tuple(step.axes), ring_bytes(step.kind, step.bytes_in, step.group)),), 1, 1)
 
 
 def cost(steps):
@@ -282,48 +290,64 @@ def cost(steps):
     return total
 
 
+def step_seconds(step, model: CostModel) -> float:
+    """What the planner ranks a step by: `model`'s seconds for its collective (as the
+    backend emits it), latency counted at LATENCY_WEIGHT; 0 for a local slice."""
+    if step.kind is None:
+        return 0.0
+    return model.collective_seconds(step.kind, step.bytes_in, step.link_axes, LATENCY_WEIGHT)
+
+
+def seconds(steps, model: CostModel) -> float:
+    """The planner's price of a plan (a tuple of steps) on `model`: see step_seconds."""
+    return sum(step_seconds(step, model) for step in steps)
+
+
 # ------------------------------------------------------------------------ search
 
-def plan(src, dst, shape, dtype, mesh):
+def plan(src, dst, shape, dtype, mesh, model: CostModel | None = None):
     """The cheapest exact steps from Layout `src` to Layout `dst` (no partial) for a
-    global tensor of `shape` and `dtype`; a tuple of step records."""
+    global tensor of `shape` and `dtype`, priced by `model` (CostModel.for_mesh(mesh)
+    by default); a tuple of step records."""
     # strings and handles have no fixed size: priced like 8-byte elements
-    return _plan(src, dst, tuple(shape), dtype.size or 8, mesh.axis_names, mesh.shape)
+    return _plan(src, dst, tuple(shape), dtype.size or 8, model or CostModel.for_mesh(mesh))
 
 
-def plan_estimate(src, dst, shape, dtype, mesh):
-    """cost(plan(...)).estimate(), cached: what the partitioner compares candidates by."""
+def plan_estimate(src, dst, shape, dtype, mesh, model: CostModel | None = None) -> float:
+    """seconds(plan(...), model), cached: what the partitioner compares candidates by."""
     if src == dst:
         return 0.0
-    return _plan_estimate(src, dst, tuple(shape), dtype.size or 8, mesh.axis_names,
-                          mesh.shape)
+    return _plan_estimate(src, dst, tuple(shape), dtype.size or 8,
+                          model or CostModel.for_mesh(mesh))
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _plan_estimate(*key):
-    return cost(_plan(*key)).estimate()
+def _plan_estimate(src, dst, shape, itemsize, model):
+    return seconds(_plan(src, dst, shape, itemsize, model), model)
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _plan(src, dst, shape, itemsize, axis_names, mesh_shape):
+def _plan(src, dst, shape, itemsize, model):
     assert not dst.partial, dst
     if src == dst:
         return ()
-    return _candidates(src, dst, shape, itemsize, dict(zip(axis_names, mesh_shape)))[-1][1]
+    return _candidates(src, dst, shape, itemsize, model)[-1][1]
 
 
-def _candidates(src, dst, shape, itemsize, sizes):
+def _candidates(src, dst, shape, itemsize, model):
     """[(key, steps)]: the cheapest plan over whole mesh axes, then each plan with one of
     `_sub_axis_splits` that is cheaper than the ones before it (its steps name the whole
     axis where they take all of it; the last is the cheapest: a tie keeps the earlier);
-    `sizes` maps axis names to sizes."""
-    found = [_search(src, dst, _Space(shape, itemsize, sizes, dst))]
+    `model` prices the steps and gives the axes' sizes."""
+    sizes = model.axis_sizes
+    found = [_search(src, dst, _Space(shape, itemsize, sizes, dst), model)]
     for parts in _sub_axis_splits(src, dst, sizes):
         cut_sizes = {a: n for a, n in sizes.items() if a != parts[0].axis}
         cut_sizes.update((p, p.size) for p in parts)
         cut_dst = _cut(dst, parts)
         cheaper = _search(_cut(src, parts), cut_dst,
-                          _Space(shape, itemsize, cut_sizes, cut_dst), bound=found[-1][0])
+                          _Space(shape, itemsize, cut_sizes, cut_dst), model,
+                          bound=found[-1][0])
         if cheaper is not None:
             found.append((cheaper[0], tuple(_whole_axes(step) for step in cheaper[1])))
     return found
@@ -353,9 +377,10 @@ def _whole_axes(step):
     return replace(step, axes=_merged_axes(step.axes))
 
 
-def _search(src, dst, space, bound=None):
+def _search(src, dst, space, model, bound=None):
     """(key, steps): the cheapest steps from `src` to `dst` among `space`'s moves, keyed
-    by (estimate, collectives, steps); None when none is keyed below `bound`."""
+    by (step_seconds on `model`, collectives, steps); None when none is keyed below
+    `bound`."""
     counter = itertools.count()
     start = (0.0, 0, 0)
     best = {src: start}
@@ -367,8 +392,8 @@ def _search(src, dst, space, bound=None):
         if best.get(layout, key) < key:
             continue
         for step in space.moves(layout):
-            c = step_cost(step)
-            new_key = (key[0] + c.estimate(), key[1] + c.collectives, key[2] + c.steps)
+            collective = step.kind is not None
+            new_key = (key[0] + step_seconds(step, model), key[1] + collective, key[2] + 1)
             if bound is not None and new_key >= bound:
                 continue
             nxt = step.move(layout)
@@ -547,7 +572,8 @@ class _Space:
     def _permute(self, layout, change):
         axes = {a for _, new in change for a in new} | {a for d, _ in change
                                                         for a in layout.dims[d]}
-        return CollectivePermute(tuple(change), self.nbytes(layout), self.k(axes))
+        return CollectivePermute(tuple(change), self.nbytes(layout), self.k(axes),
+                                 tuple(sorted(axes, key=str)))
 
 
 def permute_pairs(mesh, src, dst):

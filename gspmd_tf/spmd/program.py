@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
+from gspmd_tf.cost_model import CostModel
 from gspmd_tf.graph.ir import Graph, Node, Ref
 
 Local = namedtuple("Local", "ref layout shape dtype")
@@ -61,10 +62,13 @@ class ProgramBuilder:
     """Appends nodes to the SPMD program; every method returns Refs of local tensors.
 
     `prefix` starts the names it makes up (a region's sub-program has its own, so that
-    node names are unique across a program and its regions: collective keys go by name)."""
+    node names are unique across a program and its regions: collective keys go by name).
+    `cost_model` prices the reshard plans of this program (CostModel.for_mesh(mesh) by
+    default)."""
 
-    def __init__(self, mesh, prefix=""):
+    def __init__(self, mesh, prefix="", cost_model: CostModel | None = None):
         self.mesh = mesh
+        self.cost_model = cost_model or CostModel.for_mesh(mesh)
         self.prefix = prefix
         self.graph = Graph()
         self._consts = {}

@@ -26,7 +26,7 @@ def reshard(b, x, target):
     """Move Local `x` to Layout `target` (no partial axes) along the cheapest plan."""
     if x.layout == target:
         return x
-    return emit(planner.plan(x.layout, target, x.shape, x.dtype, b.mesh), b, x)
+    return emit(planner.plan(x.layout, target, x.shape, x.dtype, b.mesh, b.cost_model), b, x)
 
 
 def emit(steps, b, x):
