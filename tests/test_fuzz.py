@@ -50,7 +50,11 @@ def test_mismatch_of_tf_kernel_choice_is_checked_against_eigen_kernels():
     worker = Worker(120, 30)
     eigen = Worker(120, 30, env=EIGEN_KERNELS)
     try:
-        assert worker.run(program)["status"] == "mismatch"
+        first = worker.run(program)["status"]
+        if first == "pass":  # a CPU whose oneDNN kernel also sums to -Inf (AMD EPYC)
+            pytest.skip("TF's default and Eigen CPU kernels agree on this program on this "
+                        "CPU: no kernel disagreement for the driver to settle")
+        assert first == "mismatch"
         values = eigen.run(program, part="reference_values")
         assert values["status"] == "pass"
         assert worker.run(program, reference=values["detail"])["status"] == "pass"
