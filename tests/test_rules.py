@@ -313,6 +313,15 @@ SPECIAL_ROWS = [(op, raw(op), [SPECIAL_UNARY[op](4, 6)], SAME_2D)
                 (op, raw(op), [(i32 if op == "Mod" else f32)(4, 1, 6),
                                (i32 if op == "Mod" else f32)(5, 6)], BROADCAST)
                 for op in SPECIAL]
+def python_function(call):
+    """x -> call(double, [x]) (tf.py_function or tf.numpy_function), shaped like x."""
+    def fn(x):
+        y = call(lambda v: v * 2.0, [x], tf.float32)
+        y.set_shape(x.shape)
+        return y
+    return fn
+
+
 RNG_STATE = tf.Variable(np.zeros(3, np.int64))  # the state of a tf.random.Generator
 PAIRED = "[i, k, l, j]"  # batch and channel dims pass, height and width whole
 FAMILY_ROWS = [
@@ -405,6 +414,10 @@ FAMILY_ROWS = [
      "([i])->([j]) {i=5, j=5} need_replication={i, j}"),
     ("DiagPart", raw("DiagPart"), [f32(4, 4)],
      "([i, j])->([k]) {i=4, j=4, k=4} need_replication={i, j, k}"),
+    # Python functions: inputs whole, run once per call (handlers/py_functions.py)
+    *[(op, python_function(call), [f32(4, 6)],
+       "([i, j])->([k, l]) {i=4, j=6, k=4, l=6} need_replication={i, j, k, l}")
+      for op, call in [("EagerPyFunc", tf.py_function), ("PyFunc", tf.numpy_function)]],
     ("RngReadAndSkip", lambda delta: tf.raw_ops.RngReadAndSkip(
         resource=RNG_STATE.handle, alg=1, delta=delta),
      [tf.TensorSpec((), tf.uint64)], "([i], [], [])->([j]) {i=3, j=3} need_replication={i, j}"),

@@ -92,9 +92,9 @@ class Function:
     again); every other leaf is a tensor input. On a method (`@gt.function` in a class
     body) it binds `self` like tf.function does.
 
-    Each device runs its part of the program: a tf.py_function or tf.numpy_function
-    inside runs once per device per call (on that device's shard, or on the whole value
-    where gspmd-tf runs the op replicated), so keep such functions free of side effects.
+    Each device runs its part of the program; a tf.py_function or tf.numpy_function
+    inside runs once per call (per loop iteration) on its whole inputs, as on one device,
+    and every device gets its result.
     """
 
     def __init__(self, fn, mesh, in_shardings, out_shardings, backend_factory,
