@@ -4,7 +4,8 @@ Replaying (handlers.basic.replay: the TF op re-created from its attrs on the loc
 operands, padding of split reduced dims masked) is exact for an op when its local result
 depends only on the local operands and nothing in it names a global size. Each family
 below says why that holds for it. Families whose local op differs are declared beside
-their handlers (basic.py, gather.py, grads.py, normalize.py, segment.py, conv.py).
+their handlers (basic.py, gather.py, grads.py, normalize.py, segment.py, conv.py,
+linalg.py, py_functions.py).
 """
 
 from __future__ import annotations
