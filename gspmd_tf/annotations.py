@@ -24,6 +24,7 @@ def mesh_split(tensor, mesh, spec):
     """
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"mesh_split needs a gt.Mesh, got {mesh!r}")
+    _check_not_leaked(tensor)
     eager = tf.executing_eagerly()
     value = tensor if eager else tf.convert_to_tensor(tensor)
     what = "tensor" if eager else f"tensor {value.name}"
@@ -37,3 +38,21 @@ def mesh_split(tensor, mesh, spec):
         return tensor
     return xla_sharding.Sharding(proto=sharding.to_proto()).apply_to_tensor(
         value, use_sharding_op=True)
+
+
+def _check_not_leaked(tensor):
+    """ShardingError when `tensor` is a graph tensor of a trace that is not the one
+    running now nor one it is nested in: a tensor kept from an earlier trace (a Python
+    list or attribute filled inside a traced function), which no program can read."""
+    if not tf.is_symbolic_tensor(tensor):
+        return
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if tensor.graph is graph:
+            return
+        graph = getattr(graph, "outer_graph", None)
+    raise ShardingError(
+        f"mesh_split: tensor {tensor.name} belongs to another trace (graph "
+        f"{getattr(tensor.graph, 'name', tensor.graph)!r}): it leaked out of the function "
+        "that computed it, e.g. kept in a Python list or attribute; return it from that "
+        "function, or compute it again in this one")

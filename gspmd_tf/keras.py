@@ -448,6 +448,11 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
     if keras.backend.backend() != "tensorflow":
         raise ShardingError(f"gt.keras needs Keras' TensorFlow backend, but Keras runs on "
                             f"{keras.backend.backend()!r}; set KERAS_BACKEND=tensorflow")
+    if not isinstance(model, keras.Model):
+        raise ShardingError(
+            f"shard_model takes a keras.Model, not {type(model).__name__} {model!r:.80}; "
+            "wrap a layer in one (keras.Sequential([layer])), or for a plain function "
+            "use gt.function with gt.Variables")
     batch_spec = batch_spec if isinstance(batch_spec, PartitionSpec) \
         else PartitionSpec(*(batch_spec or ()))
     mesh = _as_mesh(mesh, layout_map)

@@ -124,7 +124,13 @@ class Mesh:
     (gspmd_tf/cost_model.py) prices axes whose groups span workers as slower links.
     """
 
-    def __init__(self, devices, axis_names):
+    def __init__(self, devices, axis_names, *more):
+        if more:  # gt.Mesh(shape, axis_names, devices), as other APIs spell it
+            raise ShardingError(
+                f"gt.Mesh(devices, axis_names) takes 2 arguments, got {2 + len(more)}: "
+                "the device array has the mesh's shape itself; give "
+                "gt.Mesh(np.array(devices).reshape(shape), axis_names), or "
+                "gt.Mesh.create(shape, axis_names) for this process's devices")
         grid = np.asarray(_device_names(devices), dtype=object)
         shape, axis_names = _check_axes(grid.shape, axis_names)
         names = _check_devices(grid.ravel())
@@ -157,6 +163,11 @@ class Mesh:
     def create(cls, shape, axis_names, device_type=None):
         """A mesh over devices 0..N-1 in row-major order: this process's devices, or
         after gt.initialize_cluster those of every worker, worker-major."""
+        if device_type is not None and not isinstance(device_type, str):
+            raise ShardingError(
+                f"Mesh.create's third argument is device_type, a str such as 'CPU' or "
+                f"'GPU', not {type(device_type).__name__}; to build a mesh over devices "
+                "you list, use gt.Mesh(np.array(devices).reshape(shape), axis_names)")
         shape, axis_names = _check_axes(shape, axis_names)
         names = global_device_names(device_type)
         needed = int(np.prod(shape))

@@ -40,8 +40,17 @@ _MAXIMAL = re.compile(r"maximal\s+device=(\d+)")
 _METADATA = re.compile(r"\s+metadata=\{.*\}$", re.S)
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
 def _ints(text):
-    return [int(t) for t in text.split(",")]
+    """The comma-separated integers of `text`; ShardingError for one past int64."""
+    values = [int(t) for t in text.split(",")]
+    for value in values:
+        if value > _INT64_MAX:
+            raise ShardingError(f"{value} is past int64; a sharding has at most "
+                                f"{MAX_DEVICES} devices, with ids 0..{MAX_DEVICES - 1}")
+    return values
 
 
 def _short(text, limit=300):
@@ -193,6 +202,11 @@ class Sharding:
     @classmethod
     def parse(cls, text):
         """Read XLA's text form, e.g. `{devices=[4,2]<=[2,4]T(1,0)}` (see module doc)."""
+        if not isinstance(text, str):
+            raise ShardingError(
+                f"Sharding.parse reads XLA's text form, a str such as '{{replicated}}' or "
+                f"'{{devices=[2,1]0,1}}', not {type(text).__name__} {text!r}"
+                + ("; decode the bytes first" if isinstance(text, bytes) else ""))
         body = text.strip()
         if not (body.startswith("{") and body.endswith("}")):
             raise ShardingError(f"cannot parse sharding {text!r}: expected text in braces")

@@ -180,8 +180,9 @@ def test_variable_recreated_with_the_same_name(mesh):
     assert_close(gt.function(lambda: first * 1.0, mesh=mesh)().numpy(), x8x4())
 
 
-def test_py_function_runs_once_per_device(mesh, caplog):
-    # documented in gt.function and the README: each device runs its part of the program
+def test_py_function_runs_once_per_call(mesh, caplog):
+    """Its input gathered whole: the function runs once per call, on the whole value,
+    and every device gets its result (documented in gt.function)."""
     calls = []
 
     def double(v):
@@ -194,10 +195,33 @@ def test_py_function_runs_once_per_device(mesh, caplog):
         return y
 
     f = gt.function(doubled, mesh=mesh, in_shardings=(P("data"),))
-    assert_close(f(x8x4()).numpy(), 2 * x8x4())
-    assert "EagerPyFunc" in caplog.text and "runs replicated" in caplog.text
-    assert calls == [(8, 4)] * mesh.size  # no rule: replicated, on the whole value
-    assert "once per device" in gt.Function.__doc__
+    for step in range(1, 3):
+        assert_close(f(x8x4()).numpy(), 2 * x8x4())
+        assert calls == [(8, 4)] * step
+    assert "no partitioning rule" not in caplog.text
+    assert "once per call" in gt.Function.__doc__
+
+
+def test_numpy_function_runs_once_per_call(mesh):
+    """tf.numpy_function twice in a program, the second on the first's result: each
+    runs once per call, on its whole input."""
+    calls = []
+
+    def count(v):
+        calls.append(v.shape)
+        return v + 1.0
+
+    def fn(x):
+        once = tf.numpy_function(count, [x], tf.float32)
+        once.set_shape(x.shape)
+        twice = tf.numpy_function(count, [once * 2.0], tf.float32)
+        twice.set_shape(x.shape)
+        return twice
+
+    x = x8x4()
+    f = gt.function(fn, mesh=mesh, in_shardings=(P("data", "model"),))
+    assert_close(f(x).numpy(), (x + 1) * 2 + 1)
+    assert calls == [(8, 4)] * 2
 
 
 def test_runtime_errors_name_the_function(mesh):

@@ -128,3 +128,58 @@ def test_collective_timeout_is_checked():
         gt.function(lambda x: x, mesh=MESH, collective_timeout=-1)
     with pytest.raises(ValueError, match="give it to your backend"):
         gt.function(lambda x: x, mesh=MESH, collective_timeout=5, backend=lambda m: None)
+
+
+@pytest.mark.parametrize("text, complaint", [
+    (5, "a str such as .* not int 5"),
+    (b"{replicated}", "not bytes .*decode the bytes first"),
+    ("{devices=[2]0,99999999999999999999999}", "99999999999999999999999 is past int64"),
+])
+def test_sharding_parse_of_a_non_string_or_a_huge_device_id(text, complaint):
+    with pytest.raises(gt.ShardingError, match=complaint):
+        gt.Sharding.parse(text)
+
+
+def test_tensor_spec_of_unknown_rank():
+    with pytest.raises(gt.ShardingError, match=r"argument 0 \('x'\) .*unknown rank.*full shape"):
+        lower(lambda x: x * 2.0, None, tf.TensorSpec(None, tf.float32))
+
+
+def test_mesh_split_of_a_tensor_leaked_from_an_earlier_trace():
+    leaked = []
+
+    def keep(x):
+        leaked.append(x * 2.0)
+        return x
+
+    lower(keep, None, X)
+    with pytest.raises(gt.ShardingError, match=r"tensor mul:0 belongs to another trace "
+                                               r"\(graph 'keep'\).*return it from"):
+        lower(lambda x: x + gt.mesh_split(leaked[0], MESH, P("data")), None, X)
+    with pytest.raises(gt.ShardingError, match="belongs to another trace"):
+        gt.mesh_split(leaked[0], MESH, P("data"))  # eagerly, too
+
+
+def test_a_variable_created_again_after_the_trace(mesh):
+    """A notebook re-run: the cached program reads the deleted variable."""
+    v = gt.Variable(np.ones((8, 4), np.float32), mesh, P("data"), name="rerun")
+    scale = gt.function(lambda x: x * v, mesh=mesh)
+    scale(np.ones((8, 4), np.float32))
+    v = gt.Variable(np.ones((8, 4), np.float32), mesh, P("data"), name="rerun")
+    with pytest.raises(gt.ShardingError, match="reading a gt.Variable that no longer exists.*"
+                                               "create the gt.function again"):
+        scale(np.ones((8, 4), np.float32))
+
+
+@pytest.mark.parametrize("model", [object(), lambda x: x])
+def test_shard_model_of_something_else_than_a_model(model, mesh):
+    with pytest.raises(gt.ShardingError, match="shard_model takes a keras.Model"):
+        gt.keras.shard_model(model, mesh, {})
+
+
+def test_mesh_given_devices_as_a_third_argument():
+    devices = [f"/device:CPU:{i}" for i in range(8)]
+    with pytest.raises(gt.ShardingError, match="third argument is device_type.*gt.Mesh"):
+        gt.Mesh.create((2, 4), ("data", "model"), devices)
+    with pytest.raises(gt.ShardingError, match=r"takes 2 arguments, got 3.*reshape\(shape\)"):
+        gt.Mesh((2, 4), ("data", "model"), devices)

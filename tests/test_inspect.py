@@ -201,9 +201,10 @@ def test_replicated_ops_warn_once_per_op_type_with_a_count(mesh, caplog):
     x = np.arange(32, dtype=np.float32).reshape(8, 4)
 
     @gt.function(mesh=mesh, in_shardings=(P("data", "model"),))
-    def cumulative(t):  # an op without a rule, twelve times
+    def cumulative(t):  # an op without a rule, twelve times, each on split operands
         for _ in range(12):
             t = tf.math.cumulative_logsumexp(t, axis=0) * 0.5
+            t = gt.mesh_split(t, mesh, P("data", "model"))
         return t
 
     with caplog.at_level("WARNING", logger="gspmd_tf"):

@@ -15,7 +15,7 @@ import gspmd_tf as gt
 from gspmd_tf.graph import import_graph
 from gspmd_tf.propagation.rules import einsum_rule
 from gspmd_tf.registry import ops_with_rules, rule_for
-from gspmd_tf.spmd.handlers.replayed import BINARY, UNARY
+from gspmd_tf.spmd.handlers.replayed import BINARY, SPECIAL, UNARY
 from util import check_partitioned, tensor_lists
 
 
@@ -104,6 +104,7 @@ VARIABLE_EXPECTED = {
     "ResourceApplyProximalAdagrad": f"({V}, {V}, _, _, _, {V})->()",
     "ResourceApplyAddSign": f"({V}, {V}, _, _, _, _, {V})->()",
     "ResourceApplyPowerSign": f"({V}, {V}, _, _, _, _, {V})->()",
+    "DisableCopyOnRead": f"({V})->()",
 }
 VARIABLE_ROWS = [(op, with_variables(op), [f32(4, 6)], text + " {i=4, j=6}")
                  for op, text in VARIABLE_EXPECTED.items()]
@@ -292,8 +293,139 @@ STATEFUL_RANDOM_ROWS = [(op, fn, [], "(_)->([i, j]) {i=4, j=6}") for op, fn in [
      "(_, _, _)->([i, j]) {i=4, j=6}")]
 
 
+
+def c64(*shape):
+    return tf.TensorSpec(shape, tf.complex64)
+
+
+def text(*shape):
+    return tf.TensorSpec(shape, tf.string)
+
+
+# special functions are elementwise (broadcasting from the right): unary ones, binary
+# ones, the ternary Betainc (equal shapes or scalars), integer and complex ones
+SPECIAL_UNARY = {"BesselI0e": f32, "BesselI1e": f32, "Ndtri": f32, "Erfinv": f32,
+                 "Invert": i32, "PopulationCount": i32, "ComplexAbs": c64}
+SPECIAL_ROWS = [(op, raw(op), [SPECIAL_UNARY[op](4, 6)], SAME_2D)
+                if op in SPECIAL_UNARY else
+                (op, raw(op), [f32(4, 6)] * 3, "([i, j], [i, j], [i, j])->([i, j]) {i=4, j=6}")
+                if op == "Betainc" else
+                (op, raw(op), [(i32 if op == "Mod" else f32)(4, 1, 6),
+                               (i32 if op == "Mod" else f32)(5, 6)], BROADCAST)
+                for op in SPECIAL]
+def python_function(call):
+    """x -> call(double, [x]) (tf.py_function or tf.numpy_function), shaped like x."""
+    def fn(x):
+        y = call(lambda v: v * 2.0, [x], tf.float32)
+        y.set_shape(x.shape)
+        return y
+    return fn
+
+
+RNG_STATE = tf.Variable(np.zeros(3, np.int64))  # the state of a tf.random.Generator
+PAIRED = "[i, k, l, j]"  # batch and channel dims pass, height and width whole
+FAMILY_ROWS = [
+    ("AsString", raw("AsString"), [i32(4, 6)], SAME_2D),
+    ("StringLength", raw("StringLength"), [text(4, 6)], SAME_2D),
+    ("StringToHashBucketFast", raw("StringToHashBucketFast", num_buckets=7), [text(4, 6)],
+     SAME_2D),
+    ("ShardedFilename", raw("ShardedFilename"), [text(), i32(), i32()], "([], [], [])->([]) {}"),
+    # every dim summed: partial sums
+    ("L2Loss", tf.nn.l2_loss, [f32(4, 6)], "([i, j])->([]) {i=4, j=6} reduction={i, j}"),
+    # the v1 Concat: as ConcatV2 with the axis first
+    ("Concat", lambda a, b: tf.raw_ops.Concat(concat_dim=1, values=[a, b]),
+     [f32(4, 6), f32(4, 2)],
+     "(_, [i, j], [i, k])->([i, l]) {i=4, j=6, k=2, l=8} need_replication={j, k, l}"),
+    # a dim the slice takes whole passes (shared with the value); a sliced one is whole
+    ("TensorStridedSliceUpdate", lambda x, v: tf.raw_ops.TensorStridedSliceUpdate(
+        input=x, begin=[1, 0], end=[3, 6], strides=[1, 1], value=v), [f32(4, 6), f32(2, 6)],
+     "([i, j], _, _, _, [k, j])->([i, j]) {i=4, j=6, k=2} need_replication={i, k}"),
+    ("InTopKV2", lambda p, t: tf.math.in_top_k(t, p, 2), [f32(4, 6), i32(4)],
+     "([i, j], [i], _)->([i]) {i=4, j=6} need_replication={j}"),
+    # transforms: the transformed dims whole, batch dims pass
+    *[(op, raw(op), [c64(3, 4, 5, 6)],
+       f"([i, {core}])->([i, {core_out}]) {{{sizes}}} need_replication={{{whole}}}")
+      for op, core, core_out, sizes, whole in [
+          ("FFT", "j, k, l", "j, k, m", "i=3, j=4, k=5, l=6, m=6", "l, m"),
+          ("IFFT", "j, k, l", "j, k, m", "i=3, j=4, k=5, l=6, m=6", "l, m"),
+          ("FFT2D", "j, k, l", "j, m, n", "i=3, j=4, k=5, l=6, m=5, n=6", "k, l, m, n"),
+          ("IFFT2D", "j, k, l", "j, m, n", "i=3, j=4, k=5, l=6, m=5, n=6", "k, l, m, n"),
+          ("FFT3D", "j, k, l", "m, n, o", "i=3, j=4, k=5, l=6, m=4, n=5, o=6",
+           "j, k, l, m, n, o"),
+          ("IFFT3D", "j, k, l", "m, n, o", "i=3, j=4, k=5, l=6, m=4, n=5, o=6",
+           "j, k, l, m, n, o")]],
+    ("RFFT", lambda x: tf.signal.rfft(x), [f32(3, 8)],
+     "([i, j], _)->([i, k]) {i=3, j=8, k=5} need_replication={j, k}"),
+    ("IRFFT", lambda x: tf.signal.irfft(x), [c64(3, 5)],
+     "([i, j], _)->([i, k]) {i=3, j=5, k=8} need_replication={j, k}"),
+    ("RFFT2D", lambda x: tf.signal.rfft2d(x), [f32(3, 4, 8)],
+     "([i, j, k], _)->([i, l, m]) {i=3, j=4, k=8, l=4, m=5} need_replication={j, k, l, m}"),
+    ("IRFFT2D", lambda x: tf.signal.irfft2d(x), [c64(3, 4, 5)],
+     "([i, j, k], _)->([i, l, m]) {i=3, j=4, k=5, l=4, m=8} need_replication={j, k, l, m}"),
+    ("RFFT3D", lambda x: tf.signal.rfft3d(x), [f32(3, 2, 4, 8)],
+     "([i, j, k, l], _)->([i, m, n, o]) {i=3, j=2, k=4, l=8, m=2, n=4, o=5}"
+     " need_replication={j, k, l, m, n, o}"),
+    ("IRFFT3D", lambda x: tf.signal.irfft3d(x), [c64(3, 2, 4, 5)],
+     "([i, j, k, l], _)->([i, m, n, o]) {i=3, j=2, k=4, l=5, m=2, n=4, o=8}"
+     " need_replication={j, k, l, m, n, o}"),
+    # matrices whole, batch dims pass (shared by Qr's q and r)
+    ("Qr", lambda x: tf.linalg.qr(x), [f32(3, 4, 6)],
+     "([i, j, k])->([i, l, m], [i, n, o]) {i=3, j=4, k=6, l=4, m=4, n=4, o=6}"
+     " need_replication={j, k, l, m, n, o}"),
+    ("Cholesky", tf.linalg.cholesky, [f32(3, 4, 4)],
+     "([i, j, k])->([i, l, m]) {i=3, j=4, k=4, l=4, m=4} need_replication={j, k, l, m}"),
+    # images: batch and channels pass, height and width whole
+    *[(op, lambda x, op=op: getattr(tf.raw_ops, op)(images=x, size=[6, 8]),
+       [f32(2, 3, 4, 5)], f"({PAIRED}, _)->([i, m, n, j]) {{i=2, j=5, k=3, l=4, m=6, n=8}}"
+       " need_replication={k, l, m, n}")
+      for op in ("ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic")],
+    ("ResizeBilinearGrad", lambda g, x: tf.raw_ops.ResizeBilinearGrad(grads=g, original_image=x),
+     [f32(2, 6, 8, 5), f32(2, 3, 4, 5)],
+     f"({PAIRED}, [i, m, n, j])->([i, o, p, j]) {{i=2, j=5, k=6, l=8, m=3, n=4, o=3, p=4}}"
+     " need_replication={k, l, m, n, o, p}"),
+    ("ResizeNearestNeighborGrad",
+     lambda g: tf.raw_ops.ResizeNearestNeighborGrad(grads=g, size=[3, 4]), [f32(2, 6, 8, 5)],
+     f"({PAIRED}, _)->([i, m, n, j]) {{i=2, j=5, k=6, l=8, m=3, n=4}}"
+     " need_replication={k, l, m, n}"),
+    ("AdjustContrastv2", lambda x: tf.image.adjust_contrast(x, 2.0), [f32(2, 3, 4, 5)],
+     f"({PAIRED}, _)->([i, m, n, j]) {{i=2, j=5, k=3, l=4, m=3, n=4}}"
+     " need_replication={k, l, m, n}"),
+    ("AdjustSaturation", lambda x: tf.image.adjust_saturation(x, 2.0), [f32(2, 4, 3)],
+     "([i, j, k], _)->([i, j, l]) {i=2, j=4, k=3, l=3} need_replication={k, l}"),
+    ("AdjustHue", lambda x: tf.image.adjust_hue(x, 0.2), [f32(2, 4, 3)],
+     "([i, j, k], _)->([i, j, l]) {i=2, j=4, k=3, l=3} need_replication={k, l}"),
+    # pooling's second derivative: the windowed dims whole
+    ("MaxPoolGradGrad", lambda x, y, g: tf.raw_ops.MaxPoolGradGrad(
+        orig_input=x, orig_output=y, grad=g, **POOL),
+     [f32(2, 8, 8, 3), f32(2, 4, 4, 3), f32(2, 8, 8, 3)],
+     "([i, k, l, j], [i, m, n, j], [i, o, p, j])->([i, q, r, j])"
+     " {i=2, j=3, k=8, l=8, m=4, n=4, o=8, p=8, q=4, r=4}"
+     " need_replication={k, l, m, n, o, p, q, r}"),
+    ("MaxPool3DGradGrad", lambda x, y, g: tf.raw_ops.MaxPool3DGradGrad(
+        orig_input=x, orig_output=y, grad=g, **P3),
+     [f32(*X3), f32(2, 3, 4, 4, 3), f32(*X3)],
+     "([i, k, l, m, j], [i, n, o, p, j], [i, q, r, s, j])->([i, t, u, v, j])"
+     " {i=2, j=3, k=6, l=8, m=8, n=3, o=4, p=4, q=6, r=8, s=8, t=3, u=4, v=4}"
+     " need_replication={k, l, m, n, o, p, q, r, s, t, u, v}"),
+    # every input whole
+    ("StringFormat", lambda x: tf.strings.format("{}", x), [f32(4, 6)],
+     "([i, j])->([]) {i=4, j=6} need_replication={i, j}"),
+    ("InvertPermutation", raw("InvertPermutation"), [i32(5)],
+     "([i])->([j]) {i=5, j=5} need_replication={i, j}"),
+    ("DiagPart", raw("DiagPart"), [f32(4, 4)],
+     "([i, j])->([k]) {i=4, j=4, k=4} need_replication={i, j, k}"),
+    # Python functions: inputs whole, run once per call (handlers/py_functions.py)
+    *[(op, python_function(call), [f32(4, 6)],
+       "([i, j])->([k, l]) {i=4, j=6, k=4, l=6} need_replication={i, j, k, l}")
+      for op, call in [("EagerPyFunc", tf.py_function), ("PyFunc", tf.numpy_function)]],
+    ("RngReadAndSkip", lambda delta: tf.raw_ops.RngReadAndSkip(
+        resource=RNG_STATE.handle, alg=1, delta=delta),
+     [tf.TensorSpec((), tf.uint64)], "([i], [], [])->([j]) {i=3, j=3} need_replication={i, j}"),
+]
+
+
 ROWS = (UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_ROWS
-        + TENSOR_LIST_ROWS + STATEFUL_RANDOM_ROWS) + [
+        + TENSOR_LIST_ROWS + STATEFUL_RANDOM_ROWS + SPECIAL_ROWS + FAMILY_ROWS) + [
     ("XlaSharding", lambda x: xs.replicate(x, use_sharding_op=True), [f32(4, 6)], SAME_2D),
     # a bitcast to a narrower type adds a minor dim, to a wider one removes it: that dim
     # is in one tensor only and stays whole

@@ -110,9 +110,9 @@ def test_stateful_ops_without_resources_run_in_program_order_per_device(mesh):
     for _ in range(3):
         log.clear()
         assert_close(step(x).numpy(), 2.0 * x + 2.0 * (x + 1.0))
-        assert collections.Counter(log) == {"first": mesh.size, "second": mesh.size}
-        # each device runs its "first" before its "second": never more seconds than
-        # firsts so far
+        # once per call (handlers/py_functions.py); each device runs its "first"
+        # before its "second", so the first device to call "second" has called "first"
+        assert collections.Counter(log) == {"first": 1, "second": 1}
         assert all(log[:k].count("second") <= log[:k].count("first")
                    for k in range(len(log) + 1)), log
 

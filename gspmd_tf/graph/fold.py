@@ -66,7 +66,9 @@ def fold(graph):
             unknown.pop(Ref(index, k), None)
         if len(outs) > 1:
             multi.append((index, list(zip(outs, node.out_dtypes))))
-        _make_const(node, outs[0])
+        # the extra outputs stay on the node until _split_outputs: consumers folded
+        # later in this pass read their dtypes (BroadcastGradientArgs' second output)
+        _make_const(node, outs[0], keep_outputs=len(outs) > 1)
     if unknown:
         ref = min(unknown)
         name = graph.tensor_name(ref)
@@ -223,8 +225,9 @@ def _eager_scalar(kind, item):
     return item  # ints, floats, bools, bytes, DataType enums
 
 
-def _make_const(node, value):
-    """Turn `node` into a Const node holding `value` (its first output)."""
+def _make_const(node, value, keep_outputs=False):
+    """Turn `node` into a Const node holding `value` (its first output); its other
+    outputs are dropped unless `keep_outputs`."""
     dtype = node.out_dtypes[0]
     node.op = "Const"
     node.inputs = []
@@ -233,8 +236,9 @@ def _make_const(node, value):
         "value": attr_value_pb2.AttrValue(
             tensor=tf.make_tensor_proto(np.asarray(value, dtype.as_numpy_dtype))),
     }
-    del node.out_shapes[1:]
-    del node.out_dtypes[1:]
+    if not keep_outputs:
+        del node.out_shapes[1:]
+        del node.out_dtypes[1:]
 
 
 def _infer_shapes(graph, index, node, values, unknown):
@@ -289,6 +293,9 @@ def _split_outputs(graph, multi):
                          out_dtypes=[dtype], control_inputs=node.control_inputs)
             _make_const(const, value)
             new_ref[(i, k)] = Ref(graph.add(const), 0)
+        if i in extra:  # its other outputs are the Consts just added
+            del node.out_shapes[1:]
+            del node.out_dtypes[1:]
         new_index[i] = graph.add(node)
 
     renumber(graph, new_index, new_ref)

@@ -92,9 +92,9 @@ class Function:
     again); every other leaf is a tensor input. On a method (`@gt.function` in a class
     body) it binds `self` like tf.function does.
 
-    Each device runs its part of the program: a tf.py_function or tf.numpy_function
-    inside runs once per device per call (on that device's shard, or on the whole value
-    where gspmd-tf runs the op replicated), so keep such functions free of side effects.
+    Each device runs its part of the program; a tf.py_function or tf.numpy_function
+    inside runs once per call (per loop iteration) on its whole inputs, as on one device,
+    and every device gets its result.
     """
 
     def __init__(self, fn, mesh, in_shardings, out_shardings, backend_factory,
@@ -166,6 +166,11 @@ class Function:
                                     f"{self.mesh!r} first")
             return tf.TensorSpec(leaf.shape, leaf.dtype)
         if isinstance(leaf, tf.TensorSpec):
+            if leaf.shape.rank is None:
+                raise ShardingError(
+                    f"{self.name}: {arguments.describe(index)} is {leaf}, of unknown rank; "
+                    "gspmd-tf needs static shapes: give the spec its full shape, e.g. "
+                    f"tf.TensorSpec((8, 4), tf.{leaf.dtype.name})")
             return leaf
         try:
             value = leaf if isinstance(leaf, tf.Tensor) else tf.convert_to_tensor(leaf)
@@ -305,6 +310,13 @@ class Function:
             if value.layout == layout:
                 return value.shards
             value = value.numpy()
+        elif getattr(value, "dtype", None) == tf.resource:
+            raise ShardingError(
+                f"gt.function {self.name!r} was traced reading a gt.Variable that no "
+                "longer exists (deleted, e.g. created again under the same Python name by "
+                "re-running a notebook cell); its cached program cannot read the new one: "
+                "create the gt.function again after the variables it reads, or keep the "
+                "old variable alive")
         elif hasattr(value, "numpy"):
             value = value.numpy()
         return split_value(np.asarray(value), self.mesh, layout)

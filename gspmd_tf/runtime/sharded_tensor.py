@@ -44,7 +44,9 @@ def split_value(value, mesh, layout):
     """numpy pieces of a global value, one per device, padded to the local shape."""
     value = np.asarray(value)
     local = layout.local_shape(mesh, value.shape)
-    return [pad_piece(value[tuple(slice(a, b) for a, b in bounds)], bounds, local)
+    # (the Ellipsis keeps a 0-d piece an array: a string scalar's, of dtype object)
+    return [pad_piece(value[tuple(slice(a, b) for a, b in bounds) + (Ellipsis,)], bounds,
+                      local)
             for bounds in (shard_bounds(mesh, layout, value.shape, device)
                            for device in range(mesh.size))]
 

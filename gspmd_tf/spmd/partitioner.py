@@ -459,13 +459,15 @@ class Partitioner:
         return outputs
 
     def _warn_replicated(self):
-        """One warning per op type that ran replicated, with the count and the names (an
-        RNN's hundreds of cells give one line, not hundreds), and for the first few of
-        them whose operands arrived split, which user shardings those splits came from
-        (the annotation, argument or variable whose split the op drops)."""
+        """One warning per op type that ran replicated with operands that arrived split,
+        with the count and the names (an RNN's hundreds of cells give one line, not
+        hundreds), and for the first few, which user shardings those splits came from
+        (the annotation, argument or variable whose split the op drops). An op whose
+        operands all arrived replicated lost nothing by lacking a rule: not warned."""
         by_type = {}
         for name in self.replicated_ops:
-            by_type.setdefault(self._replicated_kinds[name], []).append(name)
+            if name in self._lost_splits:
+                by_type.setdefault(self._replicated_kinds[name], []).append(name)
         for op, names in by_type.items():
             shown = ", ".join(names[:_NAMES_SHOWN]) + (
                 f", ... ({len(names) - _NAMES_SHOWN} more)" if len(names) > _NAMES_SHOWN else "")

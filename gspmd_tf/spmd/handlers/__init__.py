@@ -11,8 +11,8 @@ replayed on local shapes (`replay`) is exact. Importing this package loads them 
 
 # every module declares its families when imported
 from gspmd_tf.spmd.handlers import (basic, batch_norm, conv, einsum, gather,  # noqa: F401
-                                    grads, normalize, replayed, reshape, roll,
-                                    segment, slicing, tensor_lists)
+                                    grads, linalg, normalize, py_functions, replayed,
+                                    reshape, roll, segment, slicing, tensor_lists)
 from gspmd_tf.spmd.handlers.basic import replay
 
 __all__ = ["replay"]

@@ -4,12 +4,13 @@ Replaying (handlers.basic.replay: the TF op re-created from its attrs on the loc
 operands, padding of split reduced dims masked) is exact for an op when its local result
 depends only on the local operands and nothing in it names a global size. Each family
 below says why that holds for it. Families whose local op differs are declared beside
-their handlers (basic.py, gather.py, grads.py, normalize.py, segment.py, conv.py).
+their handlers (basic.py, gather.py, grads.py, normalize.py, segment.py, conv.py,
+linalg.py, py_functions.py).
 """
 
 from __future__ import annotations
 
-from gspmd_tf.propagation import rules
+from gspmd_tf.propagation import rules, rules_families
 from gspmd_tf.registry import FOLD_SHAPE, FOLD_VALUES, declare
 
 UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
@@ -25,6 +26,12 @@ LeftShift RightShift
 ReluGrad Relu6Grad TanhGrad SigmoidGrad SoftplusGrad RsqrtGrad SqrtGrad EluGrad
 SeluGrad LeakyReluGrad ReciprocalGrad""".split()
 
+# special functions, bit and complex ops, string ops of each element (ShardedFilename:
+# of scalars or elementwise)
+SPECIAL = """BesselI0e BesselI1e Ndtri Erfinv Invert PopulationCount ComplexAbs Igamma
+Igammac IgammaGradA Polygamma Zeta NextAfter Mod Complex Betainc""".split()
+STRINGS = "AsString StringLength StringToHashBucketFast ShardedFilename".split()
+
 VARIABLE_OPS = """ReadVariableOp AssignVariableOp AssignAddVariableOp AssignSubVariableOp
 ResourceApplyGradientDescent ResourceApplyMomentum ResourceApplyKerasMomentum
 ResourceApplyAdam ResourceApplyAdamWithAmsgrad ResourceApplyAdagrad ResourceApplyAdagradV2
@@ -34,8 +41,8 @@ ResourceApplyProximalAdagrad ResourceApplyAddSign ResourceApplyPowerSign""".spli
 
 # elementwise (broadcasting from the right): each element of the result reads the same
 # element of every operand
-declare(UNARY + BINARY + ["AddN", "SelectV2", "ClipByValue"], rules.elementwise,
-        replay=True)
+declare(UNARY + BINARY + SPECIAL + STRINGS + ["AddN", "SelectV2", "ClipByValue"],
+        rules.elementwise, replay=True)
 declare("Select", rules.select_v1, replay=True)
 declare("Bitcast", rules.bitcast, replay=True)  # the changed minor dim stays whole
 
@@ -44,11 +51,15 @@ declare("Bitcast", rules.bitcast, replay=True)  # the changed minor dim stays wh
 declare("BiasAddGrad", rules.bias_add_grad, replay=True)
 declare({"Max": "max", "Min": "min", "All": "min",
          "Any": "max"}, rules.reduction, replay=True)
+declare("L2Loss", rules_families.sum_of_everything, replay=True)  # sum(x ** 2) / 2
 
 # data movement whose moved dims stay whole: the local op moves the local block
 declare("Transpose", rules.transpose, replay=True)
 declare("ExpandDims", rules.squeeze_or_expand, replay=True)  # inserts a size-1 dim by index
 declare("ConcatV2", rules.concat, replay=True)
+declare("Concat", rules_families.concat_v1, replay=True)
+# a slice updated in place: the dims it takes whole pass (each device updates its block)
+declare("TensorStridedSliceUpdate", rules_families.strided_slice_update, replay=True)
 declare("IdentityN", rules.identity_n, replay=True)
 declare({"Split": (1, 0), "SplitV": (0, 2)}, rules.split, replay=True)  # (value, axis)
 declare("Pack", rules.pack, replay=True)
@@ -58,17 +69,34 @@ declare("Unpack", rules.unpack, replay=True)
 # block of the other (batch) dims
 declare({"MatrixBandPart": 2, "TopKV2": 1}, rules.last_dims_whole, replay=True)
 declare(["Cumsum", "Cumprod"], rules.cumulative, replay=True)
+declare("InTopKV2", rules_families.in_top_k, replay=True, safe_padding={1: 0})  # targets
+# transforms over the last 1-3 dims; image ops mixing height and width, or channels;
+# pooling's second derivative (its windows whole)
+declare({op + suffix: int(suffix[:1] or 1) for op in ("FFT", "IFFT", "RFFT", "IRFFT")
+         for suffix in ("", "2D", "3D")}, rules_families.transform, replay=True)
+declare(["ResizeBilinear", "ResizeNearestNeighbor", "ResizeNearestNeighborGrad",
+         "ResizeBicubic", "AdjustContrastv2"], rules_families.images_spatial_whole,
+        replay=True)
+declare({"ResizeBilinearGrad": ((0, 1),)}, rules_families.images_spatial_whole, replay=True)
+declare(["AdjustSaturation", "AdjustHue"], rules_families.channels_whole, replay=True)
+declare(["MaxPoolGradGrad", "MaxPool3DGradGrad"], rules_families.pool_grad_grad,
+        replay=True)
+# ops that need every input whole: a rule keeps their inputs' producers from being split
+# for nothing, and the op is not reported as lacking one
+declare(["StringFormat", "InvertPermutation", "DiagPart", "RngReadAndSkip"],
+        rules_families.all_whole, replay=True)
 # updates that overwrite: every device applies all of them (index batch dims whole) to
 # its block of the trailing dims
 declare({"TensorScatterUpdate": (1, rules.REPLICATE)}, rules.scatter_nd, replay=True)
 
 # variables: reads, assignments and fused optimizer updates are elementwise on the shard
-declare(VARIABLE_OPS, rules.variable_update, replay=True)
+declare(VARIABLE_OPS + ["DisableCopyOnRead"], rules.variable_update, replay=True)
 
 # inputs the op checks (an integer divisor or exponent, a value checked for NaN/Inf):
 # their padding (the tail of an uneven split dim, arbitrary values) could make the local
 # op fail where the global one does not, so it is set to a harmless value first
-declare(["Div", "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod"], safe_padding={1: 1})
+declare(["Div", "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod", "Mod"],
+        safe_padding={1: 1})
 declare("Pow", safe_padding={1: 0})
 declare("CheckNumerics", safe_padding={0: 0})
 

@@ -69,21 +69,39 @@ def slicing(ctx, operands, layouts):
     split = [params.kept[j] for j, axes in enumerate(layouts[0].dims) if axes]
     if not split:
         return replay(ctx, operands, layouts, refs=refs)
+    # A split dim is taken whole (the rule splits only dims the op leaves as they are),
+    # so a begin computed at run time is 0 there in every program TF runs (a
+    # StridedSlice's begin and end are clamped to the local extent anyway): constant
+    # bounds are rewritten to the local extent, run-time ones kept.
     local = ctx.b.shape_of(refs[0])
-    begin = np.array(ctx.graph.const_value(node.inputs[1]))
+    begin = _constant(ctx, 1)
     if node.op == "Slice":
-        size = np.array(ctx.graph.const_value(node.inputs[2]))
-        begin[split], size[split] = 0, -1
+        if begin is not None:
+            begin[split] = 0
+        size = _constant(ctx, 2)  # constant: the result's shape is static
+        size[split] = -1
         refs[2] = ctx.b.const(size)
     else:
-        end = np.array(ctx.graph.const_value(node.inputs[2]))
+        end = _constant(ctx, 2)
         for d in split:
             if params.spec[d] is not None:  # dims outside the spec are taken whole anyway
-                begin[params.spec[d]], end[params.spec[d]] = 0, local[d]
-        refs[2] = ctx.b.const(end)
-    if begin.ndim:  # a StridedSlice of a dim outside the spec may have no constant begin
+                if begin is not None:
+                    begin[params.spec[d]] = 0
+                if end is not None:
+                    end[params.spec[d]] = local[d]
+        if end is not None:
+            refs[2] = ctx.b.const(end)
+    if begin is not None:
         refs[1] = ctx.b.const(begin)
     return replay(ctx, operands, layouts, refs=refs)
+
+
+def _constant(ctx, i):
+    """A writable copy of the node's constant input i (a 1-D bound), or None when it is
+    computed at run time."""
+    value = ctx.graph.const_value(ctx.node.inputs[i])
+    return None if value is None else np.array(value)
+
 
 
 @op_family({"Pad": "pad", "PadV2": "pad"}, rules.pad_or_slice)

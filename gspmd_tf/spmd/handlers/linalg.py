@@ -1,0 +1,29 @@
+"""Matrix factorizations on a batch of matrices, split along the batch dims.
+
+Each matrix (the last two dims) stays whole, so the TF op replayed on a device's block of
+the batch gives that block's results. Qr replays as it is; a Cholesky factorization also
+reads the padding of an uneven batch split, where TF's kernel logs a warning for every
+matrix that is not positive definite: those matrices are set to the identity first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gspmd_tf.propagation import rules_families
+from gspmd_tf.registry import declare, op_family
+from gspmd_tf.spmd.handlers.basic import replay
+from gspmd_tf.spmd.local_ops import mask_padding
+
+declare("Qr", rules_families.matrices, replay=True)
+
+
+@op_family("Cholesky", rules_families.matrices)
+def cholesky(ctx, operands, layouts):
+    """Cholesky: padded matrices of split batch dims replaced by the identity."""
+    x = operands[0]
+    batch = range(len(x.shape) - 2)
+    if not ctx.p.padded(x):
+        return replay(ctx, operands, layouts)
+    eye = np.eye(x.shape[-1], dtype=x.dtype.as_numpy_dtype)
+    return replay(ctx, operands, layouts, refs=[mask_padding(ctx.b, x, batch, eye)])
