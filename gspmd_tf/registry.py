@@ -3,7 +3,7 @@
 An OpDef holds
   rule, rule_args    the rule builder and its parameters: rule(ctx, *rule_args) -> an
                      OpRule, or None when this instance has no rule (it then runs
-                     replicated); ctx is a gspmd_tf.propagation.rules.RuleContext
+                     replicated); ctx is a gspmd_tf.propagation.oprule.RuleContext
   emit               the handler that emits the op on local shards (gspmd_tf/spmd/handlers:
                      emit(ctx, operands, layouts) -> [Ref or Local]), or
   replay             True: re-creating the TF op on local shapes is exact. It is declared
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.propagation.rules import RuleContext, equation_rule
+from gspmd_tf.propagation.oprule import RuleContext, equation_rule
 
 FOLD_SHAPE = "shape"
 FOLD_VALUES = "values"
@@ -153,7 +153,7 @@ def register_op(op_type, rule, *, emit=None, replay=False, override=False):
 
     rule: an einsum equation over the op's first inputs, e.g. "bij,j->bij" (letters
         missing from the output are summed: the emitter must then produce partial sums),
-        or a callable rule(ctx) -> gspmd_tf.propagation.rules.OpRule or None. `ctx`
+        or a callable rule(ctx) -> gspmd_tf.propagation.oprule.OpRule or None. `ctx`
         (a RuleContext) has in_shapes, out_shapes, node.attr(name) and const(i); the
         builders of gspmd_tf.propagation.rules (einsum_rule, elementwise, per_dim...)
         build the common forms. A factor may be PASS (split anywhere), REDUCE (operands

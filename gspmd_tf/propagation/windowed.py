@@ -32,22 +32,8 @@ from typing import Optional
 
 import numpy as np
 
-from gspmd_tf.propagation.rules import PASS, REDUCE, REPLICATE, OpRule, same_rank_slicing
-
-
-@dataclass(frozen=True)
-class SpatialDim:
-    """One windowed dim: x size, y size (number of windows) and the window."""
-
-    x_dim: int
-    y_dim: int
-    n: int
-    out: int
-    window: int
-    stride: int
-    dilation: int
-    pad_lo: int
-    pad_hi: int
+from gspmd_tf.propagation.oprule import PASS, REDUCE, REPLICATE, OpRule, SpatialDim
+from gspmd_tf.propagation.rules.slices import same_rank_slicing
 
 
 @dataclass(frozen=True)
