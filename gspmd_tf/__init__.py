@@ -5,6 +5,11 @@ of devices; gspmd-tf infers the rest, rewrites the function into one SPMD progra
 collectives and runs it on the mesh.
 """
 
+# The built-in op declarations live beside their emitters (spmd/handlers) and fill the op
+# registry when imported. Imported here, above every stage and before anything else, the
+# registry is complete before its first lookup, whichever gspmd_tf module is imported
+# first; no stage imports up to load them.
+from gspmd_tf.spmd import handlers as _builtin_op_declarations  # noqa: F401
 from gspmd_tf import keras
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.cluster import initialize_cluster

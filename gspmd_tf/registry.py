@@ -25,9 +25,9 @@ gspmd_tf/spmd/handlers/replayed.py for ops whose TF op replayed on local shapes 
 their own ops with register_op (gt.register_op).
 
 This module is a leaf of the stages: propagation (rules), graph.fold (flags) and the
-partitioner (emitters) read it; the declarations import it, not the reverse. The built-in
-declarations are imported on the first lookup, so the table is complete whatever module
-was imported first.
+partitioner (emitters) read it; the declarations import it, never the reverse. The package
+(gspmd_tf/__init__.py) imports the built-in declarations before anything else, so the
+table is complete whatever module a user or test imports first.
 """
 
 from __future__ import annotations
@@ -65,18 +65,6 @@ class OpDef:
 
 
 _TABLE = {}  # op type -> OpDef
-_builtins_loaded = False
-
-
-def _table():
-    """The table, built-in declarations loaded (once, on first use)."""
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        # the declarations live beside the handlers, which import this module: import
-        # them here, at the first lookup, rather than at import time (an import cycle)
-        import gspmd_tf.spmd.handlers  # noqa: F401
-    return _TABLE
 
 
 def _check(entry):
@@ -169,22 +157,21 @@ def register_op(op_type, rule, *, emit=None, replay=False, override=False):
     lowered keep the rules they were built with. Raises ShardingError when the entry is
     incomplete (a rule without emit or replay) or the op type already has a rule.
     """
-    table = _table()
     if not isinstance(op_type, str) or not op_type:
         raise ShardingError(f"register_op: op_type must be a TF op type name, not {op_type!r}")
     args = ()
     if isinstance(rule, str):
         rule, args = equation_rule, (rule,)
-    previous = table.get(op_type)
+    previous = _TABLE.get(op_type)
     _put(op_type, override=override, rule=rule, rule_args=args, emit=emit, replay=replay,
          custom=True)
     try:
-        _check(table[op_type])
+        _check(_TABLE[op_type])
     except ShardingError:
         if previous is None:
-            del table[op_type]
+            del _TABLE[op_type]
         else:
-            table[op_type] = previous
+            _TABLE[op_type] = previous
         raise
 
 
@@ -193,8 +180,7 @@ _NOTHING = OpDef("")
 
 def op_def(op_type):
     """The entry of `op_type` (an empty OpDef when the registry knows nothing of it)."""
-    # (the loaded table directly: the partitioner asks per op)
-    return (_TABLE if _builtins_loaded else _table()).get(op_type, _NOTHING)
+    return _TABLE.get(op_type, _NOTHING)
 
 
 def has_rule(op_type):
@@ -209,4 +195,4 @@ def rule_for(graph, node):
 
 def ops_with_rules():
     """Sorted op types that have a rule builder."""
-    return sorted(op for op, entry in _table().items() if entry.rule is not None)
+    return sorted(op for op, entry in _TABLE.items() if entry.rule is not None)
