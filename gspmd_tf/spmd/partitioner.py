@@ -28,7 +28,7 @@ from gspmd_tf.spmd.dce import live_nodes
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.handlers.basic import any_padded, local_shapes
 from gspmd_tf.spmd.control_flow import partition_control_flow
-from gspmd_tf.spmd.program import Local, ProgramBuilder
+from gspmd_tf.spmd.program import UNMOVABLE, Local, ProgramBuilder
 from gspmd_tf.spmd.reshard import reshard
 from gspmd_tf.spmd.windowed_einsum import windowed_dot
 
@@ -36,11 +36,6 @@ log = logging.getLogger("gspmd_tf")
 _NAMES_SHOWN = 10  # op names a grouped replicated-op warning lists
 _LOST_SHOWN = 3  # ops of one type whose gathered splits that warning spells out
 PROGRESS_EVERY = 10_000  # ops between two progress lines (log level INFO)
-# Handles whose shards cannot be resharded: a variable's (each device's points to its
-# shard) and a TensorList's (each device's holds its shards of the elements). They keep
-# the layout they have; the ops using them adapt their other operands.
-# (A set: DType hashes by its enum, so `in` is a C look-up, not DType.__eq__ per item.)
-UNMOVABLE = frozenset({tf.resource, tf.variant})
 
 
 @dataclass
@@ -300,6 +295,11 @@ class Partitioner:
         self.result_layouts = {}
         self.windowed_einsum = parent.windowed_einsum if parent else windowed_einsum
         self.combine_bytes = parent.combine_bytes if parent else combine_bytes
+
+    def region_partitioner(self, region, propagation, prefix):
+        """A partitioner of one region (a control-flow body) of this graph, sharing this
+        one's memos and settings; spmd/control_flow.py partitions each region with one."""
+        return Partitioner(region, self.b.mesh, propagation, parent=self, prefix=prefix)
 
     def decide(self, rule, inputs, targets, node):
         """The Decision for an op with `rule`, operands `inputs` (Locals) and result

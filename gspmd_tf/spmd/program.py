@@ -19,6 +19,12 @@ Local = namedtuple("Local", "ref layout shape dtype")
 Local.__doc__ = """A tensor of the SPMD program: `ref` holds this device's shard of a global
 tensor of `shape` and `dtype` laid out by `layout`."""
 
+# Handles whose shards cannot be resharded: a variable's (each device's points to its
+# shard) and a TensorList's (each device's holds its shards of the elements). They keep
+# the layout they have; the ops using them adapt their other operands.
+# (A set: DType hashes by its enum, so `in` is a C look-up, not DType.__eq__ per item.)
+UNMOVABLE = frozenset({tf.resource, tf.variant})
+
 COLLECTIVES = ("gt.AllReduce", "gt.AllGather", "gt.ReduceScatter", "gt.AllToAll",
                "gt.Permute")
 
