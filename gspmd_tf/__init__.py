@@ -18,9 +18,8 @@ from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh, P, PartitionSpec
 from gspmd_tf.pipeline import pipeline
 from gspmd_tf.registry import register_op
-from gspmd_tf.runtime.function import Function, function
+from gspmd_tf.runtime.function import Function, function, lower
 from gspmd_tf.runtime.lowered import Collective, Lowered
-from gspmd_tf.runtime.lowering import lower
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable, save_checkpoint
 from gspmd_tf.sharding import Sharding

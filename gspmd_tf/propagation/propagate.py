@@ -24,6 +24,7 @@ from gspmd_tf.graph.ir import Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.regions import TIE, RegionPropagation, flatten, tie_rule
 from gspmd_tf.registry import has_rule, rule_for
+from gspmd_tf.sharding import Sharding
 
 log = logging.getLogger("gspmd_tf")
 
@@ -130,7 +131,6 @@ def propagate(graph, mesh, seeds, layered=True):
 
 def _annotation_layout(graph, mesh, ref, proto):
     """The Layout of a gt.mesh_split / xla_sharding annotation on tensor `ref`."""
-    from gspmd_tf.sharding import Sharding
     tensor = graph.tensor_name(ref)
     return Sharding.from_proto(proto).to_layout(mesh, len(graph.shape(ref)),
                                                 f"tensor {tensor!r}")
