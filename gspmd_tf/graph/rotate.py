@@ -22,10 +22,9 @@ from collections import defaultdict, namedtuple
 import numpy as np
 import tensorflow as tf
 
-from gspmd_tf.graph.ir import Node, Ref
+from gspmd_tf.graph.ir import Node, Ref, attr_value
 from gspmd_tf.graph.sparse_rows import renumber
 from gspmd_tf.graph.strided_slice import first_read, slice_masks
-from gspmd_tf.spmd.program import attr_value
 
 Part = namedtuple("Part", "source axis start dest length")
 Part.__doc__ = """Elements [start, start + length) of `source` along `axis` at

@@ -23,7 +23,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from gspmd_tf.graph.ir import Node, Ref
-from gspmd_tf.spmd.dce import live_nodes
+from gspmd_tf.graph.dce import live_nodes
 
 # ops a picked row passes through unchanged (see _only_summed for Sub and ConcatV2)
 _ROWWISE = frozenset({"Identity", "Cast"})

@@ -24,7 +24,7 @@ from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.registry import op_def
 from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.combine import DEFAULT_THRESHOLD, combine_all_reduces, threshold_bytes
-from gspmd_tf.spmd.dce import live_nodes
+from gspmd_tf.graph.dce import live_nodes
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.handlers.basic import any_padded, local_shapes
 from gspmd_tf.spmd.control_flow import partition_control_flow
