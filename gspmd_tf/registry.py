@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.propagation.oprule import RuleContext, equation_rule
+from gspmd_tf.propagation.oprule import OpRule, RuleContext, equation_rule
+
+if TYPE_CHECKING:  # (importing gspmd_tf.graph runs graph.fold, which reads this module)
+    from gspmd_tf.graph.ir import Graph, Node
 
 FOLD_SHAPE = "shape"
 FOLD_VALUES = "values"
@@ -57,7 +60,7 @@ class OpDef:
     fold: Optional[str] = None
     custom: bool = False
 
-    def build_rule(self, graph, node):
+    def build_rule(self, graph: Graph, node: Node) -> Optional[OpRule]:
         """The OpRule of `node` (an op of this type), or None (no rule: replicated)."""
         if self.rule is None:
             return None
@@ -106,7 +109,8 @@ def _put(op_type, override=False, **fields):
     _TABLE[op_type] = entry
 
 
-def declare(op_types, rule=None, *, emit=None, replay=False, **flags):
+def declare(op_types: Union[str, list, dict], rule: Optional[Callable] = None, *,
+            emit: Optional[Callable] = None, replay: bool = False, **flags) -> None:
     """Declare built-in op types: `op_types` is a name, a list of names, or a dict
     {name: rule parameters} (a tuple, or one value) when they differ per op. Flags
     (silent_replicated, safe_padding as a dict, fold) without a rule give a flag-only
@@ -127,7 +131,7 @@ def declare(op_types, rule=None, *, emit=None, replay=False, **flags):
         _check(_TABLE[op_type])
 
 
-def op_family(op_types, rule, **flags):
+def op_family(op_types: Union[str, list, dict], rule: Callable, **flags) -> Callable:
     """Decorator of a handler: declare `op_types` (see declare) with rule `rule` and the
     decorated function as their emitter."""
     def register(emit):
@@ -136,7 +140,8 @@ def op_family(op_types, rule, **flags):
     return register
 
 
-def register_op(op_type, rule, *, emit=None, replay=False, override=False):
+def register_op(op_type: str, rule: Union[str, Callable], *, emit: Optional[Callable] = None,
+                replay: bool = False, override: bool = False) -> None:
     """Give a TF op type (a custom op, or one gspmd-tf has no rule for) a sharding rule.
 
     rule: an einsum equation over the op's first inputs, e.g. "bij,j->bij" (letters
@@ -178,21 +183,21 @@ def register_op(op_type, rule, *, emit=None, replay=False, override=False):
 _NOTHING = OpDef("")
 
 
-def op_def(op_type):
+def op_def(op_type: str) -> OpDef:
     """The entry of `op_type` (an empty OpDef when the registry knows nothing of it)."""
     return _TABLE.get(op_type, _NOTHING)
 
 
-def has_rule(op_type):
+def has_rule(op_type: str) -> bool:
     """Whether `op_type` has a rule builder."""
     return op_def(op_type).rule is not None
 
 
-def rule_for(graph, node):
+def rule_for(graph: Graph, node: Node) -> Optional[OpRule]:
     """The OpRule of `node`, or None when it has no rule (it runs replicated)."""
     return op_def(node.op).build_rule(graph, node)
 
 
-def ops_with_rules():
+def ops_with_rules() -> list[str]:
     """Sorted op types that have a rule builder."""
     return sorted(op for op, entry in _TABLE.items() if entry.rule is not None)

@@ -24,6 +24,7 @@ argument (and a region's input).
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -45,7 +46,8 @@ _HANDLE_DTYPES = frozenset({tf.resource, tf.variant})
 _SUNK_ELEMENTS = 64
 
 
-def import_graph(fn, inputs=None, outputs=None) -> Graph:
+def import_graph(fn, inputs: Optional[Sequence[tf.Tensor]] = None,
+                 outputs: Optional[Sequence[tf.Tensor]] = None) -> Graph:
     """The IR of `fn`: a ConcreteFunction, a FuncGraph, or a tf.Graph.
 
     `inputs` and `outputs` (lists of tf.Tensor of the graph) default to the function's

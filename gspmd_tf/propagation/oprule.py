@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:  # (importing gspmd_tf.graph runs the importer, which reads the registry)
+    from gspmd_tf.graph.ir import Graph, Node
 
 PASS, REDUCE, REPLICATE = 0, 1, 2
 
@@ -34,10 +38,10 @@ class OpRule:
     split into a merged dim).
     """
 
-    factor_sizes: list = field(default_factory=list)
-    factor_kinds: list = field(default_factory=list)
-    operands: list = field(default_factory=list)
-    results: list = field(default_factory=list)
+    factor_sizes: list[int] = field(default_factory=list)
+    factor_kinds: list[int] = field(default_factory=list)
+    operands: list[Optional[tuple]] = field(default_factory=list)
+    results: list[Optional[tuple]] = field(default_factory=list)
     reduce_op: str = "sum"
     params: object = None
     # ((result, dim), ...): result dims of several factors that take their major
@@ -45,7 +49,7 @@ class OpRule:
     # split one; see rules.reshape)
     uneven_major: tuple = ()
 
-    def key(self):
+    def key(self) -> tuple:
         """A hashable value, equal for rules with the same factors, dims and reduce op
         (`params` left out): for memoising what depends only on those, such as the
         partitioner's choice of factor axes."""
@@ -55,7 +59,7 @@ class OpRule:
         return (tuple(self.factor_sizes), tuple(self.factor_kinds), tensors(self.operands),
                 tensors(self.results), self.reduce_op)
 
-    def add_factor(self, size, kind=PASS):
+    def add_factor(self, size: int, kind: int = PASS) -> int:
         """A new factor; returns its id."""
         self.factor_sizes.append(int(size))
         self.factor_kinds.append(kind)
@@ -92,13 +96,13 @@ def _factor_name(f):
 class RuleContext:
     """What a rule builder may look at: the node, its input/output shapes, constants."""
 
-    def __init__(self, graph, node):
+    def __init__(self, graph: Graph, node: Node):
         self.graph = graph
         self.node = node
         self.in_shapes = [graph.shape(r) for r in node.inputs]
         self.out_shapes = node.out_shapes
 
-    def const(self, i):
+    def const(self, i: int):
         """Value of constant input i (None when the input is not a constant)."""
         return self.graph.const_value(self.node.inputs[i])
 
@@ -124,7 +128,8 @@ def _dims_of(letters, shape, factor_of):
                  for letter, size in zip(letters, shape))
 
 
-def einsum_rule(equation, in_shapes, out_shape, reduce_op="sum"):
+def einsum_rule(equation: str, in_shapes: Sequence[tuple], out_shape: tuple,
+                reduce_op: str = "sum") -> OpRule:
     """Rule from an einsum equation; letters missing from the output are REDUCE.
 
     A size-1 operand dim whose letter is larger elsewhere broadcasts (no factor). A letter
@@ -154,7 +159,7 @@ def einsum_rule(equation, in_shapes, out_shape, reduce_op="sum"):
     return rule
 
 
-def equation_rule(ctx, equation):
+def equation_rule(ctx: RuleContext, equation: str) -> OpRule:
     """A fixed einsum equation over the op's first inputs (as many as it has terms); the
     other inputs are not data (a user's rule given as a string, gt.register_op)."""
     n = equation.split("->")[0].count(",") + 1
@@ -163,11 +168,11 @@ def equation_rule(ctx, equation):
     return rule
 
 
-def einsum_letters(n, offset=0):
+def einsum_letters(n: int, offset: int = 0) -> str:
     return string.ascii_letters[offset:offset + n]
 
 
-def spread_operands(operand_dims, positions, count):
+def spread_operands(operand_dims: Sequence, positions: Sequence[int], count: int) -> list:
     """Place per-operand dims at `positions` among `count` inputs (others None)."""
     full = [None] * count
     for pos, dims in zip(positions, operand_dims):
@@ -175,17 +180,18 @@ def spread_operands(operand_dims, positions, count):
     return full
 
 
-def passing_dims(rule, shape):
+def passing_dims(rule: OpRule, shape: Sequence[int]) -> tuple:
     """A fresh PASS factor per dim of `shape` (none for size-1 dims)."""
     return tuple((rule.add_factor(n),) if n > 1 else () for n in shape)
 
 
-def whole_dims(rule, n):
+def whole_dims(rule: OpRule, n: int) -> tuple:
     """The dims of a dim of size `n` that stays whole (a REPLICATE factor)."""
     return (rule.add_factor(n, REPLICATE),) if n > 1 else ()
 
 
-def per_dim(ctx, replicate_dims, data_inputs=(0,), result_rank_source=0):
+def per_dim(ctx: RuleContext, replicate_dims: set, data_inputs: tuple = (0,),
+            result_rank_source: int = 0) -> OpRule:
     """Same-rank op whose `replicate_dims` must be whole (concat axis, padded dims...)."""
     out = ctx.out_shapes[0]
     rule = OpRule()

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.graph.ir import Ref
+from gspmd_tf.graph.ir import Graph, Ref
 from gspmd_tf.layout import Layout
+from gspmd_tf.mesh import Mesh
+from gspmd_tf.propagation.propagate import Propagation
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.registry import op_def
 from gspmd_tf.spmd import planner
@@ -47,12 +50,12 @@ class SpmdProgram:
     other layouts than propagation's (e.g. partial sums) to those layouts (the annotated
     global graph for XLA carries both, see runtime/annotated.py)."""
 
-    graph: object
-    input_layouts: list
-    output_layouts: list
-    replicated_ops: list
-    operand_layouts: dict = field(default_factory=dict)
-    result_layouts: dict = field(default_factory=dict)
+    graph: Graph
+    input_layouts: list[Layout]
+    output_layouts: list[Layout]
+    replicated_ops: list[str]
+    operand_layouts: dict[int, list[Layout]] = field(default_factory=dict)
+    result_layouts: dict[int, list[Layout]] = field(default_factory=dict)
 
 
 class OpContext:
@@ -270,8 +273,10 @@ def _keep_sub_factors_exact(mesh, rule, chosen):
 class Partitioner:
     """Builds the SPMD program of an imported graph from its propagated layouts."""
 
-    def __init__(self, graph, mesh, propagation, parent=None, prefix="",
-                 windowed_einsum=None, combine_bytes=None):
+    def __init__(self, graph: Graph, mesh: Mesh, propagation: Propagation,
+                 parent: Optional[Partitioner] = None, prefix: str = "",
+                 windowed_einsum: Optional[int] = None,
+                 combine_bytes: Optional[Callable[[bool], int]] = None):
         """`windowed_einsum`: the byte threshold of windowed dots (see
         spmd/windowed_einsum.py), None for none; `combine_bytes(in_region)`: the
         all-reduce combiner's threshold the backend asks for (Backend.
@@ -296,7 +301,7 @@ class Partitioner:
         self.windowed_einsum = parent.windowed_einsum if parent else windowed_einsum
         self.combine_bytes = parent.combine_bytes if parent else combine_bytes
 
-    def region_partitioner(self, region, propagation, prefix):
+    def region_partitioner(self, region: Graph, propagation, prefix: str) -> Partitioner:
         """A partitioner of one region (a control-flow body) of this graph, sharing this
         one's memos and settings; spmd/control_flow.py partitions each region with one."""
         return Partitioner(region, self.b.mesh, propagation, parent=self, prefix=prefix)
@@ -368,7 +373,7 @@ class Partitioner:
         (a windowed dot's loop gathers its operand on the way), for later reshards."""
         self._resharded.setdefault((local, layout), result)
 
-    def run(self, output_layouts):
+    def run(self, output_layouts: Sequence[Layout]) -> SpmdProgram:
         """Partition every node; outputs resharded to `output_layouts`."""
         outputs = self._partition(output_layouts)
         self._warn_replicated()
@@ -378,7 +383,8 @@ class Partitioner:
                            [o.layout for o in outputs], self.replicated_ops,
                            self.operand_layouts, self.result_layouts)
 
-    def partition_region(self, input_layouts, output_layouts):
+    def partition_region(self, input_layouts: Sequence[Layout],
+                         output_layouts: Sequence[Layout]) -> tuple[Graph, list[Layout]]:
         """The SPMD program (a Graph) of a region and its results' layouts: its
         parameters come in `input_layouts` (gt.Input nodes, in order), its results leave
         in `output_layouts` (a None entry: in the layout the result has)."""
@@ -573,8 +579,9 @@ class Partitioner:
                 for ref, shape, dtype in zip(refs, node.out_shapes, node.out_dtypes)]
 
 
-def partition(graph, mesh, propagation, output_layouts, windowed_einsum=None,
-              combine_bytes=None):
+def partition(graph: Graph, mesh: Mesh, propagation: Propagation,
+              output_layouts: Sequence[Layout], windowed_einsum: Optional[int] = None,
+              combine_bytes: Optional[Callable[[bool], int]] = None) -> SpmdProgram:
     """The SPMD program of `graph` (see Partitioner; `windowed_einsum`: a byte
     threshold, or None; `combine_bytes`: the backend's all_reduce_combine_bytes, or
     None)."""

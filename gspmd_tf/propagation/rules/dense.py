@@ -5,12 +5,13 @@ biases, sources and variable updates.
 from __future__ import annotations
 
 import string
+from typing import Optional
 
-from gspmd_tf.propagation.oprule import (OpRule, einsum_letters, einsum_rule,
+from gspmd_tf.propagation.oprule import (OpRule, RuleContext, einsum_letters, einsum_rule,
                                         spread_operands)
 
 
-def elementwise(ctx, data_inputs=None):
+def elementwise(ctx: RuleContext, data_inputs=None) -> Optional[OpRule]:
     """Broadcasting elementwise op: dims aligned from the right."""
     out = ctx.out_shapes[0]
     rank = len(out)
@@ -28,14 +29,14 @@ def elementwise(ctx, data_inputs=None):
     return rule
 
 
-def matmul(ctx):
+def matmul(ctx: RuleContext) -> Optional[OpRule]:
     """MatMul with transpose_a / transpose_b."""
     a = "ki" if ctx.node.attr("transpose_a") else "ik"
     b = "jk" if ctx.node.attr("transpose_b") else "kj"
     return einsum_rule(f"{a},{b}->ij", ctx.in_shapes, ctx.out_shapes[0])
 
 
-def batch_matmul(ctx):
+def batch_matmul(ctx: RuleContext) -> Optional[OpRule]:
     """BatchMatMulV2/V3 with adj_x / adj_y and broadcasting batch dims."""
     out = ctx.out_shapes[0]
     batch = einsum_letters(len(out) - 2, 4)
@@ -46,7 +47,7 @@ def batch_matmul(ctx):
     return einsum_rule(eq, ctx.in_shapes, out)
 
 
-def einsum(ctx):
+def einsum(ctx: RuleContext) -> Optional[OpRule]:
     """Einsum from its `equation` attr (ellipsis expanded)."""
     equation = ctx.node.attr("equation")
     if "..." in equation:
@@ -67,7 +68,7 @@ def _expand_ellipsis(equation, in_shapes, out_shape):
     return ",".join(terms) + "->" + out.replace("...", out_fill)
 
 
-def bias_add(ctx):
+def bias_add(ctx: RuleContext) -> Optional[OpRule]:
     """BiasAdd: the bias runs along the channel dim."""
     rank = len(ctx.in_shapes[0])
     letters = einsum_letters(rank)
@@ -76,7 +77,7 @@ def bias_add(ctx):
                        ctx.out_shapes[0])
 
 
-def bias_add_grad(ctx):
+def bias_add_grad(ctx: RuleContext) -> Optional[OpRule]:
     """BiasAddGrad: sums every dim but the channel (a REDUCE factor each)."""
     rank = len(ctx.in_shapes[0])
     letters = einsum_letters(rank)
@@ -84,12 +85,12 @@ def bias_add_grad(ctx):
     return einsum_rule(f"{letters}->{letters[channel]}", ctx.in_shapes, ctx.out_shapes[0])
 
 
-def broadcast_to(ctx):
+def broadcast_to(ctx: RuleContext) -> Optional[OpRule]:
     """BroadcastTo: a broadcasting elementwise op of its one data input."""
     return elementwise(ctx, data_inputs=(0,))
 
 
-def select_v1(ctx):
+def select_v1(ctx: RuleContext) -> Optional[OpRule]:
     """Select: a vector condition picks rows (the first dim) of higher-rank operands;
     otherwise elementwise like SelectV2."""
     cond, x = ctx.in_shapes[0], ctx.in_shapes[1]
@@ -100,12 +101,12 @@ def select_v1(ctx):
                        ctx.out_shapes[0])
 
 
-def last_dim_normalizer(ctx):
+def last_dim_normalizer(ctx: RuleContext) -> Optional[OpRule]:
     """Softmax/LogSoftmax: elementwise, the last dim reduced inside the handler."""
     return elementwise(ctx)
 
 
-def cross_entropy(ctx, sparse):
+def cross_entropy(ctx: RuleContext, sparse) -> Optional[OpRule]:
     """(Sparse)SoftmaxCrossEntropyWithLogits: loss [B], backprop [B, C]."""
     b, c = ctx.in_shapes[0]
     labels = "b" if sparse else "bc"
@@ -115,7 +116,7 @@ def cross_entropy(ctx, sparse):
     return rule
 
 
-def source(ctx):
+def source(ctx: RuleContext) -> Optional[OpRule]:
     """Const/Fill and other sources: every result dim a free factor."""
     rule = OpRule()
     rule.operands = [None] * len(ctx.in_shapes)
@@ -124,7 +125,7 @@ def source(ctx):
     return rule
 
 
-def variable_update(ctx):
+def variable_update(ctx: RuleContext) -> Optional[OpRule]:
     """Reads, assigns and fused optimizer updates of a variable (its handle has the
     variable's shape in the IR): every input of that shape shares its factors;
     scalars (learning rate, betas...) are not data."""

@@ -5,11 +5,13 @@ OneHot and Roll.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-from gspmd_tf.propagation.oprule import (PASS, REDUCE, REPLICATE, OpRule, einsum_letters,
-                                        einsum_rule, passing_dims, per_dim, whole_dims)
+from gspmd_tf.propagation.oprule import (PASS, REDUCE, REPLICATE, OpRule, RuleContext,
+                                        einsum_letters, einsum_rule, passing_dims, per_dim,
+                                        whole_dims)
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class GatherParams:
     batch_dims: int
 
 
-def gather(ctx):
+def gather(ctx: RuleContext) -> Optional[OpRule]:
     """GatherV2/ResourceGather: indices dims and the table's other dims pass; the gathered
     table dim is REDUCE (masked local lookup, then all-reduce of the partial result).
     The first batch_dims dims of table and indices are one PASS factor each, shared with
@@ -48,7 +50,7 @@ def gather(ctx):
     return rule
 
 
-def one_hot(ctx):
+def one_hot(ctx: RuleContext) -> Optional[OpRule]:
     """OneHot: indices dims pass; the new depth dim is a fresh factor."""
     out = ctx.out_shapes[0]
     axis = ctx.node.attr("axis")
@@ -73,7 +75,7 @@ def _nd_indexed(rule, indices, table, batch_kind, indexed_kind=REPLICATE):
     return index_dims, indexed + trailing, batch, trailing
 
 
-def gather_nd(ctx):
+def gather_nd(ctx: RuleContext) -> Optional[OpRule]:
     """GatherNd params [P...], indices [B..., K] -> [B..., P[K:]]: index batch dims pass,
     the trailing params dims pass; the K indexed params dims are REDUCE (split: a masked
     local lookup, partial results summed, as GatherV2's gathered dim)."""
@@ -85,7 +87,7 @@ def gather_nd(ctx):
     return rule
 
 
-def scatter_nd(ctx, indices_input, batch_kind):
+def scatter_nd(ctx: RuleContext, indices_input, batch_kind) -> Optional[OpRule]:
     """ScatterNd (indices, updates, shape) and TensorScatter* (tensor, indices, updates):
     updates [B..., S[K:]] go to the K indexed dims of a result of shape S. The index batch
     dims B are `batch_kind`: REDUCE where scattered sums add up (split: partial results),
@@ -114,7 +116,7 @@ class RollParams:
     shifts: tuple
 
 
-def roll(ctx):
+def roll(ctx: RuleContext) -> Optional[OpRule]:
     """Roll with constant shift and axis: every dim passes, a rolled one too (a cyclic
     shift of a split dim is a collective-permute of blocks: handlers/roll.py). Without
     a constant axis the op has no rule; without a constant shift the axes stay whole."""

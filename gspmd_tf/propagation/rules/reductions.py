@@ -5,10 +5,12 @@ cumulative ops and ops that mix their last dims.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-from gspmd_tf.propagation.oprule import REDUCE, einsum_letters, einsum_rule, per_dim
+from gspmd_tf.propagation.oprule import (REDUCE, OpRule, RuleContext, einsum_letters,
+                                        einsum_rule, per_dim)
 
 
 @dataclass(frozen=True)
@@ -18,14 +20,14 @@ class ReductionParams:
     axes: tuple
 
 
-def _axes(ctx, i, rank):
+def _axes(ctx: RuleContext, i, rank) -> Optional[OpRule]:
     value = ctx.const(i)
     if value is None:
         return None
     return sorted({int(a) % rank for a in np.atleast_1d(value)})
 
 
-def reduction(ctx, reduce_op):
+def reduction(ctx: RuleContext, reduce_op) -> Optional[OpRule]:
     """Sum/Mean/Max/...: reduced dims are REDUCE factors."""
     shape = ctx.in_shapes[0]
     axes = _axes(ctx, 1, len(shape))
@@ -45,7 +47,7 @@ def reduction(ctx, reduce_op):
     return rule
 
 
-def arg_reduction(ctx):
+def arg_reduction(ctx: RuleContext) -> Optional[OpRule]:
     """ArgMax/ArgMin: the reduced dim may be split (the handler combines (value, index))."""
     shape = ctx.in_shapes[0]
     axes = _axes(ctx, 1, len(shape))
@@ -59,7 +61,7 @@ def arg_reduction(ctx):
     return rule
 
 
-def unsorted_segment(ctx, reduce_op):
+def unsorted_segment(ctx: RuleContext, reduce_op) -> Optional[OpRule]:
     """UnsortedSegmentSum/Max/Min/Prod: data [N..., D...], segment_ids [N...] ->
     [num_segments, D...]. The segment dims N are REDUCE (partial result); D pass; the
     segment dim of the result is a factor of its own (each device keeps the segments of
@@ -74,7 +76,7 @@ def unsorted_segment(ctx, reduce_op):
     return rule
 
 
-def cumulative(ctx):
+def cumulative(ctx: RuleContext) -> Optional[OpRule]:
     """Cumsum/Cumprod along a constant axis: that axis whole, the others pass."""
     axis = ctx.const(1)
     if axis is None:
@@ -82,7 +84,7 @@ def cumulative(ctx):
     return per_dim(ctx, {int(axis) % len(ctx.in_shapes[0])})
 
 
-def last_dims_whole(ctx, count):
+def last_dims_whole(ctx: RuleContext, count) -> Optional[OpRule]:
     """Ops that mix the last `count` dims (MatrixBandPart: 2, TopKV2: 1): those whole,
     batch dims pass; every result (TopKV2's values and indices) shares the rule's."""
     rank = len(ctx.in_shapes[0])

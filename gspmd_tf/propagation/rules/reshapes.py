@@ -4,13 +4,15 @@ and Bitcast.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
-from gspmd_tf.propagation.oprule import (REPLICATE, OpRule, einsum_letters, einsum_rule,
-                                        spread_operands)
+from gspmd_tf.propagation.oprule import (REPLICATE, OpRule, RuleContext, einsum_letters,
+                                        einsum_rule, spread_operands)
 
 
-def transpose(ctx):
+def transpose(ctx: RuleContext) -> Optional[OpRule]:
     """Transpose by a constant permutation."""
     perm = ctx.const(1)
     if perm is None:
@@ -22,7 +24,7 @@ def transpose(ctx):
     return rule
 
 
-def reshape(ctx, data_inputs=(0,)):
+def reshape(ctx: RuleContext, data_inputs=(0,)) -> Optional[OpRule]:
     """Reshape (also ExpandDims, Squeeze): dims split into common sub-factors.
 
     Where the Reshape merges a dim with the dims after it, an uneven split of the major
@@ -127,12 +129,12 @@ class _DimWalk:
         self._skip_finished()
 
 
-def squeeze_or_expand(ctx):
+def squeeze_or_expand(ctx: RuleContext) -> Optional[OpRule]:
     """ExpandDims/Squeeze are reshapes of size-1 dims."""
     return reshape(ctx)
 
 
-def bitcast(ctx):
+def bitcast(ctx: RuleContext) -> Optional[OpRule]:
     """Bitcast: the dims both sides have pass; the minor dim a bitcast to a narrower type
     adds (or to a wider one removes) is in one tensor only and stays whole."""
     x, y = ctx.in_shapes[0], ctx.out_shapes[0]

@@ -5,15 +5,16 @@ ConcatV2. A dim whose size changes by a constant window may stay split (halos).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from gspmd_tf.graph.strided_slice import first_read, slice_masks
-from gspmd_tf.propagation.oprule import (REPLICATE, OpRule, SpatialDim, per_dim,
-                                        spread_operands)
+from gspmd_tf.propagation.oprule import (REPLICATE, OpRule, RuleContext, SpatialDim,
+                                        per_dim, spread_operands)
 
 
-def concat(ctx):
+def concat(ctx: RuleContext) -> Optional[OpRule]:
     """ConcatV2: the concat axis is whole; other dims pass."""
     n = len(ctx.in_shapes) - 1
     axis = ctx.const(n)
@@ -23,12 +24,12 @@ def concat(ctx):
     return per_dim(ctx, {axis}, data_inputs=tuple(range(n)))
 
 
-def changed_dims(ctx):
+def changed_dims(ctx: RuleContext) -> Optional[OpRule]:
     """Dims where output and input sizes differ (Slice, StridedSlice, Pad, Tile)."""
     return {d for d, (a, b) in enumerate(zip(ctx.in_shapes[0], ctx.out_shapes[0])) if a != b}
 
 
-def same_rank_slicing(ctx):
+def same_rank_slicing(ctx: RuleContext) -> Optional[OpRule]:
     """Tile/MirrorPad (and Slice/Pad with non-constant bounds) of the same rank:
     changed dims whole."""
     if len(ctx.in_shapes[0]) != len(ctx.out_shapes[0]):
@@ -36,7 +37,7 @@ def same_rank_slicing(ctx):
     return per_dim(ctx, changed_dims(ctx))
 
 
-def pad_or_slice(ctx, kind):
+def pad_or_slice(ctx: RuleContext, kind) -> Optional[OpRule]:
     """Slice ("slice"), Pad or PadV2 ("pad") x -> y by constant bounds: each dim a
     stride-1 window of 1 element (see _sliced_factors), `pad_lo` = -begin for a slice.
     Without constant bounds (or a PadV2's value) the changed dims stay whole."""
@@ -105,7 +106,7 @@ def _sliced_factors(rule, x, y, kept, spec, strides, lows=None):
     return tuple(dims_x), tuple(dims_y), tuple(windows)
 
 
-def strided_slice(ctx):
+def strided_slice(ctx: RuleContext) -> Optional[OpRule]:
     """StridedSlice x -> y (see _sliced_factors); the first element read on each dim is
     worked out as TF does (masks, negative and out-of-range bounds)."""
     x = ctx.in_shapes[0]
@@ -125,7 +126,7 @@ def strided_slice(ctx):
     return rule
 
 
-def strided_slice_grad(ctx):
+def strided_slice_grad(ctx: RuleContext) -> Optional[OpRule]:
     """StridedSliceGrad: dy (the slice's shape) scattered into zeros of x's shape; the
     factors of the forward slice (see _sliced_factors). A dim sliced with stride 1 is a
     pad of dy (low padding: the first element the slice read) and may stay split, its
@@ -149,7 +150,7 @@ def strided_slice_grad(ctx):
     return rule
 
 
-def tile(ctx):
+def tile(ctx: RuleContext) -> Optional[OpRule]:
     """Tile by constant multiples: a dim tiled from size 1 broadcasts (a result-only
     factor, split freely: each device tiles its block); an untiled dim passes; a dim
     tiled from a larger size stays whole."""

@@ -6,11 +6,13 @@ stays whole, every other dim passes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
-from gspmd_tf.propagation.oprule import OpRule, passing_dims, spread_operands, whole_dims
+from gspmd_tf.propagation.oprule import (OpRule, RuleContext, passing_dims, spread_operands,
+                                        whole_dims)
 
 
-def identity_n(ctx):
+def identity_n(ctx: RuleContext) -> Optional[OpRule]:
     """IdentityN: each result is its operand."""
     rule = OpRule()
     for shape in ctx.in_shapes:
@@ -20,7 +22,7 @@ def identity_n(ctx):
     return rule
 
 
-def split(ctx, value_input, axis_input):
+def split(ctx: RuleContext, value_input, axis_input) -> Optional[OpRule]:
     """Split/SplitV: the split axis whole (in the operand and every piece); other dims
     pass."""
     axis = ctx.const(axis_input)
@@ -38,7 +40,7 @@ def split(ctx, value_input, axis_input):
     return rule
 
 
-def pack(ctx):
+def pack(ctx: RuleContext) -> Optional[OpRule]:
     """Pack (tf.stack): the new dim whole (each device holds every operand); the others
     pass, shared by all operands."""
     out = ctx.out_shapes[0]
@@ -50,7 +52,7 @@ def pack(ctx):
     return rule
 
 
-def unpack(ctx):
+def unpack(ctx: RuleContext) -> Optional[OpRule]:
     """Unpack (tf.unstack): the removed dim whole; the others pass, shared by all
     results."""
     x = ctx.in_shapes[0]
@@ -69,7 +71,7 @@ class BatchNormParams:
     channel: int
 
 
-def fused_batch_norm(ctx, x_input, channel_inputs):
+def fused_batch_norm(ctx: RuleContext, x_input, channel_inputs) -> Optional[OpRule]:
     """FusedBatchNormV3 (x, scale, offset, mean, variance) and FusedBatchNormGradV3 (dy,
     x, scale, reserve_space_1/2/3): every dim of x passes (and of dy, y, dx); the per-
     channel inputs (at `channel_inputs`; x at `x_input`) and results share the channel
@@ -100,7 +102,8 @@ class TensorListParams:
     element_dims: tuple
 
 
-def tensor_list(ctx, elements_in, stacked_in, elements_out, stacked_out, shape_input):
+def tensor_list(ctx: RuleContext, elements_in, stacked_in, elements_out, stacked_out,
+                shape_input) -> Optional[OpRule]:
     """TensorList ops. In the IR a list has the shape of its elements
     (graph/tensor_lists.py): the lists and elements listed in `elements_in` /
     `elements_out` share a PASS factor per element dim; the tensors in `stacked_in` /
