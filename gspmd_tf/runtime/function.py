@@ -88,13 +88,14 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
                                  out_shardings=out_shardings, backend=backend,
                                  collective_timeout=collective_timeout,
                                  windowed_einsum=windowed_einsum)
+    factory = backend_factory(backend, collective_timeout)
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"gt.function needs mesh=gt.Mesh(...), got {mesh!r}: build "
                             "one with gt.Mesh.create(shape, axis_names)")
     check_entries("in_shardings", in_shardings, "argument")
     check_entries("out_shardings", out_shardings, "flat output")
-    options = LowerOptions(mesh, backend_factory(backend, collective_timeout), _name_of(fn),
-                           out_shardings=out_shardings, windowed_einsum=threshold)
+    options = LowerOptions(mesh, factory, _name_of(fn), out_shardings=out_shardings,
+                           windowed_einsum=threshold)
     return Function(fn, in_shardings, options)
 
 
