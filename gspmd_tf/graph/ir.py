@@ -129,7 +129,8 @@ class Graph:
 
     `inputs` are the traced function's arguments, then its captured tensors; `captures`
     holds the captured values (same order as the tail of `inputs`); `annotations` maps a
-    tensor to the gt.Sharding a user asked for. `aliases` maps names ("op:k") of tensors
+    tensor to the sharding a user asked for, as an xla_data_pb2.OpSharding (from an
+    XlaSharding op or attr; runtime/lowering.py turns it into a Layout). `aliases` maps names ("op:k") of tensors
     that have no node of their own (outputs of inlined function calls) to their Ref.
     A region (a body of a control-flow op, Node.regions) is a Graph whose inputs are its
     parameters (Placeholder nodes) and whose outputs are its results.
