@@ -32,6 +32,7 @@ from typing import Optional
 
 import numpy as np
 
+from gspmd_tf._halo import same_padding
 from gspmd_tf.propagation.oprule import PASS, REDUCE, REPLICATE, OpRule, RuleContext, SpatialDim
 from gspmd_tf.propagation.rules.slices import same_rank_slicing
 
@@ -78,7 +79,6 @@ def _padding(node, n, window, stride, dilation, dim, data_format):
     if padding == "VALID":
         return 0, 0
     if padding == "SAME":
-        from gspmd_tf._halo import same_padding
         return same_padding(n, window, stride, dilation)
     if padding == "EXPLICIT":
         pads = node.attr("explicit_paddings") or []
