@@ -5,6 +5,11 @@ of devices; gspmd-tf infers the rest, rewrites the function into one SPMD progra
 collectives and runs it on the mesh.
 """
 
+# The built-in op declarations live beside their emitters (spmd/handlers) and fill the op
+# registry when imported. Imported here, above every stage and before anything else, the
+# registry is complete before its first lookup, whichever gspmd_tf module is imported
+# first; no stage imports up to load them.
+from gspmd_tf.spmd import handlers as _builtin_op_declarations  # noqa: F401
 from gspmd_tf import keras
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.cluster import initialize_cluster
@@ -13,9 +18,8 @@ from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh, P, PartitionSpec
 from gspmd_tf.pipeline import pipeline
 from gspmd_tf.registry import register_op
-from gspmd_tf.runtime.function import Function, function
+from gspmd_tf.runtime.function import Function, function, lower
 from gspmd_tf.runtime.lowered import Collective, Lowered
-from gspmd_tf.runtime.lowering import lower
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable, save_checkpoint
 from gspmd_tf.sharding import Sharding

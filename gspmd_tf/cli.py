@@ -30,6 +30,7 @@ from gspmd_tf.keras import _Rules
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime.lowering import lower_seeded, seed_annotations
+from gspmd_tf.runtime.options import LowerOptions
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("mesh", None, "mesh shape, e.g. 2x4")
@@ -150,13 +151,14 @@ def lower_saved_model(path, mesh, shard_rules, signature="serving_default", shap
                             f"names are {[name for name, _, _ in named]}")
     # annotations inside the graph (tf2xla XlaSharding) are seeded as gt.function does
     seed_annotations(mesh, graph, seeds)
-    # an abstract mesh never compiles, so no backend is needed
-    lowered = lower_seeded(graph, mesh, seeds, [None] * len(graph.outputs), len(specs),
-                           None, f"SavedModel {path} signature {signature!r}")
+    # an abstract mesh never compiles, so no backend is needed; the program is called
+    # "SavedModel PATH signature 'NAME'"
+    options = LowerOptions(mesh, None, signature, caller=f"SavedModel {path} signature")
     # the signature's input and variable names beside their graph tensors (TF names a
     # captured variable's placeholder "unknown")
-    lowered.named_inputs = [(name, graph.tensor_name(ref)) for name, ref, _ in named]
-    return lowered
+    return lower_seeded(graph, seeds, len(specs), options,
+                        named_inputs=tuple((name, graph.tensor_name(ref))
+                                           for name, ref, _ in named))
 
 
 def _inspect(argv):

@@ -3,7 +3,7 @@
 An OpDef holds
   rule, rule_args    the rule builder and its parameters: rule(ctx, *rule_args) -> an
                      OpRule, or None when this instance has no rule (it then runs
-                     replicated); ctx is a gspmd_tf.propagation.rules.RuleContext
+                     replicated); ctx is a gspmd_tf.propagation.oprule.RuleContext
   emit               the handler that emits the op on local shards (gspmd_tf/spmd/handlers:
                      emit(ctx, operands, layouts) -> [Ref or Local]), or
   replay             True: re-creating the TF op on local shapes is exact. It is declared
@@ -25,19 +25,22 @@ gspmd_tf/spmd/handlers/replayed.py for ops whose TF op replayed on local shapes 
 their own ops with register_op (gt.register_op).
 
 This module is a leaf of the stages: propagation (rules), graph.fold (flags) and the
-partitioner (emitters) read it; the declarations import it, not the reverse. The built-in
-declarations are imported on the first lookup, so the table is complete whatever module
-was imported first.
+partitioner (emitters) read it; the declarations import it, never the reverse. The package
+(gspmd_tf/__init__.py) imports the built-in declarations before anything else, so the
+table is complete whatever module a user or test imports first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.propagation.rules import RuleContext, equation_rule
+from gspmd_tf.propagation.oprule import OpRule, RuleContext, equation_rule
+
+if TYPE_CHECKING:  # (importing gspmd_tf.graph runs graph.fold, which reads this module)
+    from gspmd_tf.graph.ir import Graph, Node
 
 FOLD_SHAPE = "shape"
 FOLD_VALUES = "values"
@@ -57,7 +60,7 @@ class OpDef:
     fold: Optional[str] = None
     custom: bool = False
 
-    def build_rule(self, graph, node):
+    def build_rule(self, graph: Graph, node: Node) -> Optional[OpRule]:
         """The OpRule of `node` (an op of this type), or None (no rule: replicated)."""
         if self.rule is None:
             return None
@@ -65,18 +68,6 @@ class OpDef:
 
 
 _TABLE = {}  # op type -> OpDef
-_builtins_loaded = False
-
-
-def _table():
-    """The table, built-in declarations loaded (once, on first use)."""
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        # the declarations live beside the handlers, which import this module: import
-        # them here, at the first lookup, rather than at import time (an import cycle)
-        import gspmd_tf.spmd.handlers  # noqa: F401
-    return _TABLE
 
 
 def _check(entry):
@@ -118,7 +109,8 @@ def _put(op_type, override=False, **fields):
     _TABLE[op_type] = entry
 
 
-def declare(op_types, rule=None, *, emit=None, replay=False, **flags):
+def declare(op_types: Union[str, list, dict], rule: Optional[Callable] = None, *,
+            emit: Optional[Callable] = None, replay: bool = False, **flags) -> None:
     """Declare built-in op types: `op_types` is a name, a list of names, or a dict
     {name: rule parameters} (a tuple, or one value) when they differ per op. Flags
     (silent_replicated, safe_padding as a dict, fold) without a rule give a flag-only
@@ -139,7 +131,7 @@ def declare(op_types, rule=None, *, emit=None, replay=False, **flags):
         _check(_TABLE[op_type])
 
 
-def op_family(op_types, rule, **flags):
+def op_family(op_types: Union[str, list, dict], rule: Callable, **flags) -> Callable:
     """Decorator of a handler: declare `op_types` (see declare) with rule `rule` and the
     decorated function as their emitter."""
     def register(emit):
@@ -148,12 +140,13 @@ def op_family(op_types, rule, **flags):
     return register
 
 
-def register_op(op_type, rule, *, emit=None, replay=False, override=False):
+def register_op(op_type: str, rule: Union[str, Callable], *, emit: Optional[Callable] = None,
+                replay: bool = False, override: bool = False) -> None:
     """Give a TF op type (a custom op, or one gspmd-tf has no rule for) a sharding rule.
 
     rule: an einsum equation over the op's first inputs, e.g. "bij,j->bij" (letters
         missing from the output are summed: the emitter must then produce partial sums),
-        or a callable rule(ctx) -> gspmd_tf.propagation.rules.OpRule or None. `ctx`
+        or a callable rule(ctx) -> gspmd_tf.propagation.oprule.OpRule or None. `ctx`
         (a RuleContext) has in_shapes, out_shapes, node.attr(name) and const(i); the
         builders of gspmd_tf.propagation.rules (einsum_rule, elementwise, per_dim...)
         build the common forms. A factor may be PASS (split anywhere), REDUCE (operands
@@ -169,44 +162,42 @@ def register_op(op_type, rule, *, emit=None, replay=False, override=False):
     lowered keep the rules they were built with. Raises ShardingError when the entry is
     incomplete (a rule without emit or replay) or the op type already has a rule.
     """
-    table = _table()
     if not isinstance(op_type, str) or not op_type:
         raise ShardingError(f"register_op: op_type must be a TF op type name, not {op_type!r}")
     args = ()
     if isinstance(rule, str):
         rule, args = equation_rule, (rule,)
-    previous = table.get(op_type)
+    previous = _TABLE.get(op_type)
     _put(op_type, override=override, rule=rule, rule_args=args, emit=emit, replay=replay,
          custom=True)
     try:
-        _check(table[op_type])
+        _check(_TABLE[op_type])
     except ShardingError:
         if previous is None:
-            del table[op_type]
+            del _TABLE[op_type]
         else:
-            table[op_type] = previous
+            _TABLE[op_type] = previous
         raise
 
 
 _NOTHING = OpDef("")
 
 
-def op_def(op_type):
+def op_def(op_type: str) -> OpDef:
     """The entry of `op_type` (an empty OpDef when the registry knows nothing of it)."""
-    # (the loaded table directly: the partitioner asks per op)
-    return (_TABLE if _builtins_loaded else _table()).get(op_type, _NOTHING)
+    return _TABLE.get(op_type, _NOTHING)
 
 
-def has_rule(op_type):
+def has_rule(op_type: str) -> bool:
     """Whether `op_type` has a rule builder."""
     return op_def(op_type).rule is not None
 
 
-def rule_for(graph, node):
+def rule_for(graph: Graph, node: Node) -> Optional[OpRule]:
     """The OpRule of `node`, or None when it has no rule (it runs replicated)."""
     return op_def(node.op).build_rule(graph, node)
 
 
-def ops_with_rules():
+def ops_with_rules() -> list[str]:
     """Sorted op types that have a rule builder."""
-    return sorted(op for op, entry in _table().items() if entry.rule is not None)
+    return sorted(op for op, entry in _TABLE.items() if entry.rule is not None)

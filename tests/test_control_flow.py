@@ -13,8 +13,7 @@ from tensorflow.core.framework import attr_value_pb2
 import gspmd_tf as gt
 from gspmd_tf.backends import LocalBackend
 from gspmd_tf.graph.importer import import_graph
-from gspmd_tf.graph.ir import Graph, Node, Ref
-from gspmd_tf.spmd.program import attr_value
+from gspmd_tf.graph.ir import Graph, Node, Ref, attr_value
 from util import assert_close, randn, single_device
 
 P = gt.P

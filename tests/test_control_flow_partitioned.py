@@ -292,8 +292,7 @@ def _region(build):
 
 def _op(graph, name, op, inputs, shape, out_dtype, **attrs):
     """A TF op node added to `graph`; its Ref."""
-    from gspmd_tf.graph.ir import Node, Ref
-    from gspmd_tf.spmd.program import attr_value
+    from gspmd_tf.graph.ir import Node, Ref, attr_value
     return Ref(graph.add(Node(name, op, inputs, {k: attr_value(v) for k, v in attrs.items()},
                               [shape], [out_dtype])), 0)
 
@@ -303,8 +302,7 @@ def test_cyclic_permute_inside_a_loop_body(mesh):
     of a cycle, inside a While body run for 4 iterations on all 8 devices (LocalBackend:
     point-to-point collectives, one instance key for every iteration)."""
     from gspmd_tf.backends import LocalBackend
-    from gspmd_tf.graph.ir import Graph, Node, Ref
-    from gspmd_tf.spmd.program import attr_value
+    from gspmd_tf.graph.ir import Graph, Node, Ref, attr_value
     from tensorflow.core.framework import attr_value_pb2
     n = mesh.size
     cycle = [(d, (d + 1) % n) for d in range(n)]

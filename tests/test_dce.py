@@ -3,7 +3,7 @@
 import tensorflow as tf
 
 from gspmd_tf.graph.ir import Graph, Node, Ref
-from gspmd_tf.spmd.dce import eliminate_dead_code
+from gspmd_tf.graph.dce import eliminate_dead_code
 
 
 def test_dead_collectives_go_effects_and_inputs_stay():

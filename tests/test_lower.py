@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.graph.importer import import_graph
+from gspmd_tf.layout import Layout
 
 P = gt.P
 MESH = gt.Mesh.create((2, 4), ("data", "model"))
@@ -71,3 +72,23 @@ def test_lower_errors_name_what_to_change():
         gt.lower(concrete, (2, 4), IN)
     with pytest.raises(gt.ShardingError, match="one entry per flat output"):
         gt.lower(concrete, MESH, IN, P())
+
+
+def test_lowered_is_complete_when_built():
+    """gt.lower and gt.function share the trace stage and one LowerOptions record; the
+    Lowered they return carries everything from its construction on."""
+    from_python = gt.lower(mlp, MESH, IN, args=SPECS, windowed_einsum=1 << 20)
+    assert from_python.options.mesh == MESH
+    assert from_python.options.windowed_einsum == 1 << 20
+    assert from_python.name == "gt.function 'mlp'"
+    assert set(from_python.stage_seconds) == {"import", "propagate", "partition"}
+    assert len(from_python.structured_outputs) == 2
+    assert from_python.committed_args == frozenset()
+    # an argument whose in_shardings entry is None enters in its ShardedTensor's layout
+    x = gt.ShardedTensor.from_value(np.ones((8, 16), np.float32), MESH,
+                                    Layout.from_spec(MESH, P("model"), 2))
+    f = gt.function(mlp, mesh=MESH, in_shardings=(None, IN[1]))
+    lowered = f.lower(x, SPECS[1])
+    assert lowered.committed_args == frozenset({0})
+    assert lowered.input_shardings[0] == x.sharding
+    assert lowered.options is f.options

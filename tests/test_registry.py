@@ -2,6 +2,9 @@
 for ops without one (gt.register_op), and the parallel gather (GatherV2 with batch_dims)
 partitions without communication."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -19,7 +22,20 @@ P = gt.P
 @pytest.fixture
 def own_table(monkeypatch):
     """A private copy of the registry's table: registrations end with the test."""
-    monkeypatch.setattr(registry, "_TABLE", dict(registry._table()))
+    monkeypatch.setattr(registry, "_TABLE", dict(registry._TABLE))
+
+
+def test_the_table_is_complete_whatever_module_is_imported_first():
+    """The built-in declarations are loaded by the package, not by a lookup: importing
+    only the registry (or only propagation) gives the whole table."""
+    probe = ("from gspmd_tf.registry import op_def, ops_with_rules\n"
+             "assert op_def('MatMul').emit is not None, 'MatMul has no emitter'\n"
+             "assert op_def('Shape').fold is not None, 'Shape has no fold flag'\n"
+             "print(len(ops_with_rules()))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) == len(registry.ops_with_rules())
 
 
 def test_every_rule_has_an_emitter_or_a_declared_replay():

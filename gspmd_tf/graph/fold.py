@@ -6,9 +6,8 @@ shapes all of them are constants. Folding them lets the rules of the ops that re
 (Reshape, Sum, Tile, UnsortedSegmentSum...) see constant arguments, and keeps shape
 arithmetic out of the partitioner (where it would run replicated, without a rule).
 
-`fold(graph)` rewrites the IR in place:
-  - rows picked by a data-dependent Where and only summed (TF's gradient of a ConcatV2
-    fed a sparse gradient) are masked instead (sparse_rows.py);
+`fold(graph)` rewrites the IR in place (after the rows picked by a data-dependent Where
+and only summed are masked: sparse_rows.py, run before it by graph/passes.py):
   - Shape/ShapeN/Size/Rank of any tensor become constants (every shape is static);
   - pure ops (declared fold=FOLD_VALUES in the op registry) whose inputs are all
     constants, and whose result is small, are evaluated with TF (eagerly, on the CPU) and become constants;
@@ -33,7 +32,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Node, Ref
-from gspmd_tf.graph.sparse_rows import mask_summed_row_picks, renumber
+from gspmd_tf.graph.sparse_rows import renumber
 from gspmd_tf.registry import FOLD_SHAPE, FOLD_VALUES, op_def
 
 MAX_ELEMENTS = 100_000  # no folded constant is larger
@@ -49,8 +48,8 @@ VALUE_SHAPED = frozenset({"BroadcastGradientArgs", "DynamicStitch", "ListDiff", 
 
 
 def fold(graph):
-    """Fold constant shape computations of `graph` in place (see the module docstring)."""
-    mask_summed_row_picks(graph)  # TF's sparse ConcatV2 gradient (see sparse_rows.py)
+    """Fold constant shape computations of `graph` in place (see the module docstring);
+    returns `graph`. Runs after mask-summed-row-picks (graph/passes.py)."""
     unknown = getattr(graph, "unknown_shapes", None) or {}
     values = {}  # node index -> [np.ndarray per output] of constants read so far
     multi = []  # folded nodes with several outputs: (index, [(value, dtype)])

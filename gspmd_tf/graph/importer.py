@@ -24,6 +24,7 @@ argument (and a region's input).
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -33,10 +34,9 @@ from tensorflow.python.ops import handle_data_util
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.gc_pause import gc_paused
-from gspmd_tf.graph.fold import VALUE_SHAPED, fold
+from gspmd_tf.graph.fold import VALUE_SHAPED
 from gspmd_tf.graph.ir import REGION_OPS, Graph, Node, Ref
-from gspmd_tf.graph.rotate import rotations_as_rolls
-from gspmd_tf.graph.tensor_lists import infer_element_shapes
+from gspmd_tf.graph.passes import IMPORT_PASSES, REGION_PASSES, run_passes
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 # Handles: their shape is () whatever they point to, and TF may leave it unknown.
@@ -46,7 +46,8 @@ _HANDLE_DTYPES = frozenset({tf.resource, tf.variant})
 _SUNK_ELEMENTS = 64
 
 
-def import_graph(fn, inputs=None, outputs=None) -> Graph:
+def import_graph(fn, inputs: Optional[Sequence[tf.Tensor]] = None,
+                 outputs: Optional[Sequence[tf.Tensor]] = None) -> Graph:
     """The IR of `fn`: a ConcreteFunction, a FuncGraph, or a tf.Graph.
 
     `inputs` and `outputs` (lists of tf.Tensor of the graph) default to the function's
@@ -81,10 +82,9 @@ def import_graph(fn, inputs=None, outputs=None) -> Graph:
     for t, ref in zip(inputs, ins):
         if t.dtype == tf.resource:
             _record_variable(t, ir.nodes[ref.node])
-    # shape computations become constants (see fold.py), rotations written as slices and
-    # a concat become Roll (rotate.py), TensorLists take the shape of their elements
-    # (tensor_lists.py)
-    return infer_element_shapes(rotations_as_rolls(fold(ir)))
+    # the clean-ups (graph/passes.py): shape computations become constants, rotations
+    # written as slices and a concat become Roll, TensorLists take their elements' shape
+    return run_passes(ir, IMPORT_PASSES)
 
 
 class _Importer:
@@ -235,7 +235,7 @@ class _Importer:
         for arg, ref in zip(body.args, region.inputs):
             if arg.dtype == tf.resource:
                 _record_variable(arg, region.nodes[ref.node])
-        return fold(region)
+        return run_passes(region, REGION_PASSES)
 
     def annotate(self, op, node_def, outs):
         """Records the sharding `op` carries (if any) on its output tensors `outs`."""

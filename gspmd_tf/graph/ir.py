@@ -81,6 +81,34 @@ def decode_attr(value):
     return decode_attr_scalar(kind, getattr(value, kind))
 
 
+def attr_value(value):
+    """A python value as an AttrValue proto (the inverse of decode_attr)."""
+    import tensorflow as tf
+    from tensorflow.core.framework import attr_value_pb2
+
+    if isinstance(value, attr_value_pb2.AttrValue):
+        return value
+    if isinstance(value, tf.DType):
+        return attr_value_pb2.AttrValue(type=value.as_datatype_enum)
+    if isinstance(value, bool):
+        return attr_value_pb2.AttrValue(b=value)
+    if isinstance(value, (int, np.integer)):
+        return attr_value_pb2.AttrValue(i=int(value))
+    if isinstance(value, float):
+        return attr_value_pb2.AttrValue(f=value)
+    if isinstance(value, str):
+        return attr_value_pb2.AttrValue(s=value.encode())
+    if isinstance(value, np.ndarray):
+        return attr_value_pb2.AttrValue(tensor=tf.make_tensor_proto(value))
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, tf.DType) for v in value) and value:
+            return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                type=[v.as_datatype_enum for v in value]))
+        return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+            i=[int(v) for v in value]))
+    raise TypeError(f"no AttrValue for {value!r}")
+
+
 def decode_attr_scalar(kind, item):
     """One AttrValue field as a python value."""
     import tensorflow as tf
@@ -101,7 +129,8 @@ class Graph:
 
     `inputs` are the traced function's arguments, then its captured tensors; `captures`
     holds the captured values (same order as the tail of `inputs`); `annotations` maps a
-    tensor to the gt.Sharding a user asked for. `aliases` maps names ("op:k") of tensors
+    tensor to the sharding a user asked for, as an xla_data_pb2.OpSharding (from an
+    XlaSharding op or attr; runtime/lowering.py turns it into a Layout). `aliases` maps names ("op:k") of tensors
     that have no node of their own (outputs of inlined function calls) to their Ref.
     A region (a body of a control-flow op, Node.regions) is a Graph whose inputs are its
     parameters (Placeholder nodes) and whose outputs are its results.

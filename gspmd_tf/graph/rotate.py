@@ -22,10 +22,9 @@ from collections import defaultdict, namedtuple
 import numpy as np
 import tensorflow as tf
 
-from gspmd_tf.graph.ir import Node, Ref
+from gspmd_tf.graph.ir import Node, Ref, attr_value
 from gspmd_tf.graph.sparse_rows import renumber
-from gspmd_tf.propagation import rules
-from gspmd_tf.spmd.program import attr_value
+from gspmd_tf.graph.strided_slice import first_read, slice_masks
 
 Part = namedtuple("Part", "source axis start dest length")
 Part.__doc__ = """Elements [start, start + length) of `source` along `axis` at
@@ -200,9 +199,9 @@ def _slice_starts(graph, node, x):
         return None
     if any(node.attr(m) for m in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")):
         return None
-    params = rules.strided_slice_params(node, len(x), len(np.atleast_1d(strides)))
-    spec_first = rules._first_read(node, x, params, begin, np.atleast_1d(strides))
-    return np.array([0 if s is None else spec_first[s] for s in params.spec], np.int64)
+    masks = slice_masks(node, len(x), len(np.atleast_1d(strides)))
+    spec_first = first_read(node, x, masks, begin, np.atleast_1d(strides))
+    return np.array([0 if s is None else spec_first[s] for s in masks.spec], np.int64)
 
 
 def _one_axis_part(source, x, starts, out, dest):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from gspmd_tf.graph.ir import Node, Ref
-from gspmd_tf.spmd.dce import live_nodes
+from gspmd_tf.graph.dce import live_nodes
 
 # ops a picked row passes through unchanged (see _only_summed for Sub and ConcatV2)
 _ROWWISE = frozenset({"Identity", "Cast"})
@@ -33,12 +33,13 @@ _SUM = "UnsortedSegmentSum"
 def mask_summed_row_picks(graph):
     """Rewrite (in place) the picks of rows by a 1-D Where whose rows are only summed,
     see the module docstring. The rewritten tensors leave graph.unknown_shapes (the
-    importer's tensors of unknown shape); fold infers their consumers' shapes."""
+    importer's tensors of unknown shape); fold infers their consumers' shapes. Returns
+    `graph`."""
     unknown = getattr(graph, "unknown_shapes", None) or {}
     wheres = sorted(ref.node for ref in unknown
                     if ref.out == 0 and graph.nodes[ref.node].op == "Where")
     if not wheres:  # (other unknown shapes are common: no graph walk for them)
-        return
+        return graph
     users = graph.consumers()
     live = live_nodes(graph)
     dead = set()
@@ -72,6 +73,7 @@ def mask_summed_row_picks(graph):
             unknown.pop(Ref(i, k), None)
     if dead:
         _insert_and_drop(graph, zeros_for, dead)
+    return graph
 
 
 def _computed_from(users, start):

@@ -1,3 +1,3 @@
-"""Sharding propagation: rule builders (rules.py, windowed.py) and the driver
-(propagate.py). Which builder serves which op type is the op registry's
-(gspmd_tf/registry.py)."""
+"""Sharding propagation: the rule record (oprule.py), the rule builders by op family
+(rules/, windowed.py) and the driver (propagate.py). Which builder serves which op type
+is the op registry's (gspmd_tf/registry.py)."""

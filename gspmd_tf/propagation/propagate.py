@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 
 from gspmd_tf import _encode, _propagation
 from gspmd_tf.gc_pause import gc_paused
-from gspmd_tf.graph.ir import Ref
+from gspmd_tf.graph.ir import Graph, Ref
 from gspmd_tf.layout import Layout
+from gspmd_tf.mesh import Mesh
+from gspmd_tf.propagation.oprule import OpRule
 from gspmd_tf.propagation.regions import TIE, RegionPropagation, flatten, tie_rule
 from gspmd_tf.registry import has_rule, rule_for
+from gspmd_tf.sharding import Sharding
 
 log = logging.getLogger("gspmd_tf")
 
@@ -85,30 +89,32 @@ class Propagation:
     """Result: a Layout per tensor (layouts[node][out]), the rule of every node, and
     where each tensor's sharding came from (origin)."""
 
-    def __init__(self, layouts, rules, sweeps, origins, region_start=None):
+    def __init__(self, layouts: Sequence[Sequence[Layout]], rules: list[Optional[OpRule]],
+                 sweeps: int, origins: "_Origins", region_start: Optional[dict] = None):
         self.layouts = layouts
         self.rules = rules
         self.sweeps = sweeps
         self._origins = origins
         self._region_start = region_start or {}
 
-    def region(self, index, r):
+    def region(self, index: int, r: int) -> RegionPropagation:
         """The propagation (a RegionPropagation) of region r of control-flow node
         `index`: its nodes' layouts and rules, by the region's own node indices."""
         return RegionPropagation(self, self._region_start[index][r])
 
-    def layout(self, ref):
+    def layout(self, ref: Ref) -> Layout:
         """Layout of tensor `ref`."""
         return self.layouts[ref.node][ref.out]
 
-    def origin(self, tensor):
+    def origin(self, tensor) -> list:
         """Where the sharding of `tensor` (a Ref, or a name "op" / "op:k") came from: an
         Origin per mesh axis splitting one of its dims, in dim order (empty when the
         tensor is replicated)."""
         return self._origins.of(tensor)
 
 
-def propagate(graph, mesh, seeds, layered=True):
+def propagate(graph: Graph, mesh: Mesh, seeds: dict[Ref, Layout],
+              layered: bool = True) -> Propagation:
     """Give every tensor of `graph` a Layout on `mesh`.
 
     `seeds` maps Refs to the Layouts users asked for; those are fixed. With `layered`
@@ -130,7 +136,6 @@ def propagate(graph, mesh, seeds, layered=True):
 
 def _annotation_layout(graph, mesh, ref, proto):
     """The Layout of a gt.mesh_split / xla_sharding annotation on tensor `ref`."""
-    from gspmd_tf.sharding import Sharding
     tensor = graph.tensor_name(ref)
     return Sharding.from_proto(proto).to_layout(mesh, len(graph.shape(ref)),
                                                 f"tensor {tensor!r}")

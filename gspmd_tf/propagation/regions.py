@@ -19,7 +19,7 @@ directions until stable. See docs/DESIGN_LOG.md, "Partitioned control flow".
 from __future__ import annotations
 
 from gspmd_tf.graph.ir import Graph, Node, Ref
-from gspmd_tf.propagation.rules import OpRule, _passing
+from gspmd_tf.propagation.oprule import OpRule, passing_dims
 
 TIE = "gt.Tie"
 
@@ -27,7 +27,7 @@ TIE = "gt.Tie"
 def tie_rule(in_shapes, out_shape):
     """Identity rule of a Tie: operands and result share one PASS factor per dim."""
     rule = OpRule()
-    dims = _passing(rule, out_shape)
+    dims = passing_dims(rule, out_shape)
     rule.operands = [dims if tuple(shape) == tuple(out_shape) else None
                      for shape in in_shapes]
     rule.results = [dims]

@@ -32,22 +32,9 @@ from typing import Optional
 
 import numpy as np
 
-from gspmd_tf.propagation.rules import PASS, REDUCE, REPLICATE, OpRule, same_rank_slicing
-
-
-@dataclass(frozen=True)
-class SpatialDim:
-    """One windowed dim: x size, y size (number of windows) and the window."""
-
-    x_dim: int
-    y_dim: int
-    n: int
-    out: int
-    window: int
-    stride: int
-    dilation: int
-    pad_lo: int
-    pad_hi: int
+from gspmd_tf._halo import same_padding
+from gspmd_tf.propagation.oprule import PASS, REDUCE, REPLICATE, OpRule, RuleContext, SpatialDim
+from gspmd_tf.propagation.rules.slices import same_rank_slicing
 
 
 @dataclass(frozen=True)
@@ -92,7 +79,6 @@ def _padding(node, n, window, stride, dilation, dim, data_format):
     if padding == "VALID":
         return 0, 0
     if padding == "SAME":
-        from gspmd_tf._halo import same_padding
         return same_padding(n, window, stride, dilation)
     if padding == "EXPLICIT":
         pads = node.attr("explicit_paddings") or []
@@ -189,7 +175,8 @@ def _spatial_factors(b, geo, x_dims, y_dims, kind=PASS):
                       else b.factor(size, REPLICATE))
 
 
-def conv_family(ctx, x_at, w_at, y_at, reduced, depthwise, explicit_padding):
+def conv_family(ctx: RuleContext, x_at, w_at, y_at, reduced, depthwise,
+                explicit_padding) -> Optional[OpRule]:
     """The convolutions and their gradients, one rule: image x [N,H,W,C] (or [N,D,H,W,C]),
     filter w [KH,KW,C,O] ([KD,KH,KW,C,O]; O is the multiplier M when `depthwise`) and
     image y [N,H',W',O] (C*M when depthwise), each an input index or "out". Batch and the
@@ -239,7 +226,7 @@ def _batch_and_channels(b, shape, geo, *tensors_dims):
             b.put(dims, d, f)
 
 
-def pool(ctx, pooling, explicit_padding):
+def pool(ctx: RuleContext, pooling, explicit_padding) -> Optional[OpRule]:
     """MaxPool/AvgPool (2-D or 3-D): batch and channels pass, spatial dims shared by x and y.
     `pooling` ("max" or "avg") and `explicit_padding` (whether the op takes per-dim
     explicit padding) go to the emitter in WindowedParams."""
@@ -257,7 +244,7 @@ def pool(ctx, pooling, explicit_padding):
     return rule
 
 
-def max_pool_grad(ctx, explicit_padding):
+def max_pool_grad(ctx: RuleContext, explicit_padding) -> Optional[OpRule]:
     """MaxPoolGrad / MaxPool3DGrad (x, y, dy) -> dx: batch and channels pass; each
     spatial dim one factor shared by x, dx and the window dims of y, dy (halo exchange
     on all three). `explicit_padding` as for pool."""
@@ -274,7 +261,7 @@ def max_pool_grad(ctx, explicit_padding):
     return rule
 
 
-def avg_pool_grad(ctx):
+def avg_pool_grad(ctx: RuleContext) -> Optional[OpRule]:
     """AvgPoolGrad / AvgPool3DGrad (x_shape, dy) -> dx: batch and channels pass;
     spatial dims of dy and dx share a factor (halo exchange on dy)."""
     dy = ctx.in_shapes[1]
@@ -311,7 +298,7 @@ class MirrorPadParams:
     symmetric: bool
 
 
-def mirror_pad(ctx, grad):
+def mirror_pad(ctx: RuleContext, grad) -> Optional[OpRule]:
     """MirrorPad x -> y, or MirrorPadGrad dy -> dx (`grad`), by constant paddings: a
     dim it does not pad passes; a padded dim is one factor shared by x and y, PASS-like
     as a Pad's (each result block reads a contiguous range of the operand, mirrored at

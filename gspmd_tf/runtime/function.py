@@ -1,22 +1,30 @@
-"""gt.function: trace, import, propagate, partition, lower and run a TF function."""
+"""The entry points: gt.function (trace, lower and run a TF function, per input
+signature) and gt.lower (the same stages, nothing run).
+
+    trace (runtime/trace.py) -> import, propagate, partition (runtime/lowering.py)
+      -> Lowered (runtime/lowered.py) -> compile (a backend) -> run (Function.__call__)
+"""
 
 from __future__ import annotations
 
 import functools
-import inspect
 import os
-import re
 import types
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
 
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.mesh import Mesh
-from gspmd_tf.runtime.arguments import Arguments, is_static, signature_of
-from gspmd_tf.runtime.lowering import check_entries, lower_traced
+from gspmd_tf.graph.ir import Graph
+from gspmd_tf.mesh import Mesh, PartitionSpec
+from gspmd_tf.runtime import sharded_tensor
+from gspmd_tf.runtime.lowered import Lowered
+from gspmd_tf.runtime.lowering import lower_traced
+from gspmd_tf.runtime.options import LowerOptions, check_entries
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
+from gspmd_tf.runtime.trace import Call, Tracer
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.windowed_einsum import threshold_of
 
@@ -74,14 +82,73 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     mesh axis, at least that big on one device, runs as a loop of local dots and
     collective-permutes that overlap (spmd/windowed_einsum.py).
     """
-    threshold_of(windowed_einsum)  # a bad value fails here, not at the first call
+    threshold = threshold_of(windowed_einsum)  # a bad value fails here, not at the first call
     if fn is None:
         return functools.partial(function, mesh=mesh, in_shardings=in_shardings,
                                  out_shardings=out_shardings, backend=backend,
                                  collective_timeout=collective_timeout,
                                  windowed_einsum=windowed_einsum)
-    return Function(fn, mesh, in_shardings, out_shardings,
-                    backend_factory(backend, collective_timeout), windowed_einsum)
+    factory = backend_factory(backend, collective_timeout)
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(f"gt.function needs mesh=gt.Mesh(...), got {mesh!r}: build "
+                            "one with gt.Mesh.create(shape, axis_names)")
+    check_entries("in_shardings", in_shardings, "argument")
+    check_entries("out_shardings", out_shardings, "flat output")
+    options = LowerOptions(mesh, factory, _name_of(fn), out_shardings=out_shardings,
+                           windowed_einsum=threshold)
+    return Function(fn, in_shardings, options)
+
+
+def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
+          out_shardings: Optional[Sequence] = None, *, args: Optional[Sequence] = None,
+          backend: Union[str, Callable, None] = None,
+          collective_timeout: Optional[float] = None,
+          windowed_einsum: Union[bool, int] = False) -> Lowered:
+    """Lower `fn` over `mesh` without running it: a gt.Lowered (shardings, collectives,
+    report(), compile()).
+
+    `fn` is one of
+      - a tf ConcreteFunction (`tf.function(f).get_concrete_function(*specs)`): its flat
+        tensor arguments are the program's inputs;
+      - a Graph of gspmd_tf.graph (already imported): its `inputs` before its captures;
+      - a Python function or tf.function, traced on `args` (values or tf.TensorSpec, in
+        the order of its parameters), exactly as `gt.function(fn, ...).lower(*args)`.
+    in_shardings: one entry per input (a PartitionSpec, a gt.Sharding, or None to infer);
+    out_shardings: one per flat output, likewise. `backend` / `collective_timeout` as in
+    gt.function (used by compile()), and `windowed_einsum`. The returned object's
+    `stage_seconds` gives the wall time of import, propagate and partition.
+    """
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(f"gt.lower needs a gt.Mesh, got {mesh!r}: build one with "
+                            "gt.Mesh.create(shape, axis_names) or gt.Mesh.abstract(...)")
+    factory = backend_factory(backend, collective_timeout)
+    threshold = threshold_of(windowed_einsum)
+    if not isinstance(fn, (Graph, tf.types.experimental.ConcreteFunction)):
+        if args is None:
+            raise ShardingError(f"gt.lower({fn!r}): give args=(...) (values or "
+                                "tf.TensorSpec) to trace the function on, or pass a "
+                                "ConcreteFunction")
+        check_entries("out_shardings", out_shardings, "flat output")
+        name = _name_of(fn)
+        tracer = Tracer(fn, mesh, in_shardings, name)
+        call = tracer.call(tuple(args), {})
+        options = LowerOptions(mesh, factory, name, out_shardings=out_shardings,
+                               windowed_einsum=threshold)
+        return lower_traced(tracer.trace(call), options, call.entries, call.committed)
+    if args is not None:
+        raise ShardingError("gt.lower: args are for a Python function; a ConcreteFunction "
+                            "or Graph is already traced")
+    check_entries("in_shardings", in_shardings, "argument")
+    name = getattr(fn, "name", None) or "program"
+    name = name.decode() if isinstance(name, bytes) else name
+    options = LowerOptions(mesh, factory, name, caller="gt.lower",
+                           out_shardings=out_shardings, windowed_einsum=threshold)
+    return lower_traced(fn, options, in_shardings)
+
+
+def _name_of(fn):
+    """The name errors and logs give a Python function."""
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
 
 
 class Function:
@@ -95,27 +162,18 @@ class Function:
     Each device runs its part of the program; a tf.py_function or tf.numpy_function
     inside runs once per call (per loop iteration) on its whole inputs, as on one device,
     and every device gets its result.
+    Made by gt.function: `options` are its LowerOptions.
     """
 
-    def __init__(self, fn, mesh, in_shardings, out_shardings, backend_factory,
-                 windowed_einsum=False):
-        if not isinstance(mesh, Mesh):
-            raise ShardingError(f"gt.function needs mesh=gt.Mesh(...), got {mesh!r}: build "
-                                "one with gt.Mesh.create(shape, axis_names)")
-        check_entries("in_shardings", in_shardings, "argument")
-        check_entries("out_shardings", out_shardings, "flat output")
+    def __init__(self, fn: Callable, in_shardings: Optional[Sequence], options: LowerOptions):
         self.fn = fn
-        self.name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
-        self.mesh = mesh
+        self.name = options.name
+        self.mesh = options.mesh
         self.in_shardings = in_shardings
-        self.out_shardings = out_shardings
-        self._backend_factory = backend_factory
-        self._windowed_einsum = windowed_einsum
-        self._signature = signature_of(fn)
-        self._traced = tf.function(fn, autograph=False)
-        self._keyword_functions = {}  # see _keyword_traced
-        self._cache = {}
-        self._signatures = []  # traced arguments in words, for errors
+        self.out_shardings = options.out_shardings
+        self.options = options
+        self._tracer = Tracer(fn, options.mesh, in_shardings, options.name)
+        self._cache = {}  # Call.key -> Lowered
         functools.update_wrapper(self, fn)
 
     def __get__(self, instance, owner=None):
@@ -131,116 +189,23 @@ class Function:
         key = f"_gt_function_{id(self)}"
         method = None if state is None else state.get(key)
         if method is None:
-            method = Function(types.MethodType(self.fn, instance), self.mesh, self.in_shardings,
-                              self.out_shardings, self._backend_factory,
-                              self._windowed_einsum)
+            method = Function(types.MethodType(self.fn, instance), self.in_shardings,
+                              self.options)
             if state is not None:
                 state[key] = method
         return method
 
-    # ----------------------------------------------------------------- signature
-    def _arguments(self, args, kwargs):
-        arguments = Arguments(f"gt.function {self.name!r}", self._signature, args, kwargs)
-        if self.in_shardings is not None and len(self.in_shardings) != len(arguments.values):
-            raise ShardingError(
-                f"{self.name} got {len(arguments.values)} arguments "
-                f"({', '.join(arguments.names)}) but in_shardings has "
-                f"{len(self.in_shardings)} entries: pass one entry per argument (None for "
-                "Python values and arguments to infer)")
-        for index, leaf in arguments.leaves:
-            if is_static(leaf) and self._entry(index) is not None:
-                raise ShardingError(
-                    f"{self.name}: {arguments.describe(index)} is the Python value "
-                    f"{leaf!r}, which is static (baked into the trace, as in tf.function), "
-                    f"so in_shardings entry {self._entry(index)!r} cannot split it; pass a "
-                    "tensor or array, or give None")
-        return arguments
-
-    def _entry(self, index):
-        return None if self.in_shardings is None else self.in_shardings[index]
-
-    def _spec_of(self, arguments, index, leaf):
-        if isinstance(leaf, ShardedTensor):
-            if leaf.mesh != self.mesh:
-                raise ShardingError(f"argument {leaf!r} lives on another mesh; move it to "
-                                    f"{self.mesh!r} first")
-            return tf.TensorSpec(leaf.shape, leaf.dtype)
-        if isinstance(leaf, tf.TensorSpec):
-            if leaf.shape.rank is None:
-                raise ShardingError(
-                    f"{self.name}: {arguments.describe(index)} is {leaf}, of unknown rank; "
-                    "gspmd-tf needs static shapes: give the spec its full shape, e.g. "
-                    f"tf.TensorSpec((8, 4), tf.{leaf.dtype.name})")
-            return leaf
-        try:
-            value = leaf if isinstance(leaf, tf.Tensor) else tf.convert_to_tensor(leaf)
-        except (TypeError, ValueError) as e:
-            raise ShardingError(
-                f"{self.name}: {arguments.describe(index)} ({type(leaf).__name__}) is "
-                f"neither a tensor nor a Python value: {e}") from None
-        return tf.TensorSpec(value.shape, value.dtype)
-
-    def lower(self, *args, **kwargs):
+    def lower(self, *args, **kwargs) -> Lowered:
         """Lower for these arguments (values or tf.TensorSpec); nothing runs."""
-        return self._lower(self._arguments(args, kwargs))[0]
+        return self._lower(self._tracer.call(args, kwargs))
 
-    def _lower(self, arguments):
-        tensors = arguments.tensor_leaves()
-        flat = [leaf for _, leaf in tensors]
-        specs = [self._spec_of(arguments, i, leaf) for i, leaf in tensors]
-        entries = [self._entry(i) for i, _ in tensors]
-        committed = [leaf.layout if isinstance(leaf, ShardedTensor) else None for leaf in flat]
-        # an argument's own layout matters only where in_shardings leaves it open
-        key = (arguments.structure_key(),) + tuple(
-            (tuple(s.shape), s.dtype, str(e) if e is not None else c)
-            for s, e, c in zip(specs, entries, committed))
-        if key not in self._cache:
-            self._cache[key] = self._build(arguments, specs, entries, committed)
-        return self._cache[key], flat
-
-    def _trace(self, arguments, specs):
-        """The ConcreteFunction for these arguments, tensors replaced by `specs`."""
-        spec_of = dict(zip((id(leaf) for _, leaf in arguments.tensor_leaves()), specs))
-        positional, keywords = arguments.call_structure(lambda leaf: spec_of[id(leaf)])
-        shown = "(" + ", ".join(f"{n}: {_describe_spec(v)}" for n, v in zip(
-            arguments.names, positional + list(keywords.values()))) + ")"
-        try:
-            if keywords:
-                concrete = self._keyword_traced(arguments).get_concrete_function(
-                    *positional, *keywords.values())
-            else:
-                concrete = self._traced.get_concrete_function(*positional)
-        except (TypeError, ValueError) as e:
-            e.add_note(f"while tracing gt.function {self.name!r} for {shown}" + (
-                f"; earlier calls traced {', '.join(self._signatures)}: pass the same "
-                "dtypes (e.g. np.asarray(x, np.float32)) to reuse their trace"
-                if self._signatures else ""))
-            raise
-        self._signatures.append(shown)
-        return concrete
-
-    def _keyword_traced(self, arguments):
-        """A tf.function taking every argument by position, which calls fn with the
-        keyword-only ones by name: the traced inputs then follow the order of
-        `arguments` (tf.function would order keyword arguments its own way)."""
-        key = (tuple(arguments.names), arguments.keywords)
-        if key not in self._keyword_functions:
-            fn, count = self.fn, arguments.keywords
-            keyword_names = arguments.names[-count:]
-
-            def by_position(*values):
-                return fn(*values[:-count], **dict(zip(keyword_names, values[-count:])))
-            by_position.__name__ = getattr(fn, "__name__", "fn")
-            by_position.__signature__ = inspect.Signature(
-                [inspect.Parameter(re.sub(r"\W", "_", name), inspect.Parameter.POSITIONAL_ONLY)
-                 for name in arguments.names])
-            self._keyword_functions[key] = tf.function(by_position, autograph=False)
-        return self._keyword_functions[key]
-
-    def _build(self, arguments, specs, entries, committed):
-        return lower_traced(self._trace(arguments, specs), self.mesh, entries, committed,
-                            self.out_shardings, self._backend_factory, self.name,
-                            windowed_einsum=threshold_of(self._windowed_einsum))
+    def _lower(self, call: Call) -> Lowered:
+        """The Lowered of `call`'s input signature (traced and lowered on first use)."""
+        lowered = self._cache.get(call.key)
+        if lowered is None:
+            lowered = self._cache[call.key] = lower_traced(
+                self._tracer.trace(call), self.options, call.entries, call.committed)
+        return lowered
 
     # ----------------------------------------------------------------- running
     def __call__(self, *args, **kwargs):
@@ -250,15 +215,15 @@ class Function:
                 "(inside tf.function, a Keras model's call or a tf.data map); it runs "
                 "eagerly: call it outside tf.function, or move the surrounding code into "
                 "the gt.function")
-        arguments = self._arguments(args, kwargs)
-        lowered, flat = self._lower(arguments)
-        self._check_not_taped(arguments, lowered)
+        call = self._tracer.call(args, kwargs)
+        lowered = self._lower(call)
+        self._check_not_taped(call.arguments, lowered)
         run = lowered.compile()
         program = lowered.program
         graph = lowered.graph
         copies = []  # read-only copies of variables of other meshes, alive for the run
         inputs = [self._shards(value, layout, copies) for value, layout in
-                  zip(list(flat) + list(graph.captures), program.input_layouts)]
+                  zip(list(call.flat) + list(graph.captures), program.input_layouts)]
         outs = run(inputs)
         del copies
         results = [ShardedTensor(self.mesh, layout, lowered.graph.shape(ref),
@@ -322,8 +287,18 @@ class Function:
         return split_value(np.asarray(value), self.mesh, layout)
 
 
-def _describe_spec(value):
-    """A traced argument in words: dtype and shape of a spec, or the Python value."""
-    if isinstance(value, tf.TensorSpec):
-        return f"{value.dtype.name}{list(value.shape)}"
-    return repr(value)
+_REPLICATE = {}  # mesh -> the gt.function copying a tensor of that mesh to every device
+
+
+def _replicated(tensor: ShardedTensor) -> ShardedTensor:
+    """`tensor` replicated on every device of its mesh, by a gt.function whose outputs
+    are replicated (its all-gathers run over TF's collectives between the workers)."""
+    mesh = tensor.mesh
+    if mesh not in _REPLICATE:
+        _REPLICATE[mesh] = function(tf.identity, mesh=mesh, out_shardings=(PartitionSpec(),))
+    return _REPLICATE[mesh](tensor)
+
+
+# ShardedTensor reads a value some workers do not hold with this program; it is set
+# here because the program runner sits above the value type.
+sharded_tensor.set_replicator(_replicated)

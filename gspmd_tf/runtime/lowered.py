@@ -7,6 +7,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import Graph
+from gspmd_tf.propagation.propagate import Propagation
+from gspmd_tf.runtime.explain import explain
+from gspmd_tf.runtime.html_report import render_html
+from gspmd_tf.runtime.memory import Memory, program_memory
+from gspmd_tf.runtime.options import LowerOptions
+from gspmd_tf.sharding import Sharding
+from gspmd_tf.spmd.partitioner import SpmdProgram
 from gspmd_tf.spmd.program import COLLECTIVES
 
 
@@ -33,32 +41,38 @@ _KIND = {"gt.AllReduce": "all-reduce", "gt.AllGather": "all-gather",
 
 class Lowered:
     """The result of gt.lower(...) or gt.function(...).lower(...): shardings, collectives,
-    report, compile.
+    report, compile. Built complete by the lowering stages (runtime/lowering.py).
 
-    `stage_seconds` holds the wall time of the stages after tracing ("import",
-    "propagate", "partition"); `structured_outputs` the traced function's output
-    structure (None for a program given as an imported Graph).
+    `options` are the LowerOptions it was lowered with; `name` the program's name
+    (`gt.function 'f'`); `graph` the imported graph, `propagation` its shardings,
+    `program` the SPMD program. `stage_seconds` holds the wall time of the stages after
+    tracing ("import", "propagate", "partition"); `structured_outputs` the traced
+    function's output structure (None for a program given as an imported Graph);
+    `committed_args` the flat arguments whose layout is the ShardedTensor passed
+    (in_shardings left open); `named_inputs` (name, graph tensor name) of the inputs of
+    a program lowered from a SavedModel signature (`python -m gspmd_tf inspect`).
     """
 
-    def __init__(self, mesh, graph, propagation, program, num_args, annotated, backend_factory,
-                 name=None):
-        self.mesh = mesh
-        self.name = name
+    def __init__(self, options: LowerOptions, graph: Graph, propagation: Propagation,
+                 program: SpmdProgram, *, num_args: int, annotated: frozenset,
+                 stage_seconds: dict, committed_args: frozenset = frozenset(),
+                 structured_outputs=None, named_inputs: tuple = ()):
+        self.options = options
+        self.mesh = options.mesh
+        self.name = options.program_name
         self.graph = graph
         self.propagation = propagation
         self.program = program
+        self.stage_seconds = stage_seconds
+        self.committed_args = committed_args
+        self.structured_outputs = structured_outputs
+        self.named_inputs = named_inputs
         self._num_args = num_args
         self._annotated = annotated
-        self._backend_factory = backend_factory
-        self._run = None
+        self._run = None  # the compiled program, built on first use
         self._consumers = None  # graph.consumers(), made on first use by explain()
-        # flat arguments whose layout is the ShardedTensor passed (in_shardings left open)
-        self.committed_args = frozenset()
-        self.stage_seconds = {}
-        self.structured_outputs = None
 
     def _sharding(self, layout):
-        from gspmd_tf.sharding import Sharding
         return Sharding.from_layout(self.mesh, layout)
 
     @property
@@ -87,7 +101,6 @@ class Lowered:
         propagation layer; for each dim that lacks an axis a neighbouring tensor holds,
         why (the axis splits another dim: which annotation won and by which priority; or
         the op's rule keeps the dim whole). Returns the text (print it)."""
-        from gspmd_tf.runtime.explain import explain
         return explain(self, name)
 
     def layout_of(self, name):
@@ -124,10 +137,9 @@ class Lowered:
                        and not self.propagation.layouts[i][k].is_replicated)
         return annotated, inferred
 
-    def memory(self):
+    def memory(self) -> Memory:
         """Bytes each device holds (gspmd_tf.runtime.memory.Memory: arguments, variable
         shards, outputs and an estimated peak), read from the program's local shapes."""
-        from gspmd_tf.runtime.memory import program_memory
         return program_memory(self)
 
     def as_text(self, dialect="hlo"):
@@ -138,6 +150,7 @@ class Lowered:
         device (XLA_CPU_JIT without accelerators). Nothing runs; abstract meshes work."""
         if dialect != "hlo":
             raise ShardingError(f"as_text({dialect!r}): the only dialect is 'hlo'")
+        # imported on use: it loads the local backend, which `import gspmd_tf` does not
         from gspmd_tf.runtime.annotated import compiler_ir
         return compiler_ir(self, stage="hlo")
 
@@ -150,7 +163,6 @@ class Lowered:
         if format not in ("text", "html"):
             raise ShardingError(f"report format {format!r}: use 'text' or 'html'")
         if format == "html":
-            from gspmd_tf.runtime.html_report import render_html
             text = render_html(self)
         else:
             text = self._text_report()
@@ -189,8 +201,8 @@ class Lowered:
             raise ShardingError("this function was lowered for an abstract mesh: use "
                                 "gt.Mesh.create(...) to run it")
         if self._run is None:
-            self._run = self._backend_factory(self.mesh).compile(self.program.graph,
-                                                                 name=self.name)
+            self._run = self.options.backend_factory(self.mesh).compile(self.program.graph,
+                                                                        name=self.name)
         return self._run
 
 

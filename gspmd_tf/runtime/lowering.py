@@ -1,8 +1,11 @@
-"""gt.lower: import, propagate and partition a traced program (the stages after tracing).
+"""The lowering stages after tracing: import, propagate and partition a traced program
+into a Lowered.
 
-gt.function traces its Python function once per input signature and hands the trace to
-`lower_traced`; `lower` is the same path for a program the caller has already traced (a
-ConcreteFunction or an imported Graph) or for a Python function and example arguments.
+gt.function and gt.lower (runtime/function.py) trace the Python function
+(runtime/trace.py) and hand the trace to `lower_traced`; a program already imported
+(`python -m gspmd_tf inspect`) seeds its own layouts and calls `lower_seeded`. What is
+fixed per function (mesh, backend, out_shardings, windowed einsum, names) is one
+LowerOptions record.
 """
 
 from __future__ import annotations
@@ -10,86 +13,48 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.importer import import_graph
-from gspmd_tf.graph.ir import Graph, Ref
+from gspmd_tf.graph.ir import Graph
+from gspmd_tf.graph.variable_reads import first_writer
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.propagation.propagate import propagate
 from gspmd_tf.runtime.lowered import Lowered
+from gspmd_tf.runtime.options import LowerOptions, check_entries
 from gspmd_tf.runtime.variables import variable_of_handle
+from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd.partitioner import partition
-from gspmd_tf.spmd.regions import reads_only
-from gspmd_tf.spmd.windowed_einsum import threshold_of
 
 log = logging.getLogger("gspmd_tf")
 
 
-def lower(fn, mesh, in_shardings=None, out_shardings=None, *, args=None, backend=None,
-          collective_timeout=None, windowed_einsum=False):
-    """Lower `fn` over `mesh` without running it: a gt.Lowered (shardings, collectives,
-    report(), compile()).
-
-    `fn` is one of
-      - a tf ConcreteFunction (`tf.function(f).get_concrete_function(*specs)`): its flat
-        tensor arguments are the program's inputs;
-      - a Graph of gspmd_tf.graph (already imported): its `inputs` before its captures;
-      - a Python function or tf.function, traced on `args` (values or tf.TensorSpec, in
-        the order of its parameters), exactly as `gt.function(fn, ...).lower(*args)`.
-    in_shardings: one entry per input (a PartitionSpec, a gt.Sharding, or None to infer);
-    out_shardings: one per flat output, likewise. `backend` / `collective_timeout` as in
-    gt.function (used by compile()), and `windowed_einsum`. The returned object's `stage_seconds` gives the wall
-    time of import, propagate and partition.
-    """
-    from gspmd_tf.runtime.function import Function, backend_factory
-    if not isinstance(mesh, Mesh):
-        raise ShardingError(f"gt.lower needs a gt.Mesh, got {mesh!r}: build one with "
-                            "gt.Mesh.create(shape, axis_names) or gt.Mesh.abstract(...)")
-    backend = backend_factory(backend, collective_timeout)
-    traced = isinstance(fn, (Graph, tf.types.experimental.ConcreteFunction))
-    if not traced:
-        if args is None:
-            raise ShardingError(f"gt.lower({fn!r}): give args=(...) (values or "
-                                "tf.TensorSpec) to trace the function on, or pass a "
-                                "ConcreteFunction")
-        return Function(fn, mesh, in_shardings, out_shardings, backend,
-                        windowed_einsum).lower(*args)
-    if args is not None:
-        raise ShardingError("gt.lower: args are for a Python function; a ConcreteFunction "
-                            "or Graph is already traced")
-    check_entries("in_shardings", in_shardings, "argument")
-    name = getattr(fn, "name", None) or "program"
-    name = name.decode() if isinstance(name, bytes) else name
-    return lower_traced(fn, mesh, in_shardings, None, out_shardings, backend, name,
-                        caller="gt.lower", windowed_einsum=threshold_of(windowed_einsum))
-
-
-def lower_traced(traced, mesh, entries, committed, out_shardings, backend_factory, name,
-                 caller="gt.function", windowed_einsum=None):
-    """Import (unless `traced` is already a Graph), propagate and partition: a Lowered.
+def lower_traced(traced, options: LowerOptions, entries: Optional[Sequence] = None,
+                 committed: Optional[Sequence[Optional[Layout]]] = None) -> Lowered:
+    """Import `traced` (a ConcreteFunction, or a Graph already imported), propagate and
+    partition it: a Lowered.
 
     entries: the in_shardings entry of each flat (non-captured) input (None: all None);
     committed: the layout such an input already has (a ShardedTensor's), used where its
     entry is None (None: no input has one). Captured gt.Variables enter in their own
-    layouts. `name` (the function's) is used in errors; the program is called
-    "`caller` 'name'". `windowed_einsum`: the byte threshold of windowed dots, or None.
+    layouts.
     """
     # Lowering allocates several objects per op; with TF's hundreds of thousands of live
     # objects every garbage collection this triggers walks them all, which doubled the
     # time of a large program. Its garbage is freed by reference counting; any cycles
     # wait for the next collection.
     with gc_paused():
-        return _lower_traced(traced, mesh, entries, committed, out_shardings,
-                             backend_factory, name, caller, windowed_einsum)
+        return _lower_traced(traced, options, entries, committed)
 
 
-def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_factory, name,
-                  caller, windowed_einsum):
+def _lower_traced(traced, options, entries, committed):
     """lower_traced with the garbage collector paused."""
+    mesh, name = options.mesh, options.name
     start = time.perf_counter()
     graph = traced if isinstance(traced, Graph) else import_graph(traced)
     imported = time.perf_counter()
@@ -98,7 +63,7 @@ def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_facto
     entries = [None] * count if entries is None else entries
     committed = [None] * count if committed is None else committed
     if len(entries) != count:
-        raise ShardingError(f"{caller} {name!r}: the program has {count} inputs but "
+        raise ShardingError(f"{options.program_name}: the program has {count} inputs but "
                             f"in_shardings has {len(entries)} entries: give one per flat "
                             "input (None to infer)")
     seeds = {}
@@ -113,22 +78,33 @@ def _lower_traced(traced, mesh, entries, committed, out_shardings, backend_facto
             variable = _captured_variable(graph, ref, value)
             seeds[ref] = _variable_layout(mesh, graph, ref, variable, name)
     seed_annotations(mesh, graph, seeds)
-    out_layouts = _seed_outputs(spec_layouts, graph, seeds, out_shardings, name)
-    lowered = lower_seeded(graph, mesh, seeds, out_layouts, count, backend_factory,
-                           f"{caller} {name!r}", windowed_einsum)
-    lowered.committed_args = frozenset(
-        i for i in range(count) if entries[i] is None and committed[i] is not None)
-    lowered.stage_seconds["import"] = imported - start
-    if not isinstance(traced, Graph):
-        lowered.structured_outputs = traced.structured_outputs
-    return lowered
+    out_layouts = _seed_outputs(spec_layouts, graph, seeds, options.out_shardings, name)
+    propagation, program, seconds = _propagate_and_partition(graph, seeds, out_layouts,
+                                                             options)
+    return Lowered(
+        options, graph, propagation, program, num_args=count, annotated=frozenset(seeds),
+        committed_args=frozenset(i for i in range(count)
+                                 if entries[i] is None and committed[i] is not None),
+        structured_outputs=None if isinstance(traced, Graph) else traced.structured_outputs,
+        stage_seconds={"import": imported - start, **seconds})
 
 
-def lower_seeded(graph, mesh, seeds, out_layouts, count, backend_factory, name,
-                 windowed_einsum=None):
-    """Propagate from `seeds` ({Ref: Layout}) and partition imported `graph`: a Lowered
-    named `name` whose first `count` inputs are arguments; `out_layouts` holds a Layout
-    or None (propagation decides) per output; `windowed_einsum` as in lower_traced."""
+def lower_seeded(graph: Graph, seeds: dict, num_args: int, options: LowerOptions,
+                 named_inputs: tuple = ()) -> Lowered:
+    """Propagate from `seeds` ({Ref: Layout}) and partition imported `graph`, its outputs
+    where propagation puts them: a Lowered whose first `num_args` inputs are arguments
+    (`named_inputs` as Lowered has them)."""
+    propagation, program, seconds = _propagate_and_partition(
+        graph, seeds, [None] * len(graph.outputs), options)
+    return Lowered(options, graph, propagation, program, num_args=num_args,
+                   annotated=frozenset(seeds), stage_seconds=seconds,
+                   named_inputs=named_inputs)
+
+
+def _propagate_and_partition(graph, seeds, out_layouts, options):
+    """The propagate and partition stages: (Propagation, SpmdProgram, their seconds).
+    `out_layouts` holds a Layout or None (propagation decides) per output."""
+    mesh, name = options.mesh, options.program_name
     start = time.perf_counter()
     propagation = propagate(graph, mesh, seeds)
     propagated = time.perf_counter()
@@ -137,20 +113,18 @@ def lower_seeded(graph, mesh, seeds, out_layouts, count, backend_factory, name,
     out_layouts = [l or propagation.layout(r) for l, r in zip(out_layouts, graph.outputs)]
     # the backend says which all-reduces are worth combining (an abstract mesh runs none)
     combine_bytes = (None if mesh.is_abstract
-                     else backend_factory(mesh).all_reduce_combine_bytes)
-    program = partition(graph, mesh, propagation, out_layouts, windowed_einsum, combine_bytes)
+                     else options.backend_factory(mesh).all_reduce_combine_bytes)
+    program = partition(graph, mesh, propagation, out_layouts, options.windowed_einsum,
+                        combine_bytes)
+    partitioned = time.perf_counter()
     log.info("gspmd_tf: %s partitioned: %d ops in the SPMD program (%.1f s)", name,
-             len(program.graph.nodes), time.perf_counter() - propagated)
-    lowered = Lowered(mesh, graph, propagation, program, count, set(seeds), backend_factory,
-                      name=name)
-    lowered.stage_seconds.update({"propagate": propagated - start,
-                                  "partition": time.perf_counter() - propagated})
-    return lowered
+             len(program.graph.nodes), partitioned - propagated)
+    return propagation, program, {"propagate": propagated - start,
+                                  "partition": partitioned - propagated}
 
 
 def _spec_layout(mesh, entry, rank, what):
     """An in/out sharding entry as a Layout (None stays None)."""
-    from gspmd_tf.sharding import Sharding
     if entry is None:
         return None
     if isinstance(entry, Sharding):
@@ -179,15 +153,6 @@ class _SpecLayouts:
             return _spec_layout(self.mesh, entry, rank, what())
 
 
-def check_entries(kind, entries, per):
-    """in/out_shardings must be a sequence with one entry per argument / flat output."""
-    if entries is not None and (isinstance(entries, PartitionSpec)
-                                or not isinstance(entries, (tuple, list))):
-        raise ShardingError(
-            f"{kind}={entries!r}: give a tuple with one entry per {per}, e.g. "
-            f"{kind}=(P('data'),) for one")
-
-
 def _variable_layout(mesh, graph, ref, variable, name):
     """The layout captured gt.Variable `variable` enters the program with: its own on
     its own mesh. From another mesh it is read-only (updates would have to reach
@@ -195,7 +160,7 @@ def _variable_layout(mesh, graph, ref, variable, name):
     this mesh, or replicated where this mesh lacks the spec's axes."""
     if variable.mesh == mesh:
         return variable.layout
-    writer = _first_writer(graph, ref)
+    writer = first_writer(graph, ref)
     if writer is not None:
         raise ShardingError(
             f"{name} updates variable {variable.name!r} ({writer.op} "
@@ -209,8 +174,9 @@ def _variable_layout(mesh, graph, ref, variable, name):
         return Layout.replicated(len(variable.shape))
 
 
-def seed_annotations(mesh, graph, seeds):
-    from gspmd_tf.sharding import Sharding
+def seed_annotations(mesh: Mesh, graph: Graph, seeds: dict) -> None:
+    """Add the sharding annotations inside `graph` (XlaSharding ops and attrs) to `seeds`
+    ({Ref: Layout}); a tensor annotated two different ways is a ShardingError."""
     for ref, proto in graph.annotations.items():
         tensor = graph.tensor_name(ref)
         layout = Sharding.from_proto(proto).to_layout(
@@ -251,33 +217,6 @@ def _captured_variable(graph, ref, handle):
             "gt.Variable; create it with gt.Variable(value, mesh=..., spec=...) so that "
             "each device holds its shard" + _KERAS_HINT * ("keras" in sys.modules))
     return variable
-
-
-# ops that only read the variable behind their resource input
-_READ_ONLY = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather",
-                        "ResourceGatherNd"})
-
-
-def _first_writer(graph, ref):
-    """The first node that may update the variable of resource `ref` (anything but a
-    known read, through Identity and control-flow ops whose bodies only read it), or
-    None."""
-    users = graph.consumers()
-    pending = [ref]
-    while pending:
-        ref = pending.pop()
-        for user, pos in users[ref.node]:
-            node = graph.nodes[user]
-            if node.inputs[pos] != ref:
-                continue
-            if node.op == "Identity":
-                pending.append(Ref(user, 0))
-            elif node.regions and reads_only(node, pos):
-                if "While" in node.op:  # the loop hands the handle on as its output pos
-                    pending.append(Ref(user, pos))
-            elif node.op not in _READ_ONLY:
-                return node
-    return None
 
 
 def _mesh_text(mesh):

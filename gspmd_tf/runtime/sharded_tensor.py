@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import tensorflow as tf
 
+from gspmd_tf import cluster
 from gspmd_tf.layout import Layout
+from gspmd_tf.sharding import Sharding
 
 
 def shard_bounds(mesh, layout, shape, device_id):
@@ -63,7 +67,6 @@ def readable_on_every_worker(mesh, layout, shape):
     can assemble the global value from its own devices (always so on one process)."""
     if mesh.is_fully_addressable:
         return True
-    from gspmd_tf import cluster
     tasks = {cluster.task_of(name) for name in mesh.devices}
     return all({cluster.task_of(mesh.devices[d]) for d in devices} == tasks
                for _, devices in distinct_boxes(mesh, layout, shape))
@@ -103,7 +106,6 @@ class ShardedTensor:
     @property
     def sharding(self):
         """The gt.Sharding (XLA HloSharding form) of this tensor."""
-        from gspmd_tf.sharding import Sharding
         return Sharding.from_layout(self.mesh, self.layout)
 
     @property
@@ -166,18 +168,22 @@ class ShardedTensor:
                 f"spec={self.layout.to_spec()!r} on {self.mesh!r}>")
 
 
-_REPLICATE = {}  # mesh -> the gt.function copying a tensor of that mesh to every device
+# How a tensor some workers do not hold is read on every worker: a partitioned identity
+# program with replicated outputs. The program runner (runtime/function.py) sits above
+# this value type and sets it when imported (set_replicator).
+_replicator = None
+
+
+def set_replicator(replicate: Callable[["ShardedTensor"], "ShardedTensor"]) -> None:
+    """Set the function that copies a ShardedTensor to every device of its mesh (a
+    collective program every worker runs)."""
+    global _replicator
+    _replicator = replicate
 
 
 def _replicated(tensor):
-    """`tensor` replicated on every device of its mesh, by a gt.function whose outputs
-    are replicated (its all-gathers run over TF's collectives between the workers)."""
-    mesh = tensor.mesh
-    if mesh not in _REPLICATE:
-        from gspmd_tf.mesh import PartitionSpec
-        from gspmd_tf.runtime.function import function
-        _REPLICATE[mesh] = function(tf.identity, mesh=mesh, out_shardings=(PartitionSpec(),))
-    return _REPLICATE[mesh](tensor)
+    """`tensor` replicated on every device of its mesh (see set_replicator)."""
+    return _replicator(tensor)
 
 
 def _as_numpy(shard):

@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.graph.ir import Graph, Node, Ref
-from gspmd_tf.spmd.dce import compact, has_effect
+from gspmd_tf.graph.dce import compact, has_effect
 from gspmd_tf.spmd.program import attr_value
 
 ALL_REDUCE = "gt.AllReduce"

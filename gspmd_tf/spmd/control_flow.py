@@ -25,14 +25,14 @@ from tensorflow.core.framework import attr_value_pb2
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import REGION_OPS
 from gspmd_tf.layout import Layout
-from gspmd_tf.spmd.program import Local
+from gspmd_tf.spmd.program import UNMOVABLE, Local
 
 
 def partition_control_flow(p, index, operands, targets):
     """Emit control-flow node `index` of partitioner `p` on its operands (Locals);
-    returns its results (Locals) in the layouts its regions produce."""
-    from gspmd_tf.spmd.partitioner import UNMOVABLE, Partitioner  # (it imports us)
-
+    returns its results (Locals) in the layouts its regions produce. Each region is
+    partitioned by `p.region_partitioner` (the partitioner passes itself: this module
+    does not import it)."""
     node = p.graph.nodes[index]
     first = REGION_OPS[node.op][1]
     loop = "While" in node.op
@@ -55,8 +55,8 @@ def partition_control_flow(p, index, operands, targets):
     programs, produced = [], []
     for r, region in enumerate(node.regions):
         outs = [Layout.replicated(0)] if loop and r == 0 else result_layouts
-        sub = Partitioner(region, p.b.mesh, p.propagation.region(index, r), parent=p,
-                          prefix=f"{node.name}/{r}/")
+        sub = p.region_partitioner(region, p.propagation.region(index, r),
+                                   prefix=f"{node.name}/{r}/")
         program, out_layouts = sub.partition_region(layouts, outs)
         programs.append(program)
         if not (loop and r == 0):
@@ -77,7 +77,7 @@ def _local_output_shapes(node, shapes):
         return {}
     listed = list(node.attrs["output_shapes"].list.shape)
     for k, (shape, dtype) in enumerate(zip(shapes, node.out_dtypes)):
-        if dtype not in (tf.resource, tf.variant) and k < len(listed):
+        if dtype not in UNMOVABLE and k < len(listed):
             listed[k] = tf.TensorShape(shape).as_proto()
     return {"output_shapes": attr_value_pb2.AttrValue(
         list=attr_value_pb2.AttrValue.ListValue(shape=listed))}

@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.cost_model import CostModel
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.graph.ir import Ref
+from gspmd_tf.graph.ir import Graph, Ref
 from gspmd_tf.layout import Layout
+from gspmd_tf.mesh import Mesh
+from gspmd_tf.propagation.propagate import Propagation
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.registry import op_def
 from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.combine import combine_all_reduces, threshold_bytes
-from gspmd_tf.spmd.dce import live_nodes
+from gspmd_tf.graph.dce import live_nodes
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.handlers.basic import any_padded, local_shapes
 from gspmd_tf.spmd.control_flow import partition_control_flow
-from gspmd_tf.spmd.program import Local, ProgramBuilder
+from gspmd_tf.spmd.program import UNMOVABLE, Local, ProgramBuilder
 from gspmd_tf.spmd.reshard import reshard
 from gspmd_tf.spmd.windowed_einsum import windowed_dot
 
@@ -37,11 +40,6 @@ log = logging.getLogger("gspmd_tf")
 _NAMES_SHOWN = 10  # op names a grouped replicated-op warning lists
 _LOST_SHOWN = 3  # ops of one type whose gathered splits that warning spells out
 PROGRESS_EVERY = 10_000  # ops between two progress lines (log level INFO)
-# Handles whose shards cannot be resharded: a variable's (each device's points to its
-# shard) and a TensorList's (each device's holds its shards of the elements). They keep
-# the layout they have; the ops using them adapt their other operands.
-# (A set: DType hashes by its enum, so `in` is a C look-up, not DType.__eq__ per item.)
-UNMOVABLE = frozenset({tf.resource, tf.variant})
 
 
 @dataclass
@@ -53,12 +51,12 @@ class SpmdProgram:
     other layouts than propagation's (e.g. partial sums) to those layouts (the annotated
     global graph for XLA carries both, see runtime/annotated.py)."""
 
-    graph: object
-    input_layouts: list
-    output_layouts: list
-    replicated_ops: list
-    operand_layouts: dict = field(default_factory=dict)
-    result_layouts: dict = field(default_factory=dict)
+    graph: Graph
+    input_layouts: list[Layout]
+    output_layouts: list[Layout]
+    replicated_ops: list[str]
+    operand_layouts: dict[int, list[Layout]] = field(default_factory=dict)
+    result_layouts: dict[int, list[Layout]] = field(default_factory=dict)
 
 
 class OpContext:
@@ -277,9 +275,11 @@ def _keep_sub_factors_exact(mesh, rule, chosen):
 class Partitioner:
     """Builds the SPMD program of an imported graph from its propagated layouts."""
 
-    def __init__(self, graph, mesh, propagation, parent=None, prefix="",
-                 windowed_einsum=None, combine_bytes=None,
-                 cost_model: CostModel | None = None):
+    def __init__(self, graph: Graph, mesh: Mesh, propagation: Propagation,
+                 parent: Optional[Partitioner] = None, prefix: str = "",
+                 windowed_einsum: Optional[int] = None,
+                 combine_bytes: Optional[Callable[[bool], int]] = None,
+                 cost_model: Optional[CostModel] = None):
         """`windowed_einsum`: the byte threshold of windowed dots (see
         spmd/windowed_einsum.py), None for none; `combine_bytes(in_region)`: the
         all-reduce combiner's threshold the backend asks for (Backend.
@@ -304,6 +304,11 @@ class Partitioner:
         self.result_layouts = {}
         self.windowed_einsum = parent.windowed_einsum if parent else windowed_einsum
         self.combine_bytes = parent.combine_bytes if parent else combine_bytes
+
+    def region_partitioner(self, region: Graph, propagation, prefix: str) -> Partitioner:
+        """A partitioner of one region (a control-flow body) of this graph, sharing this
+        one's memos and settings; spmd/control_flow.py partitions each region with one."""
+        return Partitioner(region, self.b.mesh, propagation, parent=self, prefix=prefix)
 
     def decide(self, rule, inputs, targets, node):
         """The Decision for an op with `rule`, operands `inputs` (Locals) and result
@@ -373,7 +378,7 @@ class Partitioner:
         (a windowed dot's loop gathers its operand on the way), for later reshards."""
         self._resharded.setdefault((local, layout), result)
 
-    def run(self, output_layouts):
+    def run(self, output_layouts: Sequence[Layout]) -> SpmdProgram:
         """Partition every node; outputs resharded to `output_layouts`."""
         outputs = self._partition(output_layouts)
         self._warn_replicated()
@@ -383,7 +388,8 @@ class Partitioner:
                            [o.layout for o in outputs], self.replicated_ops,
                            self.operand_layouts, self.result_layouts)
 
-    def partition_region(self, input_layouts, output_layouts):
+    def partition_region(self, input_layouts: Sequence[Layout],
+                         output_layouts: Sequence[Layout]) -> tuple[Graph, list[Layout]]:
         """The SPMD program (a Graph) of a region and its results' layouts: its
         parameters come in `input_layouts` (gt.Input nodes, in order), its results leave
         in `output_layouts` (a None entry: in the layout the result has)."""
@@ -581,8 +587,10 @@ class Partitioner:
                 for ref, shape, dtype in zip(refs, node.out_shapes, node.out_dtypes)]
 
 
-def partition(graph, mesh, propagation, output_layouts, windowed_einsum=None,
-              combine_bytes=None, cost_model: CostModel | None = None):
+def partition(graph: Graph, mesh: Mesh, propagation: Propagation,
+              output_layouts: Sequence[Layout], windowed_einsum: Optional[int] = None,
+              combine_bytes: Optional[Callable[[bool], int]] = None,
+              cost_model: Optional[CostModel] = None) -> SpmdProgram:
     """The SPMD program of `graph` (see Partitioner; `windowed_einsum`: a byte
     threshold, or None; `combine_bytes`: the backend's all_reduce_combine_bytes, or
     None; `cost_model`: the backend's CostModel, or None for CostModel.for_mesh)."""

@@ -11,42 +11,22 @@ from collections import namedtuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
 
 from gspmd_tf.cost_model import CostModel
-from gspmd_tf.graph.ir import Graph, Node, Ref
+from gspmd_tf.graph.ir import Graph, Node, Ref, attr_value
 
 Local = namedtuple("Local", "ref layout shape dtype")
 Local.__doc__ = """A tensor of the SPMD program: `ref` holds this device's shard of a global
 tensor of `shape` and `dtype` laid out by `layout`."""
 
+# Handles whose shards cannot be resharded: a variable's (each device's points to its
+# shard) and a TensorList's (each device's holds its shards of the elements). They keep
+# the layout they have; the ops using them adapt their other operands.
+# (A set: DType hashes by its enum, so `in` is a C look-up, not DType.__eq__ per item.)
+UNMOVABLE = frozenset({tf.resource, tf.variant})
+
 COLLECTIVES = ("gt.AllReduce", "gt.AllGather", "gt.ReduceScatter", "gt.AllToAll",
                "gt.Permute")
-
-
-def attr_value(value):
-    """A python value as an AttrValue proto."""
-    if isinstance(value, attr_value_pb2.AttrValue):
-        return value
-    if isinstance(value, tf.DType):
-        return attr_value_pb2.AttrValue(type=value.as_datatype_enum)
-    if isinstance(value, bool):
-        return attr_value_pb2.AttrValue(b=value)
-    if isinstance(value, (int, np.integer)):
-        return attr_value_pb2.AttrValue(i=int(value))
-    if isinstance(value, float):
-        return attr_value_pb2.AttrValue(f=value)
-    if isinstance(value, str):
-        return attr_value_pb2.AttrValue(s=value.encode())
-    if isinstance(value, np.ndarray):
-        return attr_value_pb2.AttrValue(tensor=tf.make_tensor_proto(value))
-    if isinstance(value, (list, tuple)):
-        if all(isinstance(v, tf.DType) for v in value) and value:
-            return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
-                type=[v.as_datatype_enum for v in value]))
-        return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
-            i=[int(v) for v in value]))
-    raise TypeError(f"no AttrValue for {value!r}")
 
 
 def _all_empty(op, shapes, dtypes):

@@ -184,7 +184,7 @@ def mean(ctx, operands, layouts):
     return [Local(ref, whole, ctx.node.out_shapes[0], dtype)]
 
 
-HALF_TYPES = frozenset({tf.float16, tf.bfloat16})  # a set: see partitioner.UNMOVABLE
+HALF_TYPES = frozenset({tf.float16, tf.bfloat16})  # a set: see program.UNMOVABLE
 
 
 def reduced_in(ctx, operands, layouts, wide):

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from gspmd_tf.propagation import rules_families
+from gspmd_tf.propagation.rules import batched
 from gspmd_tf.registry import declare, op_family
 from gspmd_tf.spmd.handlers.basic import replay
 from gspmd_tf.spmd.local_ops import mask_padding
 
-declare("Qr", rules_families.matrices, replay=True)
+declare("Qr", batched.matrices, replay=True)
 
 
-@op_family("Cholesky", rules_families.matrices)
+@op_family("Cholesky", batched.matrices)
 def cholesky(ctx, operands, layouts):
     """Cholesky: padded matrices of split batch dims replaced by the identity."""
     x = operands[0]

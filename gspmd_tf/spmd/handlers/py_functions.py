@@ -17,7 +17,7 @@ import weakref
 import numpy as np
 from tensorflow.python.ops import script_ops
 
-from gspmd_tf.propagation import rules_families
+from gspmd_tf.propagation.rules import batched
 from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import replay
 
@@ -66,7 +66,7 @@ _OURS = weakref.WeakKeyDictionary()
 _OURS_FOR_GOOD = {}
 
 
-@op_family(["EagerPyFunc", "PyFunc"], rules_families.all_whole)
+@op_family(["EagerPyFunc", "PyFunc"], batched.all_whole)
 def once_per_call(ctx, operands, layouts):
     """Replay with the token of a once-per-call entry (alive as long as the program)."""
     token = ctx.node.attr("token")

@@ -10,7 +10,8 @@ linalg.py, py_functions.py).
 
 from __future__ import annotations
 
-from gspmd_tf.propagation import rules, rules_families
+from gspmd_tf.propagation import rules
+from gspmd_tf.propagation.rules import batched
 from gspmd_tf.registry import FOLD_SHAPE, FOLD_VALUES, declare
 
 UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
@@ -51,15 +52,15 @@ declare("Bitcast", rules.bitcast, replay=True)  # the changed minor dim stays wh
 declare("BiasAddGrad", rules.bias_add_grad, replay=True)
 declare({"Max": "max", "Min": "min", "All": "min",
          "Any": "max"}, rules.reduction, replay=True)
-declare("L2Loss", rules_families.sum_of_everything, replay=True)  # sum(x ** 2) / 2
+declare("L2Loss", batched.sum_of_everything, replay=True)  # sum(x ** 2) / 2
 
 # data movement whose moved dims stay whole: the local op moves the local block
 declare("Transpose", rules.transpose, replay=True)
 declare("ExpandDims", rules.squeeze_or_expand, replay=True)  # inserts a size-1 dim by index
 declare("ConcatV2", rules.concat, replay=True)
-declare("Concat", rules_families.concat_v1, replay=True)
+declare("Concat", batched.concat_v1, replay=True)
 # a slice updated in place: the dims it takes whole pass (each device updates its block)
-declare("TensorStridedSliceUpdate", rules_families.strided_slice_update, replay=True)
+declare("TensorStridedSliceUpdate", batched.strided_slice_update, replay=True)
 declare("IdentityN", rules.identity_n, replay=True)
 declare({"Split": (1, 0), "SplitV": (0, 2)}, rules.split, replay=True)  # (value, axis)
 declare("Pack", rules.pack, replay=True)
@@ -69,22 +70,22 @@ declare("Unpack", rules.unpack, replay=True)
 # block of the other (batch) dims
 declare({"MatrixBandPart": 2, "TopKV2": 1}, rules.last_dims_whole, replay=True)
 declare(["Cumsum", "Cumprod"], rules.cumulative, replay=True)
-declare("InTopKV2", rules_families.in_top_k, replay=True, safe_padding={1: 0})  # targets
+declare("InTopKV2", batched.in_top_k, replay=True, safe_padding={1: 0})  # targets
 # transforms over the last 1-3 dims; image ops mixing height and width, or channels;
 # pooling's second derivative (its windows whole)
 declare({op + suffix: int(suffix[:1] or 1) for op in ("FFT", "IFFT", "RFFT", "IRFFT")
-         for suffix in ("", "2D", "3D")}, rules_families.transform, replay=True)
+         for suffix in ("", "2D", "3D")}, batched.transform, replay=True)
 declare(["ResizeBilinear", "ResizeNearestNeighbor", "ResizeNearestNeighborGrad",
-         "ResizeBicubic", "AdjustContrastv2"], rules_families.images_spatial_whole,
+         "ResizeBicubic", "AdjustContrastv2"], batched.images_spatial_whole,
         replay=True)
-declare({"ResizeBilinearGrad": ((0, 1),)}, rules_families.images_spatial_whole, replay=True)
-declare(["AdjustSaturation", "AdjustHue"], rules_families.channels_whole, replay=True)
-declare(["MaxPoolGradGrad", "MaxPool3DGradGrad"], rules_families.pool_grad_grad,
+declare({"ResizeBilinearGrad": ((0, 1),)}, batched.images_spatial_whole, replay=True)
+declare(["AdjustSaturation", "AdjustHue"], batched.channels_whole, replay=True)
+declare(["MaxPoolGradGrad", "MaxPool3DGradGrad"], batched.pool_grad_grad,
         replay=True)
 # ops that need every input whole: a rule keeps their inputs' producers from being split
 # for nothing, and the op is not reported as lacking one
 declare(["StringFormat", "InvertPermutation", "DiagPart", "RngReadAndSkip"],
-        rules_families.all_whole, replay=True)
+        batched.all_whole, replay=True)
 # updates that overwrite: every device applies all of them (index batch dims whole) to
 # its block of the trailing dims
 declare({"TensorScatterUpdate": (1, rules.REPLICATE)}, rules.scatter_nd, replay=True)

@@ -2,7 +2,7 @@
 change.
 
 Such a dim is a window of one element (stride s, low padding -first element read for a
-slice, the pad amount for a pad: rules._sliced_factors), so the method is that of the
+slice, the pad amount for a pad: rules/slices.py), so the method is that of the
 convolutions' spatial dims (windows.py; XLA pads and slices a split dim the same way): the
 result keeps the dim split over the same axes in blocks of W = ceil(out / k), and shard
 i's block reads the operand elements [i*W*s - pad_lo, ...) with stride s; the parts of

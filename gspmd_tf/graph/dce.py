@@ -1,6 +1,8 @@
-"""Dead-code elimination of an SPMD program.
+"""Dead-code elimination of a graph in topological order: which nodes its outputs or side
+effects need (live_nodes), and the graph of those (eliminate_dead_code, compact).
 
-The partitioner emits what each op needs and reshards results to their propagated
+The graph clean-ups use it (sparse_rows.py); so does the partitioner, on the SPMD
+program: the partitioner emits what each op needs and reshards results to their propagated
 layouts, so some emitted nodes are never read: a reshard to a layout no consumer takes, a
 handler's operand resharded again. TF would keep the dead collectives among them (they are
 stateful) and run them on every device. Since the program is the same on every device, a

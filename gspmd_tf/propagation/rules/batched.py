@@ -15,8 +15,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from gspmd_tf.propagation.rules import (REDUCE, OpRule, RuleContext, _passing, _whole,
-                                        per_dim, strided_slice_params)
+from gspmd_tf.graph.strided_slice import slice_masks
+from gspmd_tf.propagation.oprule import (REDUCE, OpRule, RuleContext, passing_dims, per_dim,
+                                         whole_dims)
 
 
 def core_dims_whole(ctx: RuleContext, core: Callable[[int], Sequence[int]],
@@ -32,11 +33,11 @@ def core_dims_whole(ctx: RuleContext, core: Callable[[int], Sequence[int]],
     if any(len(shape) != len(out) for shape in shapes):
         return None
     rule = OpRule()
-    batch = _passing(rule, tuple(1 if d in mixed else n for d, n in enumerate(out)))
+    batch = passing_dims(rule, tuple(1 if d in mixed else n for d, n in enumerate(out)))
 
     def dims(shape):
-        return tuple(_whole(rule, n) if d in mixed else
-                     batch[d] if n == out[d] else _whole(rule, n)
+        return tuple(whole_dims(rule, n) if d in mixed else
+                     batch[d] if n == out[d] else whole_dims(rule, n)
                      for d, n in enumerate(shape))
     rule.operands = [dims(ctx.in_shapes[i]) if i in data_inputs else None
                      for i in range(len(ctx.in_shapes))]
@@ -107,8 +108,8 @@ def in_top_k(ctx: RuleContext) -> Optional[OpRule]:
     C stay whole."""
     b, c = ctx.in_shapes[0]
     rule = OpRule()
-    batch = _passing(rule, (b,))
-    rule.operands = [batch + (_whole(rule, c),), batch, None]
+    batch = passing_dims(rule, (b,))
+    rule.operands = [batch + (whole_dims(rule, c),), batch, None]
     rule.results = [batch]
     return rule
 
@@ -131,7 +132,7 @@ def all_whole(ctx: RuleContext) -> OpRule:
     rule = OpRule()
 
     def whole(shape):
-        return tuple(_whole(rule, n) for n in shape)
+        return tuple(whole_dims(rule, n) for n in shape)
     rule.operands = [whole(shape) for shape in ctx.in_shapes]
     rule.results = [whole(shape) for shape in ctx.out_shapes]
     return rule
@@ -145,7 +146,7 @@ def strided_slice_update(ctx: RuleContext) -> Optional[OpRule]:
     strides = ctx.const(3)
     if strides is None:
         return None
-    params = strided_slice_params(ctx.node, len(x), ctx.in_shapes[1][0])
+    params = slice_masks(ctx.node, len(x), ctx.in_shapes[1][0])
     strides = np.atleast_1d(strides)
     rule = OpRule()
     dims_x, dims_value = [], [()] * len(value)
@@ -154,11 +155,11 @@ def strided_slice_update(ctx: RuleContext) -> Optional[OpRule]:
         j = at.get(d)
         stride = 1 if params.spec[d] is None else int(strides[params.spec[d]])
         if j is not None and j < len(value) and value[j] == n and stride == 1:
-            dims_x.append(_passing(rule, (n,))[0])
+            dims_x.append(passing_dims(rule, (n,))[0])
             dims_value[j] = dims_x[d]
         else:
-            dims_x.append(_whole(rule, n))
-    dims_value = tuple(dims or _whole(rule, n) for dims, n in zip(dims_value, value))
+            dims_x.append(whole_dims(rule, n))
+    dims_value = tuple(dims or whole_dims(rule, n) for dims, n in zip(dims_value, value))
     rule.operands = [tuple(dims_x), None, None, None, dims_value]
     rule.results = [tuple(dims_x)]
     return rule
