@@ -25,7 +25,8 @@ import logging
 
 import tensorflow as tf
 
-from gspmd_tf.backends import base, segments
+from gspmd_tf import registry
+from gspmd_tf.backends import base
 from gspmd_tf.backends.local import LocalBackend
 from gspmd_tf.backends.xla import XlaBackend
 
@@ -50,16 +51,16 @@ def choose(mesh, program):
     if kinds != {"CPU"}:
         return XlaBackend, f"the mesh's {'/'.join(sorted(kinds - {'CPU'}))} devices run " \
                            "XLA-compiled segments"
-    dots = segments.dot_multiply_adds(program)
-    convolutions = [i for i, count in dots.items()
-                    if count >= CONVOLUTION and segments.is_convolution(program.nodes[i])]
+    counts = _multiply_adds_with_bodies(program)
+    convolutions = [node for node, count in counts if count >= CONVOLUTION and
+                    registry.has_trait(node.op, registry.CONVOLUTION)]
     if convolutions:
-        node = program.nodes[convolutions[0]]
+        node = convolutions[0]
         return LocalBackend, (
             f"{len(convolutions)} convolutions of {CONVOLUTION:,} multiply-adds per device "
             f"or more (e.g. {node.name}, {node.op}) run faster on TF's CPU kernels than "
             "under XLA:CPU")
-    per_op = sum(dots.values()) / max(len(program.nodes), 1)
+    per_op = sum(count for _, count in counts) / max(len(counts), 1)
     if per_op >= DOT_PER_OP:
         return LocalBackend, (
             f"its dots do {per_op:,.0f} multiply-adds per op of the program (from "
@@ -67,6 +68,18 @@ def choose(mesh, program):
     return XlaBackend, (
         f"its dots do {per_op:,.0f} multiply-adds per op of the program, fewer than "
         f"{DOT_PER_OP:,}: compiled segments save more dispatch than XLA:CPU's dots cost")
+
+
+def _multiply_adds_with_bodies(program):
+    """[(node, multiply-adds)] of every node of `program` and of its control-flow bodies
+    (a loop body counted once: its trip count is not known here)."""
+    counts = []
+    for node in program.nodes:
+        in_shapes = [program.shape(ref) for ref in node.inputs]
+        counts.append((node, registry.multiply_adds(node, in_shapes)))
+        for region in node.regions:
+            counts += _multiply_adds_with_bodies(region)
+    return counts
 
 
 class AutoBackend(base.Backend):

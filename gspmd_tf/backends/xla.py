@@ -36,6 +36,7 @@ from tensorflow.python.framework import ops
 
 from gspmd_tf.backends import local, segments
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.registry import ASSIGNS_VARIABLE, READS_VARIABLE, has_trait
 from gspmd_tf.graph.ir import Ref
 
 log = logging.getLogger("gspmd_tf")
@@ -141,7 +142,7 @@ class _Plan:
                 continue
             why = segments.why_not_compiled(program, program.nodes[i])
             if why and not program.nodes[i].op.startswith("gt.") and \
-                    program.nodes[i].op not in _EXPECTED:
+                    not _expected(program.nodes[i].op):
                 reasons.setdefault((program.nodes[i].op, why), None)
         if reasons:
             log.log(fallback_level, "gspmd_tf: the XLA backend runs these ops of %s op by op: "
@@ -150,7 +151,11 @@ class _Plan:
 
 # Ops that run op by op by design (variable reads; writes reaching their variable
 # through a resource Identity, see segments.why_not_compiled): no warning for them.
-_EXPECTED = segments.VARIABLE_WRITES + ("ReadVariableOp", "Identity", "NoOp", "Const")
+def _expected(op_type):
+    """Whether ops of `op_type` run op by op by design (no warning for them): variable
+    reads and writes, handles passed on, no-ops and constants."""
+    return has_trait(op_type, ASSIGNS_VARIABLE) or has_trait(op_type, READS_VARIABLE) or \
+        op_type in ("Identity", "NoOp", "Const")
 
 
 def _segment_function(program, segment, device, device_type):
@@ -240,7 +245,7 @@ def _variable(program, segment, ref):
         return None
     for i in segment.nodes:
         node = program.nodes[i]
-        if node.op in segments.VARIABLE_WRITES and node.inputs[0] == ref:
+        if has_trait(node.op, ASSIGNS_VARIABLE) and node.inputs[0] == ref:
             return program.shape(ref), tf.dtypes.as_dtype(node.attrs["dtype"].type)
     raise AssertionError(f"segment argument {ref} is a resource no variable write takes")
 

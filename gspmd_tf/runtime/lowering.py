@@ -20,6 +20,7 @@ from gspmd_tf.graph.ir import Graph, Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.propagation.propagate import propagate
+from gspmd_tf.registry import READS_VARIABLE, has_trait
 from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.partitioner import partition
@@ -253,11 +254,6 @@ def _captured_variable(graph, ref, handle):
     return variable
 
 
-# ops that only read the variable behind their resource input
-_READ_ONLY = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather",
-                        "ResourceGatherNd"})
-
-
 def _first_writer(graph, ref):
     """The first node that may update the variable of resource `ref` (anything but a
     known read, through Identity and control-flow ops whose bodies only read it), or
@@ -275,7 +271,7 @@ def _first_writer(graph, ref):
             elif node.regions and reads_only(node, pos):
                 if "While" in node.op:  # the loop hands the handle on as its output pos
                     pending.append(Ref(user, pos))
-            elif node.op not in _READ_ONLY:
+            elif not has_trait(node.op, READS_VARIABLE):
                 return node
     return None
 

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
-from gspmd_tf.registry import declare, op_family
+from gspmd_tf.registry import NAN_ORDER, declare, on_floats, op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, replay
 from gspmd_tf.spmd.local_ops import (binary, cast, global_index, identity_of, mask_padding,
                                      reduce_last, select, shard_offset, unary)
@@ -109,7 +109,7 @@ def cross_entropy(ctx, operands, layouts):
             b.op("Identity", [backprop], shapes[1], dtype, T=dtype)]
 
 
-@op_family(["ArgMax", "ArgMin"], rules.arg_reduction)
+@op_family(["ArgMax", "ArgMin"], rules.arg_reduction, xla_numerics=on_floats(NAN_ORDER))
 def arg_reduce(ctx, operands, layouts):
     """ArgMax/ArgMin over a split dim, as TF's kernel on one device: the first index of
     the best value, NaN never a candidate, nor a value no better than the kernel's start
