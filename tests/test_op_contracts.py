@@ -6,7 +6,6 @@ runs on TF's kernel under the XLA backend, so its values equal single-device TF.
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.ops import gen_nn_ops
 
 import gspmd_tf as gt
 from gspmd_tf import registry
@@ -14,7 +13,7 @@ from gspmd_tf.backends import ordering, replicas, schedule, segments
 from gspmd_tf.backends.xla import XlaBackend
 from gspmd_tf.graph.ir import Graph, Node, Ref
 from gspmd_tf.spmd import dce
-from util import assert_close, randn, single_device
+from util import assert_close, explicitly_padded_input_gradient, single_device
 
 P = gt.P
 
@@ -81,7 +80,8 @@ def test_multiply_adds_of_an_einsum_with_an_ellipsis():
 @pytest.mark.parametrize("op,dtype,differs", [
     ("Maximum", tf.float32, True), ("Maximum", tf.int32, False), ("EluGrad", tf.float32, True),
     ("FloorDiv", tf.int32, True), ("FloorDiv", tf.float32, False), ("AddV2", tf.float32, False),
-    ("StatelessRandomUniformV2", tf.float32, True), ("SomeRandomOpNobodyDeclared", tf.float32, True),
+    ("StatelessRandomUniformV2", tf.float32, True),
+    ("SomeRandomOpNobodyDeclared", tf.float32, True),
 ])
 def test_numerics_that_differ_under_xla(op, dtype, differs):
     _, node = _program_of(op, dtype=dtype)
@@ -94,12 +94,7 @@ def test_explicitly_padded_conv_input_gradient_on_the_xla_backend(rng):
     TF's kernel, and the value equals single-device TF."""
     mesh = gt.Mesh.create((2,), ("x",))
 
-    def input_gradient(kernel, dy):
-        return gen_nn_ops.conv2d_backprop_input(
-            [2, 5, 5, 2], kernel, dy, strides=[1, 1, 1, 1], padding="EXPLICIT",
-            explicit_paddings=[0, 0, 3, 0, 3, 0, 0, 0])
-
-    args = [randn(rng, 2, 2, 2, 3), randn(rng, 2, 7, 7, 3)]
+    input_gradient, args = explicitly_padded_input_gradient(rng)
     want = single_device(input_gradient, args)[0]
     f = gt.function(input_gradient, mesh=mesh, in_shardings=(None, None),
                     backend=lambda m: XlaBackend(m))

@@ -1,5 +1,14 @@
-"""AutoBackend, the default backend: per program, the XLA backend where it applies, else
-the local backend.
+"""AutoBackend (backend="auto", opt-in): per program, the XLA backend where it applies by
+a multiply-add heuristic, else the local backend; and the default backend, chosen by
+platform (for_platform).
+
+The default (for_platform), as JAX chooses by platform: the XLA backend on accelerator
+meshes of this process, the local backend (every op on TF's kernels) on CPU meshes and
+on meshes spanning several workers. It never changes numerics behind the user's back:
+on CPUs the values are TF's kernels'; the XLA backend runs every op whose XLA values
+differ from TF's (registry.xla_numerics_differ) on TF's kernels.
+
+AutoBackend's heuristic, for users who opt in:
 
 Where it applies, measured on this project's workloads (benchmarks/RESULTS.md §14.9,
 §14.11):
@@ -15,15 +24,16 @@ Where it applies, measured on this project's workloads (benchmarks/RESULTS.md §
   4.4e5 to 2.9e7, 1.4-2.1x slower under XLA; a Transformer LM's forward and training
   steps: 6.7e4 to 2.1e5, 1.0-1.7x faster).
 
-The choice is logged (logger "gspmd_tf", INFO) with its reason; `choose` gives it
-without compiling. backend="local" or "xla" (or GSPMD_TF_BACKEND) fixes the backend.
+Multiply-adds are counted from the op contracts (registry.multiply_adds), loop bodies
+included (once each). The choice is logged (logger "gspmd_tf", INFO) with its reason;
+`choose` gives it without compiling. Either choice keeps TF's values where XLA's kernels
+differ (the XLA backend runs those ops op by op), so choosing XLA changes rounding only.
+backend="local" or "xla" (or GSPMD_TF_BACKEND) fixes the backend.
 """
 
 from __future__ import annotations
 
 import logging
-
-import tensorflow as tf
 
 from gspmd_tf import registry
 from gspmd_tf.backends import base
@@ -46,8 +56,7 @@ def choose(mesh, program):
     if not mesh.is_fully_addressable:
         return LocalBackend, "the mesh spans several workers (the XLA backend runs meshes " \
                              "of one process)"
-    kinds = {(tf.DeviceSpec.from_string(name).device_type or "CPU").upper()
-             for name in mesh.devices}
+    kinds = base.mesh_device_kinds(mesh)
     if kinds != {"CPU"}:
         return XlaBackend, f"the mesh's {'/'.join(sorted(kinds - {'CPU'}))} devices run " \
                            "XLA-compiled segments"
@@ -82,19 +91,30 @@ def _multiply_adds_with_bodies(program):
     return counts
 
 
+def for_platform(mesh, collective_timeout=None):
+    """The default backend of `mesh` (module docstring): an XlaBackend on a mesh of this
+    process's accelerators, else a LocalBackend. `collective_timeout` as for both."""
+    if mesh.is_fully_addressable and base.mesh_device_kinds(mesh) != {"CPU"}:
+        return XlaBackend(mesh, collective_timeout)
+    return LocalBackend(mesh, collective_timeout)
+
+
 class AutoBackend(base.Backend):
-    """The default backend: compiles each program with XlaBackend or LocalBackend, as
-    `choose` says (module docstring). `collective_timeout` as for LocalBackend."""
+    """Compiles each program with XlaBackend or LocalBackend, as `choose` says (module
+    docstring). `collective_timeout` as for LocalBackend."""
 
     def __init__(self, mesh, collective_timeout=None):
         super().__init__(mesh)
         self.collective_timeout = collective_timeout
 
-    def all_reduce_combine_bytes(self, in_region):
-        """As both backends it picks from answer (they share the local backend's
-        collectives): the partitioner asks before the program exists to choose by."""
-        return LocalBackend(self.mesh, self.collective_timeout).all_reduce_combine_bytes(
-            in_region)
+    @property
+    def capabilities(self):
+        """Both backends' collectives (copies among this process's CPU devices); segments
+        compiled, and XLA's rounding, where it picks the XLA backend."""
+        return base.Capabilities(
+            copy_collectives=True, several_workers=True, compiles_segments=True,
+            device_kinds=frozenset(base.mesh_device_kinds(self.mesh)),
+            native_reduce_scatter=False, semantics="xla")
 
     def compile(self, program, name=None):
         """The chosen backend's compile(program, name)."""

@@ -37,11 +37,6 @@ import tensorflow as tf
 from gspmd_tf.backends import base
 from gspmd_tf.registry import is_stateful, multiply_adds
 
-# the nodes that run collectives (gt.Permute across workers runs pair all-gathers)
-COLLECTIVE_OPS = (base.ALL_REDUCE, base.ALL_GATHER, base.REDUCE_SCATTER, base.ALL_TO_ALL,
-                  base.PERMUTE)
-
-
 def program_order(program):
     """The nodes' indices as the program lists them."""
     return range(len(program.nodes))
@@ -82,7 +77,7 @@ def ready_order(program):
 def _chained(program, node):
     """Whether tf.function orders `node` by creation among other nodes: a stateful TF
     op, a control-flow op, or one with a resource input or output."""
-    if node.op in COLLECTIVE_OPS:
+    if node.op in base.COLLECTIVES:  # gt.Permute across workers: pair all-gathers
         return False  # chained by its token: the order being chosen
     if node.regions or tf.resource in node.out_dtypes or \
             any(program.dtype(ref) == tf.resource for ref in node.inputs):

@@ -44,8 +44,9 @@ class Segment:
                f"{len(self.outputs)} out>"
 
 
-# Variable writes (registry trait ASSIGNS_VARIABLE), which XLA compiles with the arithmetic computing their values: the
-# variable is an argument of the (update) segment. Reads stay op by op: a
+# Variable writes (registry trait ASSIGNS_VARIABLE), which XLA compiles with the
+# arithmetic computing their values: the variable is an argument of the (update)
+# segment. Reads stay op by op: a
 # ReadVariableOp hands out the variable's buffer without a copy, where a compiled read
 # would copy it, and it would tie the segment reading it to the variable's device
 # (xla.py). Other ops on resources (TensorArrays, hash tables, stateful random

@@ -143,8 +143,7 @@ def windowed_forward(ctx, operands, layouts):
         window, cut = _one_window_unstrided(ctx, geo, refs[0], attrs, layouts)
         if cut is attrs:  # no dim cut: the op keeps its own attrs
             return replay(ctx, operands, layouts, refs=refs)
-        refs, cut = _depthwise_padding_as_pad(ctx, [window] + refs[1:], cut)
-        return replay(ctx, operands, layouts, attrs=cut, refs=refs)
+        return replay(ctx, operands, layouts, attrs=cut, refs=[window] + refs[1:])
     b = ctx.b
     x, plans = prepare_input(ctx, operands, 0, geo, lambda s: y_layout.dims[s.y_dim])
     plans, attrs = _local_padding(params.explicit_padding, plans)
@@ -154,26 +153,10 @@ def windowed_forward(ctx, operands, layouts):
     window = mask_edges(b, extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim),
                         plans, fill)
     window, attrs = _one_window_unstrided(ctx, geo, window, attrs, layouts)
-    refs, attrs = _depthwise_padding_as_pad(ctx, [window] + refs[1:], attrs)
-    out = replay(ctx, operands, layouts, attrs=attrs, refs=refs)
+    out = replay(ctx, operands, layouts, attrs=attrs, refs=[window] + refs[1:])
     if params.pooling == "avg":
         out = [_avg_counts(ctx, out[0], plans)]
     return out
-
-
-def _depthwise_padding_as_pad(ctx, refs, attrs):
-    """(refs, attrs) of the local op with a DepthwiseConv2dNative's explicit padding
-    moved into a PadV2 of its input (the op then runs VALID): TF's graph optimizer
-    aborts the process on a DepthwiseConv2dNative with EXPLICIT padding that feeds a
-    BiasAdd, single-device tf.function too (fuzzer seed 22 #2960, #9704: input
-    (2, 1, 4, 3), filter (1, 2, 3, 2), strides [1, 3, 3, 1], paddings [[0, 0], [0, 0],
-    [0, 1], [0, 0]]: "Check failed: index >= 0 && index < num_total_dims")."""
-    if ctx.node.op != "DepthwiseConv2dNative" or attrs.get("padding") != "EXPLICIT":
-        return refs, attrs
-    pads = attrs["explicit_paddings"]
-    amounts = {d: (pads[2 * d], pads[2 * d + 1]) for d in range(len(pads) // 2)}
-    return ([pad_dims(ctx.b, refs[0], amounts)] + list(refs[1:]),
-            dict(attrs, padding="VALID", explicit_paddings=[]))
 
 
 def _one_window_unstrided(ctx, geo, ref, attrs, layouts):
