@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from tensorflow.python.framework import op_def_registry
 
@@ -255,7 +255,7 @@ def ops_with_rules():
 
 # ------------------------------------------------------------- what backends ask of ops
 
-def is_stateful(op_type):
+def is_stateful(op_type: str) -> bool:
     """Whether ops of `op_type` have effects beyond their outputs, so that they must run
     even when nothing reads them, and in program order: the entry's `stateful` when
     declared, else TF's op registry; an op TF does not register counts as stateful
@@ -275,7 +275,7 @@ def _tf_stateful(op_type):
     return tf_op is None or tf_op.is_stateful
 
 
-def multiply_adds(node, in_shapes):
+def multiply_adds(node, in_shapes: Sequence) -> int:
     """The multiply-adds `node` does (its entry's cost function on its input shapes),
     0 for an op without one (elementwise, data movement) or with an unknown shape."""
     cost = op_def(node.op).multiply_adds
@@ -296,7 +296,7 @@ NAN_ORDER = "XLA orders NaN against numbers otherwise than TF's kernel"
 INTEGER_DIVISION = "XLA divides integers by zero otherwise than TF's kernel"
 
 
-def xla_numerics_differ(node, operand_dtype):
+def xla_numerics_differ(node, operand_dtype) -> Optional[str]:
     """Why XLA computes other values than TF's kernel for `node` (its first operand of
     dtype `operand_dtype`, None without operands), or None: the entry's xla_numerics,
     and for an op no entry speaks for, a random op's other numbers."""
@@ -327,6 +327,6 @@ def always(reason):
     return lambda node, operand_dtype: reason
 
 
-def has_trait(op_type, trait):
+def has_trait(op_type: str, trait: str) -> bool:
     """Whether the entry of `op_type` declares `trait` (one of TRAITS)."""
     return trait in op_def(op_type).traits

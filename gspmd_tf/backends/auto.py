@@ -34,11 +34,13 @@ backend="local" or "xla" (or GSPMD_TF_BACKEND) fixes the backend.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from gspmd_tf import registry
 from gspmd_tf.backends import base
 from gspmd_tf.backends.local import LocalBackend
 from gspmd_tf.backends.xla import XlaBackend
+from gspmd_tf.graph.ir import Graph
 
 log = logging.getLogger("gspmd_tf")
 
@@ -50,7 +52,7 @@ CONVOLUTION = 2 ** 20
 DOT_PER_OP = 2 ** 18
 
 
-def choose(mesh, program):
+def choose(mesh, program: Optional[Graph]) -> tuple:
     """(backend class, reason in words) AutoBackend runs `program` (an SPMD program,
     local shapes) with on `mesh`."""
     if not mesh.is_fully_addressable:
@@ -91,7 +93,7 @@ def _multiply_adds_with_bodies(program):
     return counts
 
 
-def for_platform(mesh, collective_timeout=None):
+def for_platform(mesh, collective_timeout: Optional[float] = None) -> base.Backend:
     """The default backend of `mesh` (module docstring): an XlaBackend on a mesh of this
     process's accelerators, else a LocalBackend. `collective_timeout` as for both."""
     if mesh.is_fully_addressable and base.mesh_device_kinds(mesh) != {"CPU"}:
@@ -108,7 +110,7 @@ class AutoBackend(base.Backend):
         self.collective_timeout = collective_timeout
 
     @property
-    def capabilities(self):
+    def capabilities(self) -> base.Capabilities:
         """Both backends' collectives (copies among this process's CPU devices); segments
         compiled, and XLA's rounding, where it picks the XLA backend."""
         return base.Capabilities(
@@ -116,7 +118,7 @@ class AutoBackend(base.Backend):
             device_kinds=frozenset(base.mesh_device_kinds(self.mesh)),
             native_reduce_scatter=False, semantics="xla")
 
-    def compile(self, program, name=None):
+    def compile(self, program: Graph, name: Optional[str] = None) -> base.Compiled:
         """The chosen backend's compile(program, name)."""
         cls, reason = choose(self.mesh, program)
         log.info("gspmd_tf: %s runs on the %s: %s", name or "an SPMD program",

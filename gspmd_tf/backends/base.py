@@ -14,10 +14,12 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import Graph
 from gspmd_tf.registry import multiply_adds
 
 INPUT = "gt.Input"
@@ -74,14 +76,14 @@ class Backend(abc.ABC):
         """What this backend can do on its mesh (Capabilities)."""
 
     @abc.abstractmethod
-    def compile(self, program, name=None) -> "Compiled":
+    def compile(self, program: Graph, name: Optional[str] = None) -> "Compiled":
         """Builds `program` once; returns its Compiled.
 
         `name` (the user's function, as errors should call it) names the program in
         errors.
         """
 
-    def all_reduce_combine_bytes(self, in_region):
+    def all_reduce_combine_bytes(self, in_region: bool) -> Optional[int]:
         """The largest all-reduce (operand bytes per device) the partitioner's combiner
         should merge with others (spmd/combine.py) in this backend's programs: at the
         top level, or inside control-flow bodies (`in_region`); 0 for none, None for
@@ -102,22 +104,22 @@ class Backend(abc.ABC):
 class Compiled(abc.ABC):
     """A program built by a backend: `program` (the SPMD program) runs when called."""
 
-    program = None
+    program: Optional[Graph] = None
 
     @abc.abstractmethod
-    def __call__(self, inputs):
+    def __call__(self, inputs: Sequence[Sequence]) -> list:
         """outputs[j][d] of program output j on device id d (None on devices of other
         workers), from inputs[i][d], the shard of program input i on device id d
         (tensors or arrays; only those of this process's devices are read)."""
 
-    def cost_analysis(self):
+    def cost_analysis(self) -> dict:
         """What one device's program does, from the program and the op contracts:
         {"multiply_adds": of its dots and convolutions (a loop body counted once),
         "collective_bytes": the operand bytes of its collectives, "collectives": how
         many}."""
         return program_cost(self.program)
 
-    def memory(self):
+    def memory(self) -> dict:
         """Bytes one device's program holds for its arguments and results:
         {"argument_bytes", "output_bytes"}."""
         return {"argument_bytes": sum(_bytes(node.out_shapes[0], node.out_dtypes[0])
@@ -125,18 +127,18 @@ class Compiled(abc.ABC):
                 "output_bytes": sum(_bytes(self.program.shape(ref), self.program.dtype(ref))
                                     for ref in self.program.outputs)}
 
-    def as_text(self):
+    def as_text(self) -> str:
         """The SPMD program as text (program_text)."""
         return program_text(self.program)
 
 
-def mesh_device_kinds(mesh):
+def mesh_device_kinds(mesh) -> set:
     """The device types of `mesh`'s devices ("CPU", "GPU", "TPU"), upper case."""
     return {(tf.DeviceSpec.from_string(name).device_type or "CPU").upper()
             for name in mesh.devices}
 
 
-def program_inputs(program):
+def program_inputs(program: Graph) -> list:
     """The gt.Input nodes of `program`, indexed by their `index` param.
 
     Raises ShardingError when the indices are not exactly 0..n-1.
@@ -152,7 +154,7 @@ def program_inputs(program):
     return [nodes[i][0] for i in range(len(nodes))]
 
 
-def program_cost(program):
+def program_cost(program: Graph) -> dict:
     """Compiled.cost_analysis of `program` (its bodies included)."""
     cost = {"multiply_adds": 0, "collective_bytes": 0, "collectives": 0}
     for graph, node in _nodes_with_graphs(program):
@@ -164,7 +166,7 @@ def program_cost(program):
     return cost
 
 
-def program_text(program, indent=""):
+def program_text(program: Graph, indent: str = "") -> str:
     """`program` one node a line: `%index = op(inputs) : shapes dtypes {params}`, a
     control-flow node's regions indented below it."""
     lines = []

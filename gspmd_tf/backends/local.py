@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 import tensorflow as tf
 from tensorflow.python.eager import context, execute
@@ -22,7 +23,7 @@ from gspmd_tf.backends.emitter import DeviceEmitter
 from gspmd_tf.backends.tf_kernels import call_attrs
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.gc_pause import gc_paused
-from gspmd_tf.graph.ir import walk
+from gspmd_tf.graph.ir import Graph, walk
 from gspmd_tf.timeouts import check_timeout, default_timeout
 
 
@@ -78,7 +79,7 @@ class LocalBackend(base.Backend):
         self.settings = EmissionSettings.checked(collective_timeout, async_collectives,
                                                  copy_collectives, replicated_once)
 
-    def compile(self, program, name=None):
+    def compile(self, program: Graph, name: Optional[str] = None) -> "CompiledProgram":
         """Traces `program` into one tf.function; returns its CompiledProgram, called
         as run(inputs) -> outputs.
 
@@ -99,7 +100,7 @@ class LocalBackend(base.Backend):
                                settings.copy_collectives, settings.replicated_once)
 
     @property
-    def capabilities(self):
+    def capabilities(self) -> base.Capabilities:
         """Op by op on TF's kernels, any worker's devices; collectives among this
         process's CPU devices are copies with copy_collectives."""
         return base.Capabilities(

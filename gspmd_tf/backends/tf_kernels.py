@@ -7,9 +7,10 @@ The tables say, per op type, what TF's kernel of it needs: CPU_KERNELS on CPU de
 (inputs in channels-last layout, KernelNeeds.channels_last; an input sliced to end at
 its last window, KernelNeeds.input_ending_at_last_window), ANY_DEVICE_KERNELS on every
 device (explicit padding as a pad of the input, KernelNeeds.explicit_padding_as_pad).
-Each entry says why. Ops the tables do not name are created as they are. The op's own knowledge (its rule, emitter,
-costs, numerics) is its registry entry; this table holds only what one runtime's
-kernels need, as XLA keeps per-backend rewrites beside its backends.
+Each entry says why. Ops the tables do not name are created as they are. The op's own
+knowledge (its rule, emitter, costs, numerics) is its registry entry; these tables hold
+only what one runtime's kernels need, as XLA keeps per-backend rewrites beside its
+backends.
 """
 
 from __future__ import annotations

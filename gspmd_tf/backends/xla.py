@@ -31,6 +31,7 @@ import functools
 import logging
 import re
 import threading
+from typing import Optional
 
 import tensorflow as tf
 from tensorflow.python.framework import ops
@@ -41,7 +42,7 @@ from gspmd_tf.backends.local import CompiledProgram, EmissionSettings
 from gspmd_tf.backends.tf_kernels import set_shapes, tf_op_emitter
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.registry import ASSIGNS_VARIABLE, READS_VARIABLE, has_trait
-from gspmd_tf.graph.ir import Ref
+from gspmd_tf.graph.ir import Graph, Ref
 
 log = logging.getLogger("gspmd_tf")
 
@@ -80,7 +81,7 @@ class XlaBackend(base.Backend):
         self.fallback_level = fallback_level
 
     @property
-    def capabilities(self):
+    def capabilities(self) -> base.Capabilities:
         """Compiled segments, this process's devices only; XLA's rounding, TF's values
         where XLA's kernels differ (those ops run op by op)."""
         return base.Capabilities(
@@ -88,7 +89,7 @@ class XlaBackend(base.Backend):
             compiles_segments=True, device_kinds=frozenset(base.mesh_device_kinds(self.mesh)),
             native_reduce_scatter=False, semantics="xla")
 
-    def compile(self, program, name=None):
+    def compile(self, program: Graph, name: Optional[str] = None) -> CompiledProgram:
         """The CompiledProgram of `program` (as LocalBackend.compile), following a
         SegmentPlan (its `plan`)."""
         if not self.mesh.is_fully_addressable:
