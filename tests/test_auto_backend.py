@@ -162,3 +162,19 @@ def test_meshes_of_several_workers_stay_local():
                            for t in range(2)], fully_addressable=False)
     cls, reason = auto.choose(mesh, program=None)
     assert cls is LocalBackend and "several workers" in reason
+
+
+def test_auto_counts_the_dots_inside_loop_bodies(rng):
+    """A matmul of 2^24 multiply-adds per device inside a while loop: counted from the
+    body (the top level alone holds no dot), so "auto" keeps it on TF's kernels."""
+    mesh = gt.Mesh.create((2,), ("x",))
+
+    def loop(x, w):
+        return tf.while_loop(lambda i, y: i < 2, lambda i, y: (i + 1, tf.matmul(y, w)),
+                             (tf.constant(0), x))[1]
+
+    args = [randn(rng, 256, 512), randn(rng, 512, 512)]
+    program = gt.lower(loop, mesh, (P("x", None), None), args=args).program.graph
+    assert not any(node.op == "MatMul" for node in program.nodes)
+    cls, reason = auto.choose(mesh, program)
+    assert cls is LocalBackend and "per op" in reason, reason
