@@ -36,6 +36,8 @@ no stage keeps an op-type list of its own):
                      ASSIGNS_VARIABLE (sets the variable of its first input to a value
                      computed from its other operands), VALUE_SHAPED (its output shape
                      depends on its input values: the importer defers it to graph.fold)
+What one runtime's kernels need of an op (a layout, a sliced input) is that backend's
+legalization table, keyed by op type (gspmd_tf/backends/tf_kernels.py), not the entry.
 
 Built-in op families are declared where their emitter is: `@op_family(...)` on a handler
 in gspmd_tf/spmd/handlers/*.py, or `declare(..., replay=True)` in
