@@ -216,7 +216,7 @@ def ordering_token(device_name):
     they are chained in program order, as tf.distribute's CollectiveReplicaLauncher
     does: by tf.function's automatic control dependencies (control-flow bodies, the
     XLA backend), or by the local lowering itself, which chains a device's token users
-    (backends/local.py, ordering.py). Without it, tf.function chains all
+    (backends/emitter.py, ordering.py). Without it, tf.function chains all
     stateful ops of all devices in one order, and the first collective waits forever for
     peers that are queued behind it. Created once per device, as a plain ResourceVariable
     so that no distribution strategy or Keras scope turns it into something else.

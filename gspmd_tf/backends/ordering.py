@@ -6,7 +6,7 @@ program's nodes times the devices (~21,000 ops for the 64-layer FFN train step),
 them pure, and ACD was ~25% of building it. The program knows which nodes touch state,
 and every device runs the same program on its own variable handles, so the order is
 found once per program, over its few stateful nodes, and the backend adds the same
-edges on every device (backends/local.py). The rules are ACD's, applied to nodes:
+edges on every device (backends/emitter.py). The rules are ACD's, applied to nodes:
 
 - a node with resource inputs (a variable's handle; an Identity of a handle is the
   same resource, as ACD resolves it) reads it when its op is one TF registers as

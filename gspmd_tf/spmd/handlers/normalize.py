@@ -118,7 +118,7 @@ def arg_reduce(ctx, operands, layouts):
     Each device takes its best candidate value and its global index; all devices agree on
     the best value, then on the smallest index that holds it. (Over a whole dim it is
     replayed; grappler's rewrite of ArgMax(Sign(x)) into ArgMax(x), seed 21 #165, does
-    not run on the SPMD program: backends/local.py _call_attrs.)"""
+    not run on the SPMD program: backends/tf_kernels.py call_attrs.)"""
     x = operands[0]
     axis, = ctx.rule.params.axes
     axes = x.layout.dims[axis]
