@@ -9,7 +9,7 @@ the grid below runs --calls eager calls of one raw op in a FRESH subprocess (a c
 kills the process), --runs times; the table gives the runs killed by a signal per case
 (a Python error, TF rejecting the case, is shown apart) and whether the input extends
 past the last window ((out-1)*S + (K-1)*D + 1 - low pad < input extent). The local
-backend (gspmd_tf/backends/local.py, _input_ending_at_last_window) slices such inputs
+backend (gspmd_tf/backends/tf_kernels.py, input_ending_at_last_window) slices such inputs
 for the filter gradients that crash; this script does not import gspmd-tf, it measures
 TF alone.
 `--onednn=0` runs the same grid with TF_ENABLE_ONEDNN_OPTS=0.

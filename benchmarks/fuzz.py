@@ -70,11 +70,12 @@ TIMEOUT = flags.DEFINE_float("timeout", 60, "seconds one program may take before
                              "counts as a hang")
 COLLECTIVE_TIMEOUT = flags.DEFINE_integer("collective_timeout", 20,
                                           "GSPMD_TF_COLLECTIVE_TIMEOUT for the workers")
-BACKEND = flags.DEFINE_enum("backend", "local", ["local", "xla", "auto"],
+BACKEND = flags.DEFINE_enum("backend", "local", ["local", "xla", "auto", "default"],
                             "gspmd-tf backend the programs run on (GSPMD_TF_BACKEND for the "
-                            "workers and the reproducers; auto, the package's default, picks "
-                            "one of the other two per program); with xla or auto a value "
-                            "equal to single-device TF's under jit_compile passes")
+                            "workers and the reproducers; default: the package's, by "
+                            "platform, the local one on CPUs; auto picks one of local and "
+                            "xla per program); with xla or auto a value equal to "
+                            "single-device TF's under jit_compile passes")
 SHRINK = flags.DEFINE_integer("shrink", 20, "failures to shrink (distinct kinds first); 0: "
                               "none")
 SHRINK_BUDGET = flags.DEFINE_integer("shrink_budget", 150, "candidate runs per shrink")

@@ -49,18 +49,17 @@ def main(argv):
     shape = tuple(int(s) for s in train_step.MESH.value.split(","))
     gt.configure_cpu_devices(math.prod(shape))
     import tensorflow as tf
-    from gspmd_tf.backends import local
+    from gspmd_tf.backends import emitter, local
     from gspmd_tf.runtime.variables import variable_of_handle
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
 
-    class AcdLowering(local._Lowering):
-        orders_state = False  # tf.function's automatic control dependencies order it
-
-    class AcdCompiled(local._Compiled):
+    class AcdCompiled(local.CompiledProgram):
         def _lowering(self):
-            return AcdLowering(self.mesh, self.keys, order=self.order,
-                               copy_collectives=self.copy_collectives,
-                               replicated_once=self.replicated_once)
+            lowering = emitter.DeviceEmitter(self.mesh, self.keys, order=self.order,
+                                             copy_collectives=self.copy_collectives,
+                                             replicated_once=self.replicated_once)
+            lowering.orders_state = False  # tf.function's automatic control deps order it
+            return lowering
 
     specs, values, x, target = train_step.make_problem(gt)
     mesh = gt.Mesh.create(shape, train_step.AXES)
@@ -93,9 +92,9 @@ def main(argv):
         for combine in programs:
             program, shards = programs[combine]
             for order in ("own order", "ACD"):
-                cls = local._Compiled if order == "own order" else AcdCompiled
+                cls = local.CompiledProgram if order == "own order" else AcdCompiled
                 run, build_wall, build_cpu = _timed(lambda: cls(
-                    mesh, program, backend.collective_timeout, "ffn",
+                    mesh, program, backend.settings.collective_timeout, "ffn",
                     copy_collectives=True, replicated_once=True))
                 _, first_wall, first_cpu = _timed(lambda: run(shards))
                 steps = [_timed(lambda: run(shards))[1] for _ in range(train_step.STEPS.value)]

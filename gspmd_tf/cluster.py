@@ -75,7 +75,7 @@ def initialize_cluster(cluster=None, task_index=None):
     from tensorflow.core.protobuf import tensorflow_server_pb2
     from tensorflow.python.eager import context
 
-    from gspmd_tf.backends.local import default_timeout
+    from gspmd_tf.timeouts import default_timeout
     ctx = context.context()
     if ctx._context_handle is not None:  # pylint: disable=protected-access
         raise ShardingError(
@@ -144,38 +144,6 @@ def task_of(device_name):
 def is_addressable(device_name):
     """True when `device_name` is a device of this process."""
     return _cluster is None or task_of(device_name) == _cluster.task_index
-
-
-_barriers = {}  # device name suffix -> the traced barrier function
-
-
-def barrier():
-    """Returns once every worker has called it: an all-reduce of one number between the
-    first devices of every worker, under the collective timeout (GSPMD_TF_COLLECTIVE_
-    TIMEOUT) so that a dead worker makes it fail instead of hang."""
-    if _cluster is None or _cluster.num_workers == 1:
-        return
-    import tensorflow as tf
-    from gspmd_tf.backends import collectives
-    from gspmd_tf.backends.local import default_timeout
-
-    firsts = {}  # task -> its first device
-    for name in global_device_names(d.name for d in tf.config.list_logical_devices()):
-        firsts.setdefault(task_of(name), name)
-    names = list(firsts.values())
-    own = firsts[_cluster.task_index]
-    if own not in _barriers:
-        instance_key, _ = collectives.named_keys("barrier")
-        group = collectives.Group(names, instance_key, collectives.ordering_token(own))
-        group.kwargs["timeout_seconds"] = default_timeout()
-
-        def wait():
-            with tf.device(own):
-                return group.all_reduce(tf.constant(1.0), "sum")
-        _barriers[own] = tf.function(wait, autograph=False)
-    arrived = int(_barriers[own]().numpy())
-    if arrived != _cluster.num_workers:
-        raise ShardingError(f"barrier: {arrived} of {_cluster.num_workers} workers arrived")
 
 
 def loopback_addresses(count):

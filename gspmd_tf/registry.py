@@ -18,6 +18,27 @@ An OpDef holds
                      its inputs are constants
   custom             registered by a user (register_op), like Shardy's is_custom_rule
 
+and what the backends, the runtime and graph.fold must know of it (the same entry, so
+no stage keeps an op-type list of its own):
+  stateful           True / False: whether the op has effects beyond its outputs (it
+                     must run, in order); None (the default): as TF's op registry says,
+                     and an op TF does not register counts as stateful (is_stateful)
+  multiply_adds      cost(node, in_shapes) -> the multiply-adds the op does (dots and
+                     convolutions; 0 for ops without one: see multiply_adds)
+  xla_numerics       differs(node, operand_dtype) -> why XLA computes other values than
+                     TF's kernel for this instance (NaN ordering, integer division by
+                     zero, other random numbers, a kernel XLA:CPU gets wrong), or None:
+                     a backend that compiles with XLA runs such an op on TF's kernel
+                     (xla_numerics_differ)
+  traits             names of what the op is, read where an op kind matters: DOT (its
+                     local form on blocks is a dot: windowed einsum), CONVOLUTION,
+                     READS_VARIABLE (reads only the variable behind its resource input),
+                     ASSIGNS_VARIABLE (sets the variable of its first input to a value
+                     computed from its other operands), VALUE_SHAPED (its output shape
+                     depends on its input values: the importer defers it to graph.fold)
+What one runtime's kernels need of an op (a layout, a sliced input) is that backend's
+legalization table, keyed by op type (gspmd_tf/backends/tf_kernels.py), not the entry.
+
 Built-in op families are declared where their emitter is: `@op_family(...)` on a handler
 in gspmd_tf/spmd/handlers/*.py, or `declare(..., replay=True)` in
 gspmd_tf/spmd/handlers/replayed.py for ops whose TF op replayed on local shapes is exact
@@ -33,8 +54,11 @@ table is complete whatever module a user or test imports first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+
+from tensorflow.python.framework import op_def_registry
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.propagation.oprule import OpRule, RuleContext, equation_rule
@@ -44,6 +68,14 @@ if TYPE_CHECKING:  # (importing gspmd_tf.graph runs graph.fold, which reads this
 
 FOLD_SHAPE = "shape"
 FOLD_VALUES = "values"
+
+# traits (OpDef.traits)
+DOT = "dot"
+CONVOLUTION = "convolution"
+READS_VARIABLE = "reads_variable"
+ASSIGNS_VARIABLE = "assigns_variable"
+VALUE_SHAPED = "value_shaped"
+TRAITS = frozenset({DOT, CONVOLUTION, READS_VARIABLE, ASSIGNS_VARIABLE, VALUE_SHAPED})
 
 
 @dataclass(frozen=True)
@@ -59,6 +91,10 @@ class OpDef:
     safe_padding: tuple = ()
     fold: Optional[str] = None
     custom: bool = False
+    stateful: Optional[bool] = None
+    multiply_adds: Optional[Callable] = None
+    xla_numerics: Optional[Callable] = None
+    traits: frozenset = frozenset()
 
     def build_rule(self, graph: Graph, node: Node) -> Optional[OpRule]:
         """The OpRule of `node` (an op of this type), or None (no rule: replicated)."""
@@ -87,6 +123,9 @@ def _check(entry):
             f"op type {op!r} has a rule but no emitter: pass emit=<handler> or, when "
             "running the TF op on each device's local shards gives exactly the local "
             "part of its result, replay=True")
+    if not entry.traits <= TRAITS:
+        raise ShardingError(f"op type {op!r}: unknown traits {sorted(entry.traits - TRAITS)}; "
+                            f"the traits are {sorted(TRAITS)}")
     if entry.fold not in (None, FOLD_SHAPE, FOLD_VALUES):
         raise ShardingError(f"op type {op!r}: fold must be None, {FOLD_SHAPE!r} or "
                             f"{FOLD_VALUES!r}, not {entry.fold!r}")
@@ -95,7 +134,9 @@ def _check(entry):
 
 def _put(op_type, override=False, **fields):
     """Merge `fields` into the entry of `op_type` (created when missing). A rule or an
-    emitter may be declared once per op type unless `override`."""
+    emitter may be declared once per op type unless `override`; traits add up."""
+    if "traits" in fields:
+        fields["traits"] = frozenset(fields["traits"])
     old = _TABLE.get(op_type)
     if old is None:
         entry = OpDef(op_type, **fields)
@@ -105,6 +146,8 @@ def _put(op_type, override=False, **fields):
                 or (fields.get("emit") is not None and old.emit is not None)):
             raise ShardingError(f"op type {op_type!r} already has a rule; pass "
                                 "override=True to replace it")
+        if "traits" in fields:
+            fields["traits"] |= old.traits
         entry = dataclasses.replace(old, **fields)
     _TABLE[op_type] = entry
 
@@ -113,9 +156,9 @@ def declare(op_types: Union[str, list, dict], rule: Optional[Callable] = None, *
             emit: Optional[Callable] = None, replay: bool = False, **flags) -> None:
     """Declare built-in op types: `op_types` is a name, a list of names, or a dict
     {name: rule parameters} (a tuple, or one value) when they differ per op. Flags
-    (silent_replicated, safe_padding as a dict, fold) without a rule give a flag-only
-    entry; flags merge into an entry declared elsewhere. Checked when the module is
-    imported."""
+    (silent_replicated, safe_padding as a dict, fold, stateful, multiply_adds,
+    xla_numerics, traits) without a rule give a flag-only entry; flags merge into an
+    entry declared elsewhere. Checked when the module is imported."""
     if "safe_padding" in flags:
         flags["safe_padding"] = tuple(sorted(flags["safe_padding"].items()))
     if isinstance(op_types, str):
@@ -201,3 +244,82 @@ def rule_for(graph: Graph, node: Node) -> Optional[OpRule]:
 def ops_with_rules() -> list[str]:
     """Sorted op types that have a rule builder."""
     return sorted(op for op, entry in _TABLE.items() if entry.rule is not None)
+
+
+# ------------------------------------------------------------- what backends ask of ops
+
+def is_stateful(op_type: str) -> bool:
+    """Whether ops of `op_type` have effects beyond their outputs, so that they must run
+    even when nothing reads them, and in program order: the entry's `stateful` when
+    declared, else TF's op registry; an op TF does not register counts as stateful
+    (the safe answer: it is kept and ordered). gspmd-tf's own gt.* nodes are pure
+    functions of their operands (a program input's place is kept by dce itself)."""
+    if op_type.startswith("gt."):
+        return False
+    declared = op_def(op_type).stateful
+    if declared is not None:
+        return declared
+    return _tf_stateful(op_type)
+
+
+@functools.lru_cache(maxsize=None)
+def _tf_stateful(op_type):
+    tf_op = op_def_registry.get(op_type)
+    return tf_op is None or tf_op.is_stateful
+
+
+def multiply_adds(node, in_shapes: Sequence) -> int:
+    """The multiply-adds `node` does (its entry's cost function on its input shapes),
+    0 for an op without one (elementwise, data movement) or with an unknown shape."""
+    cost = op_def(node.op).multiply_adds
+    if cost is None or any(s is None or None in s for s in in_shapes) or \
+            any(s is None or None in s for s in node.out_shapes):
+        return 0
+    return int(cost(node, in_shapes))
+
+
+# Random ops XLA draws other numbers for than TF's kernels, also those no entry
+# declares (any op whose name says it draws): both backends must give the same numbers.
+_RANDOM_WORDS = ("Random", "Multinomial", "TruncatedNormal")
+RANDOM_NUMERICS = "a random op (XLA draws other numbers than TF's kernel)"
+# XLA's max and min propagate NaN; TF's CPU kernels of these ops do not
+# (tests/test_nonfinite.py; fuzzer seed 46, RESULTS §14.11)
+NAN_ORDER = "XLA orders NaN against numbers otherwise than TF's kernel"
+# XLA gives -1 for an integer divided by zero (an integer Mean of no elements too)
+INTEGER_DIVISION = "XLA divides integers by zero otherwise than TF's kernel"
+
+
+def xla_numerics_differ(node, operand_dtype) -> Optional[str]:
+    """Why XLA computes other values than TF's kernel for `node` (its first operand of
+    dtype `operand_dtype`, None without operands), or None: the entry's xla_numerics,
+    and for an op no entry speaks for, a random op's other numbers."""
+    differs = op_def(node.op).xla_numerics
+    if differs is not None:
+        return differs(node, operand_dtype)
+    if any(word in node.op for word in _RANDOM_WORDS):
+        return RANDOM_NUMERICS
+    return None
+
+
+def on_floats(reason):
+    """An xla_numerics function: `reason` when the op's first operand is floating."""
+    def differs(node, operand_dtype):
+        return reason if operand_dtype is not None and operand_dtype.is_floating else None
+    return differs
+
+
+def on_integers(reason):
+    """An xla_numerics function: `reason` when the op's first operand is an integer."""
+    def differs(node, operand_dtype):
+        return reason if operand_dtype is not None and operand_dtype.is_integer else None
+    return differs
+
+
+def always(reason):
+    """An xla_numerics function: `reason` for every instance."""
+    return lambda node, operand_dtype: reason
+
+
+def has_trait(op_type: str, trait: str) -> bool:
+    """Whether the entry of `op_type` declares `trait` (one of TRAITS)."""
+    return trait in op_def(op_type).traits

@@ -13,11 +13,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 # Backends read this: a collective that cannot complete fails instead of hanging.
 os.environ.setdefault("GSPMD_TF_COLLECTIVE_TIMEOUT", "60")
-# The suite checks partitioning on the local backend: the default ("auto") would compile
-# most of its small programs with XLA, seconds of compilation each. The XLA backend has
-# its own tests on every mesh shape (test_xla_*.py), the default its choice
-# (test_auto_backend.py); GSPMD_TF_BACKEND=auto or xla runs the suite on those.
-os.environ.setdefault("GSPMD_TF_BACKEND", "local")
+# The suite runs on the default backend (by platform: on these CPU devices the local
+# one). The XLA backend has its own tests on every mesh shape (test_xla_*.py), "auto"
+# its choice (test_auto_backend.py); GSPMD_TF_BACKEND=auto or xla runs the suite on
+# those.
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

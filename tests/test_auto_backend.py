@@ -1,5 +1,7 @@
-"""The default backend ("auto"): the XLA backend where it applies, else the local one,
-per program (gspmd_tf/backends/auto.py), and the values either way equal single-device TF.
+"""The default backend, by platform (the XLA backend on accelerators, the local one on
+CPUs and several workers), and backend="auto" (opt-in): the XLA backend where it
+applies, else the local one, per program (gspmd_tf/backends/auto.py); the values either
+way equal single-device TF.
 """
 
 import logging
@@ -12,14 +14,14 @@ import gspmd_tf as gt
 from gspmd_tf.backends import auto, segments
 from gspmd_tf.backends.local import LocalBackend
 from gspmd_tf.backends.xla import XlaBackend
-from gspmd_tf.runtime.function import DEFAULT_BACKEND
-from util import assert_close, randn, single_device
+from gspmd_tf.runtime.function import DEFAULT_BACKEND, backend_factory
+from util import assert_close, explicitly_padded_input_gradient, randn, single_device
 
 P = gt.P
 
 
 def run_auto(fn, mesh, args, in_shardings, caplog):
-    """`fn` on the default backend: (outputs as numpy, single-device outputs, the backend
+    """`fn` on backend="auto": (outputs as numpy, single-device outputs, the backend
     class the default chose, from its log line)."""
     f = gt.function(fn, mesh=mesh, in_shardings=in_shardings, backend="auto")
     with caplog.at_level(logging.INFO, logger="gspmd_tf"):
@@ -29,8 +31,36 @@ def run_auto(fn, mesh, args, in_shardings, caplog):
     return got, single_device(fn, args), chosen[0]
 
 
-def test_default_is_auto():
-    assert DEFAULT_BACKEND == "auto"
+def _stand_in_mesh(devices, fully_addressable=True):
+    """A mesh of `devices` (names) to choose for (no GPU or cluster here to run on)."""
+    return types.SimpleNamespace(devices=devices, is_fully_addressable=fully_addressable,
+                                 is_abstract=False)
+
+
+def test_default_is_chosen_by_platform():
+    """CPU meshes: the local backend (TF's kernels, TF's values); accelerator meshes of
+    this process: the XLA backend; meshes of several workers: the local backend."""
+    assert DEFAULT_BACKEND == "default"
+    cpus = gt.Mesh.create((2, 4), ("data", "model"))
+    assert type(backend_factory(None, None)(cpus)) is LocalBackend
+    assert type(auto.for_platform(cpus)) is LocalBackend
+    gpus = _stand_in_mesh([f"/job:localhost/replica:0/task:0/device:GPU:{k}"
+                           for k in range(4)])
+    assert type(auto.for_platform(gpus)) is XlaBackend
+    workers = _stand_in_mesh([f"/job:worker/replica:0/task:{t}/device:GPU:0"
+                              for t in range(2)], fully_addressable=False)
+    assert type(auto.for_platform(workers)) is LocalBackend
+
+
+def test_the_default_runs_an_explicitly_padded_conv_input_gradient_right(rng, monkeypatch):
+    """The default (no backend given, no GSPMD_TF_BACKEND) on CPUs equals single-device
+    TF where XLA:CPU is wrong (issue 25 item 3)."""
+    monkeypatch.delenv("GSPMD_TF_BACKEND", raising=False)
+    mesh = gt.Mesh.create((2,), ("x",))
+
+    input_gradient, args = explicitly_padded_input_gradient(rng)
+    got = gt.function(input_gradient, mesh=mesh, in_shardings=(None, P("x")))(*args)
+    assert_close(got.numpy(), single_device(input_gradient, args)[0])
 
 
 def test_small_program_on_cpus_is_compiled_by_xla(rng, caplog):
@@ -122,14 +152,29 @@ def test_the_partitioner_combines_no_copy_all_reduce():
                                               XlaBackend)])
 def test_accelerator_meshes_take_xla(device, expected):
     """The choice reads the mesh's device kinds (no GPU here to run on: a stand-in mesh)."""
-    mesh = types.SimpleNamespace(devices=[device.format(k) for k in range(4)],
-                                 is_fully_addressable=True)
+    mesh = _stand_in_mesh([device.format(k) for k in range(4)])
     cls, reason = auto.choose(mesh, program=None)
     assert cls is expected and "GPU" in reason
 
 
 def test_meshes_of_several_workers_stay_local():
-    mesh = types.SimpleNamespace(devices=[f"/job:worker/replica:0/task:{t}/device:CPU:0"
-                                          for t in range(2)], is_fully_addressable=False)
+    mesh = _stand_in_mesh([f"/job:worker/replica:0/task:{t}/device:CPU:0"
+                           for t in range(2)], fully_addressable=False)
     cls, reason = auto.choose(mesh, program=None)
     assert cls is LocalBackend and "several workers" in reason
+
+
+def test_auto_counts_the_dots_inside_loop_bodies(rng):
+    """A matmul of 2^24 multiply-adds per device inside a while loop: counted from the
+    body (the top level alone holds no dot), so "auto" keeps it on TF's kernels."""
+    mesh = gt.Mesh.create((2,), ("x",))
+
+    def loop(x, w):
+        return tf.while_loop(lambda i, y: i < 2, lambda i, y: (i + 1, tf.matmul(y, w)),
+                             (tf.constant(0), x))[1]
+
+    args = [randn(rng, 256, 512), randn(rng, 512, 512)]
+    program = gt.lower(loop, mesh, (P("x", None), None), args=args).program.graph
+    assert not any(node.op == "MatMul" for node in program.nodes)
+    cls, reason = auto.choose(mesh, program)
+    assert cls is LocalBackend and "per op" in reason, reason

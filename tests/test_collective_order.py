@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from gspmd_tf.backends import schedule
+from gspmd_tf.backends import base, schedule
 from gspmd_tf.backends.local import LocalBackend
 from gspmd_tf.backends.xla import XlaBackend
 
@@ -61,8 +61,8 @@ def test_ready_order_prefetches_weight_gathers(mesh, rng):
         for ref in node.inputs:
             assert position[ref.node] < position[index]
     kinds = [program.nodes[i].op for i in order if program.nodes[i].op in
-             schedule.COLLECTIVE_OPS]
-    in_program = [n.op for n in program.nodes if n.op in schedule.COLLECTIVE_OPS]
+             base.COLLECTIVES]
+    in_program = [n.op for n in program.nodes if n.op in base.COLLECTIVES]
     gathers = in_program.count("gt.AllGather")
     assert kinds[:gathers] == ["gt.AllGather"] * gathers, kinds
     assert in_program[:gathers] != kinds[:gathers]  # program order interleaves them

@@ -1,5 +1,5 @@
 """The local backend's filter gradients with the input ending at its last window
-(gspmd_tf/backends/local.py _input_ending_at_last_window; fuzzer seed 31 #814).
+(gspmd_tf/backends/tf_kernels.py input_ending_at_last_window; fuzzer seed 31 #814).
 
 TF's oneDNN Conv2DBackpropFilter corrupts the heap for some strided windows that leave
 input rows past the last window (benchmarks/RESULTS.md §6). The backend slices those rows
@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from gspmd_tf.backends import local
+from gspmd_tf.backends import tf_kernels
 from util import check_partitioned, randn
 
 P = gt.P
@@ -154,7 +154,7 @@ def test_input_sliced_only_past_last_window(shape, window, padding, sizes, new_p
              "data_format": tf.compat.v1.AttrValue(s=b"NHWC")}
     with tf.Graph().as_default():
         args = [tf.zeros(shape), tf.constant([1, window, 2, 2]), tf.zeros((3, out, 5, 2))]
-        got_args, got_attrs = local._input_ending_at_last_window(node, args, attrs)
+        got_args, got_attrs = tf_kernels.input_ending_at_last_window(node, args, attrs)
         if sizes is None:
             assert got_args is args and got_attrs is attrs
             return

@@ -112,7 +112,7 @@ def test_error_of_graph_mode_tf_is_not_ours():
 
 def test_program_the_remapper_would_fuse_equals_eager_tf():
     """The whole program of seed 31 #9463 through the fuzzer's worker: gspmd-tf's
-    program runs without grappler's remapper now (backends/local.py _call_attrs), so
+    program runs without grappler's remapper now (backends/tf_kernels.py call_attrs), so
     it computes what eager TF does."""
     programs = {9463: generate(31, 9463)}
     result = run_programs(programs, jobs=1, batch=1, timeout=120,

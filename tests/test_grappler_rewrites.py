@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 import gspmd_tf as gt
-from gspmd_tf.backends import local
+from gspmd_tf.backends import tf_kernels
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 from util import check_partitioned
@@ -31,7 +31,7 @@ def test_add_after_a_matmul_of_one_element_shards_is_not_fused_as_its_bias():
 
 def test_the_spmd_program_runs_without_remapper_and_arithmetic_optimizer():
     for cpu_only in (True, False):
-        attrs = dict(zip(*[iter(local._call_attrs(
+        attrs = dict(zip(*[iter(tf_kernels.call_attrs(
             context.context().function_call_options, cpu_only))] * 2))
         rewrites = config_pb2.ConfigProto.FromString(attrs["config_proto"]) \
             .graph_options.rewrite_options

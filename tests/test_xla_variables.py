@@ -15,6 +15,7 @@ import tensorflow as tf
 import gspmd_tf as gt
 from gspmd_tf.backends import segments
 from gspmd_tf.backends.xla import XlaBackend
+from gspmd_tf.registry import ASSIGNS_VARIABLE, has_trait
 from util import assert_close, assert_like_tf_variable, assert_replicas_equal, randn
 
 P = gt.P
@@ -38,10 +39,10 @@ def variable_writes_by_place(step, *args):
     program, plan = run.program, run.plan
     found = [s for s in plan.steps if isinstance(s, segments.Segment)]
     for segment, function in zip(found, plan.functions):
-        writes = any(program.nodes[i].op in segments.VARIABLE_WRITES for i in segment.nodes)
+        writes = any(has_trait(program.nodes[i].op, ASSIGNS_VARIABLE) for i in segment.nodes)
         assert function.touches_variables == writes, segment
     outside = [i for i in plan.steps if not isinstance(i, segments.Segment)]
-    count = lambda indices: sum(program.nodes[i].op in segments.VARIABLE_WRITES
+    count = lambda indices: sum(has_trait(program.nodes[i].op, ASSIGNS_VARIABLE)
                                 for i in indices)
     return count(sum((s.nodes for s in found), [])), count(outside)
 

@@ -131,3 +131,16 @@ def run_and_compare(fn, args, mesh, specs, out_specs=None, caplog=None):
         assert_close(g.numpy(), w, f"output {i}")
     warnings = [r.getMessage() for r in caplog.records] if caplog is not None else []
     return f.lower(*args), warnings
+
+
+def explicitly_padded_input_gradient(rng):
+    """(fn, args): a Conv2DBackpropInput with EXPLICIT padding that XLA:CPU computes
+    wrong (1e23 or NaN, changing from call to call: a 2x2 filter over rows padded by 3
+    in front; issue 25 item 3), and its arguments (filter, output gradient)."""
+    from tensorflow.python.ops import gen_nn_ops
+
+    def input_gradient(kernel, dy):
+        return gen_nn_ops.conv2d_backprop_input(
+            [2, 5, 5, 2], kernel, dy, strides=[1, 1, 1, 1], padding="EXPLICIT",
+            explicit_paddings=[0, 0, 3, 0, 3, 0, 0, 0])
+    return input_gradient, [randn(rng, 2, 2, 2, 3), randn(rng, 2, 7, 7, 3)]

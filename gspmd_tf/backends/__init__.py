@@ -1,8 +1,11 @@
-"""Backends: lower an SPMD program onto concrete devices (see base.Backend)."""
+"""Backends: lower an SPMD program onto concrete devices, behind one protocol
+(base.Backend: capabilities, compile(program) -> base.Compiled). The default is chosen
+by platform (auto.for_platform)."""
 
-from gspmd_tf.backends.auto import AutoBackend
-from gspmd_tf.backends.base import Backend
+from gspmd_tf.backends.auto import AutoBackend, for_platform
+from gspmd_tf.backends.base import Backend, Capabilities, Compiled
 from gspmd_tf.backends.local import LocalBackend
 from gspmd_tf.backends.xla import XlaBackend
 
-__all__ = ["AutoBackend", "Backend", "LocalBackend", "XlaBackend"]
+__all__ = ["AutoBackend", "Backend", "Capabilities", "Compiled", "LocalBackend",
+           "XlaBackend", "for_platform"]

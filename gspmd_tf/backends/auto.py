@@ -1,5 +1,14 @@
-"""AutoBackend, the default backend: per program, the XLA backend where it applies, else
-the local backend.
+"""AutoBackend (backend="auto", opt-in): per program, the XLA backend where it applies by
+a multiply-add heuristic, else the local backend; and the default backend, chosen by
+platform (for_platform).
+
+The default (for_platform), as JAX chooses by platform: the XLA backend on accelerator
+meshes of this process, the local backend (every op on TF's kernels) on CPU meshes and
+on meshes spanning several workers. It never changes numerics behind the user's back:
+on CPUs the values are TF's kernels'; the XLA backend runs every op whose XLA values
+differ from TF's (registry.xla_numerics_differ) on TF's kernels.
+
+AutoBackend's heuristic, for users who opt in:
 
 Where it applies, measured on this project's workloads (benchmarks/RESULTS.md §14.9,
 §14.11):
@@ -15,19 +24,23 @@ Where it applies, measured on this project's workloads (benchmarks/RESULTS.md §
   4.4e5 to 2.9e7, 1.4-2.1x slower under XLA; a Transformer LM's forward and training
   steps: 6.7e4 to 2.1e5, 1.0-1.7x faster).
 
-The choice is logged (logger "gspmd_tf", INFO) with its reason; `choose` gives it
-without compiling. backend="local" or "xla" (or GSPMD_TF_BACKEND) fixes the backend.
+Multiply-adds are counted from the op contracts (registry.multiply_adds), loop bodies
+included (once each). The choice is logged (logger "gspmd_tf", INFO) with its reason;
+`choose` gives it without compiling. Either choice keeps TF's values where XLA's kernels
+differ (the XLA backend runs those ops op by op), so choosing XLA changes rounding only.
+backend="local" or "xla" (or GSPMD_TF_BACKEND) fixes the backend.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
-import tensorflow as tf
-
-from gspmd_tf.backends import base, segments
+from gspmd_tf import registry
+from gspmd_tf.backends import base
 from gspmd_tf.backends.local import LocalBackend
 from gspmd_tf.backends.xla import XlaBackend
+from gspmd_tf.graph.ir import Graph
 
 log = logging.getLogger("gspmd_tf")
 
@@ -39,27 +52,26 @@ CONVOLUTION = 2 ** 20
 DOT_PER_OP = 2 ** 18
 
 
-def choose(mesh, program):
+def choose(mesh, program: Optional[Graph]) -> tuple:
     """(backend class, reason in words) AutoBackend runs `program` (an SPMD program,
     local shapes) with on `mesh`."""
     if not mesh.is_fully_addressable:
         return LocalBackend, "the mesh spans several workers (the XLA backend runs meshes " \
                              "of one process)"
-    kinds = {(tf.DeviceSpec.from_string(name).device_type or "CPU").upper()
-             for name in mesh.devices}
+    kinds = base.mesh_device_kinds(mesh)
     if kinds != {"CPU"}:
         return XlaBackend, f"the mesh's {'/'.join(sorted(kinds - {'CPU'}))} devices run " \
                            "XLA-compiled segments"
-    dots = segments.dot_multiply_adds(program)
-    convolutions = [i for i, count in dots.items()
-                    if count >= CONVOLUTION and segments.is_convolution(program.nodes[i])]
+    counts = _multiply_adds_with_bodies(program)
+    convolutions = [node for node, count in counts if count >= CONVOLUTION and
+                    registry.has_trait(node.op, registry.CONVOLUTION)]
     if convolutions:
-        node = program.nodes[convolutions[0]]
+        node = convolutions[0]
         return LocalBackend, (
             f"{len(convolutions)} convolutions of {CONVOLUTION:,} multiply-adds per device "
             f"or more (e.g. {node.name}, {node.op}) run faster on TF's CPU kernels than "
             "under XLA:CPU")
-    per_op = sum(dots.values()) / max(len(program.nodes), 1)
+    per_op = sum(count for _, count in counts) / max(len(counts), 1)
     if per_op >= DOT_PER_OP:
         return LocalBackend, (
             f"its dots do {per_op:,.0f} multiply-adds per op of the program (from "
@@ -69,21 +81,44 @@ def choose(mesh, program):
         f"{DOT_PER_OP:,}: compiled segments save more dispatch than XLA:CPU's dots cost")
 
 
+def _multiply_adds_with_bodies(program):
+    """[(node, multiply-adds)] of every node of `program` and of its control-flow bodies
+    (a loop body counted once: its trip count is not known here)."""
+    counts = []
+    for node in program.nodes:
+        in_shapes = [program.shape(ref) for ref in node.inputs]
+        counts.append((node, registry.multiply_adds(node, in_shapes)))
+        for region in node.regions:
+            counts += _multiply_adds_with_bodies(region)
+    return counts
+
+
+def for_platform(mesh, collective_timeout: Optional[float] = None) -> base.Backend:
+    """The default backend of `mesh` (module docstring): an XlaBackend on a mesh of this
+    process's accelerators, else a LocalBackend. `collective_timeout` as for both."""
+    if mesh.is_fully_addressable and base.mesh_device_kinds(mesh) != {"CPU"}:
+        return XlaBackend(mesh, collective_timeout)
+    return LocalBackend(mesh, collective_timeout)
+
+
 class AutoBackend(base.Backend):
-    """The default backend: compiles each program with XlaBackend or LocalBackend, as
-    `choose` says (module docstring). `collective_timeout` as for LocalBackend."""
+    """Compiles each program with XlaBackend or LocalBackend, as `choose` says (module
+    docstring). `collective_timeout` as for LocalBackend."""
 
     def __init__(self, mesh, collective_timeout=None):
         super().__init__(mesh)
         self.collective_timeout = collective_timeout
 
-    def all_reduce_combine_bytes(self, in_region):
-        """As both backends it picks from answer (they share the local backend's
-        collectives): the partitioner asks before the program exists to choose by."""
-        return LocalBackend(self.mesh, self.collective_timeout).all_reduce_combine_bytes(
-            in_region)
+    @property
+    def capabilities(self) -> base.Capabilities:
+        """Both backends' collectives (copies among this process's CPU devices); segments
+        compiled, and XLA's rounding, where it picks the XLA backend."""
+        return base.Capabilities(
+            copy_collectives=True, several_workers=True, compiles_segments=True,
+            device_kinds=frozenset(base.mesh_device_kinds(self.mesh)),
+            native_reduce_scatter=False, semantics="xla")
 
-    def compile(self, program, name=None):
+    def compile(self, program: Graph, name: Optional[str] = None) -> base.Compiled:
         """The chosen backend's compile(program, name)."""
         cls, reason = choose(self.mesh, program)
         log.info("gspmd_tf: %s runs on the %s: %s", name or "an SPMD program",

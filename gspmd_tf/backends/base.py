@@ -1,10 +1,26 @@
-"""The backend interface: an SPMD program in, a callable over per-device shards out."""
+"""The backend protocol: an SPMD program in, a Compiled program over per-device shards
+out; each backend says what it can do in a Capabilities record.
+
+A backend (Backend) is built for one mesh with devices. compile(program, name) returns
+a Compiled: called with inputs[i][d] (the shard of program input i on device id d) it
+returns outputs[j][d]; cost_analysis(), memory() and as_text() describe it without
+running it. The backends are peers behind this protocol (backends/__init__.py):
+LocalBackend (every op on TF's kernels), XlaBackend (the compute between collectives
+compiled by XLA) and AutoBackend (one of the two per program, by multiply-adds).
+"""
 
 from __future__ import annotations
 
 import abc
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import Graph
+from gspmd_tf.registry import multiply_adds
 
 INPUT = "gt.Input"
 SHARD_INDEX = "gt.ShardIndex"
@@ -13,6 +29,31 @@ ALL_GATHER = "gt.AllGather"
 REDUCE_SCATTER = "gt.ReduceScatter"
 ALL_TO_ALL = "gt.AllToAll"
 PERMUTE = "gt.Permute"
+COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, PERMUTE)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, read by whoever must choose or price (the default
+    backend's choice, the combiner; later the cost model).
+
+    copy_collectives: collectives among CPU devices of this process are cross-device
+        reads (no fixed cost per collective), not TF's collective ops.
+    several_workers: runs meshes spanning several worker processes.
+    compiles_segments: the compute between collectives is compiled (by XLA).
+    device_kinds: the device types it runs on ("CPU", "GPU", "TPU").
+    native_reduce_scatter: a reduce-scatter is one collective; False: an all-reduce
+        and a slice (TF's collective ops have no CPU reduce-scatter), twice the traffic.
+    semantics: "tf" (every op on TF's kernels: TF's values) or "xla" (compiled by XLA:
+        XLA's rounding; ops whose XLA values differ from TF's still run on TF's kernels,
+        see registry.xla_numerics_differ)."""
+
+    copy_collectives: bool
+    several_workers: bool
+    compiles_segments: bool
+    device_kinds: frozenset
+    native_reduce_scatter: bool
+    semantics: str
 
 
 class Backend(abc.ABC):
@@ -29,24 +70,75 @@ class Backend(abc.ABC):
                 "with gt.Mesh.create")
         self.mesh = mesh
 
+    @property
     @abc.abstractmethod
-    def compile(self, program, name=None):
-        """Builds `program` once; returns run(inputs) -> outputs.
+    def capabilities(self) -> Capabilities:
+        """What this backend can do on its mesh (Capabilities)."""
 
-        inputs[i][d] is the shard of program input i (gt.Input index i) for device id d;
-        outputs[j][d] is the shard of program.outputs[j] on device id d. `name` (the
-        user's function, as errors should call it) names the program in errors.
+    @abc.abstractmethod
+    def compile(self, program: Graph, name: Optional[str] = None) -> "Compiled":
+        """Builds `program` once; returns its Compiled.
+
+        `name` (the user's function, as errors should call it) names the program in
+        errors.
         """
 
-    def all_reduce_combine_bytes(self, in_region):
+    def all_reduce_combine_bytes(self, in_region: bool) -> Optional[int]:
         """The largest all-reduce (operand bytes per device) the partitioner's combiner
         should merge with others (spmd/combine.py) in this backend's programs: at the
         top level, or inside control-flow bodies (`in_region`); 0 for none, None for
-        the combiner's default. What pays depends on what an all-reduce costs here."""
+        the combiner's default. 0 for the top-level all-reduces of a backend whose
+        collectives on this mesh are all copies (copy_collectives, every device a CPU
+        of this process): a copy all-reduce is one AddN with no fixed cost to amortise,
+        and combining only adds a flatten, a concat, a split and a reshape per member
+        (benchmarks/RESULTS.md §14.10). TF's collectives (bodies, other devices,
+        several workers) keep the combiner's default."""
+        if in_region or not self.capabilities.copy_collectives or \
+                not self.mesh.is_fully_addressable:
+            return None
+        if mesh_device_kinds(self.mesh) == {"CPU"}:
+            return 0
         return None
 
 
-def program_inputs(program):
+class Compiled(abc.ABC):
+    """A program built by a backend: `program` (the SPMD program) runs when called."""
+
+    program: Optional[Graph] = None
+
+    @abc.abstractmethod
+    def __call__(self, inputs: Sequence[Sequence]) -> list:
+        """outputs[j][d] of program output j on device id d (None on devices of other
+        workers), from inputs[i][d], the shard of program input i on device id d
+        (tensors or arrays; only those of this process's devices are read)."""
+
+    def cost_analysis(self) -> dict:
+        """What one device's program does, from the program and the op contracts:
+        {"multiply_adds": of its dots and convolutions (a loop body counted once),
+        "collective_bytes": the operand bytes of its collectives, "collectives": how
+        many}."""
+        return program_cost(self.program)
+
+    def memory(self) -> dict:
+        """Bytes one device's program holds for its arguments and results:
+        {"argument_bytes", "output_bytes"}."""
+        return {"argument_bytes": sum(_bytes(node.out_shapes[0], node.out_dtypes[0])
+                                      for node in program_inputs(self.program)),
+                "output_bytes": sum(_bytes(self.program.shape(ref), self.program.dtype(ref))
+                                    for ref in self.program.outputs)}
+
+    def as_text(self) -> str:
+        """The SPMD program as text (program_text)."""
+        return program_text(self.program)
+
+
+def mesh_device_kinds(mesh) -> set:
+    """The device types of `mesh`'s devices ("CPU", "GPU", "TPU"), upper case."""
+    return {(tf.DeviceSpec.from_string(name).device_type or "CPU").upper()
+            for name in mesh.devices}
+
+
+def program_inputs(program: Graph) -> list:
     """The gt.Input nodes of `program`, indexed by their `index` param.
 
     Raises ShardingError when the indices are not exactly 0..n-1.
@@ -60,3 +152,47 @@ def program_inputs(program):
             f"SPMD program inputs have indices {sorted(nodes)}: each index 0..n-1 must "
             "appear on exactly one gt.Input node")
     return [nodes[i][0] for i in range(len(nodes))]
+
+
+def program_cost(program: Graph) -> dict:
+    """Compiled.cost_analysis of `program` (its bodies included)."""
+    cost = {"multiply_adds": 0, "collective_bytes": 0, "collectives": 0}
+    for graph, node in _nodes_with_graphs(program):
+        cost["multiply_adds"] += multiply_adds(node, [graph.shape(r) for r in node.inputs])
+        if node.op in COLLECTIVES:
+            cost["collectives"] += 1
+            cost["collective_bytes"] += _bytes(graph.shape(node.inputs[0]),
+                                               graph.dtype(node.inputs[0]))
+    return cost
+
+
+def program_text(program: Graph, indent: str = "") -> str:
+    """`program` one node a line: `%index = op(inputs) : shapes dtypes {params}`, a
+    control-flow node's regions indented below it."""
+    lines = []
+    for i, node in enumerate(program.nodes):
+        inputs = ", ".join(f"%{r.node}" + (f":{r.out}" if r.out else "") for r in node.inputs)
+        types = ", ".join(f"{dtype.name}{list(shape) if shape is not None else '[?]'}"
+                          for shape, dtype in zip(node.out_shapes, node.out_dtypes))
+        params = f" {node.params}" if node.params else ""
+        lines.append(f"{indent}%{i} = {node.op}({inputs}) : {types}{params}  # {node.name}")
+        for k, region in enumerate(node.regions):
+            lines.append(f"{indent}  region {k}:")
+            lines.append(program_text(region, indent + "    "))
+    outputs = ", ".join(f"%{r.node}" + (f":{r.out}" if r.out else "") for r in program.outputs)
+    lines.append(f"{indent}return {outputs}")
+    return "\n".join(lines)
+
+
+def _nodes_with_graphs(graph):
+    for node in graph.nodes:
+        yield graph, node
+        for region in node.regions:
+            yield from _nodes_with_graphs(region)
+
+
+def _bytes(shape, dtype):
+    """Bytes of a tensor of `shape` and `dtype` (0 for unknown shapes, handles)."""
+    if shape is None or None in shape or dtype in (tf.resource, tf.variant, tf.string):
+        return 0
+    return math.prod(shape) * dtype.size

@@ -21,9 +21,11 @@ from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import errors, ops
 from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
 
+from gspmd_tf import cluster
 from gspmd_tf.backends import base
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import walk
+from gspmd_tf.timeouts import default_timeout
 
 MERGE_OPS = {"sum": "Add", "max": "Max", "min": "Min", "prod": "Mul"}
 
@@ -214,7 +216,7 @@ def ordering_token(device_name):
     they are chained in program order, as tf.distribute's CollectiveReplicaLauncher
     does: by tf.function's automatic control dependencies (control-flow bodies, the
     XLA backend), or by the local lowering itself, which chains a device's token users
-    (backends/local.py, ordering.py). Without it, tf.function chains all
+    (backends/emitter.py, ordering.py). Without it, tf.function chains all
     stateful ops of all devices in one order, and the first collective waits forever for
     peers that are queued behind it. Created once per device, as a plain ResourceVariable
     so that no distribution strategy or Keras scope turns it into something else.
@@ -468,7 +470,6 @@ class GuardedCall:
 
     def timeout_error(self):
         """The DeadlineExceededError to raise for this call."""
-        from gspmd_tf import cluster
         joined = cluster.current()
         after = ("later calls run normally." if joined is None or joined.num_workers == 1
                  else "a worker of the cluster may have died or be unreachable; this "
@@ -483,3 +484,34 @@ class GuardedCall:
 
 
 watchdog = Watchdog()
+
+
+_barriers = {}  # this worker's first device -> the traced barrier function
+
+
+def barrier():
+    """Returns once every worker of the cluster (cluster.py) has called it: an all-reduce
+    of one number between the first devices of every worker, under the collective
+    timeout (GSPMD_TF_COLLECTIVE_TIMEOUT) so that a dead worker makes it fail instead of
+    hang."""
+    joined = cluster.current()
+    if joined is None or joined.num_workers == 1:
+        return
+    firsts = {}  # task -> its first device
+    for name in cluster.global_device_names(
+            d.name for d in tf.config.list_logical_devices()):
+        firsts.setdefault(cluster.task_of(name), name)
+    names = list(firsts.values())
+    own = firsts[joined.task_index]
+    if own not in _barriers:
+        instance_key, _ = named_keys("barrier")
+        group = Group(names, instance_key, ordering_token(own))
+        group.kwargs["timeout_seconds"] = default_timeout()
+
+        def wait():
+            with tf.device(own):
+                return group.all_reduce(tf.constant(1.0), "sum")
+        _barriers[own] = tf.function(wait, autograph=False)
+    arrived = int(_barriers[own]().numpy())
+    if arrived != joined.num_workers:
+        raise ShardingError(f"barrier: {arrived} of {joined.num_workers} workers arrived")

@@ -6,7 +6,7 @@ program's nodes times the devices (~21,000 ops for the 64-layer FFN train step),
 them pure, and ACD was ~25% of building it. The program knows which nodes touch state,
 and every device runs the same program on its own variable handles, so the order is
 found once per program, over its few stateful nodes, and the backend adds the same
-edges on every device (backends/local.py). The rules are ACD's, applied to nodes:
+edges on every device (backends/emitter.py). The rules are ACD's, applied to nodes:
 
 - a node with resource inputs (a variable's handle; an Identity of a handle is the
   same resource, as ACD resolves it) reads it when its op is one TF registers as
@@ -29,7 +29,8 @@ from collections import namedtuple
 import tensorflow as tf
 from tensorflow.python.framework import auto_control_deps as acd
 from tensorflow.python.framework import auto_control_deps_utils as acd_utils
-from tensorflow.python.framework import op_def_registry
+
+from gspmd_tf.registry import is_stateful
 
 Ordering = namedtuple("Ordering", "after must_run")
 Ordering.__doc__ = """The order of a program's stateful nodes: `after[i]` the nodes node i
@@ -38,13 +39,10 @@ when no output needs them."""
 
 
 def stateful(op_type):
-    """Whether ACD treats ops of `op_type` as stateful (ordered, must run): TF's
-    stateful ops but its lists of asynchronous collectives, legacy random ops and
-    skipped ones; an op TF does not know counts as stateful."""
-    op_def = op_def_registry.get(op_type)
-    if op_def is None:
-        return True
-    return (op_def.is_stateful and op_type not in acd.ASYNC_STATEFUL_OPS and
+    """Whether ACD treats ops of `op_type` as stateful (ordered, must run): the stateful
+    ops (registry.is_stateful: an op TF does not know counts as one) but ACD's lists of
+    asynchronous collectives, legacy random ops and skipped ones."""
+    return (is_stateful(op_type) and op_type not in acd.ASYNC_STATEFUL_OPS and
             op_type not in acd.LEGACY_RANDOM_OPS and
             op_type not in acd.SKIPPED_ORDER_INSENSITIVE_STATEFUL_OPS)
 

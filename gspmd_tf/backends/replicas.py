@@ -17,14 +17,8 @@ gt.ShardIndex and the collectives by what they compute on each device.
 
 from __future__ import annotations
 
-from tensorflow.python.framework import op_def_registry
-
 from gspmd_tf.backends import base
-
-# Stateful ops whose outputs are a function of their inputs' values (a variable's value,
-# through its handle): equal handles of replicated variables give equal values. The ops
-# themselves still run on every device (they order with that device's writes).
-_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+from gspmd_tf.registry import READS_VARIABLE, has_trait, is_stateful
 
 
 def replica_classes(program, mesh, local):
@@ -55,8 +49,7 @@ def runs_once(node):
     if node.op.startswith("gt.") or node.regions or not node.out_shapes or \
             node.op in ("Const", "Identity"):
         return False
-    op_def = op_def_registry.get(node.op)
-    if op_def is None or op_def.is_stateful:
+    if is_stateful(node.op):
         return False
     return not any(d.name in ("resource", "variant") for d in node.out_dtypes)
 
@@ -98,8 +91,10 @@ def _keys(node, mesh, local, classes):
         return keys
     if node.op.startswith("gt.") or node.regions:
         return keys  # a body may read its device's shard index: never assumed equal
-    op_def = op_def_registry.get(node.op)
-    if op_def is None or (op_def.is_stateful and node.op not in _READS):
+    # a variable read is a function of its input values (the variable's, through its
+    # handle): equal handles of replicated variables give equal values (the read itself
+    # still runs on every device, ordered with that device's writes)
+    if is_stateful(node.op) and not has_trait(node.op, READS_VARIABLE):
         return keys
     for d in local:
         keys[d] = tuple(row[d] for row in ins)

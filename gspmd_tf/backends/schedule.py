@@ -31,18 +31,11 @@ reads and writes in the program's order.
 from __future__ import annotations
 
 import heapq
-import re
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import op_def_registry
-
 from gspmd_tf.backends import base
-
-# the nodes that run collectives (gt.Permute across workers runs pair all-gathers)
-COLLECTIVE_OPS = (base.ALL_REDUCE, base.ALL_GATHER, base.REDUCE_SCATTER, base.ALL_TO_ALL,
-                  base.PERMUTE)
-
+from gspmd_tf.registry import is_stateful, multiply_adds
 
 def program_order(program):
     """The nodes' indices as the program lists them."""
@@ -84,15 +77,12 @@ def ready_order(program):
 def _chained(program, node):
     """Whether tf.function orders `node` by creation among other nodes: a stateful TF
     op, a control-flow op, or one with a resource input or output."""
-    if node.op in COLLECTIVE_OPS:
+    if node.op in base.COLLECTIVES:  # gt.Permute across workers: pair all-gathers
         return False  # chained by its token: the order being chosen
     if node.regions or tf.resource in node.out_dtypes or \
             any(program.dtype(ref) == tf.resource for ref in node.inputs):
         return True
-    if node.op.startswith("gt."):
-        return False
-    op_def = op_def_registry.get(node.op)
-    return op_def is None or op_def.is_stateful
+    return is_stateful(node.op)
 
 
 def start_times(program):
@@ -108,21 +98,11 @@ def start_times(program):
 
 
 def node_work(program, node):
-    """A rough cost of `node`: the multiply-adds of a dot or convolution, else the
-    elements it produces (a collective: those it moves)."""
-    out = sum(int(np.prod(shape, dtype=np.int64)) for shape in node.out_shapes
-              if shape is not None and None not in shape)
-    shapes = [program.shape(ref) for ref in node.inputs]
-    if node.op == "MatMul":
-        return out * shapes[0][0 if node.attr("transpose_a") else 1]
-    if node.op.startswith("BatchMatMul"):
-        return out * shapes[0][-2 if node.attr("adj_x") else -1]
-    if node.op == "Einsum":
-        lhs, result = node.attr("equation").replace(" ", "").split("->")
-        sizes = {c: n for term, shape in zip(lhs.split(","), shapes)
-                 for c, n in zip(re.sub(r"\.\.\.", "", term)[-len(shape):], shape)}
-        return out * int(np.prod([n for c, n in sizes.items() if c not in result],
-                                 dtype=np.int64))
-    if node.op.startswith(("Conv", "DepthwiseConv")) and len(shapes) > 1:
-        return out * int(np.prod(shapes[1][:-1], dtype=np.int64))
-    return out
+    """A rough cost of `node`: the multiply-adds of a dot or convolution (the op's
+    contract, registry.multiply_adds), else the elements it produces (a collective:
+    those it moves)."""
+    count = multiply_adds(node, [program.shape(ref) for ref in node.inputs])
+    if count:
+        return count
+    return sum(int(np.prod(shape, dtype=np.int64)) for shape in node.out_shapes
+               if shape is not None and None not in shape)

@@ -24,32 +24,12 @@ import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
 from gspmd_tf.backends import base
+from gspmd_tf.registry import (ASSIGNS_VARIABLE, has_trait, is_stateful, multiply_adds,
+                               op_def, xla_numerics_differ)
 
 # gt.* nodes a segment reads but never holds: emitted first, once per device
 SOURCES = (base.INPUT, base.SHARD_INDEX)
-# Values XLA computes differently from TF's kernels (random bits): kept op by op so that
-# both backends give the same numbers.
-_RANDOM_WORDS = ("Random", "Multinomial", "TruncatedNormal")
 _UNCOMPILABLE_DTYPES = (tf.string, tf.resource, tf.variant)
-# Variable writes, which XLA compiles with the arithmetic computing their values: the
-# variable is an argument of the (update) segment. Reads stay op by op: a
-# ReadVariableOp hands out the variable's buffer without a copy, where a compiled read
-# would copy it, and it would tie the segment reading it to the variable's device
-# (xla.py). Other ops on resources (TensorArrays, hash tables, stateful random
-# generators) stay barriers.
-VARIABLE_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
-# Ops whose results XLA and TF's kernels define differently: on floats with NaNs
-# (XLA's max and min propagate NaN, TF's CPU reductions, arg-extrema and segment
-# extrema do not; tests/test_nonfinite.py), and integer division by zero (XLA gives -1;
-# an integer Mean of no elements divides by zero).
-_NAN_ORDERED = {"Max", "Min", "ArgMax", "ArgMin", "SegmentMax", "SegmentMin",
-                "SegmentMaxV2", "SegmentMinV2", "UnsortedSegmentMax", "UnsortedSegmentMin",
-                "MaxPool", "MaxPoolV2", "MaxPool3D", "MaxPoolGrad", "MaxPoolGradV2",
-                "MaxPool3DGrad", "MaxPoolWithArgmax"}
-_INTEGER_DIVISIONS = {"Div", "FloorDiv", "TruncateDiv", "FloorMod", "TruncateMod", "Mod",
-                      "Mean"}
-
-
 class Segment:
     """Nodes compiled together: `nodes` (program indices, program order), `inputs` (Refs
     read from outside, in first-use order) and `outputs` (Refs used outside, sorted)."""
@@ -64,6 +44,13 @@ class Segment:
                f"{len(self.outputs)} out>"
 
 
+# Variable writes (registry trait ASSIGNS_VARIABLE), which XLA compiles with the
+# arithmetic computing their values: the variable is an argument of the (update)
+# segment. Reads stay op by op: a
+# ReadVariableOp hands out the variable's buffer without a copy, where a compiled read
+# would copy it, and it would tie the segment reading it to the variable's device
+# (xla.py). Other ops on resources (TensorArrays, hash tables, stateful random
+# generators) stay barriers.
 def why_not_compiled(program, node):
     """Why `node` of `program` must run op by op, or None when XLA may compile it (what
     the program says; XLA's own verdict comes from its bridge, see xla.py)."""
@@ -71,11 +58,9 @@ def why_not_compiled(program, node):
         return "a gspmd-tf collective or device op"
     if node.regions:
         return "control flow with regions"
-    if any(word in node.op for word in _RANDOM_WORDS):
-        return "a random op (XLA draws other numbers than TF's kernel)"
     if any(d in _UNCOMPILABLE_DTYPES for d in node.out_dtypes):
         return "its outputs are strings, resources or variants"
-    handles = 1 if node.op in VARIABLE_WRITES else 0  # a variable's handle comes first
+    handles = 1 if has_trait(node.op, ASSIGNS_VARIABLE) else 0  # a variable's handle comes first
     if any(program.dtype(ref) in _UNCOMPILABLE_DTYPES for ref in node.inputs[handles:]):
         return "it reads strings, resources or variants"
     if handles and program.nodes[node.inputs[0].node].op != base.INPUT:
@@ -83,88 +68,30 @@ def why_not_compiled(program, node):
         # (through resource Identity ops)
         return "it reaches its variable through another op than the program's input"
     operand = program.dtype(node.inputs[0]) if node.inputs else None
-    if node.op in _NAN_ORDERED and operand is not None and operand.is_floating:
-        return "XLA orders NaN against numbers otherwise than TF's kernel"
-    if node.op in _INTEGER_DIVISIONS and operand is not None and operand.is_integer:
-        return "XLA divides integers by zero otherwise than TF's kernel"
+    numerics = xla_numerics_differ(node, operand)
+    if numerics is not None:
+        return numerics
     if any(s is None or any(x is None or x < 0 for x in s) for s in node.out_shapes):
         return "its output shape depends on the data"
     if op_def_registry.get(node.op) is None:
         return "an op TF does not register"
-    if _is_stateful(node) and node.op not in VARIABLE_WRITES:
+    if is_stateful(node.op) and not has_trait(node.op, ASSIGNS_VARIABLE):
         return "a stateful op"
     return None
 
 
-# Convolutions and their gradients (inputs (sizes or input, filter or its sizes,
-# output gradient)), which large_dots counts with the dots
-_CONVOLUTIONS = ("Conv2D", "Conv3D", "DepthwiseConv2dNative")
-_INPUT_GRADIENTS = ("Conv2DBackpropInput", "Conv3DBackpropInputV2",
-                    "DepthwiseConv2dNativeBackpropInput")
-_FILTER_GRADIENTS = ("Conv2DBackpropFilter", "Conv3DBackpropFilterV2",
-                     "DepthwiseConv2dNativeBackpropFilter")
-# Dot-like ops large_dots may leave to TF's kernels (oneDNN on CPU)
-_DOTS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum") + \
-    _CONVOLUTIONS + _INPUT_GRADIENTS + _FILTER_GRADIENTS
-
-
 def large_dots(program, min_flops):
-    """Indices of the dot-like nodes (matmuls, einsums, 2-D, 3-D and depthwise
-    convolutions and their gradients) of `program` doing at least `min_flops`
-    multiply-adds."""
+    """Indices of the top-level nodes of `program` doing at least `min_flops`
+    multiply-adds (dots and convolutions: registry.multiply_adds)."""
     return {i for i, count in dot_multiply_adds(program).items() if count >= min_flops}
 
 
-def is_convolution(node):
-    """Whether `node` is a convolution or a convolution's gradient."""
-    return node.op in _CONVOLUTIONS + _INPUT_GRADIENTS + _FILTER_GRADIENTS
-
-
 def dot_multiply_adds(program):
-    """{node index: multiply-adds} of the dot-like nodes of `program` (large_dots')."""
-    return {i: _multiply_adds(program, node) for i, node in enumerate(program.nodes)
-            if node.op in _DOTS}
-
-
-def _multiply_adds(program, node):
-    """Multiply-adds of the dot-like `node`: its output's elements times the length of
-    what each sums over (the contracted dims; a convolution's window x input channels)."""
-    out = _elements(node.out_shapes[0])
-    if len(node.inputs) < 2:
-        return 0  # an einsum of one operand ("aa->a", "ij->j"): sums, no products
-    lhs, rhs = (program.shape(ref) for ref in node.inputs[:2])
-    if node.op == "MatMul":
-        return out * lhs[0 if node.attrs["transpose_a"].b else 1]
-    if node.op.startswith("BatchMatMul"):
-        return out * lhs[-2 if node.attrs["adj_x"].b else -1]
-    if node.op == "Einsum":
-        inputs, output = node.attrs["equation"].s.decode().replace(" ", "").split("->")
-        size = {}
-        for labels, shape in zip(inputs.split(","), (lhs, rhs)):
-            if "." in labels:  # ellipsis: no per-label sizes; count it as a full dot
-                return out * max(_elements(lhs), _elements(rhs))
-            size.update(zip(labels, shape))
-        return out * _elements([size[c] for c in size if c not in output])
-    # convolutions: each output element sums over the filter's window, and each
-    # gradient does the forward's multiply-adds again
-    if node.op in _CONVOLUTIONS:
-        return out * _window(node.op, rhs)
-    filter_shape = rhs if node.op in _INPUT_GRADIENTS else node.out_shapes[0]
-    return _elements(program.shape(node.inputs[2])) * _window(node.op, filter_shape)
-
-
-def _window(op, filter_shape):
-    """Elements of its filter (spatial dims, in channels, out channels or multiplier)
-    one output element of convolution `op` sums over: the spatial window times the
-    input channels, or for a depthwise one the spatial window alone."""
-    return _elements(filter_shape[:2] if op.startswith("Depthwise") else filter_shape[:-1])
-
-
-def _elements(shape):
-    count = 1
-    for d in shape:
-        count *= d
-    return count
+    """{node index: multiply-adds} of the top-level dot-like nodes of `program` (those
+    whose entry counts multiply-adds: dots and convolutions)."""
+    return {i: multiply_adds(node, [program.shape(ref) for ref in node.inputs])
+            for i, node in enumerate(program.nodes)
+            if op_def(node.op).multiply_adds is not None}
 
 
 def cut(program, excluded=frozenset(), shared=None):
@@ -211,7 +138,7 @@ def cut(program, excluded=frozenset(), shared=None):
         if kind[i] in ("source", "constant"):
             continue
         producers = [ref.node for ref in node.inputs] + list(node.control_inputs)
-        if _is_stateful(node):
+        if is_stateful(node.op):
             for resource in _resources(program, node) or [None]:
                 if resource in last_stateful:
                     producers.append(last_stateful[resource])
@@ -244,7 +171,7 @@ def cut(program, excluded=frozenset(), shared=None):
         here = set(computes.get(s, []))
         update, tail = set(), set()  # tail: shared nodes run after the main segment
         for i in reversed(computes.get(s, [])):  # dependents come later in program order
-            if nodes[i].op in VARIABLE_WRITES:
+            if has_trait(nodes[i].op, ASSIGNS_VARIABLE):
                 update.add(i)
             elif not dependents[i] or i in outputs:
                 continue
@@ -257,7 +184,7 @@ def cut(program, excluded=frozenset(), shared=None):
         # with `shared`, an update segment of writes only (their values computed once,
         # before) runs op by op in its place: compiled, it would fuse nothing and
         # compile once per device (RESULTS §14.9)
-        plain = sorted(update) if shared and all(nodes[i].op in VARIABLE_WRITES
+        plain = sorted(update) if shared and all(has_trait(nodes[i].op, ASSIGNS_VARIABLE)
                                                  for i in update) else []
         for i in plain:
             kind[i] = "barrier"
@@ -324,11 +251,6 @@ def _resources(program, node):
             ref = program.nodes[ref.node].inputs[0]
         out.append(ref)
     return out
-
-
-def _is_stateful(node):
-    op_def = op_def_registry.get(node.op)
-    return bool(op_def is not None and op_def.is_stateful)
 
 
 def _segment(program, computes, readers, kind):

@@ -27,16 +27,22 @@ of its segment and run op by op, with a warning naming it, and the program is cu
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
+from typing import Optional
 
 import tensorflow as tf
 from tensorflow.python.framework import ops
 
-from gspmd_tf.backends import local, segments
+from gspmd_tf.backends import base, segments
+from gspmd_tf.backends.emitter import cpu_replica_classes
+from gspmd_tf.backends.local import CompiledProgram, EmissionSettings
+from gspmd_tf.backends.tf_kernels import set_shapes, tf_op_emitter
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.graph.ir import Ref
+from gspmd_tf.registry import ASSIGNS_VARIABLE, READS_VARIABLE, has_trait
+from gspmd_tf.graph.ir import Graph, Ref
 
 log = logging.getLogger("gspmd_tf")
 
@@ -47,10 +53,11 @@ _functions = {}
 _functions_lock = threading.Lock()
 
 
-class XlaBackend(local.LocalBackend):
+class XlaBackend(base.Backend):
     """Runs SPMD programs on the mesh's devices in this process, the compute between
     collectives compiled by XLA (one compilation per distinct segment; on devices other
-    than CPUs one per device).
+    than CPUs one per device): LocalBackend's CompiledProgram composed with a
+    SegmentPlan.
 
     `collective_timeout`, `copy_collectives` and `replicated_once` as for LocalBackend
     (collectives of this process's CPU devices as cross-device reads; a value several
@@ -60,58 +67,61 @@ class XlaBackend(local.LocalBackend):
     gradients) of at least this many multiply-adds run op by op on TF's kernels instead
     of in the segments. `fallback_level`: the logging level of the messages naming the
     ops that run op by op (WARNING; AutoBackend, which chose XLA for the user, INFO).
+    `async_collectives` is LocalBackend's: refused here, the segment plan orders the
+    collectives.
     """
 
     def __init__(self, mesh, collective_timeout=None, tf_dots_from=None,
                  async_collectives=False, copy_collectives=True, replicated_once=True,
                  fallback_level=logging.WARNING):
-        super().__init__(mesh, collective_timeout, async_collectives, copy_collectives,
-                         replicated_once)
+        super().__init__(mesh)
+        self.settings = EmissionSettings.checked(collective_timeout, async_collectives,
+                                                 copy_collectives, replicated_once)
         self.tf_dots_from = tf_dots_from
         self.fallback_level = fallback_level
 
-    def compile(self, program, name=None):
-        """Returns run(inputs) -> outputs, as LocalBackend.compile; `run.plan` holds the
-        segments."""
+    @property
+    def capabilities(self) -> base.Capabilities:
+        """Compiled segments, this process's devices only; XLA's rounding, TF's values
+        where XLA's kernels differ (those ops run op by op)."""
+        return base.Capabilities(
+            copy_collectives=self.settings.copy_collectives, several_workers=False,
+            compiles_segments=True, device_kinds=frozenset(base.mesh_device_kinds(self.mesh)),
+            native_reduce_scatter=False, semantics="xla")
+
+    def compile(self, program: Graph, name: Optional[str] = None) -> CompiledProgram:
+        """The CompiledProgram of `program` (as LocalBackend.compile), following a
+        SegmentPlan (its `plan`)."""
         if not self.mesh.is_fully_addressable:
             raise ShardingError(
                 f"backend='xla' runs meshes of one process; {self.mesh!r} spans several "
-                "workers: use backend='local' (or the default, 'auto') there")
-        if self.async_collectives:
+                "workers: use backend='local' (or the default) there")
+        if self.settings.async_collectives:
             raise ShardingError("async_collectives applies to LocalBackend: the XLA "
                                 "backend's segment plan orders its collectives")
-        return _XlaCompiled(self.mesh, program, self.collective_timeout, name,
-                            self.tf_dots_from, self.copy_collectives, self.replicated_once,
-                            self.fallback_level)
+        plan = functools.partial(SegmentPlan, tf_dots_from=self.tf_dots_from,
+                                 fallback_level=self.fallback_level)
+        return CompiledProgram(self.mesh, program, self.settings.collective_timeout, name,
+                               copy_collectives=self.settings.copy_collectives,
+                               replicated_once=self.settings.replicated_once,
+                               segment_compiler=plan)
 
 
-class _XlaCompiled(local._Compiled):
-    def __init__(self, mesh, program, timeout, name, tf_dots_from, copy_collectives,
-                 replicated_once, fallback_level):
-        self.tf_dots_from = tf_dots_from  # before the first trace, which makes the plan
-        self.fallback_level = fallback_level
-        super().__init__(mesh, program, timeout, name, copy_collectives=copy_collectives,
-                         replicated_once=replicated_once)
+class SegmentPlan:
+    """The XLA segment compiler of a program: its steps (segments.cut) after the compile
+    check, each segment's function (`functions[k]` for the k-th Segment of `steps`) and,
+    with `replicated_once`, the program's replica classes (cpu_replica_classes; else
+    None). The ops that run op by op are logged at `fallback_level`. A DeviceEmitter
+    composed with it emits the steps (lower)."""
 
-    def _lowering(self):
-        if getattr(self, "plan", None) is None:  # kept when traced again
-            self.plan = _Plan(self.mesh, self.program, self.what, self.tf_dots_from,
-                              self.replicated_once, self.fallback_level)
-        return _XlaLowering(self.mesh, self.keys, self.plan, self.copy_collectives,
-                            self.replicated_once)
-
-
-class _Plan:
-    """The program's steps (segments.cut) after the compile check, each segment's
-    function (`functions[k]` for the k-th Segment of `steps`) and, with
-    `replicated_once`, the program's replica classes (local.cpu_replica_classes; else
-    None). The ops that run op by op are logged at `fallback_level`."""
-
-    def __init__(self, mesh, program, what, tf_dots_from, replicated_once, fallback_level):
+    def __init__(self, mesh, program, what, replicated_once, tf_dots_from=None,
+                 fallback_level=logging.WARNING):
         device_type = tf.DeviceSpec.from_string(mesh.devices[0]).device_type or "CPU"
         excluded = set() if tf_dots_from is None else \
             segments.large_dots(program, tf_dots_from)
-        self.classes = local.cpu_replica_classes(program, mesh) if replicated_once else None
+        self.classes = cpu_replica_classes(program, mesh) if replicated_once else None
+        # where each device's segments run (_compile_device)
+        self.runs_on = [_compile_device(mesh.devices, d) for d in range(mesh.size)]
         # node -> its classes row, for the nodes some device reads from another
         shared = {i: row for i, row in enumerate(self.classes or ())
                   if any(s not in (None, d) for d, s in enumerate(row))}
@@ -141,16 +151,67 @@ class _Plan:
                 continue
             why = segments.why_not_compiled(program, program.nodes[i])
             if why and not program.nodes[i].op.startswith("gt.") and \
-                    program.nodes[i].op not in _EXPECTED:
+                    not _expected(program.nodes[i].op):
                 reasons.setdefault((program.nodes[i].op, why), None)
         if reasons:
             log.log(fallback_level, "gspmd_tf: the XLA backend runs these ops of %s op by op: "
                     "%s", what, "; ".join(f"{op} ({why})" for op, why in reasons))
 
+    def lower(self, emitter, program):
+        """Emits the steps with DeviceEmitter `emitter` (bound to the arguments): each
+        segment's calls, the other nodes op by op; returns the outputs, output-major."""
+        values, op_of = {}, {}
+        functions = iter(self.functions)
+        for step in self.steps:
+            if isinstance(step, segments.Segment):
+                self._emit_segment(emitter, program, step, next(functions), values, op_of)
+            else:
+                emitter.emit_node(program, step, values, op_of)
+        # outputs live on their device: segments ran on runs_on, copies read in place
+        return [emitter.held_on(values[ref.node][ref.out][d], d)
+                for ref in program.outputs for d in emitter.local]
+
+    def _emit_segment(self, emitter, program, segment, function, values, op_of):
+        inside = set(segment.nodes)
+        control = sorted({c for i in segment.nodes for c in program.nodes[i].control_inputs
+                          if c not in inside})
+        graph = ops.get_default_graph()
+        n = emitter.mesh.size
+        # a segment is pure but for its variable writes: called once for the devices
+        # holding equal values of all its outputs, the others read the results
+        sources = (range(n) if function.touches_variables else
+                   emitter.common_sources(sorted({ref.node for ref in segment.outputs})))
+        calls, results = [], []
+        for d in range(n):
+            if sources[d] != d:
+                calls.append(calls[sources[d]])
+                results.append(results[sources[d]])
+                continue
+            args = [values[ref.node][ref.out][d] for ref in segment.inputs]
+            # TF touches a variable only on its own device
+            runs_on = emitter.devices[d] if function.touches_variables else self.runs_on[d]
+            with tf.device(runs_on), \
+                    tf.control_dependencies([op_of[c][d] for c in control]):
+                outs = function.concrete(*args)
+            outs = list(outs) if outs is not None else []
+            # the call op; with no outputs it is the op the call just added
+            calls.append(outs[0].op if outs else graph.get_operations()[-1])
+            results.append(outs)
+        for k, ref in enumerate(segment.outputs):
+            values.setdefault(ref.node, [None] * len(program.nodes[ref.node].out_dtypes))
+            values[ref.node][ref.out] = [results[d][k] for d in range(n)]
+        for i in segment.nodes:
+            op_of[i] = calls
+
+
 
 # Ops that run op by op by design (variable reads; writes reaching their variable
 # through a resource Identity, see segments.why_not_compiled): no warning for them.
-_EXPECTED = segments.VARIABLE_WRITES + ("ReadVariableOp", "Identity", "NoOp", "Const")
+def _expected(op_type):
+    """Whether ops of `op_type` run op by op by design (no warning for them): variable
+    reads and writes, handles passed on, no-ops and constants."""
+    return has_trait(op_type, ASSIGNS_VARIABLE) or has_trait(op_type, READS_VARIABLE) or \
+        op_type in ("Identity", "NoOp", "Const")
 
 
 def _segment_function(program, segment, device, device_type):
@@ -181,10 +242,10 @@ class _SegmentFunction:
                 node = program.nodes[i]
                 control = [op_of[c] for c in node.control_inputs if c in op_of]
                 with tf.control_dependencies(control):
-                    result = local._tf_op(node, [device])(0, [[values[r]] for r in node.inputs])
+                    result = tf_op_emitter(node, [device])(0, [[values[r]] for r in node.inputs])
                 op = result if isinstance(result, ops.Operation) else result.op
                 outs = op.outputs if isinstance(result, ops.Operation) else [result]
-                local._set_shapes(node, outs)
+                set_shapes(node, outs)
                 values.update((Ref(i, out), t) for out, t in enumerate(outs))
                 op_of[i] = op
                 self.names[op.name] = k
@@ -240,66 +301,9 @@ def _variable(program, segment, ref):
         return None
     for i in segment.nodes:
         node = program.nodes[i]
-        if node.op in segments.VARIABLE_WRITES and node.inputs[0] == ref:
+        if has_trait(node.op, ASSIGNS_VARIABLE) and node.inputs[0] == ref:
             return program.shape(ref), tf.dtypes.as_dtype(node.attrs["dtype"].type)
     raise AssertionError(f"segment argument {ref} is a resource no variable write takes")
-
-
-class _XlaLowering(local._Lowering):
-    """Emits the plan's steps once per device: segment calls and op-by-op nodes."""
-
-    orders_state = False  # its segment calls are ordered by tf.function's ACD
-
-    def __init__(self, mesh, keys, plan, copy_collectives, replicated_once):
-        super().__init__(mesh, keys, copy_collectives=copy_collectives,
-                         replicated_once=replicated_once)
-        self.plan = plan
-        self.classes = plan.classes
-        self.runs_on = [_compile_device(mesh.devices, d) for d in range(mesh.size)]
-
-    def lower(self, program, flat):
-        self.bind(program, flat)
-        values, op_of = {}, {}
-        functions = iter(self.plan.functions)
-        for step in self.plan.steps:
-            if isinstance(step, segments.Segment):
-                self._emit_segment(program, step, next(functions), values, op_of)
-            else:
-                self.emit_node(program, step, values, op_of)
-        # outputs live on their device: segments ran on runs_on, copies read in place
-        return [self._held_on(values[ref.node][ref.out][d], d)
-                for ref in program.outputs for d in self.local]
-
-    def _emit_segment(self, program, segment, function, values, op_of):
-        inside = set(segment.nodes)
-        control = sorted({c for i in segment.nodes for c in program.nodes[i].control_inputs
-                          if c not in inside})
-        graph = ops.get_default_graph()
-        # a segment is pure but for its variable writes: called once for the devices
-        # holding equal values of all its outputs, the others read the results
-        sources = (range(self.mesh.size) if function.touches_variables else
-                   self.common_sources(sorted({ref.node for ref in segment.outputs})))
-        calls, results = [], []
-        for d in range(self.mesh.size):
-            if sources[d] != d:
-                calls.append(calls[sources[d]])
-                results.append(results[sources[d]])
-                continue
-            args = [values[ref.node][ref.out][d] for ref in segment.inputs]
-            # TF touches a variable only on its own device
-            runs_on = self.devices[d] if function.touches_variables else self.runs_on[d]
-            with tf.device(runs_on), \
-                    tf.control_dependencies([op_of[c][d] for c in control]):
-                outs = function.concrete(*args)
-            outs = list(outs) if outs is not None else []
-            # the call op; with no outputs it is the op the call just added
-            calls.append(outs[0].op if outs else graph.get_operations()[-1])
-            results.append(outs)
-        for k, ref in enumerate(segment.outputs):
-            values.setdefault(ref.node, [None] * len(program.nodes[ref.node].out_dtypes))
-            values[ref.node][ref.out] = [results[d][k] for d in range(self.mesh.size)]
-        for i in segment.nodes:
-            op_of[i] = calls
 
 
 def _compile_device(devices, d):

@@ -11,11 +11,8 @@ node dead on one device is dead on all, and dropping it keeps collectives matche
 
 from __future__ import annotations
 
-import functools
-
-from tensorflow.python.framework import op_def_registry
-
 from gspmd_tf.graph.ir import Graph, Ref
+from gspmd_tf.registry import is_stateful
 
 _ALWAYS_KEPT = frozenset({"gt.Input"})  # program inputs keep their positions
 
@@ -23,18 +20,13 @@ _ALWAYS_KEPT = frozenset({"gt.Input"})  # program inputs keep their positions
 def has_effect(node):
     """Whether a node must run even when nothing reads it: a program input, a TF op with
     no outputs (variable updates) or a stateful TF op (its state would change otherwise).
-    gt.* collectives and shard indices are pure functions of their operands."""
+    gt.* collectives and shard indices are pure functions of their operands
+    (registry.is_stateful: an op TF does not know counts as stateful)."""
     if node.op in _ALWAYS_KEPT:
         return True
     if node.op.startswith("gt."):
         return False
-    return not node.out_shapes or _is_stateful(node.op)
-
-
-@functools.lru_cache(maxsize=None)
-def _is_stateful(op_type):
-    op_def = op_def_registry.get(op_type)
-    return op_def is None or op_def.is_stateful
+    return not node.out_shapes or is_stateful(node.op)
 
 
 def eliminate_dead_code(graph):

@@ -11,7 +11,8 @@ and only summed are masked: sparse_rows.py, run before it by graph/passes.py):
   - Shape/ShapeN/Size/Rank of any tensor become constants (every shape is static);
   - pure ops (declared fold=FOLD_VALUES in the op registry) whose inputs are all
     constants, and whose result is small, are evaluated with TF (eagerly, on the CPU) and become constants;
-  - tensors the importer left with an unknown shape (outputs of VALUE_SHAPED ops, whose
+  - tensors the importer left with an unknown shape (outputs of ops of the registry's
+    VALUE_SHAPED trait, whose
     shape depends on input values, and their consumers) get the shape of their folded
     value, or else the shape TF's shape inference gives once the inputs are constants;
     a tensor still unknown is a ShardingError.
@@ -37,15 +38,6 @@ from gspmd_tf.registry import FOLD_SHAPE, FOLD_VALUES, op_def
 
 MAX_ELEMENTS = 100_000  # no folded constant is larger
 SMALL_FLOAT = 64  # floating results larger than their inputs fold only up to this size
-
-# Ops whose output shapes depend on their input VALUES: TF's shape inference may leave
-# them unknown; the importer defers them (and their unknown-shaped consumers) to fold().
-# (A Reshape's too: TF's inference leaves the -1 of a reshape of no elements unknown.)
-# (Where: TF's gradient of a ConcatV2 that receives a sparse gradient, e.g. from a
-# GatherV2, picks the rows of each input with a Where on the gather indices.)
-VALUE_SHAPED = frozenset({"BroadcastGradientArgs", "DynamicStitch", "ListDiff", "Reshape",
-                          "Where"})
-
 
 def fold(graph):
     """Fold constant shape computations of `graph` in place (see the module docstring);

@@ -34,9 +34,9 @@ from tensorflow.python.ops import handle_data_util
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.gc_pause import gc_paused
-from gspmd_tf.graph.fold import VALUE_SHAPED
 from gspmd_tf.graph.ir import REGION_OPS, Graph, Node, Ref
 from gspmd_tf.graph.passes import IMPORT_PASSES, REGION_PASSES, run_passes
+from gspmd_tf.registry import VALUE_SHAPED, has_trait
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 # Handles: their shape is () whatever they point to, and TF may leave it unknown.
@@ -143,7 +143,7 @@ class _Importer:
                     pending = ()
                 else:
                     # shapes that depend on values (of constants, once folded): fold.py
-                    defer = op_type in VALUE_SHAPED or (
+                    defer = has_trait(op_type, VALUE_SHAPED) or (
                         unknown and any(ref in unknown for ref in inputs))
                     like = (self.ir.shape(inputs[0]) if op_type in _SHAPE_OF_INPUT
                             and inputs[0] not in unknown else None)

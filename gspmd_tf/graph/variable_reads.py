@@ -10,10 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from gspmd_tf.graph.ir import REGION_OPS, Graph, Node, Ref
-
-# ops that only read the variable behind their resource input
-_READ_ONLY = frozenset({"ReadVariableOp", "VariableShape", "ResourceGather",
-                        "ResourceGatherNd"})
+from gspmd_tf.registry import READS_VARIABLE, has_trait
 
 
 def first_writer(graph: Graph, ref: Ref) -> Optional[Node]:
@@ -33,7 +30,7 @@ def first_writer(graph: Graph, ref: Ref) -> Optional[Node]:
             elif node.regions and reads_only(node, pos):
                 if "While" in node.op:  # the loop hands the handle on as its output pos
                     pending.append(Ref(user, pos))
-            elif node.op not in _READ_ONLY:
+            elif not has_trait(node.op, READS_VARIABLE):
                 return node
     return None
 

@@ -26,7 +26,8 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 from tensorflow.python.framework import ops
 
-from gspmd_tf.backends.local import safe_name, traced_region_op
+from gspmd_tf.backends.emitter import traced_region_op
+from gspmd_tf.backends.tf_kernels import safe_name
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd import planner

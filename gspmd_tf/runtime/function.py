@@ -27,21 +27,24 @@ from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
 from gspmd_tf.runtime.trace import Call, Tracer
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.windowed_einsum import threshold_of
+from gspmd_tf.timeouts import check_timeout
 
 
-# The built-in backends by name. The default picks one of the other two per program
-# (backends/auto.py: the XLA backend where it measured faster).
-BACKENDS = ("auto", "local", "xla")
-DEFAULT_BACKEND = "auto"
+# The built-in backends by name. "default" picks one by the mesh's platform (the XLA
+# backend on accelerators, else the local one: backends/auto.for_platform); "auto" per
+# program by multiply-adds (backends/auto.py), for users who opt in.
+BACKENDS = ("default", "auto", "local", "xla")
+DEFAULT_BACKEND = "default"
 
 
 def backend_factory(backend, collective_timeout):
     """The factory (mesh -> gspmd_tf.backends.Backend) gt.function and gt.lower use.
 
-    `backend`: a factory, used as it is; or "auto" (AutoBackend: XlaBackend or
-    LocalBackend, chosen per program), "xla" (XlaBackend: compute between collectives
-    compiled by XLA), "local" (LocalBackend: every op emitted op by op) or None for the
-    GSPMD_TF_BACKEND environment variable, else DEFAULT_BACKEND.
+    `backend`: a factory, used as it is; or "default" (XlaBackend on a mesh of
+    accelerators, else LocalBackend: backends/auto.for_platform), "auto" (AutoBackend:
+    XlaBackend or LocalBackend, chosen per program), "xla" (XlaBackend: compute between
+    collectives compiled by XLA), "local" (LocalBackend: every op emitted op by op) or
+    None for the GSPMD_TF_BACKEND environment variable, else DEFAULT_BACKEND.
     `collective_timeout` applies to the built-in backends only.
     """
     if callable(backend):
@@ -53,12 +56,13 @@ def backend_factory(backend, collective_timeout):
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r} (or GSPMD_TF_BACKEND): use one of {BACKENDS} or "
                          "a factory mesh -> gspmd_tf.backends.Backend")
-    from gspmd_tf.backends.auto import AutoBackend
-    from gspmd_tf.backends.local import LocalBackend, check_timeout
+    from gspmd_tf.backends.auto import AutoBackend, for_platform
+    from gspmd_tf.backends.local import LocalBackend
     from gspmd_tf.backends.xla import XlaBackend
     if collective_timeout is not None:
         check_timeout(collective_timeout)
-    cls = {"auto": AutoBackend, "local": LocalBackend, "xla": XlaBackend}[name]
+    cls = {"default": for_platform, "auto": AutoBackend, "local": LocalBackend,
+           "xla": XlaBackend}[name]
     return functools.partial(cls, collective_timeout=collective_timeout)
 
 
@@ -73,11 +77,12 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     ShardedTensors in the structure `fn` returns. collective_timeout: seconds a call may
     take before it is cancelled with DeadlineExceededError (default: the
     GSPMD_TF_COLLECTIVE_TIMEOUT environment variable, else 300; 0 for no limit); for
-    the built-in backends only. `backend`: "auto" (the XLA backend where it applies,
-    else the local one, per program: backends/auto.py), "local" (op by op), "xla"
-    (compute between collectives compiled by XLA), None (GSPMD_TF_BACKEND, else
-    DEFAULT_BACKEND, "auto"), or a factory mesh -> gspmd_tf.backends.Backend; see
-    backend_factory. windowed_einsum: True, False (the default) or a size in bytes: a
+    the built-in backends only. `backend`: "default" (by platform: the XLA backend on
+    accelerators, the local one on CPUs and several workers), "auto" (opt-in: the XLA
+    backend where a multiply-add heuristic says it is faster, per program:
+    backends/auto.py), "local" (op by op), "xla" (compute between collectives compiled
+    by XLA), None (GSPMD_TF_BACKEND, else DEFAULT_BACKEND, "default"), or a factory
+    mesh -> gspmd_tf.backends.Backend; see backend_factory. windowed_einsum: True, False (the default) or a size in bytes: a
     dot whose operand would be all-gathered (or whose result reduce-scattered) along a
     mesh axis, at least that big on one device, runs as a loop of local dots and
     collective-permutes that overlap (spmd/windowed_einsum.py).

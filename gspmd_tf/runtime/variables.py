@@ -28,6 +28,7 @@ from tensorflow.python.trackable import base as trackable
 from tensorflow.python.training.saving import saveable_object
 
 from gspmd_tf import cluster
+from gspmd_tf.backends import collectives
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import PartitionSpec
@@ -385,11 +386,11 @@ def save_checkpoint(checkpoint, prefix):
             _write_own_shards(checkpoint, parts[joined.task_index])
     finally:
         _saving_own_shards = False
-    cluster.barrier()
+    collectives.barrier()
     if joined.task_index == 0:
         written = [part for part in parts if tf.io.gfile.exists(part + ".index")]
         gen_io_ops.merge_v2_checkpoints(written, prefix, delete_old_dirs=True)
-    cluster.barrier()
+    collectives.barrier()
     return prefix
 
 

@@ -30,11 +30,11 @@ import tensorflow as tf
 
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation.rules import REDUCE
+from gspmd_tf.registry import DOT, has_trait
 from gspmd_tf.spmd.local_ops import concat_dim, dynamic_slice_dim, replace_dim, shard_offset
 from gspmd_tf.spmd.program import Local
 from gspmd_tf.spmd.reshard import rotate
 
-DOT_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
 # dtypes whose partial sums the loop may add in their own precision: the plain path's
 # collectives sum half-precision values in float32 (collectives._CARRIERS)
 _SUMMED_AS_IS = (tf.float32, tf.float64)
@@ -80,7 +80,7 @@ def _loopable(ctx):
     """Whether the op is a dot whose local form is its replay on blocks (see the module
     docstring), with operands and result free of padding."""
     node, rule = ctx.node, ctx.rule
-    if node.op not in DOT_OPS or len(node.inputs) != 2 or len(rule.results) != 1 or \
+    if not has_trait(node.op, DOT) or len(node.inputs) != 2 or len(rule.results) != 1 or \
             rule.reduce_op != "sum":
         return False
     if node.out_dtypes[0] not in _SUMMED_AS_IS:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import REDUCE
-from gspmd_tf.registry import declare, op_def, op_family
+from gspmd_tf.registry import (DOT, INTEGER_DIVISION, RANDOM_NUMERICS, always, declare,
+                               on_integers, op_def, op_family)
 from gspmd_tf.spmd.local_ops import cast, identity_of, mask_padding
 from gspmd_tf.spmd.program import Local
 
@@ -110,7 +113,7 @@ STATEFUL_RANDOM = ["RandomUniform", "RandomStandardNormal", "TruncatedNormal",
 
 
 @op_family("Const", rules.source)
-@op_family(STATELESS_RANDOM, rules.source)
+@op_family(STATELESS_RANDOM, rules.source, xla_numerics=always(RANDOM_NUMERICS))
 def whole_then_sliced(ctx, operands, layouts, attrs=None):
     """A constant, or a stateless random tensor: the whole value (its other inputs
     replicated), then this device's slice of it (no communication). A random tensor's
@@ -125,7 +128,7 @@ def whole_then_sliced(ctx, operands, layouts, attrs=None):
     return [ctx.reshard(whole, layouts[0]).ref]
 
 
-@op_family(STATEFUL_RANDOM, rules.source)
+@op_family(STATEFUL_RANDOM, rules.source, xla_numerics=always(RANDOM_NUMERICS))
 def seeded_whole_then_sliced(ctx, operands, layouts):
     """A stateful random tensor drawn whole on every device, then sliced, as
     whole_then_sliced. Without a seed (seed and seed2 0) TF seeds each kernel at random,
@@ -149,7 +152,7 @@ WIDE_MEANS = {**dict.fromkeys((tf.int8, tf.uint8, tf.int16, tf.uint16, tf.int32,
               tf.float16: tf.float32, tf.bfloat16: tf.float32}
 
 
-@op_family({"Mean": "sum"}, rules.reduction)
+@op_family({"Mean": "sum"}, rules.reduction, xla_numerics=on_integers(INTEGER_DIVISION))
 def mean(ctx, operands, layouts):
     """Mean over a split dim: the local sums are combined, then divided by the global
     count once, as TF's kernel divides its sum. Scaling each partial sum first rounds
@@ -262,7 +265,17 @@ def no_products(ctx, layouts):
                  dtype, name=ctx.node.name, T=dtype, index_type=tf.int32)]
 
 
-@op_family("MatMul", rules.matmul)
+def matmul_multiply_adds(node, in_shapes):
+    """MatMul's multiply-adds: its output's elements times the contracted length."""
+    return math.prod(node.out_shapes[0]) * in_shapes[0][0 if node.attr("transpose_a") else 1]
+
+
+def batch_matmul_multiply_adds(node, in_shapes):
+    """BatchMatMul's multiply-adds: its output's elements times the contracted length."""
+    return math.prod(node.out_shapes[0]) * in_shapes[0][-2 if node.attr("adj_x") else -1]
+
+
+@op_family("MatMul", rules.matmul, multiply_adds=matmul_multiply_adds, traits=[DOT])
 def matmul(ctx, operands, layouts):
     """MatMul: over an empty contracted dim the product is zeros (no_products). TF's
     graph optimizer fuses MatMul -> BiasAdd / Add into one oneDNN op that aborts the
@@ -273,7 +286,8 @@ def matmul(ctx, operands, layouts):
     return no_products(ctx, layouts)
 
 
-@op_family(["BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"], rules.batch_matmul)
+@op_family(["BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"], rules.batch_matmul,
+           multiply_adds=batch_matmul_multiply_adds, traits=[DOT])
 def batch_matmul(ctx, operands, layouts):
     """Batch matmul: replayed, except that batch dims the kernel would broadcast are made
     explicit. TF's oneDNN BatchMatMul corrupts the heap (wrong values, then SIGSEGV or

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 
 import numpy as np
 import tensorflow as tf
@@ -37,7 +38,7 @@ import tensorflow as tf
 from gspmd_tf import _halo
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import windowed
-from gspmd_tf.registry import op_family
+from gspmd_tf.registry import CONVOLUTION, NAN_ORDER, declare, on_floats, op_family
 from gspmd_tf.spmd.handlers.basic import (local_shapes, masked_refs, no_products, replay,
                                           whole_then_sliced)
 from gspmd_tf.spmd.handlers.grads import index_dtype
@@ -73,11 +74,51 @@ def _padding_attrs(spatial, rank):
     return {"padding": "VALID", "explicit_paddings": []}
 
 
+def _window(op, filter_shape):
+    """Elements of the filter one output element of convolution `op` sums over: the
+    spatial window times the input channels, for a depthwise one the window alone."""
+    return math.prod(filter_shape[:-2] if op.startswith("Depthwise") else filter_shape[:-1])
+
+
+def forward_multiply_adds(node, in_shapes):
+    """A convolution's multiply-adds: its output's elements times the window."""
+    return math.prod(node.out_shapes[0]) * _window(node.op, in_shapes[1])
+
+
+def input_gradient_multiply_adds(node, in_shapes):
+    """An input gradient (input sizes, filter, output gradient) does its forward's
+    multiply-adds: the output gradient's elements times the window."""
+    return math.prod(in_shapes[2]) * _window(node.op, in_shapes[1])
+
+
+def filter_gradient_multiply_adds(node, in_shapes):
+    """A filter gradient (input, filter sizes, output gradient; the filter is its
+    output) does its forward's multiply-adds too."""
+    return math.prod(in_shapes[2]) * _window(node.op, node.out_shapes[0])
+
+
+def explicit_input_gradient_numerics(node, operand_dtype):
+    """XLA:CPU computes Conv2DBackpropInput with EXPLICIT padding wrong: values of 1e23 or
+    NaN that change from call to call, on one device under plain jit_compile too (a 2x2
+    filter over rows padded by 3 in front; issue 25 item 3). TF's kernel is right."""
+    if node.attr("padding") == "EXPLICIT":
+        return "XLA:CPU computes it wrong with explicit padding (issue 25)"
+    return None
+
+
+# pools that take the max of their windows order NaN (as reductions do)
+MAX_POOLS = ["MaxPool", "MaxPoolV2", "MaxPool3D", "MaxPoolGrad", "MaxPoolGradV2",
+             "MaxPool3DGrad", "MaxPoolWithArgmax"]
+declare(MAX_POOLS, xla_numerics=on_floats(NAN_ORDER))
+declare("Conv2DBackpropInput", xla_numerics=explicit_input_gradient_numerics)
+
+
 # conv_family parameters: positions of x, w, y (an input index or "out"), the parts that
 # are REDUCE factors, depthwise, explicit padding
 @op_family({"Conv2D": (0, 1, "out", ("C",), False, True),
             "DepthwiseConv2dNative": (0, 1, "out", (), True, True),
-            "Conv3D": (0, 1, "out", ("C",), False, False)}, windowed.conv_family)
+            "Conv3D": (0, 1, "out", ("C",), False, False)}, windowed.conv_family,
+           multiply_adds=forward_multiply_adds, traits=[CONVOLUTION])
 # pool parameters: pooling, explicit padding
 @op_family({"MaxPool": ("max", True), "AvgPool": ("avg", False),
             "MaxPool3D": ("max", False), "AvgPool3D": ("avg", False)}, windowed.pool)
@@ -102,8 +143,7 @@ def windowed_forward(ctx, operands, layouts):
         window, cut = _one_window_unstrided(ctx, geo, refs[0], attrs, layouts)
         if cut is attrs:  # no dim cut: the op keeps its own attrs
             return replay(ctx, operands, layouts, refs=refs)
-        refs, cut = _depthwise_padding_as_pad(ctx, [window] + refs[1:], cut)
-        return replay(ctx, operands, layouts, attrs=cut, refs=refs)
+        return replay(ctx, operands, layouts, attrs=cut, refs=[window] + refs[1:])
     b = ctx.b
     x, plans = prepare_input(ctx, operands, 0, geo, lambda s: y_layout.dims[s.y_dim])
     plans, attrs = _local_padding(params.explicit_padding, plans)
@@ -113,26 +153,10 @@ def windowed_forward(ctx, operands, layouts):
     window = mask_edges(b, extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim),
                         plans, fill)
     window, attrs = _one_window_unstrided(ctx, geo, window, attrs, layouts)
-    refs, attrs = _depthwise_padding_as_pad(ctx, [window] + refs[1:], attrs)
-    out = replay(ctx, operands, layouts, attrs=attrs, refs=refs)
+    out = replay(ctx, operands, layouts, attrs=attrs, refs=[window] + refs[1:])
     if params.pooling == "avg":
         out = [_avg_counts(ctx, out[0], plans)]
     return out
-
-
-def _depthwise_padding_as_pad(ctx, refs, attrs):
-    """(refs, attrs) of the local op with a DepthwiseConv2dNative's explicit padding
-    moved into a PadV2 of its input (the op then runs VALID): TF's graph optimizer
-    aborts the process on a DepthwiseConv2dNative with EXPLICIT padding that feeds a
-    BiasAdd, single-device tf.function too (fuzzer seed 22 #2960, #9704: input
-    (2, 1, 4, 3), filter (1, 2, 3, 2), strides [1, 3, 3, 1], paddings [[0, 0], [0, 0],
-    [0, 1], [0, 0]]: "Check failed: index >= 0 && index < num_total_dims")."""
-    if ctx.node.op != "DepthwiseConv2dNative" or attrs.get("padding") != "EXPLICIT":
-        return refs, attrs
-    pads = attrs["explicit_paddings"]
-    amounts = {d: (pads[2 * d], pads[2 * d + 1]) for d in range(len(pads) // 2)}
-    return ([pad_dims(ctx.b, refs[0], amounts)] + list(refs[1:]),
-            dict(attrs, padding="VALID", explicit_paddings=[]))
 
 
 def _one_window_unstrided(ctx, geo, ref, attrs, layouts):
@@ -199,7 +223,8 @@ def _avg_counts(ctx, ref, plans):
 @op_family({"Conv2DBackpropFilter": (0, "out", 2, ("batch",), False, True),
             "DepthwiseConv2dNativeBackpropFilter": (0, "out", 2, ("batch",), True, True),
             "Conv3DBackpropFilterV2": (0, "out", 2, ("batch",), False, False)},
-           windowed.conv_family)
+           windowed.conv_family, multiply_adds=filter_gradient_multiply_adds,
+           traits=[CONVOLUTION])
 def backprop_filter(ctx, operands, layouts):
     """Conv2DBackpropFilter / Conv3DBackpropFilterV2 (x, filter_sizes, dy) and the
     depthwise one with split spatial dims: x windowed
@@ -315,7 +340,8 @@ class _View:
 @op_family({"Conv2DBackpropInput": ("out", 1, 2, ("O",), False, True),
             "DepthwiseConv2dNativeBackpropInput": ("out", 1, 2, ("O",), True, True),
             "Conv3DBackpropInputV2": ("out", 1, 2, ("O",), False, False)},
-           windowed.conv_family)
+           windowed.conv_family, multiply_adds=input_gradient_multiply_adds,
+           traits=[CONVOLUTION])
 @op_family({"MaxPoolGrad": True, "MaxPool3DGrad": False}, windowed.max_pool_grad)
 @op_family(["AvgPoolGrad", "AvgPool3DGrad"], windowed.avg_pool_grad)
 def transposed(ctx, operands, layouts):

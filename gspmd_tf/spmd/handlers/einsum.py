@@ -12,13 +12,15 @@ order.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import REDUCE
-from gspmd_tf.registry import declare
+from gspmd_tf.registry import DOT, declare
 from gspmd_tf.spmd.handlers.basic import (HALF_TYPES, local_shapes, masked_refs,
                                           reduced_in, replay)
 from gspmd_tf.spmd.program import Local
@@ -85,4 +87,21 @@ def _sum_out(ctx, x, dims, axes):
     return ctx.reshard(partial, Layout(layout_dims)).ref
 
 
-declare("Einsum", rules.einsum, emit=einsum)
+def einsum_multiply_adds(node, in_shapes):
+    """An Einsum's multiply-adds: its output's elements times the sizes of the letters it
+    sums over (an ellipsis's dims are batch dims); 0 for one operand (sums only)."""
+    if len(in_shapes) < 2:
+        return 0
+    terms, output = node.attr("equation").replace(" ", "").split("->")
+    size = {}
+    for term, shape in zip(terms.split(","), in_shapes):
+        front, _, back = term.partition("...")
+        size.update(zip(front, shape))
+        if back:
+            size.update(zip(back, shape[len(shape) - len(back):]))
+    return math.prod(node.out_shapes[0]) * math.prod(
+        n for letter, n in size.items() if letter not in output)
+
+
+declare("Einsum", rules.einsum, emit=einsum, multiply_adds=einsum_multiply_adds,
+        traits=[DOT])

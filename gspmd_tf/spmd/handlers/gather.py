@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.propagation import rules
-from gspmd_tf.registry import op_family
+from gspmd_tf.registry import READS_VARIABLE, declare, op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.local_ops import binary, cast, select, shard_offset
 
@@ -20,6 +20,10 @@ def _local_indices(ctx, indices, axes, size):
     if dtype != tf.int32:
         offset = cast(b, offset, tf.int32, dtype)
     return binary(b, "Sub", indices.ref, offset, dtype)
+
+
+# gathers from a variable only read it
+declare(["ResourceGather", "ResourceGatherNd"], traits=[READS_VARIABLE])
 
 
 @op_family(["GatherV2", "ResourceGather"], rules.gather, safe_padding={1: 0})  # indices

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
-from gspmd_tf.registry import declare, op_family
+from gspmd_tf.registry import NAN_ORDER, declare, on_floats, op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, replay
 from gspmd_tf.spmd.local_ops import (binary, cast, global_index, identity_of, mask_padding,
                                      reduce_last, select, shard_offset, unary)
@@ -109,7 +109,7 @@ def cross_entropy(ctx, operands, layouts):
             b.op("Identity", [backprop], shapes[1], dtype, T=dtype)]
 
 
-@op_family(["ArgMax", "ArgMin"], rules.arg_reduction)
+@op_family(["ArgMax", "ArgMin"], rules.arg_reduction, xla_numerics=on_floats(NAN_ORDER))
 def arg_reduce(ctx, operands, layouts):
     """ArgMax/ArgMin over a split dim, as TF's kernel on one device: the first index of
     the best value, NaN never a candidate, nor a value no better than the kernel's start
@@ -118,7 +118,7 @@ def arg_reduce(ctx, operands, layouts):
     Each device takes its best candidate value and its global index; all devices agree on
     the best value, then on the smallest index that holds it. (Over a whole dim it is
     replayed; grappler's rewrite of ArgMax(Sign(x)) into ArgMax(x), seed 21 #165, does
-    not run on the SPMD program: backends/local.py _call_attrs.)"""
+    not run on the SPMD program: backends/tf_kernels.py call_attrs.)"""
     x = operands[0]
     axis, = ctx.rule.params.axes
     axes = x.layout.dims[axis]

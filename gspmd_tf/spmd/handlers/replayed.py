@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import batched
-from gspmd_tf.registry import FOLD_SHAPE, FOLD_VALUES, declare
+from gspmd_tf.registry import (ASSIGNS_VARIABLE, FOLD_SHAPE, FOLD_VALUES, INTEGER_DIVISION,
+                               NAN_ORDER, READS_VARIABLE, VALUE_SHAPED, declare, on_floats,
+                               on_integers)
 
 UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
 Floor Identity Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike Reciprocal
@@ -92,6 +94,9 @@ declare({"TensorScatterUpdate": (1, rules.REPLICATE)}, rules.scatter_nd, replay=
 
 # variables: reads, assignments and fused optimizer updates are elementwise on the shard
 declare(VARIABLE_OPS + ["DisableCopyOnRead"], rules.variable_update, replay=True)
+declare(["ReadVariableOp", "VariableShape"], traits=[READS_VARIABLE])
+declare(["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"],
+        traits=[ASSIGNS_VARIABLE])
 
 # inputs the op checks (an integer divisor or exponent, a value checked for NaN/Inf):
 # their padding (the tail of an uneven split dim, arbitrary values) could make the local
@@ -100,6 +105,14 @@ declare(["Div", "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod", "Mod"],
         safe_padding={1: 1})
 declare("Pow", safe_padding={1: 0})
 declare("CheckNumerics", safe_padding={0: 0})
+
+# where XLA's kernels define other values than TF's (a backend compiling with XLA runs
+# these on TF's kernels): NaN against numbers in max and min, and XLA's EluGrad gives NaN
+# where TF's gives 0 (upstream gradient 0, ELU output NaN; RESULTS §14.11); an integer
+# divided by zero
+declare(["Max", "Min", "Maximum", "Minimum", "EluGrad"], xla_numerics=on_floats(NAN_ORDER))
+declare(["Div", "FloorDiv", "TruncateDiv", "FloorMod", "TruncateMod", "Mod"],
+        xla_numerics=on_integers(INTEGER_DIVISION))
 
 # ---------------------------------------------------------------- flags of ops in general
 # shape ops graph.fold turns into constants from their inputs' static shapes
@@ -116,6 +129,12 @@ LogicalAnd LogicalOr LogicalNot Select SelectV2 ZerosLike OnesLike Tile Broadcas
 InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff Where
 PlaceholderWithDefault
 """.split(), fold=FOLD_VALUES)
+# output shapes that depend on input VALUES: TF's shape inference may leave them unknown;
+# the importer defers them (and their unknown-shaped consumers) to graph.fold (a
+# Reshape's too, declared beside its emitter). Where: TF's gradient of a ConcatV2 that
+# receives a sparse gradient (from a GatherV2) picks each input's rows with a Where.
+declare(["BroadcastGradientArgs", "DynamicStitch", "ListDiff", "Where"],
+        traits=[VALUE_SHAPED])
 # naturally whole (scalars, shapes): no warning when they run replicated
 declare(["Shape", "Size", "Rank", "NoOp", "Range"], silent_replicated=True)
 # a random op's key and counter from its seed (a few scalars); a random crop box (begin

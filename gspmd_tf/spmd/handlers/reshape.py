@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.propagation import rules
-from gspmd_tf.registry import declare
+from gspmd_tf.registry import VALUE_SHAPED, declare
 from gspmd_tf.spmd.handlers.basic import with_local_shape_input
 from gspmd_tf.spmd.local_ops import replace_dim
 from gspmd_tf.spmd.program import Local
@@ -85,4 +85,5 @@ def _local_reshape(b, ref, shape, dtype):
 
 emit_reshape = with_local_shape_input(1)
 emit_reshape.without_reshard = reblock_merged
-declare("Reshape", rules.reshape, emit=emit_reshape)
+# traits: TF's shape inference leaves the -1 of a reshape of no elements unknown
+declare("Reshape", rules.reshape, emit=emit_reshape, traits=[VALUE_SHAPED])

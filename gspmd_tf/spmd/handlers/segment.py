@@ -22,12 +22,17 @@ import tensorflow as tf
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import REDUCE
-from gspmd_tf.registry import op_family
+from gspmd_tf.registry import NAN_ORDER, declare, on_floats, op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.local_ops import binary, cast, mask_padding, select, shard_offset
 from gspmd_tf.spmd.program import Local
 
 log = logging.getLogger("gspmd_tf")
+
+
+# segment extrema order NaN (as reductions do; the sorted ones run replicated)
+declare(["UnsortedSegmentMax", "UnsortedSegmentMin", "SegmentMax", "SegmentMin",
+         "SegmentMaxV2", "SegmentMinV2"], xla_numerics=on_floats(NAN_ORDER))
 
 
 @op_family({"UnsortedSegmentSum": "sum", "UnsortedSegmentMax": "max",
