@@ -12,7 +12,7 @@ from gspmd_tf import registry
 from gspmd_tf.backends import ordering, replicas, schedule, segments
 from gspmd_tf.backends.xla import XlaBackend
 from gspmd_tf.graph.ir import Graph, Node, Ref
-from gspmd_tf.spmd import dce
+from gspmd_tf.graph import dce
 from util import assert_close, explicitly_padded_input_gradient, single_device
 
 P = gt.P
