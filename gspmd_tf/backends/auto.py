@@ -62,7 +62,8 @@ def choose(mesh, program: Optional[Graph]) -> tuple:
     if kinds != {"CPU"}:
         return XlaBackend, f"the mesh's {'/'.join(sorted(kinds - {'CPU'}))} devices run " \
                            "XLA-compiled segments"
-    counts = _multiply_adds_with_bodies(program)
+    counts = [(node, base.node_multiply_adds(graph, node))
+              for graph, node in base.nodes_with_graphs(program)]
     convolutions = [node for node, count in counts if count >= CONVOLUTION and
                     registry.has_trait(node.op, registry.CONVOLUTION)]
     if convolutions:
@@ -79,18 +80,6 @@ def choose(mesh, program: Optional[Graph]) -> tuple:
     return XlaBackend, (
         f"its dots do {per_op:,.0f} multiply-adds per op of the program, fewer than "
         f"{DOT_PER_OP:,}: compiled segments save more dispatch than XLA:CPU's dots cost")
-
-
-def _multiply_adds_with_bodies(program):
-    """[(node, multiply-adds)] of every node of `program` and of its control-flow bodies
-    (a loop body counted once: its trip count is not known here)."""
-    counts = []
-    for node in program.nodes:
-        in_shapes = [program.shape(ref) for ref in node.inputs]
-        counts.append((node, registry.multiply_adds(node, in_shapes)))
-        for region in node.regions:
-            counts += _multiply_adds_with_bodies(region)
-    return counts
 
 
 def for_platform(mesh, collective_timeout: Optional[float] = None) -> base.Backend:

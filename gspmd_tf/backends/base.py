@@ -157,8 +157,8 @@ def program_inputs(program: Graph) -> list:
 def program_cost(program: Graph) -> dict:
     """Compiled.cost_analysis of `program` (its bodies included)."""
     cost = {"multiply_adds": 0, "collective_bytes": 0, "collectives": 0}
-    for graph, node in _nodes_with_graphs(program):
-        cost["multiply_adds"] += multiply_adds(node, [graph.shape(r) for r in node.inputs])
+    for graph, node in nodes_with_graphs(program):
+        cost["multiply_adds"] += node_multiply_adds(graph, node)
         if node.op in COLLECTIVES:
             cost["collectives"] += 1
             cost["collective_bytes"] += _bytes(graph.shape(node.inputs[0]),
@@ -184,11 +184,18 @@ def program_text(program: Graph, indent: str = "") -> str:
     return "\n".join(lines)
 
 
-def _nodes_with_graphs(graph):
+def nodes_with_graphs(graph: Graph):
+    """(graph, node) for every node of `graph` and of its control-flow bodies, each body
+    once, a node with the graph whose shapes it reads."""
     for node in graph.nodes:
         yield graph, node
         for region in node.regions:
-            yield from _nodes_with_graphs(region)
+            yield from nodes_with_graphs(region)
+
+
+def node_multiply_adds(graph: Graph, node) -> int:
+    """registry.multiply_adds of `node`, its input shapes read from `graph`."""
+    return multiply_adds(node, [graph.shape(ref) for ref in node.inputs])
 
 
 def _bytes(shape, dtype):

@@ -35,7 +35,7 @@ import heapq
 import numpy as np
 import tensorflow as tf
 from gspmd_tf.backends import base
-from gspmd_tf.registry import is_stateful, multiply_adds
+from gspmd_tf.registry import is_stateful
 
 def program_order(program):
     """The nodes' indices as the program lists them."""
@@ -101,7 +101,7 @@ def node_work(program, node):
     """A rough cost of `node`: the multiply-adds of a dot or convolution (the op's
     contract, registry.multiply_adds), else the elements it produces (a collective:
     those it moves)."""
-    count = multiply_adds(node, [program.shape(ref) for ref in node.inputs])
+    count = base.node_multiply_adds(program, node)
     if count:
         return count
     return sum(int(np.prod(shape, dtype=np.int64)) for shape in node.out_shapes

@@ -24,8 +24,8 @@ import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
 from gspmd_tf.backends import base
-from gspmd_tf.registry import (ASSIGNS_VARIABLE, has_trait, is_stateful, multiply_adds,
-                               op_def, xla_numerics_differ)
+from gspmd_tf.registry import (ASSIGNS_VARIABLE, has_trait, is_stateful, op_def,
+                               xla_numerics_differ)
 
 # gt.* nodes a segment reads but never holds: emitted first, once per device
 SOURCES = (base.INPUT, base.SHARD_INDEX)
@@ -89,7 +89,7 @@ def large_dots(program, min_flops):
 def dot_multiply_adds(program):
     """{node index: multiply-adds} of the top-level dot-like nodes of `program` (those
     whose entry counts multiply-adds: dots and convolutions)."""
-    return {i: multiply_adds(node, [program.shape(ref) for ref in node.inputs])
+    return {i: base.node_multiply_adds(program, node)
             for i, node in enumerate(program.nodes)
             if op_def(node.op).multiply_adds is not None}
 
