@@ -15,6 +15,7 @@ import os
 import socket
 
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.timeouts import default_timeout
 
 JOB = "worker"
 # The task whose collective executor resolves every group (TF's collective_leader).
@@ -75,7 +76,6 @@ def initialize_cluster(cluster=None, task_index=None):
     from tensorflow.core.protobuf import tensorflow_server_pb2
     from tensorflow.python.eager import context
 
-    from gspmd_tf.timeouts import default_timeout
     ctx = context.context()
     if ctx._context_handle is not None:  # pylint: disable=protected-access
         raise ShardingError(
