@@ -10,7 +10,7 @@ EXT_STAMP := build/.extensions
 BENCHMARKS := $(wildcard benchmarks/*.py)
 TESTS ?= tests
 
-.PHONY: venv build test demo bench clean distclean
+.PHONY: venv build test test-long demo bench clean distclean
 
 venv: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ build: $(EXT_STAMP)
 
 test: build
 	$(PY) -m pytest -q -x $(TESTS) $(PYTEST_ARGS)
+
+# The cases marked @pytest.mark.long too (slow model-scale checks kept out of `make test`).
+test-long: build
+	GSPMD_TF_LONG=1 $(PY) -m pytest -q -x $(TESTS) $(PYTEST_ARGS)
 
 demo: build
 	$(PY) -m gspmd_tf.demo

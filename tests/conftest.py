@@ -45,3 +45,19 @@ def rng():
     """A fresh seeded generator per test."""
     import numpy as np
     return np.random.default_rng(0)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "long: a slow case kept out of `make test` (15-minute budget); "
+                   "`make test-long` runs it")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip @pytest.mark.long cases unless GSPMD_TF_LONG=1 (set by `make test-long`)."""
+    if os.environ.get("GSPMD_TF_LONG") == "1":
+        return
+    skip = pytest.mark.skip(reason="long case: `make test-long` runs it")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
