@@ -11,6 +11,7 @@ collectives and runs it on the mesh.
 # first; no stage imports up to load them.
 from gspmd_tf.spmd import handlers as _builtin_op_declarations  # noqa: F401
 from gspmd_tf import keras
+from gspmd_tf.autoshard import AUTO
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.cluster import initialize_cluster
 from gspmd_tf.devices import configure_cpu_devices
@@ -25,7 +26,7 @@ from gspmd_tf.runtime.variables import Variable, save_checkpoint
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.visualize import visualize_sharding
 
-__all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
+__all__ = ["AUTO", "Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
            "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split",
            "pipeline", "register_op", "save_checkpoint",

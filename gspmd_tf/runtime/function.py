@@ -22,7 +22,7 @@ from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime import sharded_tensor
 from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.lowering import lower_traced
-from gspmd_tf.runtime.options import LowerOptions, check_entries
+from gspmd_tf.runtime.options import LowerOptions, check_entries, check_memory_limit
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
 from gspmd_tf.runtime.trace import Call, Tracer
 from gspmd_tf.runtime.variables import variable_of_handle
@@ -67,13 +67,15 @@ def backend_factory(backend, collective_timeout):
 
 
 def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=None,
-             collective_timeout=None, windowed_einsum=False):
+             collective_timeout=None, windowed_einsum=False, memory_limit=None):
     """Partition `fn` over `mesh`; usable as `@gt.function(mesh=...)` or `gt.function(f, ...)`.
 
     in_shardings: one entry per argument, matched to fn's parameters in signature order
-    whether passed by position or keyword (a PartitionSpec, a gt.Sharding, or None to
-    infer; None for Python values, which are static); out_shardings: one per flat
-    output, likewise. Calls return
+    whether passed by position or keyword (a PartitionSpec, a gt.Sharding, None to
+    infer, or gt.AUTO for the auto-sharding search to choose; None for Python values,
+    which are static); out_shardings: one per flat output, likewise. memory_limit:
+    the per-device bytes the search must fit its plan of the AUTO entries in (None: no
+    limit; see gspmd_tf/autoshard; lowered.auto_report() shows the plan). Calls return
     ShardedTensors in the structure `fn` returns. collective_timeout: seconds a call may
     take before it is cancelled with DeadlineExceededError (default: the
     GSPMD_TF_COLLECTIVE_TIMEOUT environment variable, else 300; 0 for no limit); for
@@ -92,7 +94,7 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
         return functools.partial(function, mesh=mesh, in_shardings=in_shardings,
                                  out_shardings=out_shardings, backend=backend,
                                  collective_timeout=collective_timeout,
-                                 windowed_einsum=windowed_einsum)
+                                 windowed_einsum=windowed_einsum, memory_limit=memory_limit)
     factory = backend_factory(backend, collective_timeout)
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"gt.function needs mesh=gt.Mesh(...), got {mesh!r}: build "
@@ -100,7 +102,8 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     check_entries("in_shardings", in_shardings, "argument")
     check_entries("out_shardings", out_shardings, "flat output")
     options = LowerOptions(mesh, factory, _name_of(fn), out_shardings=out_shardings,
-                           windowed_einsum=threshold)
+                           windowed_einsum=threshold,
+                           memory_limit=check_memory_limit(memory_limit))
     return Function(fn, in_shardings, options)
 
 
@@ -108,7 +111,8 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
           out_shardings: Optional[Sequence] = None, *, args: Optional[Sequence] = None,
           backend: Union[str, Callable, None] = None,
           collective_timeout: Optional[float] = None,
-          windowed_einsum: Union[bool, int] = False) -> Lowered:
+          windowed_einsum: Union[bool, int] = False,
+          memory_limit: Optional[int] = None) -> Lowered:
     """Lower `fn` over `mesh` without running it: a gt.Lowered (shardings, collectives,
     report(), compile()).
 
@@ -119,8 +123,9 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
       - a Python function or tf.function, traced on `args` (values or tf.TensorSpec, in
         the order of its parameters), exactly as `gt.function(fn, ...).lower(*args)`.
     in_shardings: one entry per input (a PartitionSpec, a gt.Sharding, or None to infer);
-    out_shardings: one per flat output, likewise. `backend` / `collective_timeout` as in
-    gt.function (used by compile()), and `windowed_einsum`. The returned object's
+    out_shardings: one per flat output, likewise (gt.AUTO: the search chooses). `backend`
+    / `collective_timeout` as in gt.function (used by compile()), `windowed_einsum` and
+    `memory_limit`. The returned object's
     `stage_seconds` gives the wall time of import, propagate and partition.
     """
     if not isinstance(mesh, Mesh):
@@ -128,6 +133,7 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
                             "gt.Mesh.create(shape, axis_names) or gt.Mesh.abstract(...)")
     factory = backend_factory(backend, collective_timeout)
     threshold = threshold_of(windowed_einsum)
+    memory_limit = check_memory_limit(memory_limit)
     if not isinstance(fn, (Graph, tf.types.experimental.ConcreteFunction)):
         if args is None:
             raise ShardingError(f"gt.lower({fn!r}): give args=(...) (values or "
@@ -138,7 +144,7 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
         tracer = Tracer(fn, mesh, in_shardings, name)
         call = tracer.call(tuple(args), {})
         options = LowerOptions(mesh, factory, name, out_shardings=out_shardings,
-                               windowed_einsum=threshold)
+                               windowed_einsum=threshold, memory_limit=memory_limit)
         return lower_traced(tracer.trace(call), options, call.entries, call.committed)
     if args is not None:
         raise ShardingError("gt.lower: args are for a Python function; a ConcreteFunction "
@@ -147,7 +153,8 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
     name = getattr(fn, "name", None) or "program"
     name = name.decode() if isinstance(name, bytes) else name
     options = LowerOptions(mesh, factory, name, caller="gt.lower",
-                           out_shardings=out_shardings, windowed_einsum=threshold)
+                           out_shardings=out_shardings, windowed_einsum=threshold,
+                           memory_limit=memory_limit)
     return lower_traced(fn, options, in_shardings)
 
 

@@ -50,13 +50,15 @@ class Lowered:
     function's output structure (None for a program given as an imported Graph);
     `committed_args` the flat arguments whose layout is the ShardedTensor passed
     (in_shardings left open); `named_inputs` (name, graph tensor name) of the inputs of
-    a program lowered from a SavedModel signature (`python -m gspmd_tf inspect`).
+    a program lowered from a SavedModel signature (`python -m gspmd_tf inspect`);
+    `auto_plan` the auto-sharding search's gspmd_tf.autoshard.plan.AutoPlan (None when
+    no entry is gt.AUTO).
     """
 
     def __init__(self, options: LowerOptions, graph: Graph, propagation: Propagation,
                  program: SpmdProgram, *, num_args: int, annotated: frozenset,
                  stage_seconds: dict, committed_args: frozenset = frozenset(),
-                 structured_outputs=None, named_inputs: tuple = ()):
+                 structured_outputs=None, named_inputs: tuple = (), auto_plan=None):
         self.options = options
         self.mesh = options.mesh
         self.name = options.program_name
@@ -67,6 +69,7 @@ class Lowered:
         self.committed_args = committed_args
         self.structured_outputs = structured_outputs
         self.named_inputs = named_inputs
+        self.auto_plan = auto_plan
         self._num_args = num_args
         self._annotated = annotated
         self._run = None  # the compiled program, built on first use
@@ -194,6 +197,16 @@ class Lowered:
         if self.program.replicated_ops:
             lines.append("ran replicated (no rule): " + ", ".join(self.program.replicated_ops))
         return "\n".join(lines)
+
+    def auto_report(self) -> str:
+        """What the auto-sharding search chose for each gt.AUTO entry, with its modelled
+        cost and every alternative's, cheapest first, then the in_shardings that pin the
+        plan. Returns the text (print it)."""
+        if self.auto_plan is None:
+            raise ShardingError(f"{self.name} has no gt.AUTO entry: auto_report() shows "
+                                "the plan the search chose for AUTO in/out_shardings")
+        pinned = tuple(l.to_spec() for l in self.program.input_layouts[:self._num_args])
+        return f"{self.auto_plan.text()}\n\npin the plan with in_shardings={pinned!r}"
 
     def compile(self):
         """The runnable program (built once): run(inputs[i][d]) -> outputs[j][d]."""
