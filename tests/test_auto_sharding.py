@@ -93,6 +93,11 @@ def test_auto_report_lists_each_decision_with_alternatives_and_the_pinning_specs
                                           if o.peak_bytes <= LIMIT)
 
 
+def test_html_report_shows_the_auto_sharding_decisions(lowered):
+    page = lowered.report(format="html")
+    assert "<h2>Auto-sharding</h2>" in page and "weights_0" in page
+
+
 def test_memory_limit_no_plan_fits_is_a_sharding_error_naming_the_smallest(mesh):
     x, weights = ffn_values(2)
     with pytest.raises(gt.ShardingError, match=r"memory_limit=1000 bytes.*smallest plan "
