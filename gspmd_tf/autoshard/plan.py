@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gspmd_tf.autoshard.problem import Problem
-from gspmd_tf.autoshard.solve import Solution
+from gspmd_tf.autoshard.solve import Solution, roots
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import PartitionSpec
 
@@ -41,38 +41,48 @@ class Decision:
 
 
 class Pricer:
-    """The step's seconds and peak under a choice with one class changed, computed from
-    the problem's tables (only the changed class's node cost and edges are re-priced)."""
+    """The step's seconds and peak under a choice with one decision changed (a deciding
+    class and the classes that follow it), computed from the problem's tables: only the
+    changed classes' node costs and edges are re-priced."""
 
     def __init__(self, problem: Problem, choice: tuple):
         self.problem = problem
         self.choice = choice
-        self.touching = {}
+        self.root = roots(problem)
+        self.group, self.touching = {}, {}
+        for k, r in enumerate(self.root):
+            self.group.setdefault(r, []).append(k)
         for g in problem.edges:
-            self.touching.setdefault(g.producer, []).append(g)
-            if g.consumer != g.producer:
-                self.touching.setdefault(g.consumer, []).append(g)
-        self.seconds = sum(self._local(c, s) for c, s in enumerate(choice)) - sum(
-            self._edge(g, choice) for g in problem.edges if g.producer != g.consumer)
+            for r in {self.root[g.producer], self.root[g.consumer]}:
+                self.touching.setdefault(r, []).append(g)
+        self.seconds = sum(len(cls.members) * float(cls.node_cost[s]) for cls, s in
+                           zip(problem.classes, choice)) + sum(
+            self._edge(g, choice) for g in problem.edges)
         self.rows = [row.value(choice) for row in problem.memory]
 
-    def _edge(self, g, choice) -> float:
+    @staticmethod
+    def _edge(g, choice) -> float:
         return g.count * float(g.cost[g.source[choice[g.producer]],
                                       g.target[choice[g.consumer]]])
 
-    def _local(self, c, s) -> float:
-        """Seconds of class c's nodes at strategy s and of its edges (others as chosen)."""
-        choice = self.choice[:c] + (s,) + self.choice[c + 1:]
-        cls = self.problem.classes[c]
-        return len(cls.members) * float(cls.node_cost[s]) + sum(
-            self._edge(g, choice) for g in self.touching.get(c, ()))
+    def _local(self, r, s) -> float:
+        """Seconds of decision r's classes at strategy s and of their edges (the other
+        decisions as chosen)."""
+        choice = list(self.choice)
+        for k in self.group[r]:
+            choice[k] = s
+        return sum(len(self.problem.classes[k].members) * float(
+            self.problem.classes[k].node_cost[s]) for k in self.group[r]) + sum(
+            self._edge(g, choice) for g in self.touching.get(r, ()))
 
     def option(self, c: int, s: int, layout: Layout) -> Option:
-        """The Option of class c taking strategy s, whose tensor then has `layout`."""
-        seconds = self.seconds - self._local(c, self.choice[c]) + self._local(c, s)
-        old = self.choice[c]
-        peak = max((value + int(row.coefficients[c][s] - row.coefficients[c][old])
-                    if c in row.coefficients else value
+        """The Option of class c's decision taking strategy s, c's tensor then in
+        `layout`."""
+        r = self.root[c]
+        old = self.choice[r]
+        seconds = self.seconds - self._local(r, old) + self._local(r, s)
+        peak = max((value + sum(int(row.coefficients[k][s] - row.coefficients[k][old])
+                                for k in self.group[r] if k in row.coefficients)
                     for row, value in zip(self.problem.memory, self.rows)), default=0)
         return Option(layout.to_spec(), seconds, peak)
 

@@ -37,11 +37,14 @@ MEMORY_POINTS = 8
 @dataclass
 class NodeClass:
     """Nodes that take one strategy together: `members` (node indices), the
-    `strategies` they choose from and `node_cost` (seconds per strategy, one member)."""
+    `strategies` they choose from, `node_cost` (seconds per strategy, one member) and
+    `leader`: the index of the class whose choice this one follows (its strategies
+    listed in the leader's order: follow.py), or -1 when it decides for itself."""
 
     members: list
     strategies: list
     node_cost: np.ndarray = None
+    leader: int = -1
 
 
 @dataclass
@@ -91,11 +94,12 @@ def tensor_bytes(shape, dtype, layout: Layout, mesh: Mesh) -> int:
 
 
 def build(graph: Graph, mesh: Mesh, model: CostModel, class_of: list, strategies: dict,
-          resident_bytes: int) -> Problem:
+          leaders: dict, resident_bytes: int) -> Problem:
     """The Problem of `graph` whose node classes are `class_of`; `strategies` maps each
     class that has candidates to its list of Strategies (other nodes keep the layout
-    propagation gives them and count as replicated for memory); `resident_bytes` are
-    held throughout besides the program's tensors (variable shards)."""
+    propagation gives them and count as replicated for memory), `leaders` a follower
+    class to the class it follows (follow.py); `resident_bytes` are held throughout
+    besides the program's tensors (variable shards)."""
     classes = {c: NodeClass([], s) for c, s in strategies.items()}
     for i, c in enumerate(class_of):
         if c in classes:
@@ -103,8 +107,9 @@ def build(graph: Graph, mesh: Mesh, model: CostModel, class_of: list, strategies
     ids = sorted(classes)
     index = {c: k for k, c in enumerate(ids)}
     ordered = [classes[c] for c in ids]
-    for cls in ordered:
+    for c, cls in zip(ids, ordered):
         cls.node_cost = _node_costs(graph, mesh, model, cls)
+        cls.leader = index[leaders[c]] if c in leaders else -1
     node_class = [index.get(c, -1) for c in class_of]
     edges = _edge_groups(graph, mesh, model, ordered, node_class)
     rows = _memory_rows(graph, mesh, ordered, node_class, resident_bytes)

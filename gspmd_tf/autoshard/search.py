@@ -1,7 +1,8 @@
 """choose(): the auto-sharding stage, between propagate and partition.
 
     labels -> classes (clusters.py) -> candidates per class (strategies.py)
-      -> costs and memory rows (problem.py) -> integer program (solve.py) -> AutoPlan
+      -> followers (follow.py) -> costs and memory rows (problem.py)
+      -> integer program (solve.py) -> AutoPlan
 
 The lowering propagates from the given shardings first (that gives every node its
 OpRule), calls choose() for the AUTO entries, adds the chosen layouts to the seeds and
@@ -19,6 +20,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from gspmd_tf.autoshard.clusters import cluster, layer_free_name
+from gspmd_tf.autoshard.follow import follow
 from gspmd_tf.autoshard.plan import AutoPlan, Pricer, decision, step_peak
 from gspmd_tf.autoshard.problem import build
 from gspmd_tf.autoshard.solve import Infeasible, solve
@@ -51,7 +53,8 @@ def choose(graph: Graph, mesh: Mesh, rules: Sequence, seeds: dict,
         if c not in strategies:
             strategies[c] = _candidates(graph, mesh, i, rules[i], seeds, input_nodes)
     strategies = {c: s for c, s in strategies.items() if s}
-    problem = build(graph, mesh, model, class_of, strategies, resident_bytes)
+    leaders = follow(graph, rules, class_of, strategies, seeds)
+    problem = build(graph, mesh, model, class_of, strategies, leaders, resident_bytes)
     try:
         solution = solve(problem, memory_limit)
     except Infeasible as e:

@@ -6,8 +6,9 @@ Variables, as in Alpa's intra-operator pass and XLA's auto-sharding ILP:
             row sums equal the producer's x summed per layout a, its column sums the
             consumer's per layout b, so with binary x exactly one e is 1. Edges are
             priced per pair of distinct layouts, not of strategies: fewer variables.
+A class that follows another (follow.py) has no x of its own: it reads its leader's.
 An edge group whose producer makes one layout, or whose consumer needs one, or between
-nodes of one class, is linear in x and needs no e. Memory rows bound the per-device
+classes of one decision, is linear in x and needs no e. Memory rows bound the per-device
 bytes at their points by the limit. Minimise the node and edge seconds.
 """
 
@@ -90,15 +91,24 @@ class _Builder:
                     options={"time_limit": time_limit, "mip_rel_gap": RELATIVE_GAP})
 
 
+def roots(problem: Problem) -> list:
+    """The class whose variables each class reads: its leader, or itself."""
+    return [k if cls.leader < 0 else cls.leader for k, cls in enumerate(problem.classes)]
+
+
 def _choices(problem: Problem, builder: _Builder, costs) -> list:
-    """One binary per strategy of each class (`costs[k]` their objective), summing to
-    one per class; returns each class's first column."""
-    first = []
+    """One binary per strategy of each deciding class (`costs[k]` their objective, only
+    read for those), summing to one per class; returns each class's first column (its
+    leader's for a follower)."""
+    first = [0] * len(problem.classes)
+    root = roots(problem)
     for k, cls in enumerate(problem.classes):
-        start = builder.variables(costs[k], integral=True)
-        count = len(cls.strategies)
-        builder.row(range(start, start + count), [1.0] * count, 1.0, 1.0)
-        first.append(start)
+        if root[k] == k:
+            first[k] = builder.variables(costs[k], integral=True)
+            count = len(cls.strategies)
+            builder.row(range(first[k], first[k] + count), [1.0] * count, 1.0, 1.0)
+    for k in range(len(problem.classes)):
+        first[k] = first[root[k]]
     return first
 
 
@@ -108,15 +118,19 @@ def solve(problem: Problem, memory_limit: Optional[int],
     Infeasible when none fits."""
     start_time = time.perf_counter()
     builder = _Builder()
-    linear = [cls.node_cost * len(cls.members) for cls in problem.classes]
+    root = roots(problem)
+    linear = [np.zeros(len(cls.strategies)) for cls in problem.classes]
+    for k, cls in enumerate(problem.classes):
+        linear[root[k]] += cls.node_cost * len(cls.members)
     pairs = []
     for g in problem.edges:
-        if g.producer == g.consumer:
-            linear[g.producer] = linear[g.producer] + g.count * g.cost[g.source, g.target]
+        producer, consumer = root[g.producer], root[g.consumer]
+        if producer == consumer:
+            linear[producer] += g.count * g.cost[g.source, g.target]
         elif g.cost.shape[0] == 1:
-            linear[g.consumer] = linear[g.consumer] + g.count * g.cost[0, g.target]
+            linear[consumer] += g.count * g.cost[0, g.target]
         elif g.cost.shape[1] == 1:
-            linear[g.producer] = linear[g.producer] + g.count * g.cost[g.source, 0]
+            linear[producer] += g.count * g.cost[g.source, 0]
         else:
             pairs.append(g)
     first = _choices(problem, builder, [c * _SECONDS_SCALE for c in linear])
