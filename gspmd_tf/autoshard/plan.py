@@ -139,26 +139,27 @@ class AutoPlan:
         return "\n".join(lines)
 
 
-def decision(pricer: Pricer, tensor: str, entry: str, c: Optional[int],
-             layout_of) -> Decision:
-    """The Decision of a tensor of class `c` (None: no candidates), `layout_of(strategy)`
-    its layout under a strategy: the chosen option and the cheapest of every other
-    layout."""
+def decision(pricer: Pricer, tensor: str, entry: str, c: Optional[int], out: int,
+             memo: dict) -> Decision:
+    """The Decision of output `out` of a node of class `c` (None: no candidates): the
+    chosen option and the cheapest of every other layout. `memo` keeps them per (c, out):
+    every member of a class has the same."""
     if c is None:
         return Decision(tensor, entry, None, None, ())
-    strategies = pricer.problem.classes[c].strategies
-    chosen_layout = layout_of(strategies[pricer.choice[c]])
-    best = {}
-    for s, strategy in enumerate(strategies):
-        layout = layout_of(strategy)
-        if layout == chosen_layout:
-            continue
-        option = pricer.option(c, s, layout)
-        if layout not in best or option.seconds < best[layout].seconds:
-            best[layout] = option
-    alternatives = tuple(sorted(best.values(), key=lambda o: (o.seconds, o.peak_bytes)))
-    chosen = pricer.option(c, pricer.choice[c], chosen_layout)
-    return Decision(tensor, entry, chosen_layout, chosen, alternatives)
+    if (c, out) not in memo:
+        strategies = pricer.problem.classes[c].strategies
+        chosen_layout = strategies[pricer.choice[c]].results[out]
+        best = {}
+        for s, strategy in enumerate(strategies):
+            layout = strategy.results[out]
+            if layout == chosen_layout:
+                continue
+            option = pricer.option(c, s, layout)
+            if layout not in best or option.seconds < best[layout].seconds:
+                best[layout] = option
+        memo[c, out] = (chosen_layout, pricer.option(c, pricer.choice[c], chosen_layout),
+                        tuple(sorted(best.values(), key=lambda o: (o.seconds, o.peak_bytes))))
+    return Decision(tensor, entry, *memo[c, out])
 
 
 def step_peak(problem: Problem, choice: tuple) -> int:

@@ -174,30 +174,27 @@ def _memory_rows(graph, mesh, classes, node_class, resident_bytes) -> list:
     """Rows at the MEMORY_POINTS fullest points by replicated bytes and as many by bytes
     split as far as each tensor can be."""
     n = len(graph.nodes)
-    pinned = {r.node for r in graph.inputs} | {r.node for r in graph.outputs}
-    last_use = list(range(n))
+    pinned = [r.node for r in graph.inputs] + [r.node for r in graph.outputs]
+    end = np.arange(n)  # the last reader of each node's outputs (itself if none)
     for i, node in enumerate(graph.nodes):
         for ref in node.inputs:
-            last_use[ref.node] = max(last_use[ref.node], i)
-    per_node = []  # (class, bytes per strategy) or (-1, bytes)
-    for i, node in enumerate(graph.nodes):
-        c = node_class[i]
-        if c < 0:
-            per_node.append((-1, sum(tensor_bytes(sh, dt, Layout.replicated(len(sh)), mesh)
-                                     for sh, dt in zip(node.out_shapes, node.out_dtypes))))
-            continue
-        node_bytes = np.zeros(len(classes[c].strategies), np.int64)
-        for s, strategy in enumerate(classes[c].strategies):
-            node_bytes[s] = sum(tensor_bytes(sh, dt, l, mesh) for sh, dt, l in
-                                zip(node.out_shapes, node.out_dtypes, strategy.results)
-                                if l is not None)
-        per_node.append((c, node_bytes))
-    most = np.asarray([b.max() if c >= 0 else b for c, b in per_node], np.int64)
-    least = np.asarray([b.min() if c >= 0 else b for c, b in per_node], np.int64)
-    start = np.arange(n)
-    end = np.asarray(last_use)
+            end[ref.node] = max(end[ref.node], i)
+    # bytes per strategy of one member of each class (members share shapes), and the
+    # replicated bytes of the nodes no class holds
+    class_bytes = [_class_bytes(graph, mesh, cls) for cls in classes]
+    node_class = np.asarray(node_class)
+    held = node_class >= 0
+    free_bytes = np.asarray([0 if held[i] else sum(
+        tensor_bytes(sh, dt, Layout.replicated(len(sh)), mesh)
+        for sh, dt in zip(node.out_shapes, node.out_dtypes))
+        for i, node in enumerate(graph.nodes)], np.int64)
+    most = free_bytes.copy()
+    least = free_bytes.copy()
+    most[held] = [class_bytes[c].max() for c in node_class[held]]
+    least[held] = [class_bytes[c].min() for c in node_class[held]]
     always = np.zeros(n, bool)
-    always[list(pinned)] = True
+    always[pinned] = True
+    start = np.arange(n)
     points = set()
     for sizes in (most, least):
         # live bytes after each node: a difference array over live ranges
@@ -208,15 +205,18 @@ def _memory_rows(graph, mesh, classes, node_class, resident_bytes) -> list:
         points.update(int(p) for p in np.argsort(-live, kind="stable")[:MEMORY_POINTS])
     rows = []
     for p in sorted(points):
-        row = MemoryRow(p, resident_bytes)
-        alive = np.flatnonzero(always | ((start <= p) & (end >= p)))
-        for i in alive:
-            c, sizes = per_node[i]
-            if c < 0:
-                row.constant += int(sizes)
-            elif c in row.coefficients:
-                row.coefficients[c] = row.coefficients[c] + sizes
-            else:
-                row.coefficients[c] = sizes.copy()
+        alive = always | ((start <= p) & (end >= p))
+        row = MemoryRow(p, resident_bytes + int(free_bytes[alive].sum()))
+        counts = np.bincount(node_class[alive & held], minlength=len(classes))
+        for c in np.flatnonzero(counts):
+            row.coefficients[int(c)] = counts[c] * class_bytes[c]
         rows.append(row)
     return rows
+
+
+def _class_bytes(graph, mesh, cls) -> np.ndarray:
+    """Bytes one member of `cls` holds of its outputs, per strategy."""
+    node = graph.nodes[cls.members[0]]
+    return np.asarray([sum(tensor_bytes(shape, dtype, layout, mesh) for shape, dtype, layout
+                           in zip(node.out_shapes, node.out_dtypes, s.results)
+                           if layout is not None) for s in cls.strategies], np.int64)

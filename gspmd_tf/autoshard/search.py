@@ -84,9 +84,9 @@ def choose(graph: Graph, mesh: Mesh, rules: Sequence, seeds: dict,
                     layouts[ref] = layout
     inputs = {i: chosen(graph.inputs[i]) for i in auto_inputs}
     outputs = {j: chosen(graph.outputs[j]) for j in auto_outputs}
+    memo = {}
     decisions = [decision(pricer, graph.tensor_name(ref), entry,
-                          class_index.get(class_of[ref.node]),
-                          lambda s, out=ref.out: s.results[out])
+                          class_index.get(class_of[ref.node]), ref.out, memo)
                  for entry, ref in [(f"argument {i}", graph.inputs[i]) for i in auto_inputs]
                  + [(f"output {j}", graph.outputs[j]) for j in auto_outputs]]
     return AutoPlan(layouts, {i: l for i, l in inputs.items() if l is not None},
