@@ -176,8 +176,9 @@ def solve(problem: Problem, memory_limit: Optional[int],
         raise Infeasible(smallest_memory(problem, time_limit))
     if result.x is None:
         raise ShardingError(
-            f"the auto-sharding search found no plan within {time_limit:g} s ({result.message}): "
-            "give fixed in_shardings to some of the gt.AUTO entries to shrink the search")
+            f"the auto-sharding search found no plan within {time_limit:g} s "
+            f"({result.message}): give fixed in_shardings to some of the gt.AUTO entries "
+            "to shrink the search")
     choice = tuple(int(np.argmax(result.x[f:f + len(c.strategies)]))
                    for f, c in zip(first, problem.classes))
     return Solution(choice, float(result.fun) / _SECONDS_SCALE, result.message,
