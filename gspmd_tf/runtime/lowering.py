@@ -116,7 +116,12 @@ def _lower_auto(graph, seeds, out_layouts, auto_args, auto_outputs, options, low
     the limit, search again with the budget lowered by the estimate's shortfall."""
     limit = budget = options.memory_limit
     for _ in range(AUTO_ATTEMPTS):
-        plan = _auto_plan(graph, seeds, auto_args, auto_outputs, options, budget)
+        try:
+            plan = _auto_plan(graph, seeds, auto_args, auto_outputs, options, budget)
+        except ShardingError:
+            if budget == limit:  # nothing fits the user's limit: the search says why
+                raise
+            break  # nothing fits the tightened budget: the lowered peak was over
         chosen, layouts = {**seeds, **plan.layouts}, list(out_layouts)
         for j, layout in plan.output_layouts.items():
             layouts[j] = layout
