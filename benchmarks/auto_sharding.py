@@ -4,11 +4,8 @@ Transformer training step with Adam, against the hand Megatron plan and data par
     .venv/bin/python benchmarks/auto_sharding.py --layers=4,8,16,24
     .venv/bin/python benchmarks/auto_sharding.py --layers=2 --d_model=64 --d_ff=256  # tiny
 
-The step (weights, Adam's m and v are arguments and results; nothing runs: the mesh is
-abstract) is, per layer, a pre-norm self-attention block (Q, K, V projections as
-[M, N, K] einsums, softmax over keys, O as [N, K, M]) and a ReLU feed-forward block, both
-residual; loss mean(x^2); then Adam on every weight. Each layer's ops are in a name scope
-(`layer3/attention/query`), as Keras and Lingvo name them.
+The step is gspmd_tf/testing/transformer_step.py's (weights, Adam's m and v are arguments
+and results; nothing runs: the mesh is abstract).
 
 Plans, on a data x model mesh, the activations' batch split over "data":
   data parallel  every weight and its Adam state replicated
@@ -46,83 +43,11 @@ flags.DEFINE_string("mesh", "2x4", "data x model mesh shape")
 flags.DEFINE_float("limit_between", 0.5, "memory_limit: this far from Megatron's peak "
                    "(0) to data parallel's (1)")
 
-# weight name -> (shape from (M, N, K, H), Megatron spec)
-WEIGHTS = {
-    "attention/norm": (lambda m, n, k, h: (m,), ()),
-    "attention/query": (lambda m, n, k, h: (m, n, k), (None, "model")),
-    "attention/key": (lambda m, n, k, h: (m, n, k), (None, "model")),
-    "attention/value": (lambda m, n, k, h: (m, n, k), (None, "model")),
-    "attention/output": (lambda m, n, k, h: (n, k, m), ("model",)),
-    "mlp/norm": (lambda m, n, k, h: (m,), ()),
-    "mlp/up": (lambda m, n, k, h: (m, h), (None, "model")),
-    "mlp/down": (lambda m, n, k, h: (h, m), ("model",)),
-}
-
-
-def layer_norm(x, scale, tf):
-    mean = tf.reduce_mean(x, -1, keepdims=True)
-    var = tf.reduce_mean(tf.square(x - mean), -1, keepdims=True)
-    return (x - mean) * tf.math.rsqrt(var + 1e-5) * scale
-
-
-def make_step(layers, tf):
-    """step(x, *weights, *m, *v) -> (*weights, *m, *v) after one Adam update."""
-    names = [f"layer{l}/{w}" for l in range(layers) for w in WEIGHTS]
-    count = len(names)
-
-    def forward(x, w):
-        for l in range(layers):
-            p = {name: w[f"layer{l}/{name}"] for name in WEIGHTS}
-            with tf.name_scope(f"layer{l}"):
-                with tf.name_scope("attention"):
-                    h = layer_norm(x, p["attention/norm"], tf)
-                    q, k, v = (tf.einsum("bsm,mnk->bsnk", h, p[f"attention/{n}"], name=n)
-                               for n in ("query", "key", "value"))
-                    scores = tf.einsum("bqnk,bsnk->bnqs", q, k, name="scores")
-                    probs = tf.nn.softmax(scores / float(q.shape[-1]) ** 0.5)
-                    context = tf.einsum("bnqs,bsnk->bqnk", probs, v, name="context")
-                    x = x + tf.einsum("bqnk,nkm->bqm", context, p["attention/output"],
-                                      name="output")
-                with tf.name_scope("mlp"):
-                    h = layer_norm(x, p["mlp/norm"], tf)
-                    hidden = tf.nn.relu(tf.einsum("bsm,mh->bsh", h, p["mlp/up"], name="up"))
-                    x = x + tf.einsum("bsh,hm->bsm", hidden, p["mlp/down"], name="down")
-        return tf.reduce_mean(tf.square(x))
-
-    def step(x, *state):
-        weights, ms, vs = state[:count], state[count:2 * count], state[2 * count:]
-        with tf.GradientTape() as tape:
-            tape.watch(weights)
-            loss = forward(x, dict(zip(names, weights)))
-        grads = tape.gradient(loss, weights)
-        out_w, out_m, out_v = [], [], []
-        with tf.name_scope("adam"):
-            for w, m, v, g in zip(weights, ms, vs, grads):
-                m = 0.9 * m + 0.1 * g
-                v = 0.999 * v + 0.001 * tf.square(g)
-                out_w.append(w - 0.001 * m / (tf.sqrt(v) + 1e-7))
-                out_m.append(m)
-                out_v.append(v)
-        return out_w + out_m + out_v
-
-    return step, names
-
-
-def lower(gt, tf, mesh, layers, plan, memory_limit=None):
-    """The Lowered of the step with `plan` ("data", "megatron" or "auto")."""
-    m, n, h = FLAGS.d_model, FLAGS.heads, FLAGS.d_ff
-    step, names = make_step(layers, tf)
-    shapes = [WEIGHTS[name.split("/", 1)[1]][0](m, n, m // n, h) for name in names]
-    specs = [tf.TensorSpec((FLAGS.batch, FLAGS.seq, m), tf.float32)] + [
-        tf.TensorSpec(s, tf.float32) for s in shapes * 3]
-    if plan == "auto":
-        weights = [gt.AUTO] * len(names)
-    elif plan == "megatron":
-        weights = [gt.P(*WEIGHTS[name.split("/", 1)[1]][1]) for name in names]
-    else:
-        weights = [gt.P()] * len(names)
-    return gt.lower(step, mesh, (gt.P("data"),) + tuple(weights) * 3, args=specs,
-                    memory_limit=memory_limit)
+def lower(gt, mesh, config, plan, memory_limit=None):
+    """The Lowered of `config`'s step with `plan` ("data", "megatron" or "auto")."""
+    from gspmd_tf.testing.transformer_step import make_step
+    return gt.lower(make_step(config), mesh, config.in_shardings(plan, gt.AUTO),
+                    args=config.specs(), memory_limit=memory_limit)
 
 
 def collective_bytes(lowered):
@@ -133,9 +58,8 @@ def main(argv):
     del argv
     import logging
 
-    import tensorflow as tf
-
     import gspmd_tf as gt
+    from gspmd_tf.testing.transformer_step import Config
     logging.getLogger("gspmd_tf").setLevel(logging.WARNING)
     data, model = (int(s) for s in FLAGS.mesh.split("x"))
     mesh = gt.Mesh.abstract((data, model), ("data", "model"))
@@ -146,11 +70,13 @@ def main(argv):
     print(f"{'':45s} | {'data':>7s} {'megatron':>8s} {'auto':>7s} | {'data':>7s} "
           f"{'megatron':>8s} {'auto':>7s} |")
     for layers in (int(l) for l in FLAGS.layers):
-        data_plan = lower(gt, tf, mesh, layers, "data")
-        megatron = lower(gt, tf, mesh, layers, "megatron")
+        config = Config(layers, FLAGS.d_model, FLAGS.heads, FLAGS.d_ff, FLAGS.seq,
+                        FLAGS.batch)
+        data_plan = lower(gt, mesh, config, "data")
+        megatron = lower(gt, mesh, config, "megatron")
         low, high = megatron.memory().peak, data_plan.memory().peak
         limit = int(low + FLAGS.limit_between * (high - low))
-        auto = lower(gt, tf, mesh, layers, "auto", memory_limit=limit)
+        auto = lower(gt, mesh, config, "auto", memory_limit=limit)
         plan = auto.auto_plan
         peaks = [p.memory().peak / 2 ** 20 for p in (data_plan, megatron, auto)]
         sent = [collective_bytes(p) / 2 ** 20 for p in (data_plan, megatron, auto)]

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
+from gspmd_tf.testing.transformer_step import Config, make_step
 
 P = gt.P
 BATCH, D_MODEL, D_FF = 64, 128, 512
@@ -141,3 +142,37 @@ def test_auto_output_entry_takes_the_searched_layout(mesh):
 def test_bad_memory_limit_is_a_sharding_error(mesh, limit):
     with pytest.raises(gt.ShardingError, match="memory_limit"):
         gt.function(tf.identity, mesh=mesh, memory_limit=limit)
+
+
+TRANSFORMER = Config(layers=1, d_model=32, heads=4, d_ff=128, seq=8, batch=8)
+
+
+def transformer_lowered(mesh, plan, config=TRANSFORMER, memory_limit=None):
+    return gt.lower(make_step(config), mesh, config.in_shardings(plan, gt.AUTO),
+                    args=config.specs(), memory_limit=memory_limit)
+
+
+def test_auto_transformer_adam_step_fits_where_data_parallel_does_not_and_sends_no_more_than_megatron():
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    data = transformer_lowered(mesh, "data")
+    megatron = transformer_lowered(mesh, "megatron")
+    limit = (megatron.memory().peak + data.memory().peak) // 2
+    auto = transformer_lowered(mesh, "auto", memory_limit=limit)
+    assert data.memory().peak > limit >= auto.memory().peak
+
+    def sent(lowered):
+        return sum(c.bytes for c in lowered.collectives())
+    assert sent(auto) <= 1.10 * sent(megatron)
+
+
+@pytest.mark.long
+def test_auto_transformer_adam_step_values_equal_single_device(mesh):
+    config = Config(layers=2, d_model=32, heads=4, d_ff=128, seq=8, batch=8)
+    values = config.values()
+    step = gt.function(make_step(config), mesh=mesh,
+                       in_shardings=config.in_shardings("auto", gt.AUTO),
+                       memory_limit=2 ** 20)
+    got = step(*values)
+    want = tf.function(make_step(config))(*values)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
