@@ -95,6 +95,11 @@ def test_auto_report_lists_each_decision_with_alternatives_and_the_pinning_specs
                                           if o.peak_bytes <= LIMIT)
 
 
+def test_explain_says_the_search_chose_a_layout(lowered):
+    assert "auto-sharding search chose" in lowered.explain("weights_0")
+    assert "auto-sharding search chose" not in lowered.explain("x")
+
+
 def test_html_report_shows_the_auto_sharding_decisions(lowered):
     page = lowered.report(format="html")
     assert "<h2>Auto-sharding</h2>" in page and "weights_0" in page

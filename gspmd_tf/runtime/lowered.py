@@ -104,7 +104,11 @@ class Lowered:
         propagation layer; for each dim that lacks an axis a neighbouring tensor holds,
         why (the axis splits another dim: which annotation won and by which priority; or
         the op's rule keeps the dim whole). Returns the text (print it)."""
-        return explain(self, name)
+        text = explain(self, name)
+        if self.auto_plan is not None and self.graph.ref(name) in self.auto_plan.layouts:
+            text += ("\nThe auto-sharding search chose this layout for the gt.AUTO entries' "
+                     "plan (auto_report() lists the decisions and their costs).")
+        return text
 
     def layout_of(self, name):
         """The Layout (mesh-axis form) chosen for tensor `name`."""
