@@ -74,7 +74,7 @@ def choose(graph: Graph, mesh: Mesh, rules: Sequence, seeds: dict,
             .results[ref.out]
 
     layouts = {}
-    for c, k in class_index.items():
+    for k in class_index.values():
         strategy = problem.classes[k].strategies[solution.choice[k]]
         for m in problem.classes[k].members:
             for out, layout in enumerate(strategy.results):
