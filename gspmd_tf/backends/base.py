@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
+from gspmd_tf.graph.text import program_text
 from gspmd_tf.registry import multiply_adds
 
 INPUT = "gt.Input"
@@ -164,24 +165,6 @@ def program_cost(program: Graph) -> dict:
             cost["collective_bytes"] += _bytes(graph.shape(node.inputs[0]),
                                                graph.dtype(node.inputs[0]))
     return cost
-
-
-def program_text(program: Graph, indent: str = "") -> str:
-    """`program` one node a line: `%index = op(inputs) : shapes dtypes {params}`, a
-    control-flow node's regions indented below it."""
-    lines = []
-    for i, node in enumerate(program.nodes):
-        inputs = ", ".join(f"%{r.node}" + (f":{r.out}" if r.out else "") for r in node.inputs)
-        types = ", ".join(f"{dtype.name}{list(shape) if shape is not None else '[?]'}"
-                          for shape, dtype in zip(node.out_shapes, node.out_dtypes))
-        params = f" {node.params}" if node.params else ""
-        lines.append(f"{indent}%{i} = {node.op}({inputs}) : {types}{params}  # {node.name}")
-        for k, region in enumerate(node.regions):
-            lines.append(f"{indent}  region {k}:")
-            lines.append(program_text(region, indent + "    "))
-    outputs = ", ".join(f"%{r.node}" + (f":{r.out}" if r.out else "") for r in program.outputs)
-    lines.append(f"{indent}return {outputs}")
-    return "\n".join(lines)
 
 
 def nodes_with_graphs(graph: Graph):
