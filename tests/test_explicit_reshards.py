@@ -3,11 +3,14 @@ gt.Reshard node of the program (global shape, source and target layouts, the op 
 needs it and why), and one export pass lowers each to the collectives the planner plans.
 Checked as text, before and after export, the way XLA's and Shardy's partitioner tests
 check theirs: each expected line must appear, in order, in the printed program (node
-names after '#' left out)."""
+names after '#' left out). The annotated global graph for XLA's partitioner is derived
+from the same explicit program: each gt.Reshard's target is an XlaSharding annotation
+where the op needs it, checked as the text of that TF graph."""
 
 import tensorflow as tf
 
 import gspmd_tf as gt
+from gspmd_tf.runtime.annotated import annotated_text
 
 P = gt.P
 S = tf.TensorSpec
@@ -94,3 +97,55 @@ def test_reshard_inside_a_loop_body_is_exported_in_the_body():
     body = after.split("region 1:")[1]
     assert "gt.AllGather(" in body
 
+
+# ---------------------------------------------- the annotated graph, from the same program
+
+def _annotated(fn, in_shardings, out_shardings, specs):
+    low = gt.lower(fn, MESH, in_shardings, out_shardings, args=specs)
+    return low, annotated_text(low)
+
+
+def test_annotated_matmul_reads_the_gathered_operand_through_its_sharding():
+    _, text = _annotated(lambda x, w: x @ w, (P("x", None), P("x", None)), None,
+                         [S((8, 12)), S((12, 4))])
+    assert_lines_in_order(text, [
+        "inputs_1 = Placeholder() sharding={devices=[2,1]0,1}",
+        "XlaSharding_1 = XlaSharding(inputs_1:0) sharding={devices=[2,1]0,1}",
+        "XlaSharding_2 = XlaSharding(XlaSharding_1:0) sharding={replicated}",
+        "matmul = MatMul(XlaSharding:0, XlaSharding_2:0)"])
+
+
+def test_annotated_transpose_result_moves_where_the_all_to_all_is():
+    _, text = _annotated(tf.transpose, (P("x", None),), (P("x", None),), [S((8, 4))])
+    assert_lines_in_order(text, [
+        "transpose = Transpose(XlaSharding:0, transpose/perm:0)",
+        "XlaSharding_1 = XlaSharding(transpose:0) sharding={devices=[1,2]0,1}",
+        "XlaSharding_2 = XlaSharding(XlaSharding_1:0) sharding={devices=[2,1]0,1}",
+        "Identity = Identity(XlaSharding_2:0)"])
+
+
+def test_annotated_partial_sum_leaves_the_dot_in_its_scattered_layout():
+    """A pending sum has no XLA sharding: the dot's result is annotated with the
+    reduce-scatter's target only."""
+    _, text = _annotated(lambda x, w: x @ w, (P(None, "x"), P("x", None)), (P("x", None),),
+                         [S((8, 12)), S((12, 4))])
+    assert_lines_in_order(text, [
+        "matmul = MatMul(XlaSharding:0, XlaSharding_1:0)",
+        "XlaSharding_2 = XlaSharding(matmul:0) sharding={devices=[2,1]0,1}",
+        "Identity = Identity(XlaSharding_2:0)"])
+
+
+def test_every_explicit_reshard_target_is_an_annotation():
+    def mlp(x, w1, w2):
+        return tf.transpose(tf.nn.relu(x @ w1) @ w2)
+
+    mesh = gt.Mesh.abstract((2, 2), ("data", "model"))
+    low = gt.lower(mlp, mesh, (P("data", "model"), P("model", "data"), P("model")),
+                   (P("data", "model"),), args=[S((8, 8)), S((8, 16)), S((16, 8))])
+    text = annotated_text(low)
+    targets = {str(gt.Sharding.from_layout(mesh, node.params["target"]))
+               for node in low.program.explicit.nodes
+               if node.op == "gt.Reshard" and "tensor" in node.params}
+    assert targets
+    for sharding in targets:
+        assert f"sharding={sharding}" in text, (sharding, text)

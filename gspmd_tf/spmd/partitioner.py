@@ -12,7 +12,7 @@ sub-program of its own (spmd/control_flow.py).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
@@ -46,18 +46,13 @@ class SpmdProgram:
     """The partitioned program (dead code eliminated, reshards exported to collectives,
     small independent all-reduces combined) with its input/output layouts. `explicit`
     is the same program before the export pass (spmd/export.py): every layout change a
-    gt.Reshard node, no all-reduce combined. `operand_layouts` maps the index of each
-    op of the traced graph partitioned by its rule to the layouts its operands were
-    resharded to, `result_layouts` the index of each op whose results came out of it in
-    other layouts than propagation's (e.g. partial sums) to those layouts (the annotated
-    global graph for XLA carries both, see runtime/annotated.py)."""
+    gt.Reshard node, no all-reduce combined (the annotated global graph for XLA reads
+    its reshards, see runtime/annotated.py)."""
 
     graph: Graph
     input_layouts: list[Layout]
     output_layouts: list[Layout]
     replicated_ops: list[str]
-    operand_layouts: dict[int, list[Layout]] = field(default_factory=dict)
-    result_layouts: dict[int, list[Layout]] = field(default_factory=dict)
     explicit: Optional[Graph] = None
 
 
@@ -172,8 +167,6 @@ class Partitioner:
         self._replicated_kinds = parent._replicated_kinds if parent else {}
         # replicated op name -> (its partitioner, [(operand Ref, Layout) arrived split])
         self._lost_splits = parent._lost_splits if parent else {}
-        self.operand_layouts = {}  # of this graph's ops (a region's are its own)
-        self.result_layouts = {}
         self.windowed_einsum = parent.windowed_einsum if parent else windowed_einsum
         self.combine_bytes = parent.combine_bytes if parent else combine_bytes
 
@@ -275,7 +268,7 @@ class Partitioner:
         return SpmdProgram(self._combined(exported, in_region=False),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops,
-                           self.operand_layouts, self.result_layouts, explicit)
+                           explicit)
 
     def partition_region(self, input_layouts: Sequence[Layout],
                          output_layouts: Sequence[Layout]) -> tuple[Graph, list[Layout]]:
@@ -328,7 +321,6 @@ class Partitioner:
                 ref = b.replay(node, [], node.out_shapes, node.out_dtypes)[0]
                 self.values[Ref(index, 0)] = Local(ref, targets[0], node.out_shapes[0],
                                                    node.out_dtypes[0])
-                self.operand_layouts[index] = []
                 continue
             entry = op_def(node.op)
             emit = replay if entry.replay else entry.emit
@@ -343,9 +335,6 @@ class Partitioner:
                     results = self._replicated(ctx)
                 else:
                     results = self._by_rule(ctx, emit)
-            if any(local.layout is not target and local.layout != target
-                   for local, target in zip(results, targets)):
-                self.result_layouts[index] = [local.layout for local in results]
             for k, (local, target) in enumerate(zip(results, targets)):
                 # a variable handle (e.g. one a loop hands through) points to this
                 # device's shard whatever layout propagation gave it, and a TensorList
@@ -420,7 +409,6 @@ class Partitioner:
         direct = getattr(emit, "without_reshard", None)
         results = direct(ctx) if direct else None
         if results is not None:
-            self.operand_layouts[ctx.index] = [x.layout for x in ctx.inputs]
             return results
         layouts = ctx.result_layouts()
         windowed = (None if self.windowed_einsum is None
@@ -429,7 +417,6 @@ class Partitioner:
         refs = emit(ctx, operands, layouts) if windowed is None else windowed
         node = ctx.node
         decision = ctx.decision
-        self.operand_layouts[ctx.index] = decision.operand_layouts
         if (windowed is None and emit not in decision.replay_shapes
                 and not any_padded(ctx, operands)
                 and (emit is replay or (hasattr(emit, "replays")
@@ -451,7 +438,7 @@ class Partitioner:
         shapes = decision.replay_shapes.get(emit)
         if shapes is None:
             return None
-        operand_layouts = self.operand_layouts[index] = decision.operand_layouts
+        operand_layouts = decision.operand_layouts
         refs = self.b.replay(node, [self.reshard(x, layout,
                                                  tensor=self.graph.tensor_name(r)).ref
                                     for x, layout, r in zip(inputs, operand_layouts,
