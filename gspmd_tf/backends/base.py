@@ -6,7 +6,9 @@ a Compiled: called with inputs[i][d] (the shard of program input i on device id 
 returns outputs[j][d]; cost_analysis(), memory() and as_text() describe it without
 running it. The backends are peers behind this protocol (backends/__init__.py):
 LocalBackend (every op on TF's kernels), XlaBackend (the compute between collectives
-compiled by XLA) and AutoBackend (one of the two per program, by multiply-adds).
+compiled by XLA), AutoBackend (one of the two per program, by multiply-adds) and
+XlaBridgeBackend (the TPU route: the whole annotated global program, compiled by XLA
+behind TF's bridge; capabilities.whole_program).
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ class Capabilities:
         and a slice (TF's collective ops have no CPU reduce-scatter), twice the traffic.
     semantics: "tf" (every op on TF's kernels: TF's values) or "xla" (compiled by XLA:
         XLA's rounding; ops whose XLA values differ from TF's still run on TF's kernels,
-        see registry.xla_numerics_differ)."""
+        see registry.xla_numerics_differ).
+    whole_program: compiles the whole global program for XLA's SPMD partitioner (the
+        annotated graph, runtime/annotated.GlobalProgram; global values in and out),
+        not the per-device SPMD program."""
 
     copy_collectives: bool
     several_workers: bool
@@ -55,6 +60,7 @@ class Capabilities:
     device_kinds: frozenset
     native_reduce_scatter: bool
     semantics: str
+    whole_program: bool = False
 
 
 class Backend(abc.ABC):

@@ -33,6 +33,7 @@ from gspmd_tf.backends.emitter import traced_region_op
 from gspmd_tf.backends.tf_kernels import safe_name
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Ref
+from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.program import RESHARD
@@ -281,6 +282,50 @@ class AnnotatedGraph:
             tensor.op._set_attr("_XlaSharding", attr_value_pb2.AttrValue(
                 s=sharding.to_proto().SerializeToString()))
         return tensor if tensor.dtype in _UNSHARDED_DTYPES else _annotate(tensor, sharding)
+
+
+class GlobalProgram:
+    """The annotated global program of a Lowered, what backends/xla_bridge.py compiles
+    (the protocol it reads): `emit(*inputs)` (AnnotatedGraph.emit), `written_variables()`,
+    `num_outputs`, `variable_values()` (the captured gt.Variables' global values),
+    `spmd` (gspmd-tf's per-device program of the same explicit-reshard program) and
+    `as_text()` (annotated_text)."""
+
+    def __init__(self, lowered):
+        self.lowered = lowered
+        self.name = lowered.name
+        self.spmd = lowered.program.graph
+        self.num_outputs = len(lowered.graph.outputs)
+        self._annotated = AnnotatedGraph(lowered)
+
+    def emit(self, *inputs):
+        """The flat outputs, then the captured variables' final values (AnnotatedGraph)."""
+        return self._annotated.emit(*inputs)
+
+    def written_variables(self):
+        """Positions (in capture order) of the captured variables the program writes."""
+        return self._annotated.written_variables()
+
+    def variable_values(self):
+        """The global values of the captured variables, in capture order; ShardingError
+        for a capture that is not a gt.Variable."""
+        lowered = self.lowered
+        graph = lowered.graph
+        first = len(graph.inputs) - len(graph.captures)
+        values = []
+        for ref, handle in zip(graph.inputs[first:], graph.captures):
+            source = variable_of_handle(handle)
+            if source is None:
+                raise ShardingError(
+                    f"{lowered.name} captures {graph.nodes[ref.node].name!r}, which is not "
+                    "a gt.Variable; the TPU program takes captured gt.Variables only: pass "
+                    "other tensors to the function as arguments")
+            values.append(source.numpy())
+        return values
+
+    def as_text(self):
+        """The annotated graph, one TF op a line (annotated_text)."""
+        return annotated_text(self.lowered)
 
 
 def argument_specs(lowered):
