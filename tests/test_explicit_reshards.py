@@ -149,3 +149,12 @@ def test_every_explicit_reshard_target_is_an_annotation():
     assert targets
     for sharding in targets:
         assert f"sharding={sharding}" in text, (sharding, text)
+
+
+def test_an_exported_collective_is_named_after_its_reshard():
+    low = gt.lower(lambda x, w: x @ w, MESH, (P(None, "x"), P("x", None)), (P("x", None),),
+                   args=[S((8, 12)), S((12, 4))])
+    (reshard,) = [n for n in low.program.explicit.nodes if n.op == "gt.Reshard"]
+    (scatter,) = [n for n in low.program.graph.nodes if n.op == "gt.ReduceScatter"]
+    assert scatter.name.startswith(reshard.name + "/")
+    assert (reshard.params["needed_by"], reshard.params["reason"]) == ("matmul", "contraction")

@@ -7,7 +7,9 @@ insert-explicit-reshards does. This pass, like Shardy's reshard-to-collectives, 
 each gt.Reshard to the steps the planner plans for it (reshard.reshard: planner.plan,
 then reshard.emit's collectives and local pads and slices) and copies every other node,
 control-flow bodies included. gt.Reshards of one tensor to one layout (the same move
-needed by several ops) are lowered once. Collectives an op's own algorithm needs (halo
+needed by several ops) are lowered once, where the first is. Every node emitted for a
+gt.Reshard is named `<its name>/...`, so a collective of the exported program leads back
+to the gt.Reshard it came from (and its `needed_by` and `reason`) in the explicit one. Collectives an op's own algorithm needs (halo
 exchanges, rotations, re-blocking, windowed einsum's permutes) are already in the
 program: the handlers emit them, they are not layout changes.
 

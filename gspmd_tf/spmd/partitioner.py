@@ -193,7 +193,7 @@ class Partitioner:
         if decision is None:
             decision = decisions[key] = Decision(
                 choose_factor_axes(self.b.mesh, self.b.cost_model, rule, inputs, targets,
-                                    node))
+                                   node))
         return decision
 
     def local_shape(self, layout, shape):
