@@ -47,3 +47,15 @@ def test_uneven_arguments_from_tensors_compute_single_device_values(mesh, rng):
     args = [tf.constant(randn(rng, 5, 6)), tf.constant(randn(rng, 6, 7))]
     check_partitioned(lambda x, w: tf.nn.relu(x @ w), args, mesh,
                       (P("data", "model"), P("model", None)))
+
+
+def test_strings_and_more_dims_than_tf_slice_takes_split_on_the_host(mesh):
+    words = np.array([b"a", b"bb", b"ccc"], dtype=object)
+    shards = place_value(tf.constant(words), mesh, Layout((("model",),)), tf.string)
+    assert [list(s) for s in shards[:4]] == [[b"a"], [b"bb"], [b"ccc"], [b""]]
+    deep = np.arange(16, dtype=np.float32).reshape((2,) + (1,) * 7 + (8,))
+    shards = place_value(deep, mesh, Layout((("data",),) + ((),) * 7 + (("model",),)),
+                         tf.float32)
+    for shard, piece in zip(shards, split_value(deep, mesh, Layout(
+            (("data",),) + ((),) * 7 + (("model",),)))):
+        np.testing.assert_array_equal(np.asarray(shard), piece)

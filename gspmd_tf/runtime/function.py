@@ -12,7 +12,6 @@ import os
 import types
 from typing import Callable, Optional, Sequence, Union
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
 
@@ -23,7 +22,7 @@ from gspmd_tf.runtime import sharded_tensor
 from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.lowering import lower_traced
 from gspmd_tf.runtime.options import LowerOptions, check_entries
-from gspmd_tf.runtime.sharded_tensor import ShardedTensor, place_value, split_value
+from gspmd_tf.runtime.sharded_tensor import ShardedTensor, place_value
 from gspmd_tf.runtime.trace import Call, Tracer
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.windowed_einsum import threshold_of
@@ -263,7 +262,7 @@ class Function:
 
     def _shards(self, value, layout, dtype, copies):
         """Per-device shards of one program input of `dtype` in `layout`, split on the
-        devices (sharded_tensor.place_value; strings on the host); variables: the
+        devices (sharded_tensor.place_value); variables: the
         handles of their shard variables; a variable of another mesh: of copies of its
         value resharded onto this mesh, appended to `copies`."""
         variable = variable_of_handle(value)
@@ -289,11 +288,7 @@ class Function:
                 "re-running a notebook cell); its cached program cannot read the new one: "
                 "create the gt.function again after the variables it reads, or keep the "
                 "old variable alive")
-        if dtype != tf.string:
-            return place_value(value, self.mesh, layout, dtype)
-        if hasattr(value, "numpy"):
-            value = value.numpy()
-        return split_value(np.asarray(value), self.mesh, layout)
+        return place_value(value, self.mesh, layout, dtype)
 
 
 _REPLICATE = {}  # mesh -> the gt.function copying a tensor of that mesh to every device

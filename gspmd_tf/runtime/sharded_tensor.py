@@ -55,13 +55,21 @@ def split_value(value, mesh, layout):
                            for device in range(mesh.size))]
 
 
+_DEVICE_SPLIT_RANK = 8  # the most dims TF's CPU Slice and Pad kernels take
+
+
 def place_value(value, mesh, layout, dtype):
     """Per-device shards of the global `value` in `layout`, made on the devices (None
     for other workers' devices): the value becomes one tensor of `dtype`, placed once
     (where TF puts it; a tf.Tensor stays where it is), and each distinct shard is sliced
     from it, and zero-padded to the local shape, by TF ops on the first of this worker's
     devices holding it; the devices holding one shard share that tensor (a replicated
-    value is the one tensor on every device). The values are split_value's."""
+    value is the one tensor on every device). The values are split_value's, which
+    splits on the host what TF's Slice and Pad kernels cannot take: strings, and ranks
+    over _DEVICE_SPLIT_RANK."""
+    if dtype == tf.string or len(layout.dims) > _DEVICE_SPLIT_RANK:
+        return split_value(value.numpy() if hasattr(value, "numpy") else np.asarray(value),
+                           mesh, layout)
     tensor = value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(value, dtype)
     shape = tuple(tensor.shape)
     local = layout.local_shape(mesh, shape)
