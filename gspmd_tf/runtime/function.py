@@ -12,7 +12,6 @@ import os
 import types
 from typing import Callable, Optional, Sequence, Union
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
 
@@ -23,7 +22,7 @@ from gspmd_tf.runtime import sharded_tensor
 from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.lowering import lower_traced
 from gspmd_tf.runtime.options import LowerOptions, check_entries, check_memory_limit
-from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
+from gspmd_tf.runtime.sharded_tensor import ShardedTensor, place_value
 from gspmd_tf.runtime.trace import Call, Tracer
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.windowed_einsum import threshold_of
@@ -234,8 +233,9 @@ class Function:
         program = lowered.program
         graph = lowered.graph
         copies = []  # read-only copies of variables of other meshes, alive for the run
-        inputs = [self._shards(value, layout, copies) for value, layout in
-                  zip(list(call.flat) + list(graph.captures), program.input_layouts)]
+        inputs = [self._shards(value, layout, graph.dtype(ref), copies)
+                  for value, layout, ref in zip(list(call.flat) + list(graph.captures),
+                                                program.input_layouts, graph.inputs)]
         outs = run(inputs)
         del copies
         results = [ShardedTensor(self.mesh, layout, lowered.graph.shape(ref),
@@ -267,10 +267,11 @@ class Function:
             "(open the tape in it and return or apply the gradients, as a training step "
             "does), or call it outside the tape")
 
-    def _shards(self, value, layout, copies):
-        """Per-device shards of one program input in `layout` (variables: the handles
-        of their shard variables; a variable of another mesh: of copies of its value
-        resharded onto this mesh, appended to `copies`)."""
+    def _shards(self, value, layout, dtype, copies):
+        """Per-device shards of one program input of `dtype` in `layout`, split on the
+        devices (sharded_tensor.place_value); variables: the
+        handles of their shard variables; a variable of another mesh: of copies of its
+        value resharded onto this mesh, appended to `copies`."""
         variable = variable_of_handle(value)
         if variable is not None and variable.mesh == self.mesh:
             return [None if v is None else v.handle for v in variable.shard_variables]
@@ -294,9 +295,7 @@ class Function:
                 "re-running a notebook cell); its cached program cannot read the new one: "
                 "create the gt.function again after the variables it reads, or keep the "
                 "old variable alive")
-        elif hasattr(value, "numpy"):
-            value = value.numpy()
-        return split_value(np.asarray(value), self.mesh, layout)
+        return place_value(value, self.mesh, layout, dtype)
 
 
 _REPLICATE = {}  # mesh -> the gt.function copying a tensor of that mesh to every device

@@ -8,6 +8,7 @@ import numpy as np
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
+from gspmd_tf.graph.text import program_text
 from gspmd_tf.propagation.propagate import Propagation
 from gspmd_tf.runtime.explain import explain
 from gspmd_tf.runtime.html_report import render_html
@@ -154,9 +155,15 @@ class Lowered:
         annotated global graph (the traced ops at global shapes, every tensor carrying
         its sharding as an XlaSharding annotation, for XLA's SPMD partitioner; what
         TPUStrategy compiles), made by tf.function(jit_compile=True) for this host's XLA
-        device (XLA_CPU_JIT without accelerators). Nothing runs; abstract meshes work."""
+        device (XLA_CPU_JIT without accelerators). Nothing runs; abstract meshes work.
+        "explicit" gives the SPMD program before the export pass, every layout change a
+        gt.Reshard node; "spmd" the program after it, with its collectives (one node a
+        line, backends.base.program_text)."""
+        if dialect in ("explicit", "spmd"):
+            return program_text(self.program.explicit if dialect == "explicit"
+                                else self.program.graph)
         if dialect != "hlo":
-            raise ShardingError(f"as_text({dialect!r}): the only dialect is 'hlo'")
+            raise ShardingError(f"as_text({dialect!r}): give 'hlo', 'explicit' or 'spmd'")
         # imported on use: it loads the local backend, which `import gspmd_tf` does not
         from gspmd_tf.runtime.annotated import compiler_ir
         return compiler_ir(self, stage="hlo")
