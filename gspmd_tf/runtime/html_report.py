@@ -121,9 +121,11 @@ def render_html(lowered):
         "sharding of its first output (thick border: annotated); hover for name and shape."
         f'</p><div class="legend">{legend}</div><div class="graph">{svg}</div>',
         "<h2>Collectives</h2>",
-        _table(["collective", "shape (per device)", "dtype", "bytes", "groups", "axes"],
+        _table(["collective", "shape (per device)", "dtype", "bytes", "groups", "axes",
+                "needed by (op, source line, tensor: from -> to, reason)"],
                [(c.kind, c.shape, c.dtype.name, c.bytes,
-                 f"{c.groups[0] if c.groups else ()} x{len(c.groups)}", c.axes)
+                 f"{c.groups[0] if c.groups else ()} x{len(c.groups)}", c.axes,
+                 "; ".join(origin.text() for origin in c.origins))
                 for c in collectives], "collectives"),
         "<h2>Per-device memory</h2><p>Every device runs the same program on equal (padded) "
         "local shapes. The peak is an estimate in program order.</p>",

@@ -3,19 +3,49 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
+from gspmd_tf.layout import Layout
+from gspmd_tf.mesh import PartitionSpec
 from gspmd_tf.propagation.propagate import Propagation
 from gspmd_tf.runtime.explain import explain
 from gspmd_tf.runtime.html_report import render_html
 from gspmd_tf.runtime.memory import Memory, program_memory
 from gspmd_tf.runtime.options import LowerOptions
+from gspmd_tf.runtime.sources import SourceLines
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd.partitioner import SpmdProgram
 from gspmd_tf.spmd.program import COLLECTIVES
+
+
+@dataclass(frozen=True)
+class CollectiveOrigin:
+    """Why a collective exists: op `op` of the traced graph needs it, created at the
+    user's `source` line ("file.py:LINE", "" when unknown); for a reshard, graph tensor
+    `tensor` goes from `from_sharding` to `to_sharding` (gt.Shardings of its dims; a
+    pending sum shows as reason "contraction"), also given as PartitionSpecs
+    `from_spec`/`to_spec`; `reason` is a code of gspmd_tf.spmd.provenance.REASONS
+    ("contraction", "operand layout", "no rule", ...)."""
+
+    op: str
+    source: str
+    tensor: str
+    from_sharding: Optional[Sharding]
+    to_sharding: Optional[Sharding]
+    reason: str
+    from_spec: Optional[PartitionSpec] = None
+    to_spec: Optional[PartitionSpec] = None
+
+    def text(self) -> str:
+        """One line: "op 'name' (file.py:LINE): 'x' P(...) -> P(...), reason"."""
+        where = f" ({self.source})" if self.source else ""
+        move = (f": {self.tensor!r} {self.from_spec!r} -> {self.to_spec!r}"
+                if self.from_spec is not None else "")
+        return f"op {self.op!r}{where}{move}, {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -24,6 +54,9 @@ class Collective:
 
     `shape`/`dtype`/`bytes` describe one device's operand; `groups` lists the device ids
     that take part together (for collective-permute: the (source, target) pairs).
+    `origins` holds a CollectiveOrigin per op that needs it (several for all-reduces the
+    combiner merged); `op`, `source`, `from_sharding`, `to_sharding` and `reason` are
+    the first one's (empty when the partitioner recorded none).
     """
 
     kind: str
@@ -32,6 +65,32 @@ class Collective:
     bytes: int
     groups: tuple
     axes: tuple
+    origins: tuple = ()
+
+    @property
+    def op(self) -> str:
+        """The graph op that needs this collective (the first, for a combined one)."""
+        return self.origins[0].op if self.origins else ""
+
+    @property
+    def source(self) -> str:
+        """The user's "file.py:LINE" that created that op ("" when unknown)."""
+        return self.origins[0].source if self.origins else ""
+
+    @property
+    def from_sharding(self) -> Optional[Sharding]:
+        """The sharding the moved tensor had (None for an op's own exchange)."""
+        return self.origins[0].from_sharding if self.origins else None
+
+    @property
+    def to_sharding(self) -> Optional[Sharding]:
+        """The sharding the moved tensor gets (None for an op's own exchange)."""
+        return self.origins[0].to_sharding if self.origins else None
+
+    @property
+    def reason(self) -> str:
+        """Why: a gspmd_tf.spmd.provenance.REASONS code ("" when unknown)."""
+        return self.origins[0].reason if self.origins else ""
 
 
 _KIND = {"gt.AllReduce": "all-reduce", "gt.AllGather": "all-gather",
@@ -50,13 +109,15 @@ class Lowered:
     function's output structure (None for a program given as an imported Graph);
     `committed_args` the flat arguments whose layout is the ShardedTensor passed
     (in_shardings left open); `named_inputs` (name, graph tensor name) of the inputs of
-    a program lowered from a SavedModel signature (`python -m gspmd_tf inspect`).
+    a program lowered from a SavedModel signature (`python -m gspmd_tf inspect`);
+    `source_graph` the traced tf.Graph, whose ops' tracebacks give the user's source
+    lines (None: unknown).
     """
 
     def __init__(self, options: LowerOptions, graph: Graph, propagation: Propagation,
                  program: SpmdProgram, *, num_args: int, annotated: frozenset,
                  stage_seconds: dict, committed_args: frozenset = frozenset(),
-                 structured_outputs=None, named_inputs: tuple = ()):
+                 structured_outputs=None, named_inputs: tuple = (), source_graph=None):
         self.options = options
         self.mesh = options.mesh
         self.name = options.program_name
@@ -71,6 +132,7 @@ class Lowered:
         self._annotated = annotated
         self._run = None  # the compiled program, built on first use
         self._consumers = None  # graph.consumers(), made on first use by explain()
+        self.source_line = SourceLines(source_graph)  # graph op name -> "file.py:LINE"
 
     def _sharding(self, layout):
         return Sharding.from_layout(self.mesh, layout)
@@ -125,8 +187,21 @@ class Lowered:
                                for row in self.mesh.groups(node.params["axes"]))
             out.append(Collective(_KIND[node.op], tuple(shape), dtype,
                                   int(np.prod(shape, dtype=np.int64)) * dtype.size, groups,
-                                  tuple(node.params.get("axes", ()))))
+                                  tuple(node.params.get("axes", ())),
+                                  tuple(self._origin(o)
+                                        for o in self.program.origins.get(node.name, ()))))
         return out
+
+    def _origin(self, origin) -> CollectiveOrigin:
+        """A provenance.Origin as the CollectiveOrigin users see."""
+        def sharding(layout):
+            return None if layout is None else self._sharding(Layout(layout.dims))
+
+        def spec(layout):
+            return None if layout is None else layout.to_spec()
+        return CollectiveOrigin(origin.op, self.source_line(origin.op), origin.tensor,
+                                sharding(origin.source), sharding(origin.target),
+                                origin.reason, spec(origin.source), spec(origin.target))
 
     def counts(self):
         """(annotated tensors, tensors that got a sharding by inference)."""
@@ -187,6 +262,7 @@ class Lowered:
             group = c.groups[0] if c.groups else ()
             lines.append(f"{c.kind:20s} {str(c.shape):20s} {c.dtype.name:8s} {c.bytes:10d} "
                          f"{group} x{len(c.groups)} over {c.axes}")
+            lines += [f"    for {origin.text()}" for origin in c.origins]
         total = sum(c.bytes for c in collectives)
         annotated, inferred = self.counts()
         lines += ["", f"{len(collectives)} collectives, {total} bytes per device",

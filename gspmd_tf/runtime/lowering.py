@@ -81,12 +81,14 @@ def _lower_traced(traced, options, entries, committed):
     out_layouts = _seed_outputs(spec_layouts, graph, seeds, options.out_shardings, name)
     propagation, program, seconds = _propagate_and_partition(graph, seeds, out_layouts,
                                                              options)
-    return Lowered(
+    lowered = Lowered(
         options, graph, propagation, program, num_args=count, annotated=frozenset(seeds),
         committed_args=frozenset(i for i in range(count)
                                  if entries[i] is None and committed[i] is not None),
         structured_outputs=None if isinstance(traced, Graph) else traced.structured_outputs,
-        stage_seconds={"import": imported - start, **seconds})
+        stage_seconds={"import": imported - start, **seconds},
+        source_graph=None if isinstance(traced, Graph) else traced.graph)
+    return lowered
 
 
 def lower_seeded(graph: Graph, seeds: dict, num_args: int, options: LowerOptions,
@@ -115,7 +117,7 @@ def _propagate_and_partition(graph, seeds, out_layouts, options):
     combine_bytes = (None if mesh.is_abstract
                      else options.backend_factory(mesh).all_reduce_combine_bytes)
     program = partition(graph, mesh, propagation, out_layouts, options.windowed_einsum,
-                        combine_bytes)
+                        combine_bytes, annotated=frozenset(seeds))
     partitioned = time.perf_counter()
     log.info("gspmd_tf: %s partitioned: %d ops in the SPMD program (%.1f s)", name,
              len(program.graph.nodes), partitioned - propagated)

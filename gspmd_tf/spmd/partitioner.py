@@ -33,6 +33,8 @@ from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.handlers.basic import any_padded, local_shapes
 from gspmd_tf.spmd.control_flow import partition_control_flow
 from gspmd_tf.spmd.program import UNMOVABLE, Local, ProgramBuilder
+from gspmd_tf.spmd.provenance import (INPUT, NO_RULE, OPERAND, OUTPUT, RESULT, Origin,
+                                      reshard_origin)
 from gspmd_tf.spmd.reshard import reshard
 from gspmd_tf.spmd.windowed_einsum import windowed_dot
 
@@ -57,6 +59,8 @@ class SpmdProgram:
     replicated_ops: list[str]
     operand_layouts: dict[int, list[Layout]] = field(default_factory=dict)
     result_layouts: dict[int, list[Layout]] = field(default_factory=dict)
+    # collective node name -> its provenance.Origins (a combined all-reduce: its members')
+    origins: dict[str, tuple] = field(default_factory=dict)
 
 
 class OpContext:
@@ -279,8 +283,9 @@ class Partitioner:
                  parent: Optional[Partitioner] = None, prefix: str = "",
                  windowed_einsum: Optional[int] = None,
                  combine_bytes: Optional[Callable[[bool], int]] = None,
-                 cost_model: Optional[CostModel] = None):
-        """`windowed_einsum`: the byte threshold of windowed dots (see
+                 cost_model: Optional[CostModel] = None, annotated: frozenset = frozenset()):
+        """`annotated`: the Refs with a user sharding (for provenance); `windowed_einsum`:
+        the byte threshold of windowed dots (see
         spmd/windowed_einsum.py), None for none; `combine_bytes(in_region)`: the
         all-reduce combiner's threshold the backend asks for (Backend.
         all_reduce_combine_bytes), None for the cost model's; `cost_model` prices
@@ -289,6 +294,11 @@ class Partitioner:
         self.graph = graph
         self.propagation = propagation
         self.b = ProgramBuilder(mesh, prefix, parent.b.cost_model if parent else cost_model)
+        self.b.origins = parent.b.origins if parent else self.b.origins
+        # whence the origin of the reshards made now (provenance.reshard_origin): the graph
+        # op at hand (node index), the phase (INPUT, OPERAND...), in RESULT its results
+        self.current_op, self.phase, self.phase_results = None, INPUT, ()
+        self.in_region, self.annotated = parent is not None, annotated
         self.values = {}
         self._resharded = {}
         # a region's partitioner shares its parent's memos and list of replicated ops
@@ -366,7 +376,10 @@ class Partitioner:
                 "(or keep them whole)")
         key = (local, layout)
         if key not in self._resharded:
-            self._resharded[key] = reshard(self.b, local, layout)
+            b = self.b
+            around, b.origin = b.origin, reshard_origin(self, local, layout)
+            self._resharded[key] = reshard(b, local, layout)
+            b.origin = around
         return self._resharded[key]
 
     def resharded(self, local, layout):
@@ -386,7 +399,7 @@ class Partitioner:
         return SpmdProgram(self._combined(in_region=False),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops,
-                           self.operand_layouts, self.result_layouts)
+                           self.operand_layouts, self.result_layouts, self.b.origins)
 
     def partition_region(self, input_layouts: Sequence[Layout],
                          output_layouts: Sequence[Layout]) -> tuple[Graph, list[Layout]]:
@@ -403,7 +416,8 @@ class Partitioner:
         asked = self.combine_bytes(in_region) if self.combine_bytes else None
         threshold = threshold_bytes(self.b.cost_model.combine_threshold_bytes()
                                     if asked is None else asked)
-        return combine_all_reduces(self.b.graph, threshold, live=live_nodes(self.b.graph))
+        return combine_all_reduces(self.b.graph, threshold, live=live_nodes(self.b.graph),
+                                   origins=self.b.origins)
 
     def _partition(self, output_layouts, input_layouts=None):
         """Partition every node; returns the outputs (Locals) in `output_layouts`.
@@ -415,12 +429,14 @@ class Partitioner:
             if index and index % PROGRESS_EVERY == 0:
                 log.info("gspmd_tf: partitioned %d of %d ops", index, len(graph.nodes))
             targets = self.propagation.layouts[index]
+            self.current_op = index
             if index in input_index:
                 i = input_index[index]
                 shape, dtype = node.out_shapes[0], node.out_dtypes[0]
                 layout = targets[0] if input_layouts is None else input_layouts[i]
                 ref = b.input(i, layout.local_shape(b.mesh, shape), dtype, layout)
                 local = Local(ref, layout, shape, dtype)
+                self.phase, self.phase_results = INPUT, (local,)
                 self.values[graph.inputs[i]] = (local if dtype in UNMOVABLE
                                                 else self.reshard(local, targets[0]))
                 continue
@@ -435,6 +451,8 @@ class Partitioner:
                 continue
             entry = op_def(node.op)
             emit = replay if entry.replay else entry.emit
+            # a collective a handler emits itself is the op's own algorithm
+            self.phase, b.origin = OPERAND, Origin(node.name, "op algorithm")
             results = (self._replay_memoised(index, node, rule, targets, emit)
                        if rule is not None and not node.regions and self.windowed_einsum is None
                        and (entry.replay or hasattr(emit, "replays")) else None)
@@ -449,6 +467,7 @@ class Partitioner:
             if any(local.layout is not target and local.layout != target
                    for local, target in zip(results, targets)):
                 self.result_layouts[index] = [local.layout for local in results]
+            self.phase, self.phase_results, b.origin = RESULT, results, None
             for k, (local, target) in enumerate(zip(results, targets)):
                 # a variable handle (e.g. one a loop hands through) points to this
                 # device's shard whatever layout propagation gave it, and a TensorList
@@ -457,7 +476,9 @@ class Partitioner:
                     local if local.layout is target or local.dtype in UNMOVABLE
                     else self.reshard(local, target))
         outputs = []
+        self.phase, self.phase_results = OUTPUT, ()
         for ref, layout in zip(graph.outputs, output_layouts):
+            self.current_op = ref.node
             local = self.values[ref]
             local = local if layout is None else self.reshard(local, layout)
             outputs.append(local)
@@ -561,6 +582,7 @@ class Partitioner:
     def _replicated(self, ctx):
         """No rule: gather the inputs, run the op whole on every device."""
         node = ctx.node
+        self.phase = NO_RULE
         if not op_def(node.op).silent_replicated:
             # warned once per op type when the program is done (_warn_replicated)
             self.replicated_ops.append(node.name)
@@ -590,9 +612,12 @@ class Partitioner:
 def partition(graph: Graph, mesh: Mesh, propagation: Propagation,
               output_layouts: Sequence[Layout], windowed_einsum: Optional[int] = None,
               combine_bytes: Optional[Callable[[bool], int]] = None,
-              cost_model: Optional[CostModel] = None) -> SpmdProgram:
+              cost_model: Optional[CostModel] = None,
+              annotated: frozenset = frozenset()) -> SpmdProgram:
     """The SPMD program of `graph` (see Partitioner; `windowed_einsum`: a byte
     threshold, or None; `combine_bytes`: the backend's all_reduce_combine_bytes, or
-    None; `cost_model`: the backend's CostModel, or None for CostModel.for_mesh)."""
+    None; `cost_model`: the backend's CostModel, or None for CostModel.for_mesh;
+    `annotated`: the Refs with a user sharding)."""
     return Partitioner(graph, mesh, propagation, windowed_einsum=windowed_einsum,
-                       combine_bytes=combine_bytes, cost_model=cost_model).run(output_layouts)
+                       combine_bytes=combine_bytes, cost_model=cost_model,
+                       annotated=annotated).run(output_layouts)

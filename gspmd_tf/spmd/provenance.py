@@ -1,0 +1,89 @@
+"""Why the partitioner emits a collective: the op that needs it, the tensor it moves, the
+two layouts it converts between, and a reason code.
+
+The partitioner tells its ProgramBuilder the Origin of what it is emitting (the op it is
+partitioning, and for a reshard the tensor and layouts); every collective the builder
+emits meanwhile is recorded under its node name (ProgramBuilder.origins), and the
+all-reduce combiner gives a combined all-reduce the origins of all its members.
+Lowered.collectives() reads them back, adding the user's source line of the op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from gspmd_tf.graph.ir import Ref
+from gspmd_tf.layout import Layout
+
+# reason code -> what it means, in words (the codes gt.Reshard's `reason` attr uses too)
+REASONS = {
+    "contraction": "sums the partial results of a contraction or reduction over a split dim",
+    "annotation": "a user sharding (gt.mesh_split, xla_sharding, in/out_shardings) asks "
+                  "for this layout",
+    "operand layout": "the op's rule computes it from another split of this operand (the "
+                      "operands' shardings conflict, or the rule keeps a dim whole)",
+    "uneven dim": "the operand splits a dim its mesh axes do not divide, and the op's rule "
+                  "needs that dim split evenly or whole",
+    "result layout": "the op computes its result split one way and propagation chose "
+                     "another sharding for it (a consumer or annotation pulls elsewhere)",
+    "no rule": "the op has no partitioning rule: it runs replicated on gathered operands",
+    "op algorithm": "the op's own partitioned algorithm (halo exchange, rotation, "
+                    "windowed loop, re-blocking)",
+}
+
+# the phases of partitioning one op during which the partitioner reshards
+INPUT, OPERAND, NO_RULE, RESULT, OUTPUT = "input", "operand", "no rule", "result", "output"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Why one collective exists: graph op `op` needs it, for `reason` (a REASONS code);
+    for a reshard, graph tensor `tensor` goes from layout `source` to `target`."""
+
+    op: str
+    reason: str
+    tensor: str = ""
+    source: Optional[Layout] = None
+    target: Optional[Layout] = None
+
+
+def reshard_reason(phase: str, annotated: bool, source: Layout, target: Layout,
+                   shape, mesh) -> str:
+    """The reason code of a reshard from `source` to `target` of a tensor of global
+    `shape`, made in `phase` of partitioning an op (`annotated`: the op's result carries
+    a user sharding, or the reshard is to an out_shardings entry)."""
+    if source.partial and not set(source.partial) <= set(target.partial):
+        return "contraction"
+    if annotated:
+        return "annotation"
+    if phase == NO_RULE:
+        return "no rule"
+    if phase in (RESULT, OUTPUT):
+        return "result layout"
+    for n, axes, kept in zip(shape, source.dims, target.dims):
+        if axes and axes != kept and n % mesh.axes_size(axes):
+            return "uneven dim"
+    return "operand layout"
+
+
+def reshard_origin(partitioner, local, layout) -> Optional[Origin]:
+    """The Origin of resharding Local `local` to `layout` now, in the phase of the op the
+    partitioner (spmd/partitioner.py) is at; None before its first op."""
+    graph, index, phase = partitioner.graph, partitioner.current_op, partitioner.phase
+    if index is None:
+        return None
+    node = graph.nodes[index]
+    if phase in (INPUT, RESULT):
+        pairs = zip([Ref(index, k) for k in range(len(node.out_shapes))],
+                    partitioner.phase_results)
+    else:
+        pairs = ((r, partitioner.values.get(r))
+                 for r in (graph.outputs if phase == OUTPUT else node.inputs))
+    tensor = next((graph.tensor_name(r) for r, value in pairs if value is local), "")
+    annotated = (phase == OUTPUT and not partitioner.in_region) or any(
+        Ref(index, k) in graph.annotations or Ref(index, k) in partitioner.annotated
+        for k in range(len(node.out_shapes)))
+    reason = reshard_reason(phase, annotated, local.layout, layout, local.shape,
+                            partitioner.b.mesh)
+    return Origin(node.name, reason, tensor, local.layout, layout)
