@@ -27,6 +27,7 @@ from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.propagation.propagate import propagate
 from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.options import LowerOptions, check_entries
+from gspmd_tf.runtime.strict import check_strict
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd.partitioner import partition
@@ -88,6 +89,8 @@ def _lower_traced(traced, options, entries, committed):
         structured_outputs=None if isinstance(traced, Graph) else traced.structured_outputs,
         stage_seconds={"import": imported - start, **seconds},
         source_graph=None if isinstance(traced, Graph) else traced.graph)
+    if options.strict:
+        check_strict(lowered)
     return lowered
 
 

@@ -23,6 +23,8 @@ class LowerOptions:
                      or None: propagation decides every output
     windowed_einsum  the byte threshold of windowed dots (spmd/windowed_einsum.py), or
                      None for none
+    strict           data movement the partitioner adds on its own is a ShardingError
+                     at lowering (runtime/strict.py)
     """
 
     mesh: Mesh
@@ -31,6 +33,7 @@ class LowerOptions:
     caller: str = "gt.function"
     out_shardings: Optional[Sequence] = None
     windowed_einsum: Optional[int] = None
+    strict: bool = False
 
     @property
     def program_name(self) -> str:
