@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 
+from gspmd_tf.runtime.layers import layer_table
 from gspmd_tf.runtime.memory import program_memory
 
 _NODE_W, _NODE_H, _GAP_X, _GAP_Y = 150, 30, 50, 12
@@ -100,6 +101,7 @@ def render_html(lowered):
     legend = "".join(f'<span style="background:{c}">{html.escape(s)}</span>'
                      for s, c in [("P()", "#dddddd")] + list(colors.items()))
     collectives = lowered.collectives()
+    layers = layer_table(lowered.layers())
     memory = program_memory(lowered)
     annotated, inferred = lowered.counts()
     tensors = []
@@ -127,6 +129,10 @@ def render_html(lowered):
                  f"{c.groups[0] if c.groups else ()} x{len(c.groups)}", c.axes,
                  "; ".join(origin.text() for origin in c.origins))
                 for c in collectives], "collectives"),
+        "<h2>Per layer</h2><p>Ops grouped by name scope (gradient ops in the layer they "
+        "differentiate): the collectives they need, those collectives' bytes and the "
+        "bytes of the tensors they produce, per device.</p>",
+        _table(layers[0], layers[1:], "layers"),
         "<h2>Per-device memory</h2><p>Every device runs the same program on equal (padded) "
         "local shapes. The peak is an estimate in program order.</p>",
         _table(["", "bytes per device"],

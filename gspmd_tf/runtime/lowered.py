@@ -14,6 +14,7 @@ from gspmd_tf.mesh import PartitionSpec
 from gspmd_tf.propagation.propagate import Propagation
 from gspmd_tf.runtime.explain import explain
 from gspmd_tf.runtime.html_report import render_html
+from gspmd_tf.runtime.layers import layer_stats, layer_table
 from gspmd_tf.runtime.memory import Memory, program_memory
 from gspmd_tf.runtime.options import LowerOptions
 from gspmd_tf.runtime.sources import SourceLines
@@ -29,7 +30,8 @@ class CollectiveOrigin:
     `tensor` goes from `from_sharding` to `to_sharding` (gt.Shardings of its dims; a
     pending sum shows as reason "contraction"), also given as PartitionSpecs
     `from_spec`/`to_spec`; `reason` is a code of gspmd_tf.spmd.provenance.REASONS
-    ("contraction", "operand layout", "no rule", ...)."""
+    ("contraction", "operand layout", "no rule", ...); `bytes` its share of the
+    collective's bytes per device (a combined all-reduce's member: its own operand's)."""
 
     op: str
     source: str
@@ -39,6 +41,7 @@ class CollectiveOrigin:
     reason: str
     from_spec: Optional[PartitionSpec] = None
     to_spec: Optional[PartitionSpec] = None
+    bytes: int = 0
 
     def text(self) -> str:
         """One line: "op 'name' (file.py:LINE): 'x' P(...) -> P(...), reason"."""
@@ -185,15 +188,16 @@ class Lowered:
             else:
                 groups = tuple(tuple(int(d) for d in row)
                                for row in self.mesh.groups(node.params["axes"]))
-            out.append(Collective(_KIND[node.op], tuple(shape), dtype,
-                                  int(np.prod(shape, dtype=np.int64)) * dtype.size, groups,
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.size
+            origins = self.program.origins.get(node.name, ())
+            out.append(Collective(_KIND[node.op], tuple(shape), dtype, size, groups,
                                   tuple(node.params.get("axes", ())),
-                                  tuple(self._origin(o)
-                                        for o in self.program.origins.get(node.name, ()))))
+                                  tuple(self._origin(o, size if len(origins) == 1 else o.bytes)
+                                        for o in origins)))
         return out
 
-    def _origin(self, origin) -> CollectiveOrigin:
-        """A provenance.Origin as the CollectiveOrigin users see."""
+    def _origin(self, origin, size) -> CollectiveOrigin:
+        """A provenance.Origin as the CollectiveOrigin users see (`size`: its bytes)."""
         def sharding(layout):
             return None if layout is None else self._sharding(Layout(layout.dims))
 
@@ -201,7 +205,14 @@ class Lowered:
             return None if layout is None else layout.to_spec()
         return CollectiveOrigin(origin.op, self.source_line(origin.op), origin.tensor,
                                 sharding(origin.source), sharding(origin.target),
-                                origin.reason, spec(origin.source), spec(origin.target))
+                                origin.reason, spec(origin.source), spec(origin.target), size)
+
+    def layers(self) -> list:
+        """Per-layer accounting (runtime/layers.py): a LayerStats per name scope (a Keras
+        layer's path; gradient ops count in the layer they differentiate) with its ops,
+        the collectives they need and those collectives' bytes per device, and the bytes
+        per device of the tensors its ops produce."""
+        return layer_stats(self)
 
     def counts(self):
         """(annotated tensors, tensors that got a sharding by inference)."""
@@ -266,7 +277,12 @@ class Lowered:
         total = sum(c.bytes for c in collectives)
         annotated, inferred = self.counts()
         lines += ["", f"{len(collectives)} collectives, {total} bytes per device",
-                  f"{annotated} tensors annotated, {inferred} sharded by inference"]
+                  f"{annotated} tensors annotated, {inferred} sharded by inference", ""]
+        header, *rows = layer_table(self.layers())
+        lines += [f"{header[0]:40s} {header[1]:>6s} {header[2]:>11s} {header[3]:>16s} "
+                  f"{header[4]:>14s}"]
+        lines += [f"{layer[:40]:40s} {ops:6d} {count:11d} {moved:16d} {held:14d}"
+                  for layer, ops, count, moved, held in rows]
         if self.program.replicated_ops:
             lines.append("ran replicated (no rule): " + ", ".join(self.program.replicated_ops))
         return "\n".join(lines)

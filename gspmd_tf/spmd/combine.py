@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 import tensorflow as tf
@@ -217,7 +218,8 @@ class _Rebuilt:
         (reduced,) = self.add(stem, ALL_REDUCE, [concat], [(total,)], dtype,
                               params=dict(last.params))
         self.origins[self.graph.nodes[reduced.node].name] = tuple(
-            origin for node in nodes for origin in self.origins.get(node.name, ()))
+            replace(origin, bytes=_operand_bytes(self.old, node))
+            for node in nodes for origin in self.origins.get(node.name, ()))
         pieces = self.add(f"{stem}/split", "SplitV",
                           [reduced, self.const(sizes), self.const(0)],
                           [(size,) for size in sizes], dtype,

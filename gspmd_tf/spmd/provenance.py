@@ -39,13 +39,15 @@ INPUT, OPERAND, NO_RULE, RESULT, OUTPUT = "input", "operand", "no rule", "result
 @dataclass(frozen=True)
 class Origin:
     """Why one collective exists: graph op `op` needs it, for `reason` (a REASONS code);
-    for a reshard, graph tensor `tensor` goes from layout `source` to `target`."""
+    for a reshard, graph tensor `tensor` goes from layout `source` to `target`. `bytes`:
+    for a member of a combined all-reduce, its own operand's bytes per device."""
 
     op: str
     reason: str
     tensor: str = ""
     source: Optional[Layout] = None
     target: Optional[Layout] = None
+    bytes: int = 0
 
 
 def reshard_reason(phase: str, annotated: bool, source: Layout, target: Layout,
