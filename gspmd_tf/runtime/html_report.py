@@ -94,8 +94,9 @@ def _table(header, rows, cls):
     return "".join(out)
 
 
-def render_html(lowered):
-    """The report of `lowered` (a gt.Lowered) as one HTML document (a str)."""
+def render_html(lowered, advice=None):
+    """The report of `lowered` (a gt.Lowered) as one HTML document (a str), with the
+    list of Advice `advice` when given."""
     colors = {}
     svg = _graph_svg(lowered, colors)
     legend = "".join(f'<span style="background:{c}">{html.escape(s)}</span>'
@@ -133,6 +134,8 @@ def render_html(lowered):
         "differentiate): the collectives they need, those collectives' bytes and the "
         "bytes of the tensors they produce, per device.</p>",
         _table(layers[0], layers[1:], "layers"),
+        ("<h2>Advice</h2><ul>" + "".join(f"<li>{html.escape(a.text())}</li>" for a in advice)
+         + "</ul>" if advice else ""),
         "<h2>Per-device memory</h2><p>Every device runs the same program on equal (padded) "
         "local shapes. The peak is an estimate in program order.</p>",
         _table(["", "bytes per device"],

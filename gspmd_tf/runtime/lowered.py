@@ -12,6 +12,7 @@ from gspmd_tf.graph.ir import Graph
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import PartitionSpec
 from gspmd_tf.propagation.propagate import Propagation
+from gspmd_tf.runtime.advice import advise
 from gspmd_tf.runtime.explain import explain
 from gspmd_tf.runtime.html_report import render_html
 from gspmd_tf.runtime.layers import layer_stats, layer_table
@@ -46,7 +47,8 @@ class CollectiveOrigin:
     def text(self) -> str:
         """One line: "op 'name' (file.py:LINE): 'x' P(...) -> P(...), reason"."""
         where = f" ({self.source})" if self.source else ""
-        move = (f": {self.tensor!r} {self.from_spec!r} -> {self.to_spec!r}"
+        pending = " (partial sums)" if self.reason == "contraction" else ""
+        move = (f": {self.tensor!r} {self.from_spec!r}{pending} -> {self.to_spec!r}"
                 if self.from_spec is not None else "")
         return f"op {self.op!r}{where}{move}, {self.reason}"
 
@@ -131,7 +133,8 @@ class Lowered:
         self.committed_args = committed_args
         self.structured_outputs = structured_outputs
         self.named_inputs = named_inputs
-        self._num_args = num_args
+        self.num_args = num_args  # the flat arguments (the inputs before the captures)
+        self.source_graph = source_graph
         self._annotated = annotated
         self._run = None  # the compiled program, built on first use
         self._consumers = None  # graph.consumers(), made on first use by explain()
@@ -143,7 +146,7 @@ class Lowered:
     @property
     def input_shardings(self):
         """gt.Sharding of every flat argument, in order."""
-        return [self._sharding(l) for l in self.program.input_layouts[:self._num_args]]
+        return [self._sharding(l) for l in self.program.input_layouts[:self.num_args]]
 
     @property
     def output_shardings(self):
@@ -214,6 +217,14 @@ class Lowered:
         per device of the tensors its ops produce."""
         return layer_stats(self)
 
+    def advise(self, threshold_bytes: int = 0) -> list:
+        """For every collective moving more than `threshold_bytes` per device, the change
+        of one user sharding (in_shardings entry, annotation, out_shardings entry) that
+        removes it or makes it cheaper, with the bytes and cost-model seconds it saves
+        per step: a list of gspmd_tf.runtime.advice.Advice (print a.text()). Found by
+        lowering again with alternatives (runtime/advice.py)."""
+        return advise(self, threshold_bytes)
+
     def counts(self):
         """(annotated tensors, tensors that got a sharding by inference)."""
         annotated = len(self._annotated)
@@ -240,18 +251,24 @@ class Lowered:
         from gspmd_tf.runtime.annotated import compiler_ir
         return compiler_ir(self, stage="hlo")
 
-    def report(self, format="text", path=None):
+    def report(self, format="text", path=None, advise_bytes=None):
         """A readable table: every tensor's sharding, then the collectives and bytes.
 
         format="html" gives one self-contained HTML page (op graph colored by sharding,
         collectives, per-device memory, tensors); with `path` the report is also written
-        to that file."""
+        to that file. With `advise_bytes` (a number) it ends with the advice for the
+        collectives above that size (advise(): lowers alternatives, so it takes longer)."""
         if format not in ("text", "html"):
             raise ShardingError(f"report format {format!r}: use 'text' or 'html'")
+        advice = None if advise_bytes is None else self.advise(advise_bytes)
         if format == "html":
-            text = render_html(self)
+            text = render_html(self, advice)
         else:
             text = self._text_report()
+            if advice is not None:
+                text += (f"\n\nadvice for the collectives above {advise_bytes} bytes:\n"
+                         + ("\n".join(f"  {a.text()}" for a in advice)
+                            or "  none: no single sharding change removes or shrinks one"))
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
