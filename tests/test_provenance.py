@@ -110,3 +110,17 @@ def test_library_frames_are_not_user_frames():
     assert not is_user_frame(gt.__file__)
     assert not is_user_frame(inspect.__file__)
     assert is_user_frame(__file__)
+
+
+def test_gradient_collectives_point_at_the_forward_line():
+    def step(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            y = tf.matmul(x, w, name="forward")
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, w)
+
+    low = gt.lower(step, MESH, (P("data"), P()), args=(SPEC((8, 16)), SPEC((16, 4))))
+    [reduce] = low.collectives()  # the weight gradient summed over the batch split
+    assert reduce.op.startswith("gradient_tape/forward")
+    assert reduce.source == _line_of(step, 'name="forward"')

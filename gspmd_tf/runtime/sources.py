@@ -10,6 +10,7 @@ import sysconfig
 # path parts of frames that are not the user's code
 _LIBRARY_PARTS = tuple(os.sep + part + os.sep for part in (
     "tensorflow", "keras", "gspmd_tf", "site-packages", "dist-packages", "absl"))
+_GRADIENT = "gradient_tape/"  # how TF names the gradient ops of a forward op
 _STDLIB = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")})
 
 
@@ -24,7 +25,8 @@ class SourceLines:
     `graph` (None: no graph, every answer is ""), looked up by IR node name and
     memoised. An op inlined from a nested function call or a control-flow body is not
     in `graph` itself: the enclosing op (the call) named by the longest prefix of its
-    name stands for it."""
+    name stands for it. A gradient op ("gradient_tape/<forward op>/...") gets the line
+    of the forward op it differentiates, when there is one."""
 
     def __init__(self, graph):
         self._graph = graph
@@ -34,10 +36,14 @@ class SourceLines:
         if self._graph is None or not name:
             return ""
         if name not in self._memo:
-            self._memo[name] = self._lookup(name)
+            forward = (self._lookup(name[len(_GRADIENT):])
+                       if name.startswith(_GRADIENT) else None)
+            self._memo[name] = forward or self._lookup(name)
         return self._memo[name]
 
     def _lookup(self, name):
+        """The user line of op `name`, or of the op named by the longest prefix of
+        `name`; None when no op is found."""
         parts = name.split("/")
         for end in range(len(parts), 0, -1):
             try:
@@ -48,4 +54,4 @@ class SourceLines:
                 if is_user_frame(frame.filename):
                     return f"{os.path.basename(frame.filename)}:{frame.lineno}"
             return ""
-        return ""
+        return None
