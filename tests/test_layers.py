@@ -59,3 +59,36 @@ def test_gradient_ops_join_the_forward_layer_they_differentiate():
     assert layer_of("gradient_tape/Sum/Tile") == TOP
     assert layer_of("model/block/dense/MatMul") == "model/block/dense"
     assert layer_of("Sum") == TOP
+
+
+def deep_mlp(x, *weights):
+    h = x
+    for k, w in enumerate(weights):
+        with tf.name_scope(f"block_{k}"):
+            h = tf.nn.relu(h @ w)
+    return h
+
+
+def test_html_of_a_large_program_is_grouped_by_layer_with_collectives_marked():
+    from gspmd_tf.runtime.html_report import GRAPH_OPS_DRAWN
+
+    depth = GRAPH_OPS_DRAWN // 2 + 1
+    # every other weight split on its columns: its block's output is gathered by the next
+    specs = [P("data")] + [P(None, "model") if k % 2 else P() for k in range(depth)]
+    low = gt.lower(deep_mlp, MESH, specs,
+                   args=[tf.TensorSpec((8, 8))] + [tf.TensorSpec((8, 8))] * depth)
+    assert len(low.graph.nodes) > GRAPH_OPS_DRAWN
+    page = low.report(format="html")
+    assert '<g class="op"' not in page and "too many to draw" in page
+    # one section per layer (no enclosing scopes here) and the collectives and layer tables
+    assert page.count("<details") == len(low.layers()) + 2
+    needing = {layer_of.layer for layer_of in low.layers() if layer_of.collectives}
+    assert needing and page.count('<details class="coll">') == len(needing)
+    assert '<svg class="timeline"' in page and page.count('stroke="#d33"') == len(
+        low.collectives())
+
+
+def test_an_ops_own_constants_stay_in_its_layer():
+    layer_of = LayerOf(["mul_1", "mul_1/y", "block/dense/MatMul", "block/dense/MatMul/b"])
+    assert layer_of("mul_1/y") == TOP
+    assert layer_of("block/dense/MatMul/b") == "block/dense"

@@ -3,12 +3,14 @@ the tensors each layer's ops produce on one device, grouped by name scope (a Ker
 layer's path, e.g. "sequential/dense_1"), as PyTorch DTensor's CommDebugMode counts
 per module.
 
-An op's layer is its name scope (its name without the last component); the gradient
+An op's layer is its name scope (its name without the last component; a scope that is
+itself an op's name, e.g. the constant "mul_1/y" of op "mul_1", gives way to that op's
+own scope); the gradient
 ops TF names "gradient_tape/<forward op's path>/..." count in the forward layer they
 differentiate: the longest scope of a forward op that starts their path (none: a
 top-level op's). Ops at the top level form the layer "(top)". A collective counts in the layer of the op that needs
 it (each origin of a combined all-reduce in its own op's layer, with that member's
-bytes).
+bytes: such an all-reduce counts once per member).
 """
 
 from __future__ import annotations
@@ -38,16 +40,26 @@ class LayerOf:
     """op name -> its layer (see the module doc), for the ops of one graph."""
 
     def __init__(self, names):
-        self._scopes = {name.rsplit("/", 1)[0] for name in names
-                        if "/" in name and not name.startswith(_GRADIENT)}
+        names = list(names)
+        self._ops = set(names)
+        self._scopes = {self._scope(name) for name in names
+                        if "/" in name and not name.startswith(_GRADIENT)} - {""}
         # every enclosing scope of a forward op is a scope too
         for scope in list(self._scopes):
             parts = scope.split("/")
             self._scopes.update("/".join(parts[:end]) for end in range(1, len(parts)))
 
+    def _scope(self, name):
+        """The scope of forward op `name` ("" at the top), skipping scopes that are op
+        names."""
+        scope = name.rsplit("/", 1)[0] if "/" in name else ""
+        while scope in self._ops:
+            scope = scope.rsplit("/", 1)[0] if "/" in scope else ""
+        return scope
+
     def __call__(self, name: str) -> str:
         if not name.startswith(_GRADIENT):
-            return name.rsplit("/", 1)[0] if "/" in name else TOP
+            return self._scope(name) or TOP
         parts = name[len(_GRADIENT):].split("/")[:-1]
         for end in range(len(parts), 0, -1):
             scope = "/".join(parts[:end])
