@@ -25,6 +25,7 @@ from gspmd_tf.graph.ir import Graph, Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.propagation.oprule import OpRule
+from gspmd_tf.propagation.knobs import rounds, tie_groups
 from gspmd_tf.propagation.regions import TIE, RegionPropagation, flatten, tie_rule
 from gspmd_tf.registry import has_rule, rule_for
 from gspmd_tf.sharding import Sharding
@@ -114,10 +115,13 @@ class Propagation:
 
 
 def propagate(graph: Graph, mesh: Mesh, seeds: dict[Ref, Layout],
-              layered: bool = True) -> Propagation:
+              layered: bool = True, priorities: Optional[dict[Ref, int]] = None,
+              groups: Sequence[Sequence[Ref]] = ()) -> Propagation:
     """Give every tensor of `graph` a Layout on `mesh`.
 
-    `seeds` maps Refs to the Layouts users asked for; those are fixed. With `layered`
+    `seeds` maps Refs to the Layouts users asked for; those are fixed. `priorities`
+    ({seed Ref: int}) and `groups` (lists of Refs that share a sharding) are Shardy's
+    user priorities and sharding groups (propagation/knobs.py). With `layered`
     False all ops take part from the start, in one layer (for comparison). Returns a
     Propagation with the layouts, the OpRule of every node (None: no rule) and origins.
     The regions of control-flow ops are propagated with the graph (propagation/regions.py;
@@ -129,9 +133,25 @@ def propagate(graph: Graph, mesh: Mesh, seeds: dict[Ref, Layout],
         for ref, proto in flat.annotations.items():
             if ref.node >= len(graph.nodes):
                 seeds[ref] = _annotation_layout(flat, mesh, ref, proto)
-    encoded = encode(flat, mesh, seeds, layered)
-    sweeps = run(encoded)
+    flat = tie_groups(flat, groups)
+    encoded, sweeps = None, 0
+    for round_seeds in rounds(seeds, priorities or {}) or [seeds]:
+        before, encoded = encoded, encode(flat, mesh, round_seeds, layered)
+        if before is not None:
+            _carry(before, encoded)
+        sweeps += run(encoded)
     return decode(flat, mesh, encoded, sweeps)
+
+
+def _carry(before, encoded):
+    """Start the tensors `encoded` does not fix from what the earlier round `before`
+    gave them (axes and their origins): user priorities (propagation/knobs.py)."""
+    rank, _, fixed, axes, naxes, *_, origin_slot, origin_layer = encoded.core_args
+    free = np.repeat(fixed == 0, rank)  # one entry per dim row
+    rows = len(free)  # (the arrays keep one row when there is none)
+    for now, then in zip((axes, naxes, origin_slot, origin_layer),
+                         (before.core_args[k] for k in (3, 4, -2, -1))):
+        now[:rows][free] = then[:rows][free]
 
 
 def _annotation_layout(graph, mesh, ref, proto):

@@ -24,6 +24,7 @@ import tensorflow as tf
 from gspmd_tf.cost_model import CostModel
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import PartitionSpec
+from gspmd_tf.propagation.knobs import traced_knobs
 from gspmd_tf.propagation.propagate import propagate
 from gspmd_tf.spmd.partitioner import partition
 
@@ -145,7 +146,8 @@ def _relower(lowered, seeds) -> tuple:
     """(collectives, Memory) of `lowered`'s graph propagated from `seeds` and
     partitioned."""
     graph, mesh, options = lowered.graph, lowered.mesh, lowered.options
-    propagation = propagate(graph, mesh, seeds)
+    priorities, groups = traced_knobs(lowered.source_graph, graph)
+    propagation = propagate(graph, mesh, seeds, priorities=priorities, groups=groups)
     program = partition(graph, mesh, propagation,
                         [propagation.layout(r) for r in graph.outputs],
                         options.windowed_einsum, annotated=frozenset(seeds))

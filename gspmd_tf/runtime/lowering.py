@@ -24,6 +24,7 @@ from gspmd_tf.graph.ir import Graph
 from gspmd_tf.graph.variable_reads import first_writer
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, PartitionSpec
+from gspmd_tf.propagation.knobs import traced_knobs
 from gspmd_tf.propagation.propagate import propagate
 from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.options import LowerOptions, check_entries
@@ -80,15 +81,16 @@ def _lower_traced(traced, options, entries, committed):
             seeds[ref] = _variable_layout(mesh, graph, ref, variable, name)
     seed_annotations(mesh, graph, seeds)
     out_layouts = _seed_outputs(spec_layouts, graph, seeds, options.out_shardings, name)
-    propagation, program, seconds = _propagate_and_partition(graph, seeds, out_layouts,
-                                                             options)
+    source_graph = None if isinstance(traced, Graph) else traced.graph
+    propagation, program, seconds = _propagate_and_partition(
+        graph, seeds, out_layouts, options, traced_knobs(source_graph, graph))
     lowered = Lowered(
         options, graph, propagation, program, num_args=count, annotated=frozenset(seeds),
         committed_args=frozenset(i for i in range(count)
                                  if entries[i] is None and committed[i] is not None),
         structured_outputs=None if isinstance(traced, Graph) else traced.structured_outputs,
         stage_seconds={"import": imported - start, **seconds},
-        source_graph=None if isinstance(traced, Graph) else traced.graph)
+        source_graph=source_graph)
     if options.strict:
         check_strict(lowered)
     return lowered
@@ -106,12 +108,14 @@ def lower_seeded(graph: Graph, seeds: dict, num_args: int, options: LowerOptions
                    named_inputs=named_inputs)
 
 
-def _propagate_and_partition(graph, seeds, out_layouts, options):
+def _propagate_and_partition(graph, seeds, out_layouts, options, knobs=({}, ())):
     """The propagate and partition stages: (Propagation, SpmdProgram, their seconds).
-    `out_layouts` holds a Layout or None (propagation decides) per output."""
+    `out_layouts` holds a Layout or None (propagation decides) per output; `knobs` the
+    user priorities and sharding groups (knobs.traced_knobs)."""
     mesh, name = options.mesh, options.program_name
     start = time.perf_counter()
-    propagation = propagate(graph, mesh, seeds)
+    priorities, groups = knobs
+    propagation = propagate(graph, mesh, seeds, priorities=priorities, groups=groups)
     propagated = time.perf_counter()
     log.info("gspmd_tf: %s propagated from %d annotations (%.1f s)", name, len(seeds),
              propagated - start)
