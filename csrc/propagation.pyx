@@ -13,6 +13,8 @@ The Python driver (gspmd_tf/propagation/propagate.py) encodes the graph:
   factors   factor_size[f], factor_kind[f] (0 pass, 1 reduce, 2 replicate)
   users     tensor_op_start/tensor_ops: the ops that read or write each tensor
   layers    slot_layer[s]: the first priority layer in which slot s takes part
+  barriers  no_write[s] 1: the op never extends slot s's tensor (a propagation barrier
+            lets shardings through one way only, or neither)
   origins   origin_slot[dim, k], origin_layer[dim, k]: the slot whose tensor offered axis k
             of that dim row and the layer it was added in (written when the core appends
             the axis; undefined for seeds' axes and past naxes)
@@ -70,7 +72,7 @@ cdef class _Propagator:
     cdef int[::1] axis_size
     cdef signed char[:, ::1] axes
     cdef signed char[::1] naxes, factor_kind
-    cdef unsigned char[::1] fixed, dirty, slot_layer
+    cdef unsigned char[::1] fixed, dirty, slot_layer, no_write
     cdef int[:, ::1] origin_slot
     cdef signed char[:, ::1] origin_layer
     cdef int layer  # the layer being run
@@ -183,7 +185,7 @@ cdef class _Propagator:
         cdef bint changed = False, uneven
         for s in range(self.slot_start[op], self.slot_start[op + 1]):
             t = self.slot_tensor[s]
-            if self.fixed[t] or self.slot_layer[s] > self.layer:
+            if self.fixed[t] or self.slot_layer[s] > self.layer or self.no_write[s]:
                 continue
             if cut:
                 held = 0
@@ -285,13 +287,14 @@ def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
                      factor_start, slot_tensor, slot_dim_start, dim_factor_start,
                      dim_factors, dim_uneven, factor_size, factor_kind, tensor_op_start,
                      tensor_ops, slot_layer, int num_layers, origin_slot, origin_layer,
-                     int max_sweeps=1000):
+                     int max_sweeps=1000, no_write=None):
     """Run propagation in place on `axes`/`naxes` (and the origins); returns the number
     of sweeps over all layers.
 
     Arrays are int32 except factor_size (int64), axes, naxes, factor_kind, origin_layer
-    (int8) and fixed, dim_uneven, slot_layer (uint8); see the module docstring for their
-    meaning. An op may have at most 64 factors and a dim at most 4 axes.
+    (int8) and fixed, dim_uneven, slot_layer, no_write (uint8; None: all 0); see the
+    module docstring for their meaning. An op may have at most 64 factors and a dim at
+    most 4 axes.
     """
     cdef _Propagator p = _Propagator()
     p.rank, p.dim_start, p.fixed = rank, dim_start, fixed
@@ -303,6 +306,8 @@ def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
     p.tensor_op_start, p.tensor_ops = tensor_op_start, tensor_ops
     p.slot_layer, p.origin_slot, p.origin_layer = slot_layer, origin_slot, origin_layer
     p.dirty = np.zeros(len(slot_start) - 1, dtype=np.uint8)
+    p.no_write = (np.zeros(len(slot_tensor), dtype=np.uint8) if no_write is None
+                  else no_write)
     return p.run(num_layers, max_sweeps)
 
 

@@ -64,3 +64,39 @@ def test_group_of_different_shapes_is_an_error():
 
     with pytest.raises(gt.ShardingError, match="sharding group"):
         gt.lower(f, MESH, args=(tf.TensorSpec((8, 16)), tf.TensorSpec((8, 8))))
+
+
+def _through_barrier(direction):
+    """x -> tanh -> barrier -> annotated P('data') on the far side; and a second chain
+    from an annotated P('data') side through a barrier into an unannotated tanh."""
+    def f(x, y):
+        h = tf.tanh(x, name="before")
+        h = gt.propagation_barrier(h, direction)
+        out = gt.mesh_split(h * 2.0, MESH, P("data"))
+        g = gt.mesh_split(y, MESH, P("data"))
+        g = gt.propagation_barrier(g, direction)
+        return out, tf.tanh(g, name="after")
+    return gt.lower(f, MESH, args=(tf.TensorSpec((8, 4)), tf.TensorSpec((8, 4))))
+
+
+@pytest.mark.parametrize("direction, backward_reaches, forward_reaches", [
+    ("forward", False, True), ("backward", True, False), ("none", False, False)])
+def test_propagation_barrier_lets_shardings_through_one_way(direction, backward_reaches,
+                                                            forward_reaches):
+    low = _through_barrier(direction)
+    assert (low.layout_of("before").to_spec() == P("data")) == backward_reaches
+    assert (low.layout_of("after").to_spec() == P("data")) == forward_reaches
+
+
+def test_without_a_barrier_both_ways_propagate():
+    def f(x, y):
+        out = gt.mesh_split(tf.tanh(x, name="before") * 2.0, MESH, P("data"))
+        return out, tf.tanh(gt.mesh_split(y, MESH, P("data")), name="after")
+
+    low = gt.lower(f, MESH, args=(tf.TensorSpec((8, 4)), tf.TensorSpec((8, 4))))
+    assert low.layout_of("before").to_spec() == low.layout_of("after").to_spec() == P("data")
+
+
+def test_unknown_barrier_direction_is_an_error():
+    with pytest.raises(gt.ShardingError, match="allowed_direction='sideways'"):
+        _through_barrier("sideways")

@@ -1,4 +1,5 @@
-"""Shardy's control knobs on propagation: sharding groups and user priorities.
+"""Shardy's control knobs on propagation: sharding groups, user priorities and
+propagation barriers.
 
 A sharding group (Shardy's sdy.sharding_group) is a set of tensors of one shape that
 must share a sharding: propagation sees one extra "gt.Tie" node per group (the identity
@@ -10,12 +11,19 @@ priority number first. Round k seeds the annotations of priority <= k (fixed) an
 starts every other tensor from what round k-1 gave it (axes only ever get appended),
 so what a p0 annotation decided is in place before a p1 annotation competes with it.
 Annotations and in/out_shardings without a priority are p0.
+
+A propagation barrier (Shardy's sdy.propagation_barrier) is an identity shardings pass
+one way only: "forward" (operand to result), "backward" (result to operand) or "none";
+the core never extends the tensor on the closed side through it (no_write slots). The
+identity itself is partitioned like any: where its two sides differ, it reshards.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
@@ -24,6 +32,19 @@ from gspmd_tf.propagation.regions import TIE, FlatGraph, flat_copy
 
 # what gt.sharding_group and gt.mesh_split(priority=...) leave on the traced tf.Graph
 GROUPS_ATTR, PRIORITIES_ATTR = "_gt_sharding_groups", "_gt_priorities"
+BARRIERS_ATTR = "_gt_propagation_barriers"
+DIRECTIONS = ("forward", "backward", "none")
+
+
+@dataclass
+class Knobs:
+    """What a traced program asks of propagation: `priorities` {annotated Ref: int},
+    `groups` (lists of Refs sharing a sharding), `barriers` {node index: allowed
+    direction}."""
+
+    priorities: dict = field(default_factory=dict)
+    groups: list = field(default_factory=list)
+    barriers: dict = field(default_factory=dict)
 
 
 def sharding_group(tensor, group):
@@ -36,6 +57,22 @@ def sharding_group(tensor, group):
         return tensor
     out = tf.identity(tensor)
     _graph_dict(GROUPS_ATTR)[out.op.name] = group
+    return out
+
+
+def propagation_barrier(tensor, allowed_direction: str = "none"):
+    """`tensor` through an identity that propagation crosses only in
+    `allowed_direction`: "forward" (its sharding reaches the result, not back),
+    "backward" (the result's reaches `tensor`, not forward) or "none" (neither), as
+    Shardy's propagation barrier. Returns the identity's output (`tensor` outside a
+    trace)."""
+    if allowed_direction not in DIRECTIONS:
+        raise ShardingError(f"allowed_direction={allowed_direction!r}: use one of "
+                            f"{list(DIRECTIONS)}")
+    if tf.executing_eagerly():
+        return tensor
+    out = tf.identity(tensor)
+    _graph_dict(BARRIERS_ATTR)[out.op.name] = allowed_direction
     return out
 
 
@@ -54,18 +91,36 @@ def _graph_dict(attr):
     return getattr(graph, attr)
 
 
-def traced_knobs(source_graph, graph: Graph):
-    """({Ref: priority}, [[Ref, ...] per group]) of imported `graph` from what its
-    traced tf.Graph `source_graph` records (nothing for None)."""
+def traced_knobs(source_graph, graph: Graph) -> Knobs:
+    """The Knobs of imported `graph` from what its traced tf.Graph `source_graph`
+    records (none for None)."""
     if source_graph is None:
-        return {}, []
-    priorities = {}
-    for name, priority in getattr(source_graph, PRIORITIES_ATTR, {}).items():
-        priorities[graph.ref(name)] = priority
+        return Knobs()
+    priorities = {graph.ref(name): priority for name, priority
+                  in getattr(source_graph, PRIORITIES_ATTR, {}).items()}
     groups = {}
     for name, group in getattr(source_graph, GROUPS_ATTR, {}).items():
         groups.setdefault(group, []).append(graph.ref(name))
-    return priorities, [refs for refs in groups.values() if len(refs) > 1]
+    barriers = {graph.node_index(name): direction for name, direction
+                in getattr(source_graph, BARRIERS_ATTR, {}).items()}
+    return Knobs(priorities, [refs for refs in groups.values() if len(refs) > 1], barriers)
+
+
+def barrier_slots(op_node, slot_start, barriers: Mapping[int, str]) -> Optional[np.ndarray]:
+    """The core's no_write array (one entry per slot) closing each barrier's
+    disallowed side (None without barriers); `op_node`/`slot_start` as Encoded has
+    them (a barrier's slots: its operand, then its result)."""
+    if not barriers:
+        return None
+    no_write = np.zeros(int(slot_start[-1]), np.uint8)
+    for op in np.flatnonzero(np.isin(op_node, list(barriers))).tolist():
+        direction = barriers[int(op_node[op])]
+        start, stop = int(slot_start[op]), int(slot_start[op + 1])
+        if direction != "forward":  # the result is not written
+            no_write[stop - 1] = 1
+        if direction != "backward":  # nor the operand
+            no_write[start:stop - 1] = 1
+    return no_write
 
 
 def tie_groups(flat: Graph, groups: Sequence[Sequence[Ref]]) -> Graph:

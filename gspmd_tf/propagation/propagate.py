@@ -25,7 +25,7 @@ from gspmd_tf.graph.ir import Graph, Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.propagation.oprule import OpRule
-from gspmd_tf.propagation.knobs import rounds, tie_groups
+from gspmd_tf.propagation.knobs import Knobs, barrier_slots, rounds, tie_groups
 from gspmd_tf.propagation.regions import TIE, RegionPropagation, flatten, tie_rule
 from gspmd_tf.registry import has_rule, rule_for
 from gspmd_tf.sharding import Sharding
@@ -115,13 +115,12 @@ class Propagation:
 
 
 def propagate(graph: Graph, mesh: Mesh, seeds: dict[Ref, Layout],
-              layered: bool = True, priorities: Optional[dict[Ref, int]] = None,
-              groups: Sequence[Sequence[Ref]] = ()) -> Propagation:
+              layered: bool = True, knobs: Optional[Knobs] = None) -> Propagation:
     """Give every tensor of `graph` a Layout on `mesh`.
 
-    `seeds` maps Refs to the Layouts users asked for; those are fixed. `priorities`
-    ({seed Ref: int}) and `groups` (lists of Refs that share a sharding) are Shardy's
-    user priorities and sharding groups (propagation/knobs.py). With `layered`
+    `seeds` maps Refs to the Layouts users asked for; those are fixed. `knobs` holds
+    Shardy's user priorities, sharding groups and propagation barriers
+    (propagation/knobs.py). With `layered`
     False all ops take part from the start, in one layer (for comparison). Returns a
     Propagation with the layouts, the OpRule of every node (None: no rule) and origins.
     The regions of control-flow ops are propagated with the graph (propagation/regions.py;
@@ -133,12 +132,15 @@ def propagate(graph: Graph, mesh: Mesh, seeds: dict[Ref, Layout],
         for ref, proto in flat.annotations.items():
             if ref.node >= len(graph.nodes):
                 seeds[ref] = _annotation_layout(flat, mesh, ref, proto)
-    flat = tie_groups(flat, groups)
+    knobs = knobs or Knobs()
+    flat = tie_groups(flat, knobs.groups)
     encoded, sweeps = None, 0
-    for round_seeds in rounds(seeds, priorities or {}) or [seeds]:
+    for round_seeds in rounds(seeds, knobs.priorities) or [seeds]:
         before, encoded = encoded, encode(flat, mesh, round_seeds, layered)
         if before is not None:
             _carry(before, encoded)
+        encoded.no_write = barrier_slots(encoded.op_node, encoded.core_args[6],
+                                         knobs.barriers)
         sweeps += run(encoded)
     return decode(flat, mesh, encoded, sweeps)
 
@@ -185,6 +187,7 @@ class Encoded:
         self.naxes = naxes
         self.op_node = op_node
         self.core_args = core_args
+        self.no_write = None  # the barriers' closed slots (knobs.barrier_slots)
 
 
 def encode(graph, mesh, seeds, layered=True):
@@ -245,7 +248,7 @@ def _offsets(counts):
 def run(encoded):
     """Run the Cython fixpoint on `encoded` (its axes are extended in place); returns
     the number of sweeps."""
-    return _propagation.propagate_arrays(*encoded.core_args)
+    return _propagation.propagate_arrays(*encoded.core_args, no_write=encoded.no_write)
 
 
 def decode(graph, mesh, encoded, sweeps):

@@ -146,8 +146,8 @@ def _relower(lowered, seeds) -> tuple:
     """(collectives, Memory) of `lowered`'s graph propagated from `seeds` and
     partitioned."""
     graph, mesh, options = lowered.graph, lowered.mesh, lowered.options
-    priorities, groups = traced_knobs(lowered.source_graph, graph)
-    propagation = propagate(graph, mesh, seeds, priorities=priorities, groups=groups)
+    propagation = propagate(graph, mesh, seeds,
+                            knobs=traced_knobs(lowered.source_graph, graph))
     program = partition(graph, mesh, propagation,
                         [propagation.layout(r) for r in graph.outputs],
                         options.windowed_einsum, annotated=frozenset(seeds))

@@ -108,14 +108,13 @@ def lower_seeded(graph: Graph, seeds: dict, num_args: int, options: LowerOptions
                    named_inputs=named_inputs)
 
 
-def _propagate_and_partition(graph, seeds, out_layouts, options, knobs=({}, ())):
+def _propagate_and_partition(graph, seeds, out_layouts, options, knobs=None):
     """The propagate and partition stages: (Propagation, SpmdProgram, their seconds).
     `out_layouts` holds a Layout or None (propagation decides) per output; `knobs` the
-    user priorities and sharding groups (knobs.traced_knobs)."""
+    user priorities, sharding groups and barriers (knobs.traced_knobs)."""
     mesh, name = options.mesh, options.program_name
     start = time.perf_counter()
-    priorities, groups = knobs
-    propagation = propagate(graph, mesh, seeds, priorities=priorities, groups=groups)
+    propagation = propagate(graph, mesh, seeds, knobs=knobs)
     propagated = time.perf_counter()
     log.info("gspmd_tf: %s propagated from %d annotations (%.1f s)", name, len(seeds),
              propagated - start)
