@@ -12,7 +12,7 @@ from gspmd_tf.propagation.knobs import record_priority
 from gspmd_tf.sharding import Sharding
 
 
-def mesh_split(tensor, mesh, spec, priority=None):
+def mesh_split(tensor, mesh, spec, priority=None, open_dims=None):
     """Ask for `tensor` to be split over `mesh` as PartitionSpec `spec` says.
 
     A hint that may appear anywhere in code that gspmd-tf traces: propagation treats it
@@ -24,7 +24,10 @@ def mesh_split(tensor, mesh, spec, priority=None):
     is checked and `tensor` is returned unchanged. `priority` (an int, 0 first; None:
     0) is Shardy's user priority: annotations propagate in rounds by priority, so a
     p0 annotation (say the batch split) claims the tensors it reaches before a p1
-    one (the model split) competes (propagation/knobs.py).
+    one (the model split) competes (propagation/knobs.py). `open_dims` (dims of
+    `tensor`) are Shardy's open dims: they keep the spec's axes and propagation may
+    split them further (a None entry there is left wholly to propagation); the others
+    are closed, exactly as the spec says.
     """
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"mesh_split needs a gt.Mesh, got {mesh!r}")
@@ -41,7 +44,8 @@ def mesh_split(tensor, mesh, spec, priority=None):
     if eager:
         return tensor
     out = xla_sharding.Sharding(proto=sharding.to_proto()).apply_to_tensor(
-        value, use_sharding_op=True)
+        value, use_sharding_op=True,
+        unspecified_dims=[d % rank for d in open_dims] if open_dims else None)
     if priority is not None:
         record_priority(out, priority)
     return out

@@ -100,3 +100,31 @@ def test_without_a_barrier_both_ways_propagate():
 def test_unknown_barrier_direction_is_an_error():
     with pytest.raises(gt.ShardingError, match="allowed_direction='sideways'"):
         _through_barrier("sideways")
+
+
+def _open(open_dims):
+    def f(x, w):
+        h = gt.mesh_split(x, MESH, P("data"), open_dims=open_dims)
+        return tf.matmul(h, w, name="product")
+    return gt.lower(f, MESH, (None, P("model")), args=SPECS)
+
+
+def test_open_dim_takes_more_axes_and_closed_dims_keep_the_spec():
+    closed = _open(None)
+    assert closed.layout_of("XlaSharding").to_spec() == P("data")
+    opened = _open((1,))
+    # dim 1 is open: the contraction over w's split rows reaches it; dim 0 keeps 'data'
+    assert opened.layout_of("XlaSharding").to_spec() == P("data", "model")
+    origins = {o.axis: o for o in opened.propagation.origin(opened.graph.ref("XlaSharding"))}
+    assert origins["data"].seed_kind == "annotation" and origins["data"].num_hops == 0
+    assert origins["model"].seed_kind.startswith("argument")
+
+
+def test_open_dims_work_with_priorities():
+    def f(x, w):
+        h = gt.mesh_split(x, MESH, P("data"), priority=1, open_dims=(1,))
+        w = gt.mesh_split(w, MESH, P("model"), priority=0)
+        return tf.matmul(h, w, name="product")
+
+    low = gt.lower(f, MESH, args=SPECS)
+    assert low.layout_of("XlaSharding").to_spec() == P("data", "model")

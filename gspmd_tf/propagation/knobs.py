@@ -12,6 +12,13 @@ starts every other tensor from what round k-1 gave it (axes only ever get append
 so what a p0 annotation decided is in place before a p1 annotation competes with it.
 Annotations and in/out_shardings without a priority are p0.
 
+Open dims (Shardy's open dimension shardings, XLA's unspecified_dims, JAX's
+P.UNCONSTRAINED): gt.mesh_split(..., open_dims=(d, ...)) keeps the axes the spec gives
+those dims and lets propagation add more (a dim the spec leaves None is then fully
+propagation's); the other dims stay exactly as given. They are the XlaSharding op's
+`unspecified_dims` attr, so TF's own xla_sharding.mesh_split(unspecified_dims=...)
+means the same.
+
 A propagation barrier (Shardy's sdy.propagation_barrier) is an identity shardings pass
 one way only: "forward" (operand to result), "backward" (result to operand) or "none";
 the core never extends the tensor on the closed side through it (no_write slots). The
@@ -40,11 +47,12 @@ DIRECTIONS = ("forward", "backward", "none")
 class Knobs:
     """What a traced program asks of propagation: `priorities` {annotated Ref: int},
     `groups` (lists of Refs sharing a sharding), `barriers` {node index: allowed
-    direction}."""
+    direction}, `open_dims` {annotated Ref: its open dims}."""
 
     priorities: dict = field(default_factory=dict)
     groups: list = field(default_factory=list)
     barriers: dict = field(default_factory=dict)
+    open_dims: dict = field(default_factory=dict)
 
 
 def sharding_group(tensor, group):
@@ -92,10 +100,16 @@ def _graph_dict(attr):
 
 
 def traced_knobs(source_graph, graph: Graph) -> Knobs:
-    """The Knobs of imported `graph` from what its traced tf.Graph `source_graph`
-    records (none for None)."""
+    """The Knobs of imported `graph`: what its traced tf.Graph `source_graph` records
+    (None: nothing) and the open dims its XlaSharding ops carry."""
+    open_dims = {}
+    for ref in graph.annotations:
+        node = graph.nodes[ref.node]
+        dims = node.attr("unspecified_dims") if node.op == "XlaSharding" else None
+        if dims:
+            open_dims[ref] = tuple(int(d) for d in dims)
     if source_graph is None:
-        return Knobs()
+        return Knobs(open_dims=open_dims)
     priorities = {graph.ref(name): priority for name, priority
                   in getattr(source_graph, PRIORITIES_ATTR, {}).items()}
     groups = {}
@@ -103,7 +117,8 @@ def traced_knobs(source_graph, graph: Graph) -> Knobs:
         groups.setdefault(group, []).append(graph.ref(name))
     barriers = {graph.node_index(name): direction for name, direction
                 in getattr(source_graph, BARRIERS_ATTR, {}).items()}
-    return Knobs(priorities, [refs for refs in groups.values() if len(refs) > 1], barriers)
+    return Knobs(priorities, [refs for refs in groups.values() if len(refs) > 1], barriers,
+                 open_dims)
 
 
 def barrier_slots(op_node, slot_start, barriers: Mapping[int, str]) -> Optional[np.ndarray]:
