@@ -59,3 +59,16 @@ def test_threshold_and_report(advice):
     assert low.advise(threshold_bytes=4 * 16 * 4) == []  # not above the threshold
     assert tip.text() in low.report(advise_bytes=100)
     assert html.escape(tip.text()) in low.report(format="html", advise_bytes=100)
+
+
+def test_advice_names_a_badly_split_variable(mesh):
+    w1 = gt.Variable(np.ones((16, 64), np.float32), mesh=mesh, spec=P(None, "model"))
+    w2 = gt.Variable(np.ones((64, 8), np.float32), mesh=mesh, spec=P(None, "model"))
+
+    @gt.function(mesh=mesh, in_shardings=(P("data"),))
+    def step(x):
+        return mlp(x, w1, w2)
+
+    [tip] = step.lower(np.ones((8, 16), np.float32)).advise(threshold_bytes=100)
+    assert tip.where == f"the spec of gt.Variable {w2.name!r}"
+    assert (tip.current, tip.spec) == (P(None, "model"), P("model")) and tip.removes

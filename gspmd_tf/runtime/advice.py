@@ -3,9 +3,9 @@ makes it cheaper, found by lowering again with alternatives and pricing every pr
 with the one cost model (gspmd_tf/cost_model.py).
 
 The candidates are the user shardings (in_shardings entries, gt.mesh_split /
-xla_sharding annotations, out_shardings entries; not variables, whose layout is their
-own) that the collective's tensors and op take an axis from (Propagation.origin), or
-every one when none does. Each candidate is tried with every spec that splits its dims
+xla_sharding annotations, out_shardings entries, the specs of captured gt.Variables)
+that the collective's tensors and op take an axis from (Propagation.origin), or every
+one when none does. Each candidate is tried with every spec that splits its dims
 evenly over the mesh axes (each axis on one dim or none), one change at a time: the
 program is propagated and partitioned again and its collectives priced
 (CostModel.collective_seconds). A change may not raise the per-device memory (arguments
@@ -26,6 +26,7 @@ from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import PartitionSpec
 from gspmd_tf.propagation.knobs import traced_knobs
 from gspmd_tf.propagation.propagate import propagate
+from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.partitioner import partition
 
 MAX_LOWERINGS = 64  # alternatives tried at most per advise() call
@@ -66,8 +67,7 @@ def advise(lowered, threshold_bytes: int = 0) -> list:
     big = [c for c in lowered.collectives() if c.bytes > threshold_bytes and c.origins]
     if not big:
         return []
-    seeds = {ref: lowered.propagation.layout(ref) for ref in lowered._annotated
-             if lowered.graph.dtype(ref) != tf.resource}
+    seeds = {ref: lowered.propagation.layout(ref) for ref in lowered._annotated}
     # the program as the alternatives are lowered (the cost model's combiner threshold)
     base, memory = _relower(lowered, seeds)
     base_seconds, base_bytes = _seconds(model, base), sum(c.bytes for c in base)
@@ -169,4 +169,9 @@ def _where(lowered, ref) -> str:
         return f"the annotation {name!r}" + (f" at {line}" if line else "")
     if ref in graph.outputs:
         return f"out_shardings[{graph.outputs.index(ref)}] (output {name!r})"
+    if graph.dtype(ref) == tf.resource and ref in graph.inputs:
+        variable = variable_of_handle(
+            graph.captures[graph.inputs.index(ref) - lowered.num_args])
+        if variable is not None:
+            return f"the spec of gt.Variable {variable.name!r}"
     return f"the sharding of {name!r}"
