@@ -65,3 +65,18 @@ def test_replicated_fallback_is_refused():
     with pytest.raises(gt.ShardingError, match=r"all-gather: op 'Cumulative\w*' at "
                                                r"test_strict.py:\d+ \(no rule"):
         gt.lower(no_rule, MESH, (P("data"),), args=(SPEC((8, 4)),), strict=True)
+
+
+def test_a_result_resharded_to_its_propagated_layout_is_named_as_the_ops_result():
+    def dot_then_tanh(x, w):
+        return tf.tanh(tf.matmul(x, w, name="dot"))
+
+    # the output's sharding reaches the dot's result backward; the dot computes its
+    # result split the other way round, so the result is moved
+    with pytest.raises(gt.ShardingError) as error:
+        gt.lower(dot_then_tanh, MESH, (P("data"), P(None, "model")), (P("model", "data"),),
+                 args=(SPEC((8, 16)), SPEC((16, 8))), strict=True)
+    text = str(error.value)
+    assert "op 'dot' at test_strict.py:" in text and "(result layout:" in text
+    assert ("`gt.mesh_split(dot, mesh, P('model', 'data'))` on 'dot' (the result of op "
+            "'dot')") in text

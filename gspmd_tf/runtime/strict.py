@@ -55,10 +55,11 @@ def _describe(lowered, collective, origin) -> str:
         return (head + f"; its operands split over {collective.axes} make it exchange "
                 "data: annotate them whole along those axes with gt.mesh_split, or "
                 "partition this op's input another way")
+    result = origin.tensor.split(":")[0] == origin.op  # the op's own result moves
     return (head + f"; it moves {origin.tensor!r} from {origin.from_spec!r} to "
             f"{origin.to_spec!r}: make that explicit with `gt.mesh_split("
             f"{_variable(origin.tensor)}, mesh, {origin.to_spec!r})` on {origin.tensor!r} "
-            f"before op {origin.op!r}")
+            + (f"(the result of op {origin.op!r})" if result else f"before op {origin.op!r}"))
 
 
 def _variable(tensor: str) -> str:
