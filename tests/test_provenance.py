@@ -103,6 +103,9 @@ def test_reports_show_op_source_and_reason(conflict):
            "operand layout" in text
     page = conflict.report(format="html")
     assert gather.source in page and "operand layout" in page
+    # the op that needs it is marked in the drawn graph
+    assert 'data-name="second" data-spec="P(&#x27;data&#x27;, &#x27;model&#x27;)" ' \
+           'data-collectives="1">' in page
 
 
 def test_library_frames_are_not_user_frames():

@@ -56,7 +56,17 @@ def _levels(graph):
     return level
 
 
-def _graph_svg(lowered, colors):
+def _needs(collectives):
+    """{op name: ["all-gather 256 B (operand layout)", ...]}: the collectives each op of
+    the traced graph needs."""
+    needs = {}
+    for c in collectives:
+        for origin in c.origins:
+            needs.setdefault(origin.op, []).append(f"{c.kind} {origin.bytes} B ({origin.reason})")
+    return needs
+
+
+def _graph_svg(lowered, colors, needs):
     graph, layouts = lowered.graph, lowered.propagation.layouts
     level = _levels(graph)
     rows, position = {}, []
@@ -82,13 +92,17 @@ def _graph_svg(lowered, colors):
         spec = repr(layouts[i][0].to_spec()) if node.out_shapes else "P()"
         shape = node.out_shapes[0] if node.out_shapes else ()
         annotated = (i, 0) in lowered._annotated
+        wanted = needs.get(node.name, ())
         tip = html.escape(f"{node.name} ({node.op}) {shape} {spec}"
-                          + (" annotated" if annotated else ""))
+                          + (" annotated" if annotated else "")
+                          + "".join(f"; needs {w}" for w in wanted))
+        stroke, width = ("#d33", 3) if wanted else ("#000", 2) if annotated else ("#666", 1)
         parts.append(
-            f'<g class="op" data-name="{html.escape(node.name)}" data-spec="{html.escape(spec)}">'
+            f'<g class="op" data-name="{html.escape(node.name)}" data-spec="{html.escape(spec)}" '
+            f'data-collectives="{len(wanted)}">'
             f'<title>{tip}</title><rect x="{x}" y="{y}" width="{_NODE_W}" height="{_NODE_H}" '
-            f'rx="4" fill="{_color(spec, colors)}" stroke="{"#000" if annotated else "#666"}" '
-            f'stroke-width="{2 if annotated else 1}"/>'
+            f'rx="4" fill="{_color(spec, colors)}" stroke="{stroke}" '
+            f'stroke-width="{width}"/>'
             f'<text x="{x + 4}" y="{y + 12}">{html.escape(node.op[:22])}</text>'
             f'<text x="{x + 4}" y="{y + 25}">{html.escape(spec[:22])}</text></g>')
     parts.append("</svg>")
@@ -123,16 +137,12 @@ def _timeline_svg(memory, program):
             f'<text x="{len(points) + 4}" y="14">{top} B</text></svg>')
 
 
-def _ops_by_layer(lowered, collectives):
+def _ops_by_layer(lowered, needs):
     """Collapsible sections nested as the name scopes are: each scope's summary counts
     the ops, collectives and bytes of everything under it, and a layer's section holds
     its tensors (name, op, shape, sharding, annotated, the collectives its op needs);
     sections and rows with ops needing collectives are marked (class "coll")."""
     graph, layouts = lowered.graph, lowered.propagation.layouts
-    needs = {}  # op name -> ["all-gather 256 B (operand layout)", ...]
-    for c in collectives:
-        for origin in c.origins:
-            needs.setdefault(origin.op, []).append(f"{c.kind} {origin.bytes} B ({origin.reason})")
     layer_of = LayerOf([node.name for node in graph.nodes])
     rows = {}  # layer -> [(marked, cells)]
     for i, node in enumerate(graph.nodes):
@@ -176,11 +186,12 @@ def render_html(lowered, advice=None):
     """The report of `lowered` (a gt.Lowered) as one HTML document (a str), with the
     list of Advice `advice` when given."""
     colors = {}
+    collectives = lowered.collectives()
+    needs = _needs(collectives)
     drawn = len(lowered.graph.nodes) <= GRAPH_OPS_DRAWN
-    svg = _graph_svg(lowered, colors) if drawn else ""
+    svg = _graph_svg(lowered, colors, needs) if drawn else ""
     legend = "".join(f'<span style="background:{c}">{html.escape(s)}</span>'
                      for s, c in [("P()", "#dddddd")] + list(colors.items()))
-    collectives = lowered.collectives()
     layers = layer_table(lowered.layers())
     memory = program_memory(lowered)
     annotated, inferred = lowered.counts()
@@ -193,13 +204,14 @@ def render_html(lowered, advice=None):
         f"annotated, {inferred} sharded by inference, {len(collectives)} collectives "
         f"moving {sum(c.bytes for c in collectives)} bytes per device.</p>",
         ("<h2>Op graph</h2><p>Each box is an op of the traced function, colored by the "
-         "sharding of its first output (thick border: annotated); hover for name and shape."
+         "sharding of its first output (black border: annotated; red: the op needs "
+         "collectives); hover for name, shape and the collectives."
          f'</p><div class="legend">{legend}</div><div class="graph">{svg}</div>' if drawn
          else f"<h2>Op graph</h2><p>{len(lowered.graph.nodes)} ops: too many to draw "
          f"(more than {GRAPH_OPS_DRAWN}); see the tensors by layer below.</p>"),
         "<h2>Tensors by layer</h2><p>Name scopes, nested; click one to open it. Marked "
         "sections and rows hold ops that need collectives.</p>",
-        _ops_by_layer(lowered, collectives),
+        _ops_by_layer(lowered, needs),
         ("<h2>Advice</h2><ul>" + "".join(f"<li>{html.escape(a.text())}</li>" for a in advice)
          + "</ul>" if advice else ""),
         "<h2>Per-device memory</h2><p>Every device runs the same program on equal (padded) "
