@@ -13,6 +13,10 @@ The Python driver (gspmd_tf/propagation/propagate.py) encodes the graph:
   factors   factor_size[f], factor_kind[f] (0 pass, 1 reduce, 2 replicate)
   users     tensor_op_start/tensor_ops: the ops that read or write each tensor
   layers    slot_layer[s]: the first priority layer in which slot s takes part
+  barriers  no_write[s] 1: the op never extends slot s's tensor (a propagation barrier
+            lets shardings through one way only, or neither)
+  open dims closed[dim] 1: no op extends that dim (the closed dims of a seed that has
+            open ones: such a seed is not fixed, and its own axes have origin slot -1)
   origins   origin_slot[dim, k], origin_layer[dim, k]: the slot whose tensor offered axis k
             of that dim row and the layer it was added in (written when the core appends
             the axis; undefined for seeds' axes and past naxes)
@@ -70,7 +74,7 @@ cdef class _Propagator:
     cdef int[::1] axis_size
     cdef signed char[:, ::1] axes
     cdef signed char[::1] naxes, factor_kind
-    cdef unsigned char[::1] fixed, dirty, slot_layer
+    cdef unsigned char[::1] fixed, dirty, slot_layer, no_write, closed
     cdef int[:, ::1] origin_slot
     cdef signed char[:, ::1] origin_layer
     cdef int layer  # the layer being run
@@ -183,7 +187,7 @@ cdef class _Propagator:
         cdef bint changed = False, uneven
         for s in range(self.slot_start[op], self.slot_start[op + 1]):
             t = self.slot_tensor[s]
-            if self.fixed[t] or self.slot_layer[s] > self.layer:
+            if self.fixed[t] or self.slot_layer[s] > self.layer or self.no_write[s]:
                 continue
             if cut:
                 held = 0
@@ -194,7 +198,7 @@ cdef class _Propagator:
             for d in range(self.rank[t]):
                 sd = self.slot_dim_start[s] + d
                 nf = self.dim_factor_start[sd + 1] - self.dim_factor_start[sd]
-                if nf == 0:
+                if nf == 0 or self.closed[self.dim_start[t] + d]:
                     continue
                 n = 0
                 uneven = self.dim_uneven[sd]
@@ -285,13 +289,14 @@ def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
                      factor_start, slot_tensor, slot_dim_start, dim_factor_start,
                      dim_factors, dim_uneven, factor_size, factor_kind, tensor_op_start,
                      tensor_ops, slot_layer, int num_layers, origin_slot, origin_layer,
-                     int max_sweeps=1000):
+                     int max_sweeps=1000, no_write=None, closed=None):
     """Run propagation in place on `axes`/`naxes` (and the origins); returns the number
     of sweeps over all layers.
 
     Arrays are int32 except factor_size (int64), axes, naxes, factor_kind, origin_layer
-    (int8) and fixed, dim_uneven, slot_layer (uint8); see the module docstring for their
-    meaning. An op may have at most 64 factors and a dim at most 4 axes.
+    (int8) and fixed, dim_uneven, slot_layer, no_write, closed (uint8; None: all 0); see the
+    module docstring for their meaning. An op may have at most 64 factors and a dim at
+    most 4 axes.
     """
     cdef _Propagator p = _Propagator()
     p.rank, p.dim_start, p.fixed = rank, dim_start, fixed
@@ -303,6 +308,9 @@ def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
     p.tensor_op_start, p.tensor_ops = tensor_op_start, tensor_ops
     p.slot_layer, p.origin_slot, p.origin_layer = slot_layer, origin_slot, origin_layer
     p.dirty = np.zeros(len(slot_start) - 1, dtype=np.uint8)
+    p.no_write = (np.zeros(len(slot_tensor), dtype=np.uint8) if no_write is None
+                  else no_write)
+    p.closed = np.zeros(len(naxes), dtype=np.uint8) if closed is None else closed
     return p.run(num_layers, max_sweeps)
 
 
@@ -315,7 +323,8 @@ def trace_axis(int t, int axis, const unsigned char[::1] fixed, const int[::1] r
     Returns (tensors, dims, slots, layers) as int arrays, one entry per tensor on the way,
     t first and the seed last: tensor tensors[i] holds the axis on dim dims[i] and took it
     from slot slots[i] (the seed's entries are -1) in layer layers[i]. Each hop goes to a
-    tensor that held the axis earlier, so the walk ends at a seed.
+    tensor that held the axis earlier, so the walk ends at a seed (a fixed tensor, or
+    an axis a seed with open dims was given: origin slot -1).
     """
     out_t, out_d, out_s, out_l = [], [], [], []
     cdef int row, k, d, slot
@@ -332,7 +341,7 @@ def trace_axis(int t, int axis, const unsigned char[::1] fixed, const int[::1] r
             raise ValueError(f"tensor {t} does not hold mesh axis {axis}")
         out_t.append(t)
         out_d.append(row - dim_start[t])
-        if fixed[t]:
+        if fixed[t] or origin_slot[row, k] < 0:
             out_s.append(-1)
             out_l.append(-1)
             break

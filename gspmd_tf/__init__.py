@@ -13,6 +13,7 @@ from gspmd_tf.spmd import handlers as _builtin_op_declarations  # noqa: F401
 from gspmd_tf import keras
 from gspmd_tf.autoshard import AUTO
 from gspmd_tf.annotations import mesh_split
+from gspmd_tf.propagation.knobs import propagation_barrier, sharding_group
 from gspmd_tf.cluster import initialize_cluster
 from gspmd_tf.devices import configure_cpu_devices
 from gspmd_tf.errors import ShardingError
@@ -29,5 +30,5 @@ from gspmd_tf.visualize import visualize_sharding
 __all__ = ["AUTO", "Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
            "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split",
-           "pipeline", "register_op", "save_checkpoint",
+           "pipeline", "register_op", "save_checkpoint", "sharding_group", "propagation_barrier",
            "visualize_sharding"]

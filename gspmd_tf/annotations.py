@@ -8,10 +8,11 @@ from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh
+from gspmd_tf.propagation.knobs import record_priority
 from gspmd_tf.sharding import Sharding
 
 
-def mesh_split(tensor, mesh, spec):
+def mesh_split(tensor, mesh, spec, priority=None, open_dims=None):
     """Ask for `tensor` to be split over `mesh` as PartitionSpec `spec` says.
 
     A hint that may appear anywhere in code that gspmd-tf traces: propagation treats it
@@ -20,7 +21,13 @@ def mesh_split(tensor, mesh, spec):
     xla_sharding module does, so either API may be used) and returns its output, which
     the caller must use in place of `tensor`. Outside gspmd-tf the op just passes the
     value through, on any device. In eager mode there is no graph to annotate: the spec
-    is checked and `tensor` is returned unchanged.
+    is checked and `tensor` is returned unchanged. `priority` (an int, 0 first; None:
+    0) is Shardy's user priority: annotations propagate in rounds by priority, so a
+    p0 annotation (say the batch split) claims the tensors it reaches before a p1
+    one (the model split) competes (propagation/knobs.py). `open_dims` (dims of
+    `tensor`) are Shardy's open dims: they keep the spec's axes and propagation may
+    split them further (a None entry there is left wholly to propagation); the others
+    are closed, exactly as the spec says.
     """
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"mesh_split needs a gt.Mesh, got {mesh!r}")
@@ -36,8 +43,12 @@ def mesh_split(tensor, mesh, spec):
     sharding = Sharding.from_spec(mesh, spec, rank, what)
     if eager:
         return tensor
-    return xla_sharding.Sharding(proto=sharding.to_proto()).apply_to_tensor(
-        value, use_sharding_op=True)
+    out = xla_sharding.Sharding(proto=sharding.to_proto()).apply_to_tensor(
+        value, use_sharding_op=True,
+        unspecified_dims=[d % rank for d in open_dims] if open_dims else None)
+    if priority is not None:
+        record_priority(out, priority)
+    return out
 
 
 def _check_not_leaked(tensor):

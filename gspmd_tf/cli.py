@@ -4,7 +4,8 @@ partitioned, without running it.
     python -m gspmd_tf inspect /tmp/model --mesh=2x4 --axes=data,model \\
         --shard 'x=data' --shard '.*kernel=None,model' [--shape x=32,16] [--html=report.html]
 
-Loads the SavedModel, imports the signature's graph, seeds the shardings that --shard
+SAVED_MODEL is the directory tf.saved_model.save (or a Keras model's export) wrote:
+saved_model.pb and variables/. The CLI loads the SavedModel, imports the signature's graph, seeds the shardings that --shard
 gives (each REGEX is matched with re.fullmatch against the signature's input names and
 the variable names, as gt.keras' layout_map: an exact name first, a name matching two
 regexes is an error), then propagates and partitions on an abstract mesh (no devices
@@ -33,13 +34,14 @@ from gspmd_tf.runtime.lowering import lower_seeded, seed_annotations
 from gspmd_tf.runtime.options import LowerOptions
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("mesh", None, "mesh shape, e.g. 2x4")
-flags.DEFINE_list("axes", None, "mesh axis names, e.g. data,model")
+flags.DEFINE_string("mesh", None, "(required) mesh shape, e.g. 2x4: an abstract mesh, no "
+                    "devices needed")
+flags.DEFINE_list("axes", None, "mesh axis names, one per mesh dim, e.g. data,model")
 flags.DEFINE_multi_string("shard", [], "REGEX=SPEC: shard the inputs and variables whose "
                           "names match REGEX by SPEC (e.g. 'x=data', '.*kernel=None,model')")
 flags.DEFINE_multi_string("shape", [], "NAME=D0,D1,...: the shape of an input whose "
                           "signature leaves dims unknown (e.g. the batch: 'x=32,16')")
-flags.DEFINE_string("signature", "serving_default", "the signature to lower")
+flags.DEFINE_string("signature", "serving_default", "the SavedModel signature to lower")
 flags.DEFINE_string("html", None, "also write the HTML report to this path")
 
 

@@ -65,6 +65,13 @@ def test_inspect_prints_report_collectives_and_memory(saved_model, tmp_path):
     assert html.read_text().startswith("<!DOCTYPE html>")
 
 
+def test_inspect_help_lists_flags_and_the_saved_model_it_reads():
+    run = _inspect("--help")  # (absl's --help exits with status 1)
+    for flag in ("--mesh", "--axes", "--shard", "--shape", "--html", "--signature"):
+        assert f"  {flag}:" in run.stdout, run.stdout
+    assert "SAVED_MODEL is the directory tf.saved_model.save" in run.stdout
+
+
 def test_inspect_names_what_is_wrong(saved_model):
     run = _inspect(saved_model, "--mesh=2x4", "--axes=data,model", "--shard=kernel=model")
     assert run.returncode == 2

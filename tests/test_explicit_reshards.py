@@ -53,7 +53,7 @@ def test_transpose_result_moved_to_the_output_layout_by_an_all_to_all():
     assert_lines_in_order(before, [
         "%2 = Transpose(%0, %1) : float32[4, 4]",
         "%3 = gt.Reshard(%2) : float32[2, 8] {shape=(4, 8), source=P(None, 'x'), "
-        "target=P('x'), needed_by='Identity', reason='operand layout', tensor='transpose'}"])
+        "target=P('x'), needed_by='Identity', reason='annotation', tensor='transpose'}"])
     assert_lines_in_order(after, [
         "%2 = Transpose(%0, %1) : float32[4, 4]",
         "%3 = gt.AllToAll(%2) : float32[2, 8] {axes=('x',), split_dim=0, concat_dim=1}"])

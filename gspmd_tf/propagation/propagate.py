@@ -25,6 +25,7 @@ from gspmd_tf.graph.ir import Graph, Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.propagation.oprule import OpRule
+from gspmd_tf.propagation.knobs import Knobs, barrier_slots, rounds, tie_groups
 from gspmd_tf.propagation.regions import TIE, RegionPropagation, flatten, tie_rule
 from gspmd_tf.registry import has_rule, rule_for
 from gspmd_tf.sharding import Sharding
@@ -114,10 +115,12 @@ class Propagation:
 
 
 def propagate(graph: Graph, mesh: Mesh, seeds: dict[Ref, Layout],
-              layered: bool = True) -> Propagation:
+              layered: bool = True, knobs: Optional[Knobs] = None) -> Propagation:
     """Give every tensor of `graph` a Layout on `mesh`.
 
-    `seeds` maps Refs to the Layouts users asked for; those are fixed. With `layered`
+    `seeds` maps Refs to the Layouts users asked for; those are fixed. `knobs` holds
+    Shardy's user priorities, sharding groups and propagation barriers
+    (propagation/knobs.py). With `layered`
     False all ops take part from the start, in one layer (for comparison). Returns a
     Propagation with the layouts, the OpRule of every node (None: no rule) and origins.
     The regions of control-flow ops are propagated with the graph (propagation/regions.py;
@@ -129,9 +132,28 @@ def propagate(graph: Graph, mesh: Mesh, seeds: dict[Ref, Layout],
         for ref, proto in flat.annotations.items():
             if ref.node >= len(graph.nodes):
                 seeds[ref] = _annotation_layout(flat, mesh, ref, proto)
-    encoded = encode(flat, mesh, seeds, layered)
-    sweeps = run(encoded)
+    knobs = knobs or Knobs()
+    flat = tie_groups(flat, knobs.groups)
+    encoded, sweeps = None, 0
+    for round_seeds in rounds(seeds, knobs.priorities) or [seeds]:
+        before, encoded = encoded, encode(flat, mesh, round_seeds, layered, knobs.open_dims)
+        if before is not None:
+            _carry(before, encoded)
+        encoded.no_write = barrier_slots(encoded.op_node, encoded.core_args[6],
+                                         knobs.barriers)
+        sweeps += run(encoded)
     return decode(flat, mesh, encoded, sweeps)
+
+
+def _carry(before, encoded):
+    """Start the tensors `encoded` does not fix from what the earlier round `before`
+    gave them (axes and their origins): user priorities (propagation/knobs.py)."""
+    rank, _, fixed, axes, naxes, *_, origin_slot, origin_layer = encoded.core_args
+    free = np.repeat(~encoded.seeded, rank)  # one entry per dim row
+    rows = len(free)  # (the arrays keep one row when there is none)
+    for now, then in zip((axes, naxes, origin_slot, origin_layer),
+                         (before.core_args[k] for k in (3, 4, -2, -1))):
+        now[:rows][free] = then[:rows][free]
 
 
 def _annotation_layout(graph, mesh, ref, proto):
@@ -165,11 +187,16 @@ class Encoded:
         self.naxes = naxes
         self.op_node = op_node
         self.core_args = core_args
+        self.no_write = None  # the barriers' closed slots (knobs.barrier_slots)
+        self.closed = None  # the dims of open-dim seeds never extended (encode)
+        self.seeded = None  # per tensor: a seed
 
 
-def encode(graph, mesh, seeds, layered=True):
+def encode(graph, mesh, seeds, layered=True, open_dims=None):
     """Encode `graph`, its rules and the fixed `seeds` for the core (one layer for all
-    ops unless `layered`)."""
+    ops unless `layered`). A seed with `open_dims` ({Ref: dims}) is not fixed: its
+    other dims are closed (never extended), its open ones start from its axes (their
+    origin marked -1: the seed's own) and may take more (propagation/knobs.py)."""
     with gc_paused():  # the encoder allocates a few objects per op
         (rules, rank, tensor_base, slot_tensor, dim_factors, dim_counts, dim_uneven,
          factor_size, factor_kind, op_slots, op_factors, tensor_op_start, tensor_ops,
@@ -182,13 +209,19 @@ def encode(graph, mesh, seeds, layered=True):
     axes = np.full((max(int(dim_start[-1]), 1), MAX_AXES), -1, np.int8)
     naxes = np.zeros(len(axes), np.int8)
     fixed = np.zeros(len(rank), np.uint8)
+    seeded = np.zeros(len(rank), bool)
+    closed = np.zeros(len(axes), np.uint8)
+    origin_slot = np.empty(axes.shape, np.int32)
     axis_id = {name: i for i, name in enumerate(mesh.axis_names)}
     for ref, layout in seeds.items():
         t = int(tensor_base[ref.node]) + ref.out
+        opened = (open_dims or {}).get(ref, ())
         for d, names in enumerate(layout.dims):
             axes[dim_start[t] + d, :len(names)] = [axis_id[n] for n in names]
             naxes[dim_start[t] + d] = len(names)
-        fixed[t] = 1
+            closed[dim_start[t] + d] = d not in opened
+            origin_slot[dim_start[t] + d] = -1
+        fixed[t], seeded[t] = not opened, True
         _warn_size1_splits(graph, ref, layout)
     core_args = (rank, dim_start[:-1].copy(), fixed, axes, naxes,
                  np.asarray(mesh.shape, np.int32), _offsets(op_slots), _offsets(op_factors),
@@ -196,8 +229,11 @@ def encode(graph, mesh, seeds, layered=True):
                  dim_uneven, factor_size, factor_kind, tensor_op_start, tensor_ops, slot_layer,
                  len(LAYERS) if layered else 1,
                  # origins: written by the core for every axis it appends, read for those only
-                 np.empty(axes.shape, np.int32), np.empty(axes.shape, np.int8))
-    return Encoded(rules, tensor_base, dim_start, axes, naxes, op_node, core_args)
+                 origin_slot, np.empty(axes.shape, np.int8))
+    encoded = Encoded(rules, tensor_base, dim_start, axes, naxes, op_node, core_args)
+    encoded.seeded = seeded
+    encoded.closed = closed if open_dims else None
+    return encoded
 
 
 def _warn_size1_splits(graph, ref, layout):
@@ -225,7 +261,8 @@ def _offsets(counts):
 def run(encoded):
     """Run the Cython fixpoint on `encoded` (its axes are extended in place); returns
     the number of sweeps."""
-    return _propagation.propagate_arrays(*encoded.core_args)
+    return _propagation.propagate_arrays(*encoded.core_args, no_write=encoded.no_write,
+                                         closed=encoded.closed)
 
 
 def decode(graph, mesh, encoded, sweeps):

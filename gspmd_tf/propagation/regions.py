@@ -50,13 +50,20 @@ def flatten(graph):
     """`graph` itself when it has no regions, else its FlatGraph (see the module)."""
     if not any(node.regions for node in graph.nodes):
         return graph
+    flat = flat_copy(graph)
+    _add_regions(flat, graph.nodes, 0)
+    return flat
+
+
+def flat_copy(graph) -> FlatGraph:
+    """A FlatGraph holding `graph`'s nodes (the same Node objects), inputs, outputs,
+    captures, aliases and annotations, for propagation to append nodes to."""
     flat = FlatGraph()
     for node in graph.nodes:
         flat.add(node)
     flat.inputs, flat.outputs = list(graph.inputs), list(graph.outputs)
     flat.captures, flat.aliases = list(graph.captures), dict(graph.aliases)
     flat.annotations = dict(graph.annotations)
-    _add_regions(flat, graph.nodes, 0)
     return flat
 
 

@@ -71,10 +71,14 @@ def explicit_reshards(lowered) -> tuple[dict, dict]:
     (source, target)}, the last such need of an op on a tensor winning, and {output
     tensor name: (source, target)} of the outputs moved to their out_shardings)."""
     needs, outputs = {}, {}
-    for node in lowered.program.explicit.nodes:
+    explicit = lowered.program.explicit
+    # an output's move is the gt.Reshard the program returns (an operand's move for an
+    # op's own annotation has the reason "annotation" too, but feeds that op)
+    returned = {ref.node for ref in explicit.outputs}
+    for index, node in enumerate(explicit.nodes):
         p = node.params
         if node.op == RESHARD and "tensor" in p:
-            if p["reason"] == "annotation":
+            if p["reason"] == "annotation" and index in returned:
                 outputs[p["tensor"]] = (p["source"], p["target"])
             else:
                 needs[p["needed_by"], p["tensor"]] = (p["source"], p["target"])

@@ -66,7 +66,8 @@ def backend_factory(backend, collective_timeout):
 
 
 def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=None,
-             collective_timeout=None, windowed_einsum=False, memory_limit=None):
+             collective_timeout=None, windowed_einsum=False, memory_limit=None,
+             strict=False):
     """Partition `fn` over `mesh`; usable as `@gt.function(mesh=...)` or `gt.function(f, ...)`.
 
     in_shardings: one entry per argument, matched to fn's parameters in signature order
@@ -86,14 +87,20 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     mesh -> gspmd_tf.backends.Backend; see backend_factory. windowed_einsum: True, False (the default) or a size in bytes: a
     dot whose operand would be all-gathered (or whose result reduce-scattered) along a
     mesh axis, at least that big on one device, runs as a loop of local dots and
-    collective-permutes that overlap (spmd/windowed_einsum.py).
+    collective-permutes that overlap (spmd/windowed_einsum.py). strict: lowering
+    raises gt.ShardingError where the partitioner would move data on its own (an
+    all-gather, all-to-all or collective-permute, or a replicated fallback), naming
+    the op, its source line and the annotation that would ask for it explicitly;
+    movement at the user's own shardings and the sums of contractions are allowed
+    (runtime/strict.py).
     """
     threshold = threshold_of(windowed_einsum)  # a bad value fails here, not at the first call
     if fn is None:
         return functools.partial(function, mesh=mesh, in_shardings=in_shardings,
                                  out_shardings=out_shardings, backend=backend,
                                  collective_timeout=collective_timeout,
-                                 windowed_einsum=windowed_einsum, memory_limit=memory_limit)
+                                 windowed_einsum=windowed_einsum, memory_limit=memory_limit,
+                                 strict=strict)
     factory = backend_factory(backend, collective_timeout)
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"gt.function needs mesh=gt.Mesh(...), got {mesh!r}: build "
@@ -102,7 +109,7 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     check_entries("out_shardings", out_shardings, "flat output")
     options = LowerOptions(mesh, factory, _name_of(fn), out_shardings=out_shardings,
                            windowed_einsum=threshold,
-                           memory_limit=check_memory_limit(memory_limit))
+                           memory_limit=check_memory_limit(memory_limit), strict=strict)
     return Function(fn, in_shardings, options)
 
 
@@ -111,7 +118,7 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
           backend: Union[str, Callable, None] = None,
           collective_timeout: Optional[float] = None,
           windowed_einsum: Union[bool, int] = False,
-          memory_limit: Optional[int] = None) -> Lowered:
+          memory_limit: Optional[int] = None, strict: bool = False) -> Lowered:
     """Lower `fn` over `mesh` without running it: a gt.Lowered (shardings, collectives,
     report(), compile()).
 
@@ -123,8 +130,8 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
         the order of its parameters), exactly as `gt.function(fn, ...).lower(*args)`.
     in_shardings: one entry per input (a PartitionSpec, a gt.Sharding, or None to infer);
     out_shardings: one per flat output, likewise (gt.AUTO: the search chooses). `backend`
-    / `collective_timeout` as in gt.function (used by compile()), `windowed_einsum` and
-    `memory_limit`. The returned object's
+    / `collective_timeout` as in gt.function (used by compile()), `windowed_einsum`,
+    `memory_limit` and `strict`. The returned object's
     `stage_seconds` gives the wall time of import, propagate and partition.
     """
     if not isinstance(mesh, Mesh):
@@ -143,7 +150,8 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
         tracer = Tracer(fn, mesh, in_shardings, name)
         call = tracer.call(tuple(args), {})
         options = LowerOptions(mesh, factory, name, out_shardings=out_shardings,
-                               windowed_einsum=threshold, memory_limit=memory_limit)
+                               windowed_einsum=threshold, memory_limit=memory_limit,
+                               strict=strict)
         return lower_traced(tracer.trace(call), options, call.entries, call.committed)
     if args is not None:
         raise ShardingError("gt.lower: args are for a Python function; a ConcreteFunction "
@@ -153,7 +161,7 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
     name = name.decode() if isinstance(name, bytes) else name
     options = LowerOptions(mesh, factory, name, caller="gt.lower",
                            out_shardings=out_shardings, windowed_einsum=threshold,
-                           memory_limit=memory_limit)
+                           memory_limit=memory_limit, strict=strict)
     return lower_traced(fn, options, in_shardings)
 
 

@@ -1,20 +1,29 @@
 """The HTML report of a lowered program: one self-contained file (inline CSS and SVG, no
 scripts, nothing fetched), to open in a browser or share.
 
-It holds the traced op graph drawn as layers (an op's column is one past its deepest
-input), each op colored by the sharding of its first output; the collectives of the SPMD
-program with their bytes; the per-device memory; the auto-sharding search's decisions
-(when an entry is gt.AUTO); and the table of every tensor's sharding, as in the text
-report.
+It holds the traced op graph drawn as columns (an op's column is one past its deepest
+input; only up to GRAPH_OPS_DRAWN ops, past which a drawing is unreadable), each op
+colored by the sharding of its first output; the collectives of the SPMD program with
+the ops that need them; a table per layer (name scope); the per-device memory with a
+timeline of the estimated live bytes over the program, collectives marked; the
+auto-sharding search's decisions (when an entry is gt.AUTO); and every
+tensor's sharding, grouped by layer in collapsible sections (a layer whose ops need
+collectives is marked, and so is each such op), so that a 10,000-op train step stays
+readable.
 """
 
 from __future__ import annotations
 
 import html
 
+from gspmd_tf.runtime.layers import LayerOf, layer_table
 from gspmd_tf.runtime.memory import program_memory
+from gspmd_tf.spmd.program import COLLECTIVES
 
 _NODE_W, _NODE_H, _GAP_X, _GAP_Y = 150, 30, 50, 12
+GRAPH_OPS_DRAWN = 400  # larger graphs are shown by layer only
+ROWS_OPEN = 40  # longer tables start collapsed
+_TIMELINE_W, _TIMELINE_H = 900, 160
 
 _STYLE = """
 body{font-family:sans-serif;margin:20px;color:#222}
@@ -25,6 +34,8 @@ th{background:#eee}
 font-family:monospace;font-size:12px}
 svg text{font-family:monospace;font-size:10px;pointer-events:none}
 .graph{overflow:auto;border:1px solid #ccc;max-height:700px}
+details{margin:2px 0 2px 14px}summary{cursor:pointer;font-family:monospace;font-size:12px}
+details.coll>summary,tr.coll td{background:#fde0dc}
 """
 
 
@@ -46,7 +57,17 @@ def _levels(graph):
     return level
 
 
-def _graph_svg(lowered, colors):
+def _needs(collectives):
+    """{op name: ["all-gather 256 B (operand layout)", ...]}: the collectives each op of
+    the traced graph needs."""
+    needs = {}
+    for c in collectives:
+        for origin in c.origins:
+            needs.setdefault(origin.op, []).append(f"{c.kind} {origin.bytes} B ({origin.reason})")
+    return needs
+
+
+def _graph_svg(lowered, colors, needs):
     graph, layouts = lowered.graph, lowered.propagation.layouts
     level = _levels(graph)
     rows, position = {}, []
@@ -72,13 +93,17 @@ def _graph_svg(lowered, colors):
         spec = repr(layouts[i][0].to_spec()) if node.out_shapes else "P()"
         shape = node.out_shapes[0] if node.out_shapes else ()
         annotated = (i, 0) in lowered._annotated
+        wanted = needs.get(node.name, ())
         tip = html.escape(f"{node.name} ({node.op}) {shape} {spec}"
-                          + (" annotated" if annotated else ""))
+                          + (" annotated" if annotated else "")
+                          + "".join(f"; needs {w}" for w in wanted))
+        stroke, width = ("#d33", 3) if wanted else ("#000", 2) if annotated else ("#666", 1)
         parts.append(
-            f'<g class="op" data-name="{html.escape(node.name)}" data-spec="{html.escape(spec)}">'
+            f'<g class="op" data-name="{html.escape(node.name)}" data-spec="{html.escape(spec)}" '
+            f'data-collectives="{len(wanted)}">'
             f'<title>{tip}</title><rect x="{x}" y="{y}" width="{_NODE_W}" height="{_NODE_H}" '
-            f'rx="4" fill="{_color(spec, colors)}" stroke="{"#000" if annotated else "#666"}" '
-            f'stroke-width="{2 if annotated else 1}"/>'
+            f'rx="4" fill="{_color(spec, colors)}" stroke="{stroke}" '
+            f'stroke-width="{width}"/>'
             f'<text x="{x + 4}" y="{y + 12}">{html.escape(node.op[:22])}</text>'
             f'<text x="{x + 4}" y="{y + 25}">{html.escape(spec[:22])}</text></g>')
     parts.append("</svg>")
@@ -94,22 +119,83 @@ def _table(header, rows, cls):
     return "".join(out)
 
 
-def render_html(lowered):
-    """The report of `lowered` (a gt.Lowered) as one HTML document (a str)."""
-    colors = {}
-    svg = _graph_svg(lowered, colors)
-    legend = "".join(f'<span style="background:{c}">{html.escape(s)}</span>'
-                     for s, c in [("P()", "#dddddd")] + list(colors.items()))
-    collectives = lowered.collectives()
-    memory = program_memory(lowered)
-    annotated, inferred = lowered.counts()
-    tensors = []
-    for i, node in enumerate(lowered.graph.nodes):
+def _timeline_svg(memory, program):
+    """The estimated live bytes per device over the program's nodes (the max of each
+    pixel's nodes), a red tick at each collective."""
+    line = memory.timeline
+    if not line:
+        return ""
+    step = max(1, -(-len(line) // _TIMELINE_W))
+    points = [max(line[i:i + step]) for i in range(0, len(line), step)]
+    top = max(points) or 1
+    scale_y = (_TIMELINE_H - 20) / top
+    path = " ".join(f"{x},{_TIMELINE_H - 10 - v * scale_y:.1f}" for x, v in enumerate(points))
+    ticks = "".join(f'<line x1="{i // step}" y1="0" x2="{i // step}" y2="8" stroke="#d33"/>'
+                    for i, node in enumerate(program.nodes) if node.op in COLLECTIVES)
+    return (f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" '
+            f'width="{len(points) + 60}" height="{_TIMELINE_H}">{ticks}'
+            f'<polyline fill="none" stroke="#36c" stroke-width="1" points="{path}"/>'
+            f'<text x="{len(points) + 4}" y="14">{top} B</text></svg>')
+
+
+def _ops_by_layer(lowered, needs):
+    """Collapsible sections nested as the name scopes are: each scope's summary counts
+    the ops, collectives and bytes of everything under it, and a layer's section holds
+    its tensors (name, op, shape, sharding, annotated, the collectives its op needs);
+    sections and rows with ops needing collectives are marked (class "coll")."""
+    graph, layouts = lowered.graph, lowered.propagation.layouts
+    layer_of = LayerOf([node.name for node in graph.nodes])
+    rows = {}  # layer -> [(marked, cells)]
+    for i, node in enumerate(graph.nodes):
+        wanted = "; ".join(needs.get(node.name, ()))
         for k, shape in enumerate(node.out_shapes):
             name = node.name if k == 0 else f"{node.name}:{k}"
-            tensors.append((name, node.op, shape,
-                            repr(lowered.propagation.layouts[i][k].to_spec()),
-                            "yes" if (i, k) in lowered._annotated else ""))
+            rows.setdefault(layer_of(node.name), []).append((bool(wanted), (
+                name, node.op, shape, repr(layouts[i][k].to_spec()),
+                "yes" if (i, k) in lowered._annotated else "", wanted if k == 0 else "")))
+    stats = {s.layer: s for s in lowered.layers()}
+    children = {}  # scope path -> its child scope paths, in order of first op
+    for layer in rows:
+        parts = layer.split("/")
+        for end in range(1, len(parts) + 1):
+            parent, path = "/".join(parts[:end - 1]), "/".join(parts[:end])
+            if path not in children.setdefault(parent, []):
+                children[parent].append(path)
+
+    def section(path):
+        under = [s for layer, s in stats.items()
+                 if layer == path or layer.startswith(path + "/")]
+        count = sum(s.collectives for s in under)
+        summary = (f"{html.escape(path.rsplit('/', 1)[-1])}: {sum(s.ops for s in under)} ops"
+                   + (f", {count} collectives, {sum(s.collective_bytes for s in under)} B"
+                      if count else ""))
+        inner = "".join(section(child) for child in children.get(path, ()))
+        if path in rows:
+            inner += '<table class="tensors"><tr>' + "".join(
+                f"<th>{h}</th>" for h in ("tensor", "op", "shape", "sharding", "annotated",
+                                          "collectives its op needs")) + "</tr>" + "".join(
+                f'<tr{" class=coll" if marked else ""}>'
+                + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>"
+                for marked, cells in rows[path]) + "</table>"
+        cls = ' class="coll"' if count else ""
+        return f"<details{cls}><summary>{summary}</summary>{inner}</details>"
+
+    return "".join(section(path) for path in children.get("", ()))
+
+
+def render_html(lowered, advice=None):
+    """The report of `lowered` (a gt.Lowered) as one HTML document (a str), with the
+    list of Advice `advice` when given."""
+    colors = {}
+    collectives = lowered.collectives()
+    needs = _needs(collectives)
+    drawn = len(lowered.graph.nodes) <= GRAPH_OPS_DRAWN
+    svg = _graph_svg(lowered, colors, needs) if drawn else ""
+    legend = "".join(f'<span style="background:{c}">{html.escape(s)}</span>'
+                     for s, c in [("P()", "#dddddd")] + list(colors.items()))
+    layers = layer_table(lowered.layers())
+    memory = program_memory(lowered)
+    annotated, inferred = lowered.counts()
     title = html.escape(lowered.name or "lowered program")
     replicated = lowered.program.replicated_ops
     return "".join([
@@ -118,25 +204,47 @@ def render_html(lowered):
         f"<h1>{title}</h1><p>mesh {html.escape(repr(lowered.mesh))}: {annotated} tensors "
         f"annotated, {inferred} sharded by inference, {len(collectives)} collectives "
         f"moving {sum(c.bytes for c in collectives)} bytes per device.</p>",
-        "<h2>Op graph</h2><p>Each box is an op of the traced function, colored by the "
-        "sharding of its first output (thick border: annotated); hover for name and shape."
-        f'</p><div class="legend">{legend}</div><div class="graph">{svg}</div>',
-        "<h2>Collectives</h2>",
-        _table(["collective", "shape (per device)", "dtype", "bytes", "groups", "axes"],
-               [(c.kind, c.shape, c.dtype.name, c.bytes,
-                 f"{c.groups[0] if c.groups else ()} x{len(c.groups)}", c.axes)
-                for c in collectives], "collectives"),
+        ("<h2>Op graph</h2><p>Each box is an op of the traced function, colored by the "
+         "sharding of its first output (black border: annotated; red: the op needs "
+         "collectives); hover for name, shape and the collectives."
+         f'</p><div class="legend">{legend}</div><div class="graph">{svg}</div>' if drawn
+         else f"<h2>Op graph</h2><p>{len(lowered.graph.nodes)} ops: too many to draw "
+         f"(more than {GRAPH_OPS_DRAWN}); see the tensors by layer below.</p>"),
+        "<h2>Tensors by layer</h2><p>Name scopes, nested; click one to open it. Marked "
+        "sections and rows hold ops that need collectives.</p>",
+        _ops_by_layer(lowered, needs),
+        ("<h2>Advice</h2><ul>" + "".join(f"<li>{html.escape(a.text())}</li>" for a in advice)
+         + "</ul>" if advice else ""),
         "<h2>Per-device memory</h2><p>Every device runs the same program on equal (padded) "
-        "local shapes. The peak is an estimate in program order.</p>",
+        "local shapes. The peak is an estimate in program order; the line shows the live "
+        "bytes over the program's ops (red ticks: collectives).</p>",
         _table(["", "bytes per device"],
                [("arguments", memory.arguments), ("variables", memory.variables),
                 ("outputs", memory.outputs), ("peak (estimate)", memory.peak)], "memory"),
+        _timeline_svg(memory, lowered.program.graph),
+        "<h2>Collectives</h2>",
+        _collapsible(f"{len(collectives)} collectives", _table(
+            ["collective", "shape (per device)", "dtype", "bytes", "groups", "axes",
+             "needed by (op, source line, tensor: from -> to, reason)"],
+            [(c.kind, c.shape, c.dtype.name, c.bytes,
+              f"{c.groups[0] if c.groups else ()} x{len(c.groups)}", c.axes,
+              "; ".join(origin.text() for origin in c.origins))
+             for c in collectives], "collectives"), len(collectives)),
+        "<h2>Per layer</h2><p>Ops grouped by name scope (gradient ops in the layer they "
+        "differentiate): the collectives they need, those collectives' bytes and the "
+        "bytes of the tensors they produce, per device.</p>",
+        _collapsible(f"{len(layers) - 1} layers", _table(layers[0], layers[1:], "layers"),
+                     len(layers) - 1),
         ("<h2>Ran replicated (no rule)</h2><p>" + html.escape(", ".join(replicated)) + "</p>"
          if replicated else ""),
         ("<h2>Auto-sharding</h2><p>What the search chose for each gt.AUTO entry, with "
          "every alternative's modelled cost (lowered.auto_report()).</p><pre>"
          + html.escape(lowered.auto_report()) + "</pre>"
          if lowered.auto_plan is not None else ""),
-        "<h2>Tensors</h2>",
-        _table(["tensor", "op", "shape", "sharding", "annotated"], tensors, "tensors"),
         "</body></html>"])
+
+
+def _collapsible(summary, content, rows):
+    """`content` in a section that starts open when it has at most ROWS_OPEN `rows`."""
+    state = " open" if rows <= ROWS_OPEN else ""
+    return f"<details{state}><summary>{html.escape(summary)}</summary>{content}</details>"

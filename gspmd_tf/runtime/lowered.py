@@ -3,20 +3,55 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
 from gspmd_tf.graph.text import program_text
+from gspmd_tf.layout import Layout
+from gspmd_tf.mesh import PartitionSpec
 from gspmd_tf.propagation.propagate import Propagation
+from gspmd_tf.runtime.advice import advise
 from gspmd_tf.runtime.explain import explain
 from gspmd_tf.runtime.html_report import render_html
+from gspmd_tf.runtime.layers import layer_stats, layer_table
 from gspmd_tf.runtime.memory import Memory, program_memory
 from gspmd_tf.runtime.options import LowerOptions
+from gspmd_tf.runtime.sources import SourceLines
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd.partitioner import SpmdProgram
 from gspmd_tf.spmd.program import COLLECTIVES
+
+
+@dataclass(frozen=True)
+class CollectiveOrigin:
+    """Why a collective exists: op `op` of the traced graph needs it, created at the
+    user's `source` line ("file.py:LINE", "" when unknown); for a reshard, graph tensor
+    `tensor` goes from `from_sharding` to `to_sharding` (gt.Shardings of its dims; a
+    pending sum shows as reason "contraction"), also given as PartitionSpecs
+    `from_spec`/`to_spec`; `reason` is a code of gspmd_tf.spmd.provenance.REASONS
+    ("contraction", "operand layout", "no rule", ...); `bytes` its share of the
+    collective's bytes per device (a combined all-reduce's member: its own operand's)."""
+
+    op: str
+    source: str
+    tensor: str
+    from_sharding: Optional[Sharding]
+    to_sharding: Optional[Sharding]
+    reason: str
+    from_spec: Optional[PartitionSpec] = None
+    to_spec: Optional[PartitionSpec] = None
+    bytes: int = 0
+
+    def text(self) -> str:
+        """One line: "op 'name' (file.py:LINE): 'x' P(...) -> P(...), reason"."""
+        where = f" ({self.source})" if self.source else ""
+        pending = " (partial sums)" if self.reason == "contraction" else ""
+        move = (f": {self.tensor!r} {self.from_spec!r}{pending} -> {self.to_spec!r}"
+                if self.from_spec is not None else "")
+        return f"op {self.op!r}{where}{move}, {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -25,6 +60,9 @@ class Collective:
 
     `shape`/`dtype`/`bytes` describe one device's operand; `groups` lists the device ids
     that take part together (for collective-permute: the (source, target) pairs).
+    `origins` holds a CollectiveOrigin per op that needs it (several for all-reduces the
+    combiner merged); `op`, `source`, `from_sharding`, `to_sharding` and `reason` are
+    the first one's (empty when the partitioner recorded none).
     """
 
     kind: str
@@ -33,6 +71,32 @@ class Collective:
     bytes: int
     groups: tuple
     axes: tuple
+    origins: tuple = ()
+
+    @property
+    def op(self) -> str:
+        """The graph op that needs this collective (the first, for a combined one)."""
+        return self.origins[0].op if self.origins else ""
+
+    @property
+    def source(self) -> str:
+        """The user's "file.py:LINE" that created that op ("" when unknown)."""
+        return self.origins[0].source if self.origins else ""
+
+    @property
+    def from_sharding(self) -> Optional[Sharding]:
+        """The sharding the moved tensor had (None for an op's own exchange)."""
+        return self.origins[0].from_sharding if self.origins else None
+
+    @property
+    def to_sharding(self) -> Optional[Sharding]:
+        """The sharding the moved tensor gets (None for an op's own exchange)."""
+        return self.origins[0].to_sharding if self.origins else None
+
+    @property
+    def reason(self) -> str:
+        """Why: a gspmd_tf.spmd.provenance.REASONS code ("" when unknown)."""
+        return self.origins[0].reason if self.origins else ""
 
 
 _KIND = {"gt.AllReduce": "all-reduce", "gt.AllGather": "all-gather",
@@ -53,13 +117,15 @@ class Lowered:
     (in_shardings left open); `named_inputs` (name, graph tensor name) of the inputs of
     a program lowered from a SavedModel signature (`python -m gspmd_tf inspect`);
     `auto_plan` the auto-sharding search's gspmd_tf.autoshard.plan.AutoPlan (None when
-    no entry is gt.AUTO).
+    no entry is gt.AUTO); `source_graph` the traced tf.Graph, whose ops' tracebacks give
+    the user's source lines (None: unknown).
     """
 
     def __init__(self, options: LowerOptions, graph: Graph, propagation: Propagation,
                  program: SpmdProgram, *, num_args: int, annotated: frozenset,
                  stage_seconds: dict, committed_args: frozenset = frozenset(),
-                 structured_outputs=None, named_inputs: tuple = (), auto_plan=None):
+                 structured_outputs=None, named_inputs: tuple = (), auto_plan=None,
+                 source_graph=None):
         self.options = options
         self.mesh = options.mesh
         self.name = options.program_name
@@ -71,10 +137,12 @@ class Lowered:
         self.structured_outputs = structured_outputs
         self.named_inputs = named_inputs
         self.auto_plan = auto_plan
-        self._num_args = num_args
+        self.num_args = num_args  # the flat arguments (the inputs before the captures)
+        self.source_graph = source_graph
         self._annotated = annotated
         self._run = None  # the compiled program, built on first use
         self._consumers = None  # graph.consumers(), made on first use by explain()
+        self.source_line = SourceLines(source_graph)  # graph op name -> "file.py:LINE"
 
     def _sharding(self, layout):
         return Sharding.from_layout(self.mesh, layout)
@@ -82,7 +150,7 @@ class Lowered:
     @property
     def input_shardings(self):
         """gt.Sharding of every flat argument, in order."""
-        return [self._sharding(l) for l in self.program.input_layouts[:self._num_args]]
+        return [self._sharding(l) for l in self.program.input_layouts[:self.num_args]]
 
     @property
     def output_shardings(self):
@@ -131,10 +199,39 @@ class Lowered:
             else:
                 groups = tuple(tuple(int(d) for d in row)
                                for row in self.mesh.groups(node.params["axes"]))
-            out.append(Collective(_KIND[node.op], tuple(shape), dtype,
-                                  int(np.prod(shape, dtype=np.int64)) * dtype.size, groups,
-                                  tuple(node.params.get("axes", ()))))
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.size
+            origins = self.program.origins.get(node.name, ())
+            out.append(Collective(_KIND[node.op], tuple(shape), dtype, size, groups,
+                                  tuple(node.params.get("axes", ())),
+                                  tuple(self._origin(o, size if len(origins) == 1 else o.bytes)
+                                        for o in origins)))
         return out
+
+    def _origin(self, origin, size) -> CollectiveOrigin:
+        """A provenance.Origin as the CollectiveOrigin users see (`size`: its bytes)."""
+        def sharding(layout):
+            return None if layout is None else self._sharding(Layout(layout.dims))
+
+        def spec(layout):
+            return None if layout is None else layout.to_spec()
+        return CollectiveOrigin(origin.op, self.source_line(origin.op), origin.tensor,
+                                sharding(origin.source), sharding(origin.target),
+                                origin.reason, spec(origin.source), spec(origin.target), size)
+
+    def layers(self) -> list:
+        """Per-layer accounting (runtime/layers.py): a LayerStats per name scope (a Keras
+        layer's path; gradient ops count in the layer they differentiate) with its ops,
+        the collectives they need and those collectives' bytes per device, and the bytes
+        per device of the tensors its ops produce."""
+        return layer_stats(self)
+
+    def advise(self, threshold_bytes: int = 0) -> list:
+        """For every collective moving more than `threshold_bytes` per device, the change
+        of one user sharding (in_shardings entry, annotation, out_shardings entry) that
+        removes it or makes it cheaper, with the bytes and cost-model seconds it saves
+        per step: a list of gspmd_tf.runtime.advice.Advice (print a.text()). Found by
+        lowering again with alternatives (runtime/advice.py)."""
+        return advise(self, threshold_bytes)
 
     def counts(self):
         """(annotated tensors, tensors that got a sharding by inference)."""
@@ -168,18 +265,24 @@ class Lowered:
         from gspmd_tf.runtime.annotated import compiler_ir
         return compiler_ir(self, stage="hlo")
 
-    def report(self, format="text", path=None):
+    def report(self, format="text", path=None, advise_bytes=None):
         """A readable table: every tensor's sharding, then the collectives and bytes.
 
         format="html" gives one self-contained HTML page (op graph colored by sharding,
         collectives, per-device memory, tensors); with `path` the report is also written
-        to that file."""
+        to that file. With `advise_bytes` (a number) it ends with the advice for the
+        collectives above that size (advise(): lowers alternatives, so it takes longer)."""
         if format not in ("text", "html"):
             raise ShardingError(f"report format {format!r}: use 'text' or 'html'")
+        advice = None if advise_bytes is None else self.advise(advise_bytes)
         if format == "html":
-            text = render_html(self)
+            text = render_html(self, advice)
         else:
             text = self._text_report()
+            if advice is not None:
+                text += (f"\n\nadvice for the collectives above {advise_bytes} bytes:\n"
+                         + ("\n".join(f"  {a.text()}" for a in advice)
+                            or "  none: no single sharding change removes or shrinks one"))
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
@@ -201,10 +304,16 @@ class Lowered:
             group = c.groups[0] if c.groups else ()
             lines.append(f"{c.kind:20s} {str(c.shape):20s} {c.dtype.name:8s} {c.bytes:10d} "
                          f"{group} x{len(c.groups)} over {c.axes}")
+            lines += [f"    for {origin.text()}" for origin in c.origins]
         total = sum(c.bytes for c in collectives)
         annotated, inferred = self.counts()
         lines += ["", f"{len(collectives)} collectives, {total} bytes per device",
-                  f"{annotated} tensors annotated, {inferred} sharded by inference"]
+                  f"{annotated} tensors annotated, {inferred} sharded by inference", ""]
+        header, *rows = layer_table(self.layers())
+        lines += [f"{header[0]:40s} {header[1]:>6s} {header[2]:>11s} {header[3]:>16s} "
+                  f"{header[4]:>14s}"]
+        lines += [f"{layer[:40]:40s} {ops:6d} {count:11d} {moved:16d} {held:14d}"
+                  for layer, ops, count, moved, held in rows]
         if self.program.replicated_ops:
             lines.append("ran replicated (no rule): " + ", ".join(self.program.replicated_ops))
         return "\n".join(lines)
@@ -216,7 +325,7 @@ class Lowered:
         if self.auto_plan is None:
             raise ShardingError(f"{self.name} has no gt.AUTO entry: auto_report() shows "
                                 "the plan the search chose for AUTO in/out_shardings")
-        pinned = tuple(l.to_spec() for l in self.program.input_layouts[:self._num_args])
+        pinned = tuple(l.to_spec() for l in self.program.input_layouts[:self.num_args])
         return f"{self.auto_plan.text()}\n\npin the plan with in_shardings={pinned!r}"
 
     def compile(self):

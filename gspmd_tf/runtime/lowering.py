@@ -27,9 +27,11 @@ from gspmd_tf.graph.ir import Graph
 from gspmd_tf.graph.variable_reads import first_writer
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, PartitionSpec
+from gspmd_tf.propagation.knobs import traced_knobs
 from gspmd_tf.propagation.propagate import propagate
 from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.options import LowerOptions, check_entries
+from gspmd_tf.runtime.strict import check_strict
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd.partitioner import partition
@@ -88,20 +90,28 @@ def _lower_traced(traced, options, entries, committed):
     auto_outputs = [j for j, entry in enumerate(options.out_shardings or ())
                     if is_auto(entry)]
 
+    source_graph = None if isinstance(traced, Graph) else traced.graph
+    knobs = traced_knobs(source_graph, graph)
+
     def lowered(propagation, program, seconds, seeds, plan=None):
-        return Lowered(
+        result = Lowered(
             options, graph, propagation, program, num_args=count,
             annotated=frozenset(seeds),
             committed_args=frozenset(i for i in range(count)
                                      if entries[i] is None and committed[i] is not None),
             structured_outputs=None if isinstance(traced, Graph)
             else traced.structured_outputs,
-            stage_seconds={"import": imported - start, **seconds}, auto_plan=plan)
+            stage_seconds={"import": imported - start, **seconds}, auto_plan=plan,
+            source_graph=source_graph)
+        if options.strict:
+            check_strict(result)
+        return result
 
     if auto_args or auto_outputs:
         return _lower_auto(graph, seeds, out_layouts, auto_args, auto_outputs, options,
-                           lowered)
-    return lowered(*_propagate_and_partition(graph, seeds, out_layouts, options), seeds)
+                           lowered, knobs)
+    return lowered(*_propagate_and_partition(graph, seeds, out_layouts, options, knobs),
+                   seeds)
 
 
 # How many times the search may tighten its budget when the lowered program's peak
@@ -110,7 +120,8 @@ def _lower_traced(traced, options, entries, committed):
 AUTO_ATTEMPTS = 3
 
 
-def _lower_auto(graph, seeds, out_layouts, auto_args, auto_outputs, options, lowered):
+def _lower_auto(graph, seeds, out_layouts, auto_args, auto_outputs, options, lowered,
+                knobs):
     """Lower with the AUTO entries chosen by the search (gspmd_tf/autoshard) within
     options.memory_limit as lowered.memory() counts it: when the lowered peak exceeds
     the limit, search again with the budget lowered by the estimate's shortfall."""
@@ -126,7 +137,7 @@ def _lower_auto(graph, seeds, out_layouts, auto_args, auto_outputs, options, low
         for j, layout in plan.output_layouts.items():
             layouts[j] = layout
         propagation, program, seconds = _propagate_and_partition(graph, chosen, layouts,
-                                                                 options)
+                                                                 options, knobs)
         decided = [graph.inputs[i] for i in plan.input_layouts] + [
             graph.outputs[j] for j in plan.output_layouts]
         result = lowered(propagation, program, {"auto": plan.search_seconds, **seconds},
@@ -176,12 +187,13 @@ def lower_seeded(graph: Graph, seeds: dict, num_args: int, options: LowerOptions
                    named_inputs=named_inputs)
 
 
-def _propagate_and_partition(graph, seeds, out_layouts, options):
+def _propagate_and_partition(graph, seeds, out_layouts, options, knobs=None):
     """The propagate and partition stages: (Propagation, SpmdProgram, their seconds).
-    `out_layouts` holds a Layout or None (propagation decides) per output."""
+    `out_layouts` holds a Layout or None (propagation decides) per output; `knobs` the
+    user priorities, sharding groups and barriers (knobs.traced_knobs)."""
     mesh, name = options.mesh, options.program_name
     start = time.perf_counter()
-    propagation = propagate(graph, mesh, seeds)
+    propagation = propagate(graph, mesh, seeds, knobs=knobs)
     propagated = time.perf_counter()
     log.info("gspmd_tf: %s propagated from %d annotations (%.1f s)", name, len(seeds),
              propagated - start)
@@ -190,7 +202,7 @@ def _propagate_and_partition(graph, seeds, out_layouts, options):
     combine_bytes = (None if mesh.is_abstract
                      else options.backend_factory(mesh).all_reduce_combine_bytes)
     program = partition(graph, mesh, propagation, out_layouts, options.windowed_einsum,
-                        combine_bytes)
+                        combine_bytes, annotated=frozenset(seeds))
     partitioned = time.perf_counter()
     log.info("gspmd_tf: %s partitioned: %d ops in the SPMD program (%.1f s)", name,
              len(program.graph.nodes), partitioned - propagated)

@@ -9,7 +9,7 @@ throughout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tensorflow as tf
@@ -22,12 +22,15 @@ from gspmd_tf.runtime.variables import variable_of_handle
 class Memory:
     """Bytes one device holds: `arguments` (its shards of the tensor arguments),
     `variables` (its shards of the captured variables), `outputs` (its output shards) and
-    `peak` (estimated live bytes at the fullest point of the program, all included)."""
+    `peak` (estimated live bytes at the fullest point of the program, all included);
+    `timeline` the estimated live bytes while each node of the SPMD program runs, in
+    program order (the peak is its maximum)."""
 
     arguments: int
     variables: int
     outputs: int
     peak: int
+    timeline: tuple = field(default=(), repr=False, compare=False)
 
     def text(self):
         """One line per figure."""
@@ -86,12 +89,14 @@ def program_memory(lowered):
     for producer, i in last_use.items():
         frees.setdefault(i, []).append(producer)
     live = peak = arguments + variables + outputs
+    timeline = []
     for i, node in enumerate(program.nodes):
         if i not in pinned:
             live += sum(_bytes(s, d) for s, d in zip(node.out_shapes, node.out_dtypes))
         peak = max(peak, live)
+        timeline.append(live)
         for producer in frees.get(i, ()):
             if producer not in pinned:
                 done = program.nodes[producer]
                 live -= sum(_bytes(s, d) for s, d in zip(done.out_shapes, done.out_dtypes))
-    return Memory(arguments, variables, outputs, peak)
+    return Memory(arguments, variables, outputs, peak, tuple(timeline))

@@ -25,6 +25,8 @@ class LowerOptions:
                      None for none
     memory_limit     per-device bytes the auto-sharding search (gspmd_tf/autoshard) must
                      fit the plan of gt.AUTO entries in, or None for no limit
+    strict           data movement the partitioner adds on its own is a ShardingError
+                     at lowering (runtime/strict.py)
     """
 
     mesh: Mesh
@@ -34,6 +36,7 @@ class LowerOptions:
     out_shardings: Optional[Sequence] = None
     windowed_einsum: Optional[int] = None
     memory_limit: Optional[int] = None
+    strict: bool = False
 
     @property
     def program_name(self) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import numpy as np
 import tensorflow as tf
@@ -63,15 +64,17 @@ def threshold_bytes(default: int) -> int:
     return value
 
 
-def combine_all_reduces(graph, threshold: int, live=None):
+def combine_all_reduces(graph, threshold: int, live=None, origins=None):
     """`graph` (an SPMD program) with its independent small all-reduces merged (see the
     module doc); `threshold` in bytes. The nodes are moved into the returned graph, as
     dce.eliminate_dead_code does. `live` (dce.live_nodes of `graph`) drops the dead
-    nodes in the same pass: the program is renumbered once."""
+    nodes in the same pass: the program is renumbered once. `origins` (collective node
+    name -> provenance.Origins, ProgramBuilder.origins) gains each combined all-reduce's
+    entry: the origins of all its members, in program order."""
     order = _schedule(graph, threshold, live)
     if not any(isinstance(item, list) for item in order):
         return graph if live is None else compact(graph, live)
-    return _rebuild(graph, order)
+    return _rebuild(graph, order, {} if origins is None else origins)
 
 
 def _operand_bytes(graph, node):
@@ -154,8 +157,9 @@ class _Rebuilt:
     Old output k of node i is new output k of node index[i]: a merged all-reduce's
     member (one output) maps to the Reshape that gives back its piece."""
 
-    def __init__(self, graph, order):
+    def __init__(self, graph, order, origins):
         self.old = graph
+        self.origins = origins
         self.graph = Graph()
         self.index = [-1] * len(graph.nodes)  # old node index -> new node index
         self.names = {graph.nodes[i].name for item in order
@@ -213,6 +217,9 @@ class _Rebuilt:
                              attrs={"N": len(flats), "T": dtype, "Tidx": tf.int32})
         (reduced,) = self.add(stem, ALL_REDUCE, [concat], [(total,)], dtype,
                               params=dict(last.params))
+        self.origins[self.graph.nodes[reduced.node].name] = tuple(
+            replace(origin, bytes=_operand_bytes(self.old, node))
+            for node in nodes for origin in self.origins.get(node.name, ()))
         pieces = self.add(f"{stem}/split", "SplitV",
                           [reduced, self.const(sizes), self.const(0)],
                           [(size,) for size in sizes], dtype,
@@ -224,9 +231,10 @@ class _Rebuilt:
             self.index[m] = ref.node
 
 
-def _rebuild(graph, order):
-    """The program in schedule `order` (see _schedule), groups merged."""
-    out = _Rebuilt(graph, order)
+def _rebuild(graph, order, origins):
+    """The program in schedule `order` (see _schedule), groups merged (their `origins`
+    recorded, see combine_all_reduces)."""
+    out = _Rebuilt(graph, order, origins)
     for item in order:
         if isinstance(item, list):
             out.combined(item)

@@ -20,18 +20,26 @@ what the annotated graph for XLA's partitioner reads (runtime/annotated.py).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from gspmd_tf.cost_model import CostModel
 from gspmd_tf.graph.ir import Graph, Node, Ref
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.spmd.program import RESHARD, Local, ProgramBuilder
+from gspmd_tf.spmd.provenance import Origin
 from gspmd_tf.spmd.reshard import reshard
 
 
-def export(program: Graph, mesh: Mesh, cost_model: CostModel) -> Graph:
+def export(program: Graph, mesh: Mesh, cost_model: CostModel,
+           origins: Optional[dict] = None) -> Graph:
     """`program` (an SPMD program with gt.Reshard nodes, its bodies too) with every
     gt.Reshard lowered to collectives planned on `cost_model`; a new Graph (the nodes of
-    `program` are not changed)."""
+    `program` are not changed). `origins` (collective node name -> provenance.Origins,
+    ProgramBuilder.origins) gains each emitted collective's: its gt.Reshard's
+    needed_by, reason, tensor and layouts."""
     b = ProgramBuilder(mesh, cost_model=cost_model)
+    if origins is not None:
+        b.origins = origins
     graph = b.graph
     new_ref = {}  # old node index -> its new Ref (a gt.Reshard's, one output)
     index = [-1] * len(program.nodes)  # old node index -> new node index (copies)
@@ -48,13 +56,16 @@ def export(program: Graph, mesh: Mesh, cost_model: CostModel) -> Graph:
             key = (operand, p["source"], p["target"], p["shape"])
             if key not in lowered:
                 b.prefix = f"{node.name}/"
+                b.origin = Origin(p["needed_by"], p["reason"], p.get("tensor") or "",
+                                  p["source"], p["target"])
                 source = Local(operand, p["source"], p["shape"], node.out_dtypes[0])
                 lowered[key] = reshard(b, source, p["target"]).ref
+                b.origin = None
             new_ref[i] = lowered[key]
             continue
         index[i] = graph.add(_copy(node, [ref(r) for r in node.inputs],
                                    [ref(Ref(c, 0)).node for c in node.control_inputs],
-                                   [export(region, mesh, cost_model)
+                                   [export(region, mesh, cost_model, b.origins)
                                     for region in node.regions]))
     graph.inputs = [ref(r) for r in program.inputs]
     graph.outputs = [ref(r) for r in program.outputs]

@@ -12,7 +12,7 @@ sub-program of its own (spmd/control_flow.py).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
@@ -33,6 +33,7 @@ from gspmd_tf.spmd.control_flow import partition_control_flow
 from gspmd_tf.spmd.factor_axes import choose_factor_axes
 from gspmd_tf.spmd.export import export
 from gspmd_tf.spmd.program import UNMOVABLE, Local, ProgramBuilder
+from gspmd_tf.spmd.provenance import Origin, reshard_reason
 from gspmd_tf.spmd.windowed_einsum import windowed_dot
 
 log = logging.getLogger("gspmd_tf")
@@ -54,6 +55,8 @@ class SpmdProgram:
     output_layouts: list[Layout]
     replicated_ops: list[str]
     explicit: Optional[Graph] = None
+    # collective node name -> its provenance.Origins (a combined all-reduce: its members')
+    origins: dict[str, tuple] = field(default_factory=dict)
 
 
 class OpContext:
@@ -143,8 +146,9 @@ class Partitioner:
                  parent: Optional[Partitioner] = None, prefix: str = "",
                  windowed_einsum: Optional[int] = None,
                  combine_bytes: Optional[Callable[[bool], int]] = None,
-                 cost_model: Optional[CostModel] = None):
-        """`windowed_einsum`: the byte threshold of windowed dots (see
+                 cost_model: Optional[CostModel] = None, annotated: frozenset = frozenset()):
+        """`annotated`: the Refs with a user sharding (for provenance); `windowed_einsum`:
+        the byte threshold of windowed dots (see
         spmd/windowed_einsum.py), None for none; `combine_bytes(in_region)`: the
         all-reduce combiner's threshold the backend asks for (Backend.
         all_reduce_combine_bytes), None for the cost model's; `cost_model` prices
@@ -153,6 +157,9 @@ class Partitioner:
         self.graph = graph
         self.propagation = propagation
         self.b = ProgramBuilder(mesh, prefix, parent.b.cost_model if parent else cost_model)
+        self.b.origins = parent.b.origins if parent else self.b.origins
+        self.current_op = None  # the index of the graph op at hand (for _reason)
+        self.in_region, self.annotated = parent is not None, annotated
         self.values = {}
         self._resharded = {}  # (Local, Layout, needing op) -> Local (a gt.Reshard's)
         self._made = {}  # (Local, Layout) -> the first Local made of it (or remembered)
@@ -241,10 +248,26 @@ class Partitioner:
         key = (local, layout, needed_by)
         if key not in self._resharded:
             ref = self.b.reshard(local, layout, needed_by,
-                                 "contraction" if local.layout.partial else reason, tensor)
+                                 self._reason(local, layout, reason), tensor)
             self._resharded[key] = Local(ref, layout, local.shape, local.dtype)
             self._made.setdefault((local, layout), self._resharded[key])
         return self._resharded[key]
+
+    def _reason(self, local, layout, asked):
+        """The reason code (provenance.REASONS) a gt.Reshard of `local` to `layout` asked
+        for as `asked` by the op at hand records: refined by provenance.reshard_reason. An
+        output moved to its out_shardings is an annotation; inside a region it is the
+        loop's own layout (a result layout)."""
+        if asked == "annotation":
+            return ("annotation" if not self.in_region
+                    else reshard_reason("result layout", False, local.layout, layout,
+                                        local.shape, self.b.mesh))
+        index, graph = self.current_op, self.graph
+        annotated = index is not None and any(
+            Ref(index, k) in graph.annotations or Ref(index, k) in self.annotated
+            for k in range(len(graph.nodes[index].out_shapes)))
+        return reshard_reason(asked, annotated, local.layout, layout, local.shape,
+                              self.b.mesh)
 
     def resharded(self, local, layout):
         """`local` in `layout` if a reshard made it already (see reshard), else None."""
@@ -264,11 +287,11 @@ class Partitioner:
         self._warn_replicated()
         graph = self.graph
         explicit = self._live_program()
-        exported = export(explicit, self.b.mesh, self.b.cost_model)
+        exported = export(explicit, self.b.mesh, self.b.cost_model, self.b.origins)
         return SpmdProgram(self._combined(exported, in_region=False),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops,
-                           explicit)
+                           explicit, self.b.origins)
 
     def partition_region(self, input_layouts: Sequence[Layout],
                          output_layouts: Sequence[Layout]) -> tuple[Graph, list[Layout]]:
@@ -292,7 +315,7 @@ class Partitioner:
         asked = self.combine_bytes(in_region) if self.combine_bytes else None
         threshold = threshold_bytes(self.b.cost_model.combine_threshold_bytes()
                                     if asked is None else asked)
-        return combine_all_reduces(program, threshold)
+        return combine_all_reduces(program, threshold, origins=self.b.origins)
 
     def _partition(self, output_layouts, input_layouts=None):
         """Partition every node; returns the outputs (Locals) in `output_layouts`.
@@ -304,7 +327,7 @@ class Partitioner:
             if index and index % PROGRESS_EVERY == 0:
                 log.info("gspmd_tf: partitioned %d of %d ops", index, len(graph.nodes))
             targets = self.propagation.layouts[index]
-            self._needed_by = node.name
+            self._needed_by, self.current_op = node.name, index
             if index in input_index:
                 i = input_index[index]
                 shape, dtype = node.out_shapes[0], node.out_dtypes[0]
@@ -324,6 +347,8 @@ class Partitioner:
                 continue
             entry = op_def(node.op)
             emit = replay if entry.replay else entry.emit
+            # a collective a handler emits itself is the op's own algorithm
+            b.origin = Origin(node.name, "op algorithm")
             results = (self._replay_memoised(index, node, rule, targets, emit)
                        if rule is not None and not node.regions and self.windowed_einsum is None
                        and (entry.replay or hasattr(emit, "replays")) else None)
@@ -335,6 +360,7 @@ class Partitioner:
                     results = self._replicated(ctx)
                 else:
                     results = self._by_rule(ctx, emit)
+            b.origin = None
             for k, (local, target) in enumerate(zip(results, targets)):
                 # a variable handle (e.g. one a loop hands through) points to this
                 # device's shard whatever layout propagation gave it, and a TensorList
@@ -345,6 +371,7 @@ class Partitioner:
                                       tensor=graph.tensor_name(Ref(index, k))))
         outputs = []
         for ref, layout in zip(graph.outputs, output_layouts):
+            self.current_op = ref.node
             local = self.values[ref]
             local = local if layout is None else self.reshard(
                 local, layout, "annotation", graph.nodes[ref.node].name,
@@ -480,9 +507,12 @@ class Partitioner:
 def partition(graph: Graph, mesh: Mesh, propagation: Propagation,
               output_layouts: Sequence[Layout], windowed_einsum: Optional[int] = None,
               combine_bytes: Optional[Callable[[bool], int]] = None,
-              cost_model: Optional[CostModel] = None) -> SpmdProgram:
+              cost_model: Optional[CostModel] = None,
+              annotated: frozenset = frozenset()) -> SpmdProgram:
     """The SPMD program of `graph` (see Partitioner; `windowed_einsum`: a byte
     threshold, or None; `combine_bytes`: the backend's all_reduce_combine_bytes, or
-    None; `cost_model`: the backend's CostModel, or None for CostModel.for_mesh)."""
+    None; `cost_model`: the backend's CostModel, or None for CostModel.for_mesh;
+    `annotated`: the Refs with a user sharding)."""
     return Partitioner(graph, mesh, propagation, windowed_einsum=windowed_einsum,
-                       combine_bytes=combine_bytes, cost_model=cost_model).run(output_layouts)
+                       combine_bytes=combine_bytes, cost_model=cost_model,
+                       annotated=annotated).run(output_layouts)

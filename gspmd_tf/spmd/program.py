@@ -58,6 +58,11 @@ class ProgramBuilder:
         # handlers' per-program caches, by handler (e.g. halo windows reused by a conv's
         # gradients)
         self.memo = {}
+        # why the collectives emitted now exist (a provenance.Origin, set by the
+        # partitioner), and every collective's origins by node name (shared with the
+        # builders of the program's regions)
+        self.origin = None
+        self.origins = {}
 
     def _add(self, op, inputs, attrs, shapes, dtypes, params=None, name=None, regions=()):
         # (the first shape's test settles nearly every call without _all_empty's loop)
@@ -122,7 +127,10 @@ class ProgramBuilder:
         assert kind in COLLECTIVES, kind
         if 0 in self.shape_of(x) or 0 in shape:
             return self.const(np.zeros(shape, dtype.as_numpy_dtype), dtype)
-        return self._add(kind, [x], {}, [shape], [dtype], params=params)[0]
+        ref = self._add(kind, [x], {}, [shape], [dtype], params=params)[0]
+        if self.origin is not None:
+            self.origins[self.graph.nodes[ref.node].name] = (self.origin,)
+        return ref
 
     def reshard(self, x: Local, target, needed_by: str, reason: str,
                 tensor: str | None = None) -> Ref:
