@@ -16,7 +16,8 @@ from gspmd_tf.cluster import initialize_cluster
 from gspmd_tf.devices import configure_cpu_devices
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh, P, PartitionSpec
-from gspmd_tf.pipeline import pipeline
+from gspmd_tf.pipeline import pipeline, pipeline_schedule, pipeline_value_and_grad
+from gspmd_tf.pipeline import layer_order as pipeline_layer_order
 from gspmd_tf.registry import register_op
 from gspmd_tf.runtime.function import Function, function, lower
 from gspmd_tf.runtime.lowered import Collective, Lowered
@@ -28,5 +29,6 @@ from gspmd_tf.visualize import visualize_sharding
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
            "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split",
-           "pipeline", "register_op", "save_checkpoint",
+           "pipeline", "pipeline_layer_order", "pipeline_schedule",
+           "pipeline_value_and_grad", "register_op", "save_checkpoint",
            "visualize_sharding"]

@@ -87,6 +87,8 @@ def _value_bytes(graph, node, out):
     """Bytes output `out` of `node` holds; a TensorList a loop returns counts as full (its
     capacity times its element), a list made from a tensor as that tensor."""
     shape, dtype = node.out_shapes[out], node.out_dtypes[out]
+    if node.op in _WHILE_OPS and _passed_through(node.regions[1], out):
+        return 0  # the operand's own buffer (a captured value TF made a loop value)
     if dtype != tf.variant:
         return _bytes(shape, dtype)
     if node.op == "TensorListFromTensor":
@@ -96,6 +98,14 @@ def _value_bytes(graph, node, out):
         if capacity is not None:
             return capacity[0] * _bytes(shape, capacity[1])
     return 0
+
+
+def _passed_through(body, k):
+    """Whether a loop body returns its parameter k unchanged."""
+    result = body.outputs[k]
+    while body.nodes[result.node].op == "Identity":
+        result = body.nodes[result.node].inputs[0]
+    return result == body.inputs[k]
 
 
 def _list_capacity(graph, ref):
