@@ -12,6 +12,7 @@ collectives and runs it on the mesh.
 from gspmd_tf.spmd import handlers as _builtin_op_declarations  # noqa: F401
 from gspmd_tf import keras
 from gspmd_tf.annotations import mesh_split
+from gspmd_tf.attention import ring_attention, ulysses_attention
 from gspmd_tf.cluster import initialize_cluster
 from gspmd_tf.devices import configure_cpu_devices
 from gspmd_tf.errors import ShardingError
@@ -30,5 +31,5 @@ __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
            "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split",
            "pipeline", "pipeline_layer_order", "pipeline_schedule",
-           "pipeline_value_and_grad", "register_op", "save_checkpoint",
-           "visualize_sharding"]
+           "pipeline_value_and_grad", "register_op", "ring_attention", "save_checkpoint",
+           "ulysses_attention", "visualize_sharding"]
