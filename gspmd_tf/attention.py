@@ -16,8 +16,10 @@ the K/V blocks move one device on (tf.roll of the block dim: a collective-permut
 Nothing is all-gathered; a device holds two K/V blocks at most, not the sequence. With
 causal=True a key block after the query block contributes nothing (its weights are
 exactly zero; the SPMD step still computes it: the devices run in lockstep), the block
-on the diagonal is masked triangularly. Gradients are TF's through the loop: the
-backward is the ring turning the other way.
+on the diagonal is masked triangularly. The backward is a second ring (its own
+gradient, FlashAttention's): each step recomputes the weights of the key block a device
+holds from the rows' saved log-sum-exp, adds to the query gradient, and adds to the
+K/V gradients that travel round with their blocks; no step's weights are kept.
 
 ulysses_attention (DeepSpeed-Ulysses): an all-to-all moves the split from seq to heads,
 each device runs exact attention for its heads over the whole sequence, and an
@@ -27,6 +29,7 @@ all-to-all moves the split back; heads must divide over the axis.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import tensorflow as tf
 
@@ -58,46 +61,112 @@ def ring_attention(q, k, v, *, mesh, axis, causal=False, batch_axis=None, heads_
     q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
     devices = _check(q, k, v, mesh, axis, "ring_attention")
     batch, seq, heads, head_dim = q.shape
-    block = seq // devices
 
     by_sequence = P(batch_axis, axis, heads_axis)
-    by_block = P(batch_axis, axis, None, heads_axis)
+    ring = _Ring(mesh, P(batch_axis, axis, None, heads_axis), devices, seq // devices,
+                 causal, 1 / math.sqrt(head_dim))
 
     def blocks(t):  # [b, n, seq/n, h, d], the block dim split: each device its block
-        return mesh_split(tf.reshape(mesh_split(t, mesh, by_sequence),
-                                     [batch, devices, block, heads, head_dim]),
-                          mesh, by_block)
-    q, k, v = blocks(q) / math.sqrt(head_dim), blocks(k), blocks(v)
-    query_position = tf.reshape(tf.range(seq), [devices, block])
+        return ring.split(tf.reshape(mesh_split(t, mesh, by_sequence),
+                                     [batch, devices, seq // devices, heads, head_dim]))
+    out = _ring_attention_blocks(ring, blocks(q), blocks(k), blocks(v))
+    return mesh_split(tf.reshape(out, [batch, seq, heads, head_dim]), mesh, by_sequence)
 
+
+@dataclass(frozen=True)
+class _Ring:
+    """What the ring's steps share: the block layout [b, n, seq/n, h, d] (`spec`, block
+    dim split), n, seq/n, causal, the logit scale."""
+
+    mesh: object
+    spec: P
+    devices: int
+    block: int
+    causal: bool
+    scale: float
+
+    def split(self, t):
+        """`t` annotated with the block layout."""
+        return mesh_split(t, self.mesh, self.spec)
+
+    def shift(self, t):
+        """Every device's block to the next device (one collective-permute)."""
+        return self.split(tf.roll(t, 1, axis=1))
+
+    def logits(self, q, k, step):
+        """[b, n, h, q, k]: each query block's scaled logits against the key block it
+        holds at `step` (block j holds key block (j - step) mod n), causally masked."""
+        logits = tf.einsum("bnqhd,bnkhd->bnhqk", q, k) * self.scale
+        if not self.causal:
+            return logits
+        query_position = tf.reshape(tf.range(self.devices * self.block),
+                                    [self.devices, self.block])
+        key_block = (tf.range(self.devices) - step) % self.devices
+        key_position = key_block[:, None] * self.block + tf.range(self.block)[None, :]
+        visible = query_position[:, :, None] >= key_position[:, None, :]      # [n, q, k]
+        # step 0 is the diagonal block: every row has seen a key before a later step
+        # masks a whole row, so a masked weight is exp(_MASKED - a real max) = 0
+        return tf.where(visible[None, :, None], logits, _MASKED)
+
+
+def _ring_attention_blocks(ring, q, k, v):
+    """Attention on [b, n, seq/n, h, d] blocks with its own backward: the forward keeps
+    only its output and each row's log-sum-exp, the backward turns the ring again and
+    recomputes each block's weights (as FlashAttention does), so neither keeps more than
+    one [seq/n, seq/n] block of weights per head."""
+    @tf.custom_gradient
+    def attend(q, k, v):
+        out, logsumexp = _ring_forward(ring, q, k, v)
+        return out, lambda d_out: _ring_backward(ring, q, k, v, out, logsumexp, d_out)
+    return attend(q, k, v)
+
+
+def _ring_forward(ring, q, k, v):
+    """(out [b, n, q, h, d], log-sum-exp of each row's logits [b, n, h, q]): n steps of
+    blockwise attention with online-softmax statistics, K/V shifting each step."""
     def step(i, k, v, running_max, denominator, numerator):
-        logits = tf.einsum("bnqhd,bnkhd->bnhqk", q, k)
-        if causal:
-            # block j holds K/V block (j - i) mod n after i steps
-            key_block = (tf.range(devices) - i) % devices
-            key_position = key_block[:, None] * block + tf.range(block)[None, :]
-            visible = query_position[:, :, None] >= key_position[:, None, :]  # [n, q, k]
-            # step 0 is the diagonal block: every row has seen a key before a later step
-            # masks a whole row, so a masked weight is exp(_MASKED - a real max) = 0
-            logits = tf.where(visible[None, :, None], logits, _MASKED)
-        # the result does not depend on the max (it cancels): no gradient through it
-        new_max = tf.stop_gradient(tf.maximum(running_max, tf.reduce_max(logits, -1)))
+        logits = ring.logits(q, k, i)
+        new_max = tf.maximum(running_max, tf.reduce_max(logits, -1))
         rescale = tf.exp(running_max - new_max)
         weights = tf.exp(logits - new_max[..., None])
         denominator = denominator * rescale + tf.reduce_sum(weights, -1)
         numerator = (numerator * rescale[..., None] +
                      tf.einsum("bnhqk,bnkhd->bnhqd", weights, v))
-        k, v = (mesh_split(tf.roll(t, 1, axis=1), mesh, by_block) for t in (k, v))
-        return i + 1, k, v, new_max, denominator, numerator
+        return i + 1, ring.shift(k), ring.shift(v), new_max, denominator, numerator
 
-    statistics = [batch, devices, heads, block]
-    _, _, _, _, denominator, numerator = tf.while_loop(
-        lambda i, *_: i < devices, step,
+    batch, _, _, heads, head_dim = q.shape
+    statistics = [batch, ring.devices, heads, ring.block]
+    _, _, _, running_max, denominator, numerator = tf.while_loop(
+        lambda i, *_: i < ring.devices, step,
         (tf.constant(0), k, v, tf.fill(statistics, tf.constant(_MASKED, q.dtype)),
          tf.zeros(statistics, q.dtype), tf.zeros(statistics + [head_dim], q.dtype)),
-        maximum_iterations=devices)
-    out = tf.transpose(numerator / denominator[..., None], [0, 1, 3, 2, 4])
-    return mesh_split(tf.reshape(out, [batch, seq, heads, head_dim]), mesh, by_sequence)
+        maximum_iterations=ring.devices)
+    out = ring.split(tf.transpose(numerator / denominator[..., None], [0, 1, 3, 2, 4]))
+    return out, running_max + tf.math.log(denominator)
+
+
+def _ring_backward(ring, q, k, v, out, logsumexp, d_out):
+    """Gradients of q, k, v blocks: the ring again, each step recomputing the weights
+    of the key block it holds from the saved log-sum-exp; each K/V block's gradient
+    travels with it and is home after n shifts."""
+    # d softmax: rowsum(d_out * out), the weights' share of each row's gradient
+    row_term = tf.transpose(tf.reduce_sum(d_out * out, -1), [0, 1, 3, 2])     # [b,n,h,q]
+
+    def step(i, k, v, d_k, d_v, d_q):
+        weights = tf.exp(ring.logits(q, k, i) - logsumexp[..., None])
+        d_v += tf.einsum("bnhqk,bnqhd->bnkhd", weights, d_out)
+        d_weights = tf.einsum("bnqhd,bnkhd->bnhqk", d_out, v)
+        d_logits = weights * (d_weights - row_term[..., None]) * ring.scale
+        d_q += tf.einsum("bnhqk,bnkhd->bnqhd", d_logits, k)
+        d_k += tf.einsum("bnhqk,bnqhd->bnkhd", d_logits, q)
+        return (i + 1, ring.shift(k), ring.shift(v), ring.shift(d_k), ring.shift(d_v),
+                d_q)
+
+    zeros = ring.split(tf.zeros_like(q))
+    _, _, _, d_k, d_v, d_q = tf.while_loop(
+        lambda i, *_: i < ring.devices, step, (tf.constant(0), k, v, zeros, zeros, zeros),
+        maximum_iterations=ring.devices)
+    return d_q, d_k, d_v
 
 
 def ulysses_attention(q, k, v, *, mesh, axis, causal=False, batch_axis=None):

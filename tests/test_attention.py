@@ -40,7 +40,9 @@ def _check(attend, mesh, spec, causal, seed, **axes):
                     mesh=mesh, in_shardings=(spec,) * 4)
     want = single_device(with_gradients(
         lambda q, k, v: dot_product_attention(q, k, v, causal)), args)
-    for name, g, w in zip(["out", "dq", "dk", "dv"], f(*args), want):
+    got = f(*args)
+    assert len(got) == len(want) == 4
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
         assert_close(g.numpy(), w, name)
     return f.lower(*args)
 
