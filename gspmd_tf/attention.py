@@ -14,9 +14,10 @@ queries, keys and values. n steps: every device attends its queries to the K/V b
 it holds, folds the result into running (max, denominator, numerator) statistics, then
 the K/V blocks move one device on (tf.roll of the block dim: a collective-permute each).
 Nothing is all-gathered; a device holds two K/V blocks at most, not the sequence. With
-causal=True a key block after the query block contributes nothing (its weights are
-exactly zero; the SPMD step still computes it: the devices run in lockstep), the block
-on the diagonal is masked triangularly. The backward is a second ring (its own
+causal=True in the contiguous layout a key block after the query block contributes
+nothing (its weights are exactly zero; the SPMD step still computes it: the devices run
+in lockstep); the zigzag layout balances the causal work so that no step computes a
+masked block but the first (ring.py). The backward is a second ring (its own
 gradient, FlashAttention's): each step recomputes the weights of the key block a device
 holds from the rows' saved log-sum-exp, adds to the query gradient, and adds to the
 K/V gradients that travel round with their blocks; no step's weights are kept.
@@ -29,17 +30,13 @@ all-to-all moves the split back; heads must divide over the axis.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import tensorflow as tf
 
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import P
-
-# a finite "minus infinity" for masked logits: exp of it minus any real max is 0, and
-# no inf - inf can make a NaN in the online softmax or its gradient
-_MASKED = -1e30
+from gspmd_tf.ring import MASKED, Ring, ring_backward, ring_forward
 
 
 def dot_product_attention(q, k, v, causal=False):
@@ -48,125 +45,62 @@ def dot_product_attention(q, k, v, causal=False):
     if causal:
         seq = q.shape[1]
         logits = tf.where(tf.range(seq)[:, None] >= tf.range(seq)[None, :], logits,
-                          _MASKED)
+                          MASKED)
     return tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(logits, -1), v)
 
 
-def ring_attention(q, k, v, *, mesh, axis, causal=False, batch_axis=None, heads_axis=None):
+def ring_attention(q, k, v, *, mesh, axis, causal=False, layout="contiguous",
+                   batch_axis=None, heads_axis=None):
     """Attention of q over k, v with seq split over mesh axis `axis`, K/V passed round the
     ring of its devices (module docstring). Equal to dot_product_attention(q, k, v,
-    causal); q, k, v: [batch, seq, heads, head_dim], seq a multiple of the axis size;
+    causal); q, k, v: [batch, seq, heads, head_dim], seq a multiple of the axis size.
+
+    layout="zigzag" (causal only; seq a multiple of twice the axis size): the sequence
+    is held in zigzag order, device j holding chunks j and 2n-1-j of 2n
+    (zigzag_order(seq, n) gives the positions in that order: put the tokens in it once,
+    e.g. when loading data), so every device has equal causal work and no step after
+    the first attends a masked block. q, k, v, the result and the causal mask are then
+    in that order: the result equals dot_product_attention(q, k, v, causal) of the
+    sequence in its own order, reordered the same way.
+
     batch_axis, heads_axis: mesh axes (or None) that split the batch and heads too (data
     and model parallelism). Returns [batch, seq, heads, head_dim], split like q."""
     q, k, v = (tf.convert_to_tensor(t) for t in (q, k, v))
     devices = _check(q, k, v, mesh, axis, "ring_attention")
+    if layout not in ("contiguous", "zigzag"):
+        raise ShardingError(f"ring_attention: layout {layout!r} is neither 'contiguous' "
+                            "nor 'zigzag'")
+    chunks = 2 if causal and layout == "zigzag" else 1
     batch, seq, heads, head_dim = q.shape
-
+    if seq % (devices * chunks):
+        raise ShardingError(f"ring_attention: the zigzag layout cuts the sequence into "
+                            f"{2 * devices} chunks; {seq} is no multiple of {2 * devices}")
     by_sequence = P(batch_axis, axis, heads_axis)
-    ring = _Ring(mesh, P(batch_axis, axis, None, heads_axis), devices, seq // devices,
-                 causal, 1 / math.sqrt(head_dim))
+    ring = Ring(mesh, P(batch_axis, axis, None, None, heads_axis), devices, chunks,
+                seq // (devices * chunks), causal, 1 / math.sqrt(head_dim))
+    block_shape = [batch, devices, chunks, ring.chunk, heads, head_dim]
 
-    def blocks(t):  # [b, n, seq/n, h, d], the block dim split: each device its block
-        return ring.split(tf.reshape(mesh_split(t, mesh, by_sequence),
-                                     [batch, devices, seq // devices, heads, head_dim]))
-    out = _ring_attention_blocks(ring, blocks(q), blocks(k), blocks(v))
+    def blocks(t):  # [b, n, chunks, c, h, d], the device dim split: each its block
+        return ring.split(tf.reshape(mesh_split(t, mesh, by_sequence), block_shape))
+
+    @tf.custom_gradient
+    def attend(q, k, v):
+        out, logsumexp = ring_forward(ring, q, k, v)
+        return out, lambda d_out: ring_backward(ring, q, k, v, out, logsumexp, d_out)
+    out = attend(blocks(q), blocks(k), blocks(v))
     return mesh_split(tf.reshape(out, [batch, seq, heads, head_dim]), mesh, by_sequence)
 
 
-@dataclass(frozen=True)
-class _Ring:
-    """What the ring's steps share: the block layout [b, n, seq/n, h, d] (`spec`, block
-    dim split), n, seq/n, causal, the logit scale."""
-
-    mesh: object
-    spec: P
-    devices: int
-    block: int
-    causal: bool
-    scale: float
-
-    def split(self, t):
-        """`t` annotated with the block layout."""
-        return mesh_split(t, self.mesh, self.spec)
-
-    def shift(self, t):
-        """Every device's block to the next device (one collective-permute)."""
-        return self.split(tf.roll(t, 1, axis=1))
-
-    def logits(self, q, k, step):
-        """[b, n, h, q, k]: each query block's scaled logits against the key block it
-        holds at `step` (block j holds key block (j - step) mod n), causally masked."""
-        logits = tf.einsum("bnqhd,bnkhd->bnhqk", q, k) * self.scale
-        if not self.causal:
-            return logits
-        query_position = tf.reshape(tf.range(self.devices * self.block),
-                                    [self.devices, self.block])
-        key_block = (tf.range(self.devices) - step) % self.devices
-        key_position = key_block[:, None] * self.block + tf.range(self.block)[None, :]
-        visible = query_position[:, :, None] >= key_position[:, None, :]      # [n, q, k]
-        # step 0 is the diagonal block: every row has seen a key before a later step
-        # masks a whole row, so a masked weight is exp(_MASKED - a real max) = 0
-        return tf.where(visible[None, :, None], logits, _MASKED)
-
-
-def _ring_attention_blocks(ring, q, k, v):
-    """Attention on [b, n, seq/n, h, d] blocks with its own backward: the forward keeps
-    only its output and each row's log-sum-exp, the backward turns the ring again and
-    recomputes each block's weights (as FlashAttention does), so neither keeps more than
-    one [seq/n, seq/n] block of weights per head."""
-    @tf.custom_gradient
-    def attend(q, k, v):
-        out, logsumexp = _ring_forward(ring, q, k, v)
-        return out, lambda d_out: _ring_backward(ring, q, k, v, out, logsumexp, d_out)
-    return attend(q, k, v)
-
-
-def _ring_forward(ring, q, k, v):
-    """(out [b, n, q, h, d], log-sum-exp of each row's logits [b, n, h, q]): n steps of
-    blockwise attention with online-softmax statistics, K/V shifting each step."""
-    def step(i, k, v, running_max, denominator, numerator):
-        logits = ring.logits(q, k, i)
-        new_max = tf.maximum(running_max, tf.reduce_max(logits, -1))
-        rescale = tf.exp(running_max - new_max)
-        weights = tf.exp(logits - new_max[..., None])
-        denominator = denominator * rescale + tf.reduce_sum(weights, -1)
-        numerator = (numerator * rescale[..., None] +
-                     tf.einsum("bnhqk,bnkhd->bnhqd", weights, v))
-        return i + 1, ring.shift(k), ring.shift(v), new_max, denominator, numerator
-
-    batch, _, _, heads, head_dim = q.shape
-    statistics = [batch, ring.devices, heads, ring.block]
-    _, _, _, running_max, denominator, numerator = tf.while_loop(
-        lambda i, *_: i < ring.devices, step,
-        (tf.constant(0), k, v, tf.fill(statistics, tf.constant(_MASKED, q.dtype)),
-         tf.zeros(statistics, q.dtype), tf.zeros(statistics + [head_dim], q.dtype)),
-        maximum_iterations=ring.devices)
-    out = ring.split(tf.transpose(numerator / denominator[..., None], [0, 1, 3, 2, 4]))
-    return out, running_max + tf.math.log(denominator)
-
-
-def _ring_backward(ring, q, k, v, out, logsumexp, d_out):
-    """Gradients of q, k, v blocks: the ring again, each step recomputing the weights
-    of the key block it holds from the saved log-sum-exp; each K/V block's gradient
-    travels with it and is home after n shifts."""
-    # d softmax: rowsum(d_out * out), the weights' share of each row's gradient
-    row_term = tf.transpose(tf.reduce_sum(d_out * out, -1), [0, 1, 3, 2])     # [b,n,h,q]
-
-    def step(i, k, v, d_k, d_v, d_q):
-        weights = tf.exp(ring.logits(q, k, i) - logsumexp[..., None])
-        d_v += tf.einsum("bnhqk,bnqhd->bnkhd", weights, d_out)
-        d_weights = tf.einsum("bnqhd,bnkhd->bnhqk", d_out, v)
-        d_logits = weights * (d_weights - row_term[..., None]) * ring.scale
-        d_q += tf.einsum("bnhqk,bnkhd->bnqhd", d_logits, k)
-        d_k += tf.einsum("bnhqk,bnqhd->bnkhd", d_logits, q)
-        return (i + 1, ring.shift(k), ring.shift(v), ring.shift(d_k), ring.shift(d_v),
-                d_q)
-
-    zeros = ring.split(tf.zeros_like(q))
-    _, _, _, d_k, d_v, d_q = tf.while_loop(
-        lambda i, *_: i < ring.devices, step, (tf.constant(0), k, v, zeros, zeros, zeros),
-        maximum_iterations=ring.devices)
-    return d_q, d_k, d_v
+def zigzag_order(seq, devices):
+    """Sequence positions in the zigzag layout's order: device j's block holds chunk j,
+    then chunk 2n-1-j, of 2n chunks (ring_attention(layout="zigzag")). Reorder tokens as
+    `tf.gather(tokens, zigzag_order(seq, n), axis=1)`."""
+    chunk = seq // (2 * devices)
+    order = []
+    for device in range(devices):
+        for index in (device, 2 * devices - 1 - device):
+            order.extend(range(index * chunk, (index + 1) * chunk))
+    return order
 
 
 def ulysses_attention(q, k, v, *, mesh, axis, causal=False, batch_axis=None):
