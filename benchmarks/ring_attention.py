@@ -5,10 +5,13 @@
 
 For each sequence length the script lowers, on an abstract mesh of --devices devices
 along a "seq" axis (nothing runs), attention over q, k, v [batch, seq, heads, head_dim]
-split on seq three ways, and prints per way the per-device peak (Lowered.memory()) and
-the collectives' bytes per device by kind:
+split on seq four ways, and prints per way the per-device peak (Lowered.memory()), the
+multiply-adds of one iteration of its loops, and the collectives' bytes per device by
+kind:
   ring     gt.ring_attention: K/V blocks round the ring by collective-permutes; a device
            holds seq/n of everything plus one [seq/n, seq/n] block of logits per head
+  zigzag   the same, layout="zigzag" (with --causal): two [seq/2n, seq/2n] pairs a step,
+           no masked block computed after the first step
   ulysses  gt.ulysses_attention: all-to-alls seq <-> heads, full-sequence attention of
            heads/n heads per device ([seq, seq] logits for each)
   plain    single-device attention with only its inputs and output annotated: what the
@@ -49,6 +52,8 @@ def lowered(gt, tf, way, seq):
     attend = {
         "ring": lambda q, k, v: gt.ring_attention(q, k, v, mesh=mesh, axis="seq",
                                                   causal=causal),
+        "zigzag": lambda q, k, v: gt.ring_attention(q, k, v, mesh=mesh, axis="seq",
+                                                    causal=causal, layout="zigzag"),
         "ulysses": lambda q, k, v: gt.ulysses_attention(q, k, v, mesh=mesh, axis="seq",
                                                         causal=causal),
         "plain": lambda q, k, v: dot_product_attention(q, k, v, causal),
@@ -67,20 +72,29 @@ def lowered(gt, tf, way, seq):
     return gt.lower(f, mesh, (split,) * 3, out_shardings=None, args=[spec] * 3)
 
 
+def loop_multiply_adds(low):
+    """Multiply-adds of the program's loop bodies (one iteration each)."""
+    from gspmd_tf.backends.base import node_multiply_adds, nodes_with_graphs
+    return sum(node_multiply_adds(g, n) for loop in low.program.graph.nodes
+               for region in loop.regions for g, n in nodes_with_graphs(region))
+
+
 def main(argv):
     del argv
     import gspmd_tf as gt
     import tensorflow as tf
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
-    print(f"{'way':8s} {'seq':>7s} {'peak bytes/device':>18s}  collective bytes/device")
+    print(f"{'way':8s} {'seq':>7s} {'peak bytes/device':>18s} {'loop multiply-adds':>19s}"
+          "  collective bytes/device")
     for seq in map(int, SEQ.value):
-        for way in ("ring", "ulysses", "plain"):
+        for way in ("ring", "zigzag", "ulysses", "plain"):
             low = lowered(gt, tf, way, seq)
             moved = Counter()
             for c in low.collectives():
                 moved[c.kind] += c.bytes
             kinds = ", ".join(f"{kind} {moved[kind]}" for kind in sorted(moved)) or "none"
-            print(f"{way:8s} {seq:7d} {low.memory().peak:18d}  {kinds}")
+            print(f"{way:8s} {seq:7d} {low.memory().peak:18d} {loop_multiply_adds(low):19d}"
+                  f"  {kinds}")
 
 
 if __name__ == "__main__":
