@@ -1,6 +1,6 @@
 """gt.pipeline_value_and_grad (GPipe, 1F1B, interleaved) equals the unpipelined model's
 mean loss and stage-param gradients (single-device TF, relative 1e-5), partitioned over
-a stage axis (with a data axis too); 1F1B's per-device peak memory is at most half of
+a stage axis (with data and model axes too); 1F1B's per-device peak memory is at most half of
 GPipe's at M=16, S=4; gt.pipeline_schedule's table has the formulas' bubbles."""
 
 from fractions import Fraction
@@ -14,7 +14,7 @@ from test_pipeline import BATCH, D, mlp_params, mlp_stage
 from util import assert_close, randn, single_device
 
 P = gt.P
-_STAGES_DATA = gt.Mesh.create((4, 2), ("stage", "data"))
+_CUBE = gt.Mesh.create((2, 2, 2), ("stage", "data", "model"))
 _PAIR = gt.Mesh.create((2,), ("stage",))
 
 
@@ -65,16 +65,21 @@ def test_single_device_equals_unpipelined(schedule):
     _assert_equal(single_device(pipelined(schedule), args), single_device(unpipelined, args))
 
 
-def test_1f1b_on_stage_and_data_axes_equals_unpipelined_without_gathers():
+def test_1f1b_on_stage_data_and_model_axes_equals_unpipelined_without_gathers():
+    # 4 stages over 2 devices (two each), microbatches over "data", w1 column- and w2
+    # row-split over "model" (Megatron)
     args = _args(1, 4, 5)
-    f = gt.function(pipelined("1f1b", _STAGES_DATA, microbatch_spec=P("data")),
-                    mesh=_STAGES_DATA,
-                    in_shardings=(P("stage"),) * 3 + (P(None, "data"),) * 2)
+    f = gt.function(pipelined("1f1b", _CUBE, microbatch_spec=P("data")), mesh=_CUBE,
+                    in_shardings=(P("stage", None, "model"), P("stage", "model"),
+                                  P("stage", "model"), P(None, "data"), P(None, "data")))
     _assert_equal([t.numpy() for t in f(*args)], single_device(unpipelined, args))
     low = f.lower(*args)
     kinds = [c.kind for c in low.collectives()]
     assert "all-gather" not in kinds and "all-to-all" not in kinds, low.report()
     assert not low.program.replicated_ops
+    # a shift moves one stage slice (the halo to the next device) of a data half
+    permutes = {c.shape for c in low.collectives() if c.kind == "collective-permute"}
+    assert permutes == {(1, BATCH // 2, D)}, low.report()
 
 
 def test_interleaved_equals_unpipelined_in_layer_order():
