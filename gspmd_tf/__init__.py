@@ -13,6 +13,7 @@ from gspmd_tf.spmd import handlers as _builtin_op_declarations  # noqa: F401
 from gspmd_tf import keras
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.attention import ring_attention, ulysses_attention
+from gspmd_tf.attention_layer import context_parallel_attention
 from gspmd_tf.cluster import initialize_cluster
 from gspmd_tf.devices import configure_cpu_devices
 from gspmd_tf.errors import ShardingError
@@ -29,6 +30,7 @@ from gspmd_tf.visualize import visualize_sharding
 
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
+           "context_parallel_attention",
            "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split",
            "pipeline", "pipeline_layer_order", "pipeline_schedule",
            "pipeline_value_and_grad", "register_op", "ring_attention", "save_checkpoint",
