@@ -11,6 +11,7 @@ collectives and runs it on the mesh.
 # first; no stage imports up to load them.
 from gspmd_tf.spmd import handlers as _builtin_op_declarations  # noqa: F401
 from gspmd_tf import keras
+from gspmd_tf.autoshard import AUTO
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.attention import ring_attention, ulysses_attention
 from gspmd_tf.attention_layer import context_parallel_attention
@@ -28,7 +29,7 @@ from gspmd_tf.runtime.variables import Variable, save_checkpoint
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.visualize import visualize_sharding
 
-__all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
+__all__ = ["AUTO", "Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
            "context_parallel_attention",
            "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split",

@@ -1,4 +1,5 @@
-"""Running a lowered program on Cloud TPUs: TPUStrategy and TF's XLA bridge.
+"""Running a lowered program on Cloud TPUs: connect() to a TPU, and a TPUSystem that
+compiles programs with the XLA-bridge backend (backends/xla_bridge.py).
 
 On TPUs gspmd-tf does not emit its per-device SPMD program: the annotated global graph
 (gspmd_tf.runtime.annotated: the traced ops with every tensor's sharding as an XlaSharding
@@ -22,12 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
+from gspmd_tf.backends.xla_bridge import TPUNotFoundError, XlaBridgeBackend
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh
+from gspmd_tf.runtime.annotated import GlobalProgram
 
-
-class TPUNotFoundError(RuntimeError):
-    """No TPU could be reached under the given name or address."""
+__all__ = ["TPUNotFoundError", "TPUSystem", "connect"]
 
 
 def connect(tpu):
@@ -74,44 +75,10 @@ class TPUSystem:
         return Mesh.abstract(shape, axis_names)
 
     def program(self, lowered):
-        """A tf.function running `lowered`'s annotated global graph on the TPU replica:
-        called with the program's global arguments, returns its flat outputs (the
-        strategy's values of its one replica).
-
-        Captured gt.Variables become variables of the strategy (`run.variables`, in
-        capture order), initialized from their global values; the gt.Variables are not
-        changed (copy back with gt_variable.assign_global(v.numpy())). Each step reads
-        them, runs the graph on their values (AnnotatedGraph.emit: the
-        values carry the variables' shardings, so XLA computes on shards) and assigns
-        the ones the program writes. TPUStrategy keeps a whole copy of every variable
-        on each core, so XLA gathers each written variable's update once per step."""
-        from gspmd_tf.runtime.annotated import AnnotatedGraph
-        from gspmd_tf.runtime.variables import variable_of_handle
-        graph = lowered.graph
-        sources = [variable_of_handle(handle) for handle in graph.captures]
-        first = len(graph.inputs) - len(graph.captures)
-        for ref, source in zip(graph.inputs[first:], sources):
-            if source is None:
-                raise ShardingError(
-                    f"{lowered.name} captures {graph.nodes[ref.node].name!r}, which is not "
-                    "a gt.Variable; the TPU program takes captured gt.Variables only: pass "
-                    "other tensors to the function as arguments")
-        with self.strategy.scope():
-            variables = [tf.Variable(source.numpy(), name=f"tpu_{k}")
-                         for k, source in enumerate(sources)]
-        annotated = AnnotatedGraph(lowered)
-        written = annotated.written_variables()
-        strategy = self.strategy
-        num_outputs = len(graph.outputs)
-
-        def step(*args):
-            results = annotated.emit(*args, *[v.read_value() for v in variables])
-            updates = [variables[k].assign(results[num_outputs + k]) for k in written]
-            with tf.control_dependencies(updates):
-                return [tf.identity(t) for t in results[:num_outputs]]
-
-        @tf.function(autograph=False)
-        def run(*args):
-            return strategy.run(step, args=args)
-        run.variables = variables
-        return run
+        """`lowered` compiled for this TPU by the XLA-bridge backend
+        (backends/xla_bridge.py: its annotated global program, one replica over every
+        core): called with the program's global arguments, returns its flat outputs;
+        `.variables` are the strategy's copies of its captured gt.Variables (see
+        BridgeCompiled)."""
+        return XlaBridgeBackend(lowered.mesh, self.strategy).compile(
+            GlobalProgram(lowered), lowered.name)

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from gspmd_tf.runtime.annotated import AnnotatedGraph
+from gspmd_tf.runtime.annotated import AnnotatedGraph, explicit_reshards
 from gspmd_tf.testing.bridge_cases import CASES, write_case
 from util import JAX_PYTHON, requires_jax_python
 
@@ -75,8 +75,8 @@ def test_operand_reshards_are_annotated_on_the_edge():
     low = gt.lower(lambda x, w: x @ w, mesh, (P("data", "model"), P("model", "data")),
                    args=[tf.TensorSpec((16, 32)), tf.TensorSpec((32, 64))])
     resharded = gt.Sharding.from_spec(mesh, P("model"), 2)
-    layouts = low.program.operand_layouts[low.graph.node_index("matmul")]
-    assert gt.Sharding.from_layout(mesh, layouts[1]) == resharded
+    needs, _ = explicit_reshards(low)
+    assert gt.Sharding.from_layout(mesh, needs["matmul", "w"][1]) == resharded
     assert str(resharded) in _sharding_calls(low.as_text("hlo"))
     tensors_only = AnnotatedGraph(low, operand_shardings=False)
     hlo = tf.function(tensors_only.emit, jit_compile=True).experimental_get_compiler_ir(

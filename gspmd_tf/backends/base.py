@@ -6,7 +6,9 @@ a Compiled: called with inputs[i][d] (the shard of program input i on device id 
 returns outputs[j][d]; cost_analysis(), memory() and as_text() describe it without
 running it. The backends are peers behind this protocol (backends/__init__.py):
 LocalBackend (every op on TF's kernels), XlaBackend (the compute between collectives
-compiled by XLA) and AutoBackend (one of the two per program, by multiply-adds).
+compiled by XLA), AutoBackend (one of the two per program, by multiply-adds) and
+XlaBridgeBackend (the TPU route: the whole annotated global program, compiled by XLA
+behind TF's bridge; capabilities.whole_program).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
+from gspmd_tf.graph.text import program_text
 from gspmd_tf.registry import multiply_adds
 
 INPUT = "gt.Input"
@@ -46,7 +49,10 @@ class Capabilities:
         and a slice (TF's collective ops have no CPU reduce-scatter), twice the traffic.
     semantics: "tf" (every op on TF's kernels: TF's values) or "xla" (compiled by XLA:
         XLA's rounding; ops whose XLA values differ from TF's still run on TF's kernels,
-        see registry.xla_numerics_differ)."""
+        see registry.xla_numerics_differ).
+    whole_program: compiles the whole global program for XLA's SPMD partitioner (the
+        annotated graph, runtime/annotated.GlobalProgram; global values in and out),
+        not the per-device SPMD program."""
 
     copy_collectives: bool
     several_workers: bool
@@ -54,6 +60,7 @@ class Capabilities:
     device_kinds: frozenset
     native_reduce_scatter: bool
     semantics: str
+    whole_program: bool = False
 
 
 class Backend(abc.ABC):
@@ -164,24 +171,6 @@ def program_cost(program: Graph) -> dict:
             cost["collective_bytes"] += _bytes(graph.shape(node.inputs[0]),
                                                graph.dtype(node.inputs[0]))
     return cost
-
-
-def program_text(program: Graph, indent: str = "") -> str:
-    """`program` one node a line: `%index = op(inputs) : shapes dtypes {params}`, a
-    control-flow node's regions indented below it."""
-    lines = []
-    for i, node in enumerate(program.nodes):
-        inputs = ", ".join(f"%{r.node}" + (f":{r.out}" if r.out else "") for r in node.inputs)
-        types = ", ".join(f"{dtype.name}{list(shape) if shape is not None else '[?]'}"
-                          for shape, dtype in zip(node.out_shapes, node.out_dtypes))
-        params = f" {node.params}" if node.params else ""
-        lines.append(f"{indent}%{i} = {node.op}({inputs}) : {types}{params}  # {node.name}")
-        for k, region in enumerate(node.regions):
-            lines.append(f"{indent}  region {k}:")
-            lines.append(program_text(region, indent + "    "))
-    outputs = ", ".join(f"%{r.node}" + (f":{r.out}" if r.out else "") for r in program.outputs)
-    lines.append(f"{indent}return {outputs}")
-    return "\n".join(lines)
 
 
 def nodes_with_graphs(graph: Graph):

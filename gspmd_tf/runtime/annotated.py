@@ -4,16 +4,19 @@ for XLA's SPMD partitioner behind TF's XLA bridge (TPUStrategy, jit_compile).
 Instead of the per-device SPMD program, the imported graph (global shapes) is emitted
 again as TF ops, and every tensor it makes is followed by an XlaSharding op carrying the
 sharding propagation chose for it (TF's own xla_sharding annotation: the serialized
-OpSharding of gt.Sharding.from_layout). Where the partitioner resharded an operand before
-an op (SpmdProgram.operand_layouts), the op reads it through XlaSharding ops with that
-layout, so XLA's partitioner reshards where ours did instead of choosing its own
-strategy for the op. Every reshard is annotated step by step: one XlaSharding op per
-layout the planner's plan passes through (spmd/planner.py; e.g. a dim split over
-(y, x), the mesh's devices in another order, between a reduce-scatter and an
-all-to-all), and an op whose results came out in other layouts than their own
-(SpmdProgram.result_layouts, e.g. a dot's partial sum reduce-scattered) is annotated
-with the first of them XLA can express, then the rest of the plan, so XLA moves what
-ours moves. Arguments that are placeholders of the graph being built also get
+OpSharding of gt.Sharding.from_layout). The reshards come from the same artifact the
+per-device program is exported from: the explicit-reshard program
+(SpmdProgram.explicit, spmd/export.py), whose every gt.Reshard names the traced tensor
+it moves, the op that needs it and its source and target layouts. Where an op needed an
+operand in another layout, the op reads it through XlaSharding ops with that layout, so
+XLA's partitioner reshards where ours did instead of choosing its own strategy for the
+op. Every reshard is annotated step by step: one XlaSharding op per layout the
+planner's plan passes through (spmd/planner.py; e.g. a dim split over (y, x), the
+mesh's devices in another order, between a reduce-scatter and an all-to-all); a result
+moved from the layout it was computed in (e.g. a dot's partial sum reduce-scattered) is
+annotated with the first of those layouts XLA can express, then the rest of the plan,
+and an output moved to its out_shardings layout is returned through that plan, so XLA
+moves what ours moves. Arguments that are placeholders of the graph being built also get
 the `_XlaSharding` attr, which TF's bridge turns into the HLO parameter's sharding.
 XLA's SPMD partitioner then partitions the program with our decisions, and XLA compiles
 it whole (see docs/DESIGN_LOG.md, "TPU / XLA bridge").
@@ -29,8 +32,11 @@ from tensorflow.python.framework import ops
 from gspmd_tf.backends.emitter import traced_region_op
 from gspmd_tf.backends.tf_kernels import safe_name
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.graph.ir import Ref
+from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd import planner
+from gspmd_tf.spmd.program import RESHARD
 
 # Tensors that carry no array for XLA to split.
 _UNSHARDED_DTYPES = (tf.resource, tf.variant)
@@ -59,6 +65,22 @@ _WRITES = {"AssignVariableOp": lambda old, new: new,
            "ResourceScatterUpdate": _scatter(tf.tensor_scatter_nd_update)}
 
 
+def explicit_reshards(lowered) -> tuple[dict, dict]:
+    """The layout changes of the explicit-reshard program of `lowered` (its top level; a
+    body's reach XLA through the body's own shardings): ({(needing op, tensor name):
+    (source, target)}, the last such need of an op on a tensor winning, and {output
+    tensor name: (source, target)} of the outputs moved to their out_shardings)."""
+    needs, outputs = {}, {}
+    for node in lowered.program.explicit.nodes:
+        p = node.params
+        if node.op == RESHARD and "tensor" in p:
+            if p["reason"] == "annotation":
+                outputs[p["tensor"]] = (p["source"], p["target"])
+            else:
+                needs[p["needed_by"], p["tensor"]] = (p["source"], p["target"])
+    return needs, outputs
+
+
 def _annotate(tensor, sharding):
     """`tensor` followed by an XlaSharding op carrying `sharding` (a gt.Sharding)."""
     return xla_sharding.Sharding(proto=sharding.to_proto()).apply_to_tensor(
@@ -79,6 +101,7 @@ class AnnotatedGraph:
     def __init__(self, lowered, operand_shardings=True):
         self.lowered = lowered
         self.operand_shardings = operand_shardings
+        self._needs, self._moved_outputs = explicit_reshards(lowered)
         graph = lowered.graph
         self._shardings = [[self._sharding_of(i, k, dtype) for k, dtype in
                             enumerate(node.out_dtypes)]
@@ -140,8 +163,20 @@ class AnnotatedGraph:
                 op_of.append(op)
                 outs = [self._result(index, k, t) for k, t in enumerate(op.outputs)]
             values.append(outs)
-        return ([values[r.node][r.out] for r in graph.outputs]
+        return ([self._output(values[r.node][r.out], graph.tensor_name(r), r)
+                 for r in graph.outputs]
                 + [variables[ref.node] for ref in captured])
+
+    def _output(self, tensor, name, ref):
+        """An output tensor, annotated along its move to its out_shardings layout (the
+        plan's layouts after its own) when the partitioner moved it."""
+        moved = self._moved_outputs.get(name) if self.operand_shardings else None
+        if moved is None or tensor.dtype in _UNSHARDED_DTYPES:
+            return tensor
+        graph = self.lowered.graph
+        for layout in self._path(*moved, graph.shape(ref), graph.dtype(ref)):
+            tensor = _annotate(tensor, Sharding.from_layout(self.lowered.mesh, layout))
+        return tensor
 
     def written_variables(self):
         """Positions (in capture order) of the captured variables the program writes."""
@@ -188,14 +223,14 @@ class AnnotatedGraph:
         sharding = self._shardings[index][out]
         if sharding is None:
             return tensor
-        computed = self.lowered.program.result_layouts.get(index)
-        target = self.lowered.propagation.layouts[index][out]
-        if self.operand_shardings and computed is not None and computed[out] != target:
-            node = self.lowered.graph.nodes[index]
-            layouts = self._path(computed[out], target, node.out_shapes[out],
-                                 node.out_dtypes[out])
-            if not computed[out].partial:
-                layouts.insert(0, computed[out])
+        graph = self.lowered.graph
+        node = graph.nodes[index]
+        moved = self._needs.get((node.name, graph.tensor_name(Ref(index, out))))
+        if self.operand_shardings and moved is not None:
+            computed, target = moved
+            layouts = self._path(computed, target, node.out_shapes[out], node.out_dtypes[out])
+            if not computed.partial:
+                layouts.insert(0, computed)
             for layout in layouts[:-1]:
                 tensor = _annotate(tensor, Sharding.from_layout(self.lowered.mesh, layout))
         return _annotate(tensor, sharding)
@@ -214,25 +249,24 @@ class AnnotatedGraph:
         return layouts
 
     def _operands(self, index, values, resharded):
-        """The inputs of node `index`, each in the layout the partitioner resharded it
-        to when that differs from its own (XlaSharding ops on the edge, one per layout
-        of the reshard's plan)."""
+        """The inputs of node `index`, each in the layout the explicit program's
+        gt.Reshard for this op moved it to, if any (XlaSharding ops on the edge, one per
+        layout of the reshard's plan)."""
         graph = self.lowered.graph
         node = graph.nodes[index]
         tensors = [values[r.node][r.out] for r in node.inputs]
-        layouts = self.lowered.program.operand_layouts.get(index)
-        if not self.operand_shardings or layouts is None:
+        if not self.operand_shardings:
             return tensors
-        own = self.lowered.propagation.layouts
-        for k, (ref, layout) in enumerate(zip(node.inputs, layouts)):
-            if (tensors[k].dtype in _UNSHARDED_DTYPES or layout == own[ref.node][ref.out]
+        for k, ref in enumerate(node.inputs):
+            moved = self._needs.get((node.name, graph.tensor_name(ref)))
+            if (moved is None or tensors[k].dtype in _UNSHARDED_DTYPES
                     or graph.nodes[ref.node].op == "Const"):
                 continue
+            source, layout = moved
             key = (ref, layout)
             if key not in resharded:
                 tensor = tensors[k]
-                for step in self._path(own[ref.node][ref.out], layout, graph.shape(ref),
-                                       graph.dtype(ref)):
+                for step in self._path(source, layout, graph.shape(ref), graph.dtype(ref)):
                     tensor = _annotate(tensor, Sharding.from_layout(self.lowered.mesh, step))
                 resharded[key] = tensor
             tensors[k] = resharded[key]
@@ -248,6 +282,50 @@ class AnnotatedGraph:
             tensor.op._set_attr("_XlaSharding", attr_value_pb2.AttrValue(
                 s=sharding.to_proto().SerializeToString()))
         return tensor if tensor.dtype in _UNSHARDED_DTYPES else _annotate(tensor, sharding)
+
+
+class GlobalProgram:
+    """The annotated global program of a Lowered, what backends/xla_bridge.py compiles
+    (the protocol it reads): `emit(*inputs)` (AnnotatedGraph.emit), `written_variables()`,
+    `num_outputs`, `variable_values()` (the captured gt.Variables' global values),
+    `spmd` (gspmd-tf's per-device program of the same explicit-reshard program) and
+    `as_text()` (annotated_text)."""
+
+    def __init__(self, lowered):
+        self.lowered = lowered
+        self.name = lowered.name
+        self.spmd = lowered.program.graph
+        self.num_outputs = len(lowered.graph.outputs)
+        self._annotated = AnnotatedGraph(lowered)
+
+    def emit(self, *inputs):
+        """The flat outputs, then the captured variables' final values (AnnotatedGraph)."""
+        return self._annotated.emit(*inputs)
+
+    def written_variables(self):
+        """Positions (in capture order) of the captured variables the program writes."""
+        return self._annotated.written_variables()
+
+    def variable_values(self):
+        """The global values of the captured variables, in capture order; ShardingError
+        for a capture that is not a gt.Variable."""
+        lowered = self.lowered
+        graph = lowered.graph
+        first = len(graph.inputs) - len(graph.captures)
+        values = []
+        for ref, handle in zip(graph.inputs[first:], graph.captures):
+            source = variable_of_handle(handle)
+            if source is None:
+                raise ShardingError(
+                    f"{lowered.name} captures {graph.nodes[ref.node].name!r}, which is not "
+                    "a gt.Variable; the TPU program takes captured gt.Variables only: pass "
+                    "other tensors to the function as arguments")
+            values.append(source.numpy())
+        return values
+
+    def as_text(self):
+        """The annotated graph, one TF op a line (annotated_text)."""
+        return annotated_text(self.lowered)
 
 
 def argument_specs(lowered):
@@ -269,6 +347,29 @@ def compiler_ir(lowered, stage="hlo", operand_shardings=True):
     resource the bridge would need a sharding on every output, which a tf.function
     cannot give; docs/DESIGN_LOG.md). Nothing is allocated or run; abstract meshes work.
     `operand_shardings` as AnnotatedGraph takes it."""
+    fn, specs = _annotated_function(lowered, operand_shardings)
+    return fn.experimental_get_compiler_ir(*specs)(stage=stage)
+
+
+def annotated_text(lowered, operand_shardings=True) -> str:
+    """The annotated global graph of `lowered` as text, one TF op a line in graph order:
+    `name = Type(input tensors)`, followed for an XlaSharding op, or an argument carrying
+    the `_XlaSharding` attr, by ` sharding=` and the sharding in XLA's text. Nothing is
+    compiled; abstract meshes work."""
+    fn, specs = _annotated_function(lowered, operand_shardings)
+    lines = []
+    for op in fn.get_concrete_function(*specs).graph.get_operations():
+        line = f"{op.name} = {op.type}({', '.join(t.name for t in op.inputs)})"
+        attr = "sharding" if op.type == "XlaSharding" else "_XlaSharding"
+        if attr in op.node_def.attr:
+            line += f" sharding={Sharding.from_proto(op.node_def.attr[attr].s)}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _annotated_function(lowered, operand_shardings):
+    """(the jit-compiled tf.function emitting the annotated graph of `lowered`, the
+    TensorSpecs it takes: the arguments', then the captured variables' values)."""
     graph = lowered.graph
     annotated = AnnotatedGraph(lowered, operand_shardings)
     specs = argument_specs(lowered)
@@ -277,8 +378,7 @@ def compiler_ir(lowered, stage="hlo", operand_shardings=True):
     def program(*inputs):
         return annotated.emit(*inputs)
     program.__name__ = safe_name(lowered.name or "program").replace("/", "_")
-    fn = tf.function(program, jit_compile=True, autograph=False)
-    return fn.experimental_get_compiler_ir(*specs)(stage=stage)
+    return tf.function(program, jit_compile=True, autograph=False), specs
 
 
 def _variable_spec(graph, ref):

@@ -12,7 +12,6 @@ import os
 import types
 from typing import Callable, Optional, Sequence, Union
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
 
@@ -22,8 +21,8 @@ from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime import sharded_tensor
 from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.lowering import lower_traced
-from gspmd_tf.runtime.options import LowerOptions, check_entries
-from gspmd_tf.runtime.sharded_tensor import ShardedTensor, split_value
+from gspmd_tf.runtime.options import LowerOptions, check_entries, check_memory_limit
+from gspmd_tf.runtime.sharded_tensor import ShardedTensor, place_value
 from gspmd_tf.runtime.trace import Call, Tracer
 from gspmd_tf.runtime.variables import variable_of_handle
 from gspmd_tf.spmd.windowed_einsum import threshold_of
@@ -67,13 +66,15 @@ def backend_factory(backend, collective_timeout):
 
 
 def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=None,
-             collective_timeout=None, windowed_einsum=False):
+             collective_timeout=None, windowed_einsum=False, memory_limit=None):
     """Partition `fn` over `mesh`; usable as `@gt.function(mesh=...)` or `gt.function(f, ...)`.
 
     in_shardings: one entry per argument, matched to fn's parameters in signature order
-    whether passed by position or keyword (a PartitionSpec, a gt.Sharding, or None to
-    infer; None for Python values, which are static); out_shardings: one per flat
-    output, likewise. Calls return
+    whether passed by position or keyword (a PartitionSpec, a gt.Sharding, None to
+    infer, or gt.AUTO for the auto-sharding search to choose; None for Python values,
+    which are static); out_shardings: one per flat output, likewise. memory_limit:
+    the per-device bytes the search must fit its plan of the AUTO entries in (None: no
+    limit; see gspmd_tf/autoshard; lowered.auto_report() shows the plan). Calls return
     ShardedTensors in the structure `fn` returns. collective_timeout: seconds a call may
     take before it is cancelled with DeadlineExceededError (default: the
     GSPMD_TF_COLLECTIVE_TIMEOUT environment variable, else 300; 0 for no limit); for
@@ -92,7 +93,7 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
         return functools.partial(function, mesh=mesh, in_shardings=in_shardings,
                                  out_shardings=out_shardings, backend=backend,
                                  collective_timeout=collective_timeout,
-                                 windowed_einsum=windowed_einsum)
+                                 windowed_einsum=windowed_einsum, memory_limit=memory_limit)
     factory = backend_factory(backend, collective_timeout)
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"gt.function needs mesh=gt.Mesh(...), got {mesh!r}: build "
@@ -100,7 +101,8 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     check_entries("in_shardings", in_shardings, "argument")
     check_entries("out_shardings", out_shardings, "flat output")
     options = LowerOptions(mesh, factory, _name_of(fn), out_shardings=out_shardings,
-                           windowed_einsum=threshold)
+                           windowed_einsum=threshold,
+                           memory_limit=check_memory_limit(memory_limit))
     return Function(fn, in_shardings, options)
 
 
@@ -108,7 +110,8 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
           out_shardings: Optional[Sequence] = None, *, args: Optional[Sequence] = None,
           backend: Union[str, Callable, None] = None,
           collective_timeout: Optional[float] = None,
-          windowed_einsum: Union[bool, int] = False) -> Lowered:
+          windowed_einsum: Union[bool, int] = False,
+          memory_limit: Optional[int] = None) -> Lowered:
     """Lower `fn` over `mesh` without running it: a gt.Lowered (shardings, collectives,
     report(), compile()).
 
@@ -119,8 +122,9 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
       - a Python function or tf.function, traced on `args` (values or tf.TensorSpec, in
         the order of its parameters), exactly as `gt.function(fn, ...).lower(*args)`.
     in_shardings: one entry per input (a PartitionSpec, a gt.Sharding, or None to infer);
-    out_shardings: one per flat output, likewise. `backend` / `collective_timeout` as in
-    gt.function (used by compile()), and `windowed_einsum`. The returned object's
+    out_shardings: one per flat output, likewise (gt.AUTO: the search chooses). `backend`
+    / `collective_timeout` as in gt.function (used by compile()), `windowed_einsum` and
+    `memory_limit`. The returned object's
     `stage_seconds` gives the wall time of import, propagate and partition.
     """
     if not isinstance(mesh, Mesh):
@@ -128,6 +132,7 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
                             "gt.Mesh.create(shape, axis_names) or gt.Mesh.abstract(...)")
     factory = backend_factory(backend, collective_timeout)
     threshold = threshold_of(windowed_einsum)
+    memory_limit = check_memory_limit(memory_limit)
     if not isinstance(fn, (Graph, tf.types.experimental.ConcreteFunction)):
         if args is None:
             raise ShardingError(f"gt.lower({fn!r}): give args=(...) (values or "
@@ -138,7 +143,7 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
         tracer = Tracer(fn, mesh, in_shardings, name)
         call = tracer.call(tuple(args), {})
         options = LowerOptions(mesh, factory, name, out_shardings=out_shardings,
-                               windowed_einsum=threshold)
+                               windowed_einsum=threshold, memory_limit=memory_limit)
         return lower_traced(tracer.trace(call), options, call.entries, call.committed)
     if args is not None:
         raise ShardingError("gt.lower: args are for a Python function; a ConcreteFunction "
@@ -147,7 +152,8 @@ def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
     name = getattr(fn, "name", None) or "program"
     name = name.decode() if isinstance(name, bytes) else name
     options = LowerOptions(mesh, factory, name, caller="gt.lower",
-                           out_shardings=out_shardings, windowed_einsum=threshold)
+                           out_shardings=out_shardings, windowed_einsum=threshold,
+                           memory_limit=memory_limit)
     return lower_traced(fn, options, in_shardings)
 
 
@@ -227,8 +233,9 @@ class Function:
         program = lowered.program
         graph = lowered.graph
         copies = []  # read-only copies of variables of other meshes, alive for the run
-        inputs = [self._shards(value, layout, copies) for value, layout in
-                  zip(list(call.flat) + list(graph.captures), program.input_layouts)]
+        inputs = [self._shards(value, layout, graph.dtype(ref), copies)
+                  for value, layout, ref in zip(list(call.flat) + list(graph.captures),
+                                                program.input_layouts, graph.inputs)]
         outs = run(inputs)
         del copies
         results = [ShardedTensor(self.mesh, layout, lowered.graph.shape(ref),
@@ -260,10 +267,11 @@ class Function:
             "(open the tape in it and return or apply the gradients, as a training step "
             "does), or call it outside the tape")
 
-    def _shards(self, value, layout, copies):
-        """Per-device shards of one program input in `layout` (variables: the handles
-        of their shard variables; a variable of another mesh: of copies of its value
-        resharded onto this mesh, appended to `copies`)."""
+    def _shards(self, value, layout, dtype, copies):
+        """Per-device shards of one program input of `dtype` in `layout`, split on the
+        devices (sharded_tensor.place_value); variables: the
+        handles of their shard variables; a variable of another mesh: of copies of its
+        value resharded onto this mesh, appended to `copies`."""
         variable = variable_of_handle(value)
         if variable is not None and variable.mesh == self.mesh:
             return [None if v is None else v.handle for v in variable.shard_variables]
@@ -287,9 +295,7 @@ class Function:
                 "re-running a notebook cell); its cached program cannot read the new one: "
                 "create the gt.function again after the variables it reads, or keep the "
                 "old variable alive")
-        elif hasattr(value, "numpy"):
-            value = value.numpy()
-        return split_value(np.asarray(value), self.mesh, layout)
+        return place_value(value, self.mesh, layout, dtype)
 
 
 _REPLICATE = {}  # mesh -> the gt.function copying a tensor of that mesh to every device

@@ -3,8 +3,9 @@ scripts, nothing fetched), to open in a browser or share.
 
 It holds the traced op graph drawn as layers (an op's column is one past its deepest
 input), each op colored by the sharding of its first output; the collectives of the SPMD
-program with their bytes; the per-device memory; and the table of every tensor's
-sharding, as in the text report.
+program with their bytes; the per-device memory; the auto-sharding search's decisions
+(when an entry is gt.AUTO); and the table of every tensor's sharding, as in the text
+report.
 """
 
 from __future__ import annotations
@@ -132,6 +133,10 @@ def render_html(lowered):
                 ("outputs", memory.outputs), ("peak (estimate)", memory.peak)], "memory"),
         ("<h2>Ran replicated (no rule)</h2><p>" + html.escape(", ".join(replicated)) + "</p>"
          if replicated else ""),
+        ("<h2>Auto-sharding</h2><p>What the search chose for each gt.AUTO entry, with "
+         "every alternative's modelled cost (lowered.auto_report()).</p><pre>"
+         + html.escape(lowered.auto_report()) + "</pre>"
+         if lowered.auto_plan is not None else ""),
         "<h2>Tensors</h2>",
         _table(["tensor", "op", "shape", "sharding", "annotated"], tensors, "tensors"),
         "</body></html>"])

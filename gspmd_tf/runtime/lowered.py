@@ -8,6 +8,7 @@ import numpy as np
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
+from gspmd_tf.graph.text import program_text
 from gspmd_tf.propagation.propagate import Propagation
 from gspmd_tf.runtime.explain import explain
 from gspmd_tf.runtime.html_report import render_html
@@ -50,13 +51,15 @@ class Lowered:
     function's output structure (None for a program given as an imported Graph);
     `committed_args` the flat arguments whose layout is the ShardedTensor passed
     (in_shardings left open); `named_inputs` (name, graph tensor name) of the inputs of
-    a program lowered from a SavedModel signature (`python -m gspmd_tf inspect`).
+    a program lowered from a SavedModel signature (`python -m gspmd_tf inspect`);
+    `auto_plan` the auto-sharding search's gspmd_tf.autoshard.plan.AutoPlan (None when
+    no entry is gt.AUTO).
     """
 
     def __init__(self, options: LowerOptions, graph: Graph, propagation: Propagation,
                  program: SpmdProgram, *, num_args: int, annotated: frozenset,
                  stage_seconds: dict, committed_args: frozenset = frozenset(),
-                 structured_outputs=None, named_inputs: tuple = ()):
+                 structured_outputs=None, named_inputs: tuple = (), auto_plan=None):
         self.options = options
         self.mesh = options.mesh
         self.name = options.program_name
@@ -67,6 +70,7 @@ class Lowered:
         self.committed_args = committed_args
         self.structured_outputs = structured_outputs
         self.named_inputs = named_inputs
+        self.auto_plan = auto_plan
         self._num_args = num_args
         self._annotated = annotated
         self._run = None  # the compiled program, built on first use
@@ -101,7 +105,11 @@ class Lowered:
         propagation layer; for each dim that lacks an axis a neighbouring tensor holds,
         why (the axis splits another dim: which annotation won and by which priority; or
         the op's rule keeps the dim whole). Returns the text (print it)."""
-        return explain(self, name)
+        text = explain(self, name)
+        if self.auto_plan is not None and self.graph.ref(name) in self.auto_plan.layouts:
+            text += ("\nThe auto-sharding search chose this layout for the gt.AUTO entries' "
+                     "plan (auto_report() lists the decisions and their costs).")
+        return text
 
     def layout_of(self, name):
         """The Layout (mesh-axis form) chosen for tensor `name`."""
@@ -147,9 +155,15 @@ class Lowered:
         annotated global graph (the traced ops at global shapes, every tensor carrying
         its sharding as an XlaSharding annotation, for XLA's SPMD partitioner; what
         TPUStrategy compiles), made by tf.function(jit_compile=True) for this host's XLA
-        device (XLA_CPU_JIT without accelerators). Nothing runs; abstract meshes work."""
+        device (XLA_CPU_JIT without accelerators). Nothing runs; abstract meshes work.
+        "explicit" gives the SPMD program before the export pass, every layout change a
+        gt.Reshard node; "spmd" the program after it, with its collectives (one node a
+        line, backends.base.program_text)."""
+        if dialect in ("explicit", "spmd"):
+            return program_text(self.program.explicit if dialect == "explicit"
+                                else self.program.graph)
         if dialect != "hlo":
-            raise ShardingError(f"as_text({dialect!r}): the only dialect is 'hlo'")
+            raise ShardingError(f"as_text({dialect!r}): give 'hlo', 'explicit' or 'spmd'")
         # imported on use: it loads the local backend, which `import gspmd_tf` does not
         from gspmd_tf.runtime.annotated import compiler_ir
         return compiler_ir(self, stage="hlo")
@@ -194,6 +208,16 @@ class Lowered:
         if self.program.replicated_ops:
             lines.append("ran replicated (no rule): " + ", ".join(self.program.replicated_ops))
         return "\n".join(lines)
+
+    def auto_report(self) -> str:
+        """What the auto-sharding search chose for each gt.AUTO entry, with its modelled
+        cost and every alternative's, cheapest first, then the in_shardings that pin the
+        plan. Returns the text (print it)."""
+        if self.auto_plan is None:
+            raise ShardingError(f"{self.name} has no gt.AUTO entry: auto_report() shows "
+                                "the plan the search chose for AUTO in/out_shardings")
+        pinned = tuple(l.to_spec() for l in self.program.input_layouts[:self._num_args])
+        return f"{self.auto_plan.text()}\n\npin the plan with in_shardings={pinned!r}"
 
     def compile(self):
         """The runnable program (built once): run(inputs[i][d]) -> outputs[j][d]."""

@@ -15,8 +15,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
+from gspmd_tf.autoshard import is_auto
+from gspmd_tf.autoshard.search import choose
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.importer import import_graph
@@ -68,7 +71,10 @@ def _lower_traced(traced, options, entries, committed):
                             "input (None to infer)")
     seeds = {}
     spec_layouts = _SpecLayouts(mesh)
+    auto_args = [i for i in range(count) if is_auto(entries[i])]
     for i, ref in enumerate(graph.inputs[:count]):
+        if is_auto(entries[i]):
+            continue
         layout = spec_layouts(entries[i], len(graph.shape(ref)),
                          lambda: f"argument {i} ({graph.tensor_name(ref)})") or committed[i]
         if layout is not None:
@@ -79,14 +85,83 @@ def _lower_traced(traced, options, entries, committed):
             seeds[ref] = _variable_layout(mesh, graph, ref, variable, name)
     seed_annotations(mesh, graph, seeds)
     out_layouts = _seed_outputs(spec_layouts, graph, seeds, options.out_shardings, name)
-    propagation, program, seconds = _propagate_and_partition(graph, seeds, out_layouts,
-                                                             options)
-    return Lowered(
-        options, graph, propagation, program, num_args=count, annotated=frozenset(seeds),
-        committed_args=frozenset(i for i in range(count)
-                                 if entries[i] is None and committed[i] is not None),
-        structured_outputs=None if isinstance(traced, Graph) else traced.structured_outputs,
-        stage_seconds={"import": imported - start, **seconds})
+    auto_outputs = [j for j, entry in enumerate(options.out_shardings or ())
+                    if is_auto(entry)]
+
+    def lowered(propagation, program, seconds, seeds, plan=None):
+        return Lowered(
+            options, graph, propagation, program, num_args=count,
+            annotated=frozenset(seeds),
+            committed_args=frozenset(i for i in range(count)
+                                     if entries[i] is None and committed[i] is not None),
+            structured_outputs=None if isinstance(traced, Graph)
+            else traced.structured_outputs,
+            stage_seconds={"import": imported - start, **seconds}, auto_plan=plan)
+
+    if auto_args or auto_outputs:
+        return _lower_auto(graph, seeds, out_layouts, auto_args, auto_outputs, options,
+                           lowered)
+    return lowered(*_propagate_and_partition(graph, seeds, out_layouts, options), seeds)
+
+
+# How many times the search may tighten its budget when the lowered program's peak
+# (which counts the partitioner's temporaries: reshards, partial results) exceeds
+# memory_limit although the search's estimate fit.
+AUTO_ATTEMPTS = 3
+
+
+def _lower_auto(graph, seeds, out_layouts, auto_args, auto_outputs, options, lowered):
+    """Lower with the AUTO entries chosen by the search (gspmd_tf/autoshard) within
+    options.memory_limit as lowered.memory() counts it: when the lowered peak exceeds
+    the limit, search again with the budget lowered by the estimate's shortfall."""
+    limit = budget = options.memory_limit
+    for _ in range(AUTO_ATTEMPTS):
+        try:
+            plan = _auto_plan(graph, seeds, auto_args, auto_outputs, options, budget)
+        except ShardingError:
+            if budget == limit:  # nothing fits the user's limit: the search says why
+                raise
+            break  # nothing fits the tightened budget: the lowered peak was over
+        chosen, layouts = {**seeds, **plan.layouts}, list(out_layouts)
+        for j, layout in plan.output_layouts.items():
+            layouts[j] = layout
+        propagation, program, seconds = _propagate_and_partition(graph, chosen, layouts,
+                                                                 options)
+        decided = [graph.inputs[i] for i in plan.input_layouts] + [
+            graph.outputs[j] for j in plan.output_layouts]
+        result = lowered(propagation, program, {"auto": plan.search_seconds, **seconds},
+                         {**seeds, **dict.fromkeys(decided)}, plan)
+        if limit is None:
+            return result
+        peak = result.memory().peak
+        if peak <= limit:
+            return result
+        budget = min(budget - (peak - limit), limit - (peak - plan.peak_bytes))
+        if budget <= 0:
+            break
+    raise ShardingError(
+        f"{options.program_name}: the auto-sharding plan of its AUTO entries needs "
+        f"{peak} bytes per device once partitioned (lowered.memory().peak), over "
+        f"memory_limit={limit}, and tightening the search's budget did not bring it "
+        "under: raise memory_limit, run on a mesh with more devices, or give more of "
+        "the large tensors AUTO or split in_shardings")
+
+
+def _auto_plan(graph, seeds, auto_args, auto_outputs, options, budget):
+    """The auto-sharding stage (gspmd_tf/autoshard): propagate from the given shardings
+    (for every node's rule), then choose the AUTO entries' layouts within `budget`
+    bytes per device."""
+    propagation = propagate(graph, options.mesh, seeds)
+    resident = 0  # captured variables' shards: held throughout, whatever is chosen
+    for ref, value in zip(graph.inputs[len(graph.inputs) - len(graph.captures):],
+                          graph.captures):
+        variable = variable_of_handle(value) if graph.dtype(ref) == tf.resource else None
+        if variable is not None and ref in seeds:
+            resident += variable.dtype.size * int(np.prod(
+                seeds[ref].local_shape(options.mesh, variable.shape), dtype=np.int64))
+    return choose(graph, options.mesh, propagation.rules[:len(graph.nodes)], seeds,
+                  auto_args, auto_outputs, budget, resident,
+                  options.program_name)
 
 
 def lower_seeded(graph: Graph, seeds: dict, num_args: int, options: LowerOptions,
@@ -194,6 +269,9 @@ def _seed_outputs(spec_layouts, graph, seeds, out_shardings, name):
             f"{len(out_shardings)} entries: give one per flat output")
     layouts = []
     for i, (ref, entry) in enumerate(zip(graph.outputs, out_shardings)):
+        if is_auto(entry):  # chosen by the auto-sharding search
+            layouts.append(None)
+            continue
         layout = spec_layouts(entry, len(graph.shape(ref)), lambda: f"output {i}")
         if layout is not None:
             _add_seed(graph, seeds, ref, layout, f"out_shardings[{i}]")

@@ -23,6 +23,8 @@ class LowerOptions:
                      or None: propagation decides every output
     windowed_einsum  the byte threshold of windowed dots (spmd/windowed_einsum.py), or
                      None for none
+    memory_limit     per-device bytes the auto-sharding search (gspmd_tf/autoshard) must
+                     fit the plan of gt.AUTO entries in, or None for no limit
     """
 
     mesh: Mesh
@@ -31,6 +33,7 @@ class LowerOptions:
     caller: str = "gt.function"
     out_shardings: Optional[Sequence] = None
     windowed_einsum: Optional[int] = None
+    memory_limit: Optional[int] = None
 
     @property
     def program_name(self) -> str:
@@ -45,3 +48,14 @@ def check_entries(kind: str, entries, per: str) -> None:
         raise ShardingError(
             f"{kind}={entries!r}: give a tuple with one entry per {per}, e.g. "
             f"{kind}=(P('data'),) for one")
+
+
+def check_memory_limit(memory_limit) -> Optional[int]:
+    """memory_limit must be None or a positive number of bytes."""
+    if memory_limit is None:
+        return None
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) \
+            or not memory_limit > 0:
+        raise ShardingError(f"memory_limit={memory_limit!r}: give the per-device bytes the "
+                            "plan of the gt.AUTO entries must fit in (e.g. 2**30), or None")
+    return int(memory_limit)

@@ -55,6 +55,43 @@ def split_value(value, mesh, layout):
                            for device in range(mesh.size))]
 
 
+_DEVICE_SPLIT_RANK = 8  # the most dims TF's CPU Slice and Pad kernels take
+
+
+def place_value(value, mesh, layout, dtype):
+    """Per-device shards of the global `value` in `layout`, made on the devices (None
+    for other workers' devices): the value becomes one tensor of `dtype`, placed once
+    (where TF puts it; a tf.Tensor stays where it is), and each distinct shard is sliced
+    from it, and zero-padded to the local shape, by TF ops on the first of this worker's
+    devices holding it; the devices holding one shard share that tensor (a replicated
+    value is the one tensor on every device). The values are split_value's, which
+    splits on the host what TF's Slice and Pad kernels cannot take: strings, and ranks
+    over _DEVICE_SPLIT_RANK."""
+    if dtype == tf.string or len(layout.dims) > _DEVICE_SPLIT_RANK:
+        return split_value(value.numpy() if hasattr(value, "numpy") else np.asarray(value),
+                           mesh, layout)
+    tensor = value if isinstance(value, tf.Tensor) else tf.convert_to_tensor(value, dtype)
+    shape = tuple(tensor.shape)
+    local = layout.local_shape(mesh, shape)
+    addressable = set(mesh.addressable_ids)
+    shards = [None] * mesh.size
+    for box, devices in distinct_boxes(mesh, layout, shape):
+        mine = [d for d in devices if d in addressable]
+        if not mine:
+            continue
+        piece, pad = tensor, padding(box, local)
+        if any(start or stop != n for (start, stop), n in zip(box, shape)) or any(
+                p for _, p in pad):
+            with tf.device(mesh.devices[mine[0]]):
+                piece = tf.slice(tensor, [start for start, _ in box],
+                                 [stop - start for start, stop in box])
+                if any(p for _, p in pad):
+                    piece = tf.pad(piece, pad)
+        for device in mine:
+            shards[device] = piece
+    return shards
+
+
 def shard_bytes(mesh, layout, shape, dtype):
     """Bytes each device holds for a tensor: every shard has the padded local shape, on
     this process's devices and on other workers'."""

@@ -48,10 +48,12 @@ def partition_control_flow(p, index, operands, targets):
         # a handle result leaves each branch as it is (it cannot be resharded)
         result_layouts = [None if dtype in UNMOVABLE else Layout(t.dims)
                           for t, dtype in zip(targets, node.out_dtypes)]
-    passed = [x if x.dtype in UNMOVABLE else p.reshard(x, layout)
-              for x, layout in zip(passed, layouts)]
+    names = [p.graph.tensor_name(ref) for ref in node.inputs]
+    passed = [x if x.dtype in UNMOVABLE else p.reshard(x, layout, tensor=name)
+              for x, layout, name in zip(passed, layouts, names[first:])]
     # the predicate or branch index: a scalar every device holds
-    selectors = [p.reshard(x, Layout.replicated(len(x.shape))) for x in operands[:first]]
+    selectors = [p.reshard(x, Layout.replicated(len(x.shape)), tensor=name)
+                 for x, name in zip(operands[:first], names)]
     programs, produced = [], []
     for r, region in enumerate(node.regions):
         outs = [Layout.replicated(0)] if loop and r == 0 else result_layouts

@@ -12,10 +12,9 @@ sub-program of its own (spmd/control_flow.py).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.cost_model import CostModel
@@ -24,16 +23,16 @@ from gspmd_tf.graph.ir import Graph, Ref
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.propagation.propagate import Propagation
-from gspmd_tf.propagation.rules import REDUCE, REPLICATE
+from gspmd_tf.propagation.rules import REDUCE
 from gspmd_tf.registry import op_def
-from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.combine import combine_all_reduces, threshold_bytes
-from gspmd_tf.graph.dce import live_nodes
+from gspmd_tf.graph.dce import compact, live_nodes
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.handlers.basic import any_padded, local_shapes
 from gspmd_tf.spmd.control_flow import partition_control_flow
+from gspmd_tf.spmd.factor_axes import choose_factor_axes
+from gspmd_tf.spmd.export import export
 from gspmd_tf.spmd.program import UNMOVABLE, Local, ProgramBuilder
-from gspmd_tf.spmd.reshard import reshard
 from gspmd_tf.spmd.windowed_einsum import windowed_dot
 
 log = logging.getLogger("gspmd_tf")
@@ -44,19 +43,17 @@ PROGRESS_EVERY = 10_000  # ops between two progress lines (log level INFO)
 
 @dataclass
 class SpmdProgram:
-    """The partitioned program (dead code eliminated, small independent all-reduces
-    combined) with its input/output layouts. `operand_layouts` maps the index of each
-    op of the traced graph partitioned by its rule to the layouts its operands were
-    resharded to, `result_layouts` the index of each op whose results came out of it in
-    other layouts than propagation's (e.g. partial sums) to those layouts (the annotated
-    global graph for XLA carries both, see runtime/annotated.py)."""
+    """The partitioned program (dead code eliminated, reshards exported to collectives,
+    small independent all-reduces combined) with its input/output layouts. `explicit`
+    is the same program before the export pass (spmd/export.py): every layout change a
+    gt.Reshard node, no all-reduce combined (the annotated global graph for XLA reads
+    its reshards, see runtime/annotated.py)."""
 
     graph: Graph
     input_layouts: list[Layout]
     output_layouts: list[Layout]
     replicated_ops: list[str]
-    operand_layouts: dict[int, list[Layout]] = field(default_factory=dict)
-    result_layouts: dict[int, list[Layout]] = field(default_factory=dict)
+    explicit: Optional[Graph] = None
 
 
 class OpContext:
@@ -76,9 +73,11 @@ class OpContext:
                          if rule else None)
         self.factor_axes = self.decision.factor_axes if rule else None
 
-    def reshard(self, local, layout):
-        """`local` in `layout` (cached per tensor and layout)."""
-        return self.p.reshard(local, layout)
+    def reshard(self, local, layout, reason="operand layout"):
+        """`local` in `layout` (cached per tensor and layout), needed by this op."""
+        tensor = next((r for r, x in zip(self.node.inputs, self.inputs) if x is local), None)
+        return self.p.reshard(local, layout, reason,
+                              tensor=None if tensor is None else self.graph.tensor_name(tensor))
 
     def dims_layout(self, dims_factors, partial=()):
         """The layout whose dims are split over the chosen axes of their factors."""
@@ -137,141 +136,6 @@ class Decision:
         self.replay_shapes = {}
 
 
-def _split_candidates(mesh, rule, dims_factors, layout):
-    """Per factor, the axes a tensor's layout gives it (sub-factors split major first,
-    evenly; a dim that is one factor may be split unevenly)."""
-    found = {}
-    for fs, axes in zip(dims_factors, layout.dims):
-        k = 0
-        for f in fs:
-            start, p, size = k, 1, rule.factor_sizes[f]
-            if len(fs) == 1:
-                k, p = len(axes), size
-            else:
-                while k < len(axes) and size % (p * mesh.axis_size(axes[k])) == 0:
-                    p *= mesh.axis_size(axes[k])
-                    k += 1
-            found.setdefault(f, axes[start:k])
-            if p != size:
-                break
-    return found
-
-
-def _choose_factor_axes(mesh, model, rule, inputs, targets, node):
-    """Mesh axes for every factor, each axis used once.
-
-    Variables and TensorLists come first (their shards cannot move). Then a few greedy orders are tried
-    and the one whose reshards cost least on cost model `model` (planner.seconds of every
-    operand's and result's plan) wins, the first on a tie: the result targets before the operands; the operands'
-    split reduced factors first (compute a partial result and reduce-scatter it, rather
-    than gather an operand); the operands before the results; the operands largest first
-    (when operands' splits conflict, keep the larger one's: it is the costlier to move).
-    """
-    operands = [(dims, x) for dims, x in zip(rule.operands, inputs) if dims is not None]
-    fixed = [(dims, x.layout) for dims, x in operands if x.dtype in UNMOVABLE]
-    results = [(dims, t) for dims, t in zip(rule.results, targets) if dims is not None]
-    movable = [(dims, x) for dims, x in operands if x.dtype not in UNMOVABLE]
-    others = [(dims, x.layout) for dims, x in movable]
-    pinned = _assign(mesh, rule, fixed)
-    # a variable's unsplit dims are as binding as its split ones
-    pinned_factors = {f for dims, _ in fixed for fs in dims for f in fs}
-    best = _assign(mesh, rule, results + others, start=pinned, pinned=pinned_factors)
-    if not others:
-        return best
-    best_cost = _reshard_cost(mesh, model, rule, best, inputs, targets, node)
-    if best_cost == 0:  # nothing moves: no candidate can do better
-        return best
-    largest_first = [(dims, x.layout) for dims, x in
-                     sorted(movable, key=lambda item: -_local_bytes(mesh, item[1]))]
-    candidates = []
-    if REDUCE in rule.factor_kinds:
-        reduced = _assign(mesh, rule, others, kinds=(REDUCE,), start=pinned,
-                          pinned=pinned_factors)
-        candidates.append(_assign(mesh, rule, results + others, start=reduced,
-                                  pinned=pinned_factors))
-    candidates += [_assign(mesh, rule, others + results, start=pinned, pinned=pinned_factors),
-                   _assign(mesh, rule, largest_first + results, start=pinned,
-                           pinned=pinned_factors)]
-    tried = [best]
-    for chosen in candidates:
-        if chosen in tried:
-            continue
-        tried.append(chosen)
-        estimate = _reshard_cost(mesh, model, rule, chosen, inputs, targets, node)
-        if estimate < best_cost:
-            best, best_cost = chosen, estimate
-    return best
-
-
-def _local_bytes(mesh, x):
-    return int(np.prod(x.layout.local_shape(mesh, x.shape), dtype=np.int64)) * (x.dtype.size or 8)
-
-
-def _assign(mesh, rule, sources, kinds=None, start=None, pinned=()):
-    """Factor axes taken greedily from `sources` (dims, layout) in order; factors in
-    `pinned` keep what `start` gives them."""
-    chosen = list(start) if start else [()] * len(rule.factor_sizes)
-    taken = {a for axes in chosen for a in axes}
-    for dims, layout in sources:
-        for f, axes in _split_candidates(mesh, rule, dims, layout).items():
-            kind = rule.factor_kinds[f]
-            if (chosen[f] or not axes or kind == REPLICATE or f in pinned
-                    or (kinds and kind not in kinds)):
-                continue
-            if taken.isdisjoint(axes):
-                chosen[f] = tuple(axes)
-                taken.update(axes)
-    _keep_sub_factors_exact(mesh, rule, chosen)
-    return chosen
-
-
-def _reshard_cost(mesh, model, rule, chosen, inputs, targets, node):
-    """planner.seconds of a choice on `model`: every operand resharded to its factors' axes,
-    every result (partial over the split REDUCE factors) resharded to its target."""
-    def layout_of(dims, partial=()):
-        return Layout(tuple(tuple(a for f in fs for a in chosen[f]) for fs in dims), partial,
-                      rule.reduce_op)
-
-    total = 0.0
-    for dims, x in zip(rule.operands, inputs):
-        if dims is not None:
-            total += planner.plan_estimate(x.layout, layout_of(dims), x.shape, x.dtype, mesh,
-                                           model)
-    partial = tuple(a for f, kind in enumerate(rule.factor_kinds) if kind == REDUCE
-                    for a in chosen[f])
-    for dims, target, shape, dtype in zip(rule.results, targets, node.out_shapes,
-                                          node.out_dtypes):
-        if dims is not None:
-            total += planner.plan_estimate(layout_of(dims, partial), target, shape, dtype,
-                                           mesh, model)
-    return total
-
-
-def _keep_sub_factors_exact(mesh, rule, chosen):
-    """In a dim made of several factors, a factor may be split only evenly, and a minor
-    factor only when every factor before it is split completely. Repeated until nothing
-    changes: unsplitting a factor in one tensor's dim can block a minor factor in another
-    tensor's (fuzzer, seed 46 #198: a reshape to [2, 24, 2, 2] kept a split it lost)."""
-    before = None
-    while before != chosen:
-        before = list(chosen)
-        for dims_list in list(rule.operands) + list(rule.results):
-            for fs in dims_list or ():
-                if len(fs) < 2:
-                    continue
-                blocked = False
-                for f in fs:
-                    size = rule.factor_sizes[f]
-                    if blocked:
-                        chosen[f] = ()
-                        continue
-                    axes = chosen[f]
-                    while axes and size % mesh.axes_size(axes) != 0:
-                        axes = axes[:-1]
-                    chosen[f] = axes
-                    blocked = mesh.axes_size(axes) != size
-
-
 class Partitioner:
     """Builds the SPMD program of an imported graph from its propagated layouts."""
 
@@ -290,7 +154,10 @@ class Partitioner:
         self.propagation = propagation
         self.b = ProgramBuilder(mesh, prefix, parent.b.cost_model if parent else cost_model)
         self.values = {}
-        self._resharded = {}
+        self._resharded = {}  # (Local, Layout, needing op) -> Local (a gt.Reshard's)
+        self._made = {}  # (Local, Layout) -> the first Local made of it (or remembered)
+        self._remembered = set()  # program nodes of layouts handlers made themselves
+        self._needed_by = ""  # the op being partitioned (gt.Reshard's needed_by)
         # a region's partitioner shares its parent's memos and list of replicated ops
         self._decisions = parent._decisions if parent else {}  # rule key -> {key -> Decision}
         self._rule_decisions = parent._rule_decisions if parent else {}  # id(rule) -> table
@@ -300,8 +167,6 @@ class Partitioner:
         self._replicated_kinds = parent._replicated_kinds if parent else {}
         # replicated op name -> (its partitioner, [(operand Ref, Layout) arrived split])
         self._lost_splits = parent._lost_splits if parent else {}
-        self.operand_layouts = {}  # of this graph's ops (a region's are its own)
-        self.result_layouts = {}
         self.windowed_einsum = parent.windowed_einsum if parent else windowed_einsum
         self.combine_bytes = parent.combine_bytes if parent else combine_bytes
 
@@ -312,7 +177,7 @@ class Partitioner:
 
     def decide(self, rule, inputs, targets, node):
         """The Decision for an op with `rule`, operands `inputs` (Locals) and result
-        `targets`, memoised on everything _choose_factor_axes reads. A rule is keyed by
+        `targets`, memoised on everything choose_factor_axes reads. A rule is keyed by
         its value (OpRule.key, computed once per rule object: propagation shares one
         object between ops with equal rules)."""
         decisions = self._rule_decisions.get(id(rule))
@@ -327,8 +192,8 @@ class Partitioner:
         decision = decisions.get(key)
         if decision is None:
             decision = decisions[key] = Decision(
-                _choose_factor_axes(self.b.mesh, self.b.cost_model, rule, inputs, targets,
-                                    node))
+                choose_factor_axes(self.b.mesh, self.b.cost_model, rule, inputs, targets,
+                                   node))
         return decision
 
     def local_shape(self, layout, shape):
@@ -351,9 +216,14 @@ class Partitioner:
                 axes and n % mesh.axes_size(axes) for n, axes in zip(shape, dims))
         return padded
 
-    def reshard(self, local, layout):
-        """Cached reshard of a program tensor (keyed by all of it: equal constants are
-        one node, so one ref can hold tensors of other global shapes or layouts)."""
+    def reshard(self, local, layout, reason="operand layout", needed_by=None, tensor=None):
+        """`local` in `layout`: a gt.Reshard node (the export pass lowers it to
+        collectives), one per tensor, layout and op needing it (`needed_by`, the op being
+        partitioned by default), cached (keyed by all of the Local: equal constants are
+        one node, so one ref can hold tensors of other global shapes or layouts). Its
+        `reason` is "contraction" when `local` is a partial result; `tensor` names the
+        traced tensor moved, when known. A layout a handler made itself
+        (remember_reshard) is taken as it is."""
         # most requests: no lookup, no hashing of layouts (propagation and decisions
         # share Layout objects, so identity settles most)
         if local.layout is layout or local.layout == layout:
@@ -364,46 +234,65 @@ class Partitioner:
                 f"need them resharded to {layout.to_spec()!r}, which gspmd-tf cannot do "
                 "inside a list; split the tensors written into it the same way everywhere "
                 "(or keep them whole)")
-        key = (local, layout)
+        made = self._made.get((local, layout))
+        if made is not None and made.ref.node in self._remembered:
+            return made
+        needed_by = needed_by or self._needed_by
+        key = (local, layout, needed_by)
         if key not in self._resharded:
-            self._resharded[key] = reshard(self.b, local, layout)
+            ref = self.b.reshard(local, layout, needed_by,
+                                 "contraction" if local.layout.partial else reason, tensor)
+            self._resharded[key] = Local(ref, layout, local.shape, local.dtype)
+            self._made.setdefault((local, layout), self._resharded[key])
         return self._resharded[key]
 
     def resharded(self, local, layout):
         """`local` in `layout` if a reshard made it already (see reshard), else None."""
-        return self._resharded.get((local, layout))
+        return self._made.get((local, layout))
 
     def remember_reshard(self, local, layout, result):
         """Records `result` (a Local) as `local` in `layout`, made by a handler itself
         (a windowed dot's loop gathers its operand on the way), for later reshards."""
-        self._resharded.setdefault((local, layout), result)
+        if (local, layout) not in self._made:
+            self._made[local, layout] = result
+            self._remembered.add(result.ref.node)
 
     def run(self, output_layouts: Sequence[Layout]) -> SpmdProgram:
-        """Partition every node; outputs resharded to `output_layouts`."""
+        """Partition every node; outputs resharded to `output_layouts`; then the export
+        pass and the all-reduce combiner."""
         outputs = self._partition(output_layouts)
         self._warn_replicated()
         graph = self.graph
-        return SpmdProgram(self._combined(in_region=False),
+        explicit = self._live_program()
+        exported = export(explicit, self.b.mesh, self.b.cost_model)
+        return SpmdProgram(self._combined(exported, in_region=False),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops,
-                           self.operand_layouts, self.result_layouts)
+                           explicit)
 
     def partition_region(self, input_layouts: Sequence[Layout],
                          output_layouts: Sequence[Layout]) -> tuple[Graph, list[Layout]]:
-        """The SPMD program (a Graph) of a region and its results' layouts: its
-        parameters come in `input_layouts` (gt.Input nodes, in order), its results leave
-        in `output_layouts` (a None entry: in the layout the result has)."""
+        """The explicit-reshard program (a Graph) of a region and its results' layouts:
+        its parameters come in `input_layouts` (gt.Input nodes, in order), its results
+        leave in `output_layouts` (a None entry: in the layout the result has)."""
         outputs = self._partition(output_layouts, input_layouts)
-        return self._combined(in_region=True), [local.layout for local in outputs]
+        return self._live_program(), [local.layout for local in outputs]
 
-    def _combined(self, in_region):
-        """The program built, its dead nodes dropped and its all-reduces combined at the
+    def _live_program(self):
+        """The program built, its dead nodes dropped (dead gt.Reshards among them)."""
+        return compact(self.b.graph, live_nodes(self.b.graph))
+
+    def _combined(self, program, in_region):
+        """`program` (exported) with its all-reduces and its bodies' combined at the
         threshold the backend asks for, else the cost model's (GSPMD_TF_ALL_REDUCE_
         COMBINE_BYTES, when set, wins: combine.threshold_bytes)."""
+        for node in program.nodes:
+            if node.regions:
+                node.regions = [self._combined(region, True) for region in node.regions]
         asked = self.combine_bytes(in_region) if self.combine_bytes else None
         threshold = threshold_bytes(self.b.cost_model.combine_threshold_bytes()
                                     if asked is None else asked)
-        return combine_all_reduces(self.b.graph, threshold, live=live_nodes(self.b.graph))
+        return combine_all_reduces(program, threshold)
 
     def _partition(self, output_layouts, input_layouts=None):
         """Partition every node; returns the outputs (Locals) in `output_layouts`.
@@ -415,6 +304,7 @@ class Partitioner:
             if index and index % PROGRESS_EVERY == 0:
                 log.info("gspmd_tf: partitioned %d of %d ops", index, len(graph.nodes))
             targets = self.propagation.layouts[index]
+            self._needed_by = node.name
             if index in input_index:
                 i = input_index[index]
                 shape, dtype = node.out_shapes[0], node.out_dtypes[0]
@@ -431,7 +321,6 @@ class Partitioner:
                 ref = b.replay(node, [], node.out_shapes, node.out_dtypes)[0]
                 self.values[Ref(index, 0)] = Local(ref, targets[0], node.out_shapes[0],
                                                    node.out_dtypes[0])
-                self.operand_layouts[index] = []
                 continue
             entry = op_def(node.op)
             emit = replay if entry.replay else entry.emit
@@ -446,20 +335,20 @@ class Partitioner:
                     results = self._replicated(ctx)
                 else:
                     results = self._by_rule(ctx, emit)
-            if any(local.layout is not target and local.layout != target
-                   for local, target in zip(results, targets)):
-                self.result_layouts[index] = [local.layout for local in results]
             for k, (local, target) in enumerate(zip(results, targets)):
                 # a variable handle (e.g. one a loop hands through) points to this
                 # device's shard whatever layout propagation gave it, and a TensorList
                 # holds its shards: never resharded
                 self.values[Ref(index, k)] = (
                     local if local.layout is target or local.dtype in UNMOVABLE
-                    else self.reshard(local, target))
+                    else self.reshard(local, target, "result layout",
+                                      tensor=graph.tensor_name(Ref(index, k))))
         outputs = []
         for ref, layout in zip(graph.outputs, output_layouts):
             local = self.values[ref]
-            local = local if layout is None else self.reshard(local, layout)
+            local = local if layout is None else self.reshard(
+                local, layout, "annotation", graph.nodes[ref.node].name,
+                graph.tensor_name(ref))
             outputs.append(local)
             b.graph.outputs.append(local.ref)
         return outputs
@@ -520,7 +409,6 @@ class Partitioner:
         direct = getattr(emit, "without_reshard", None)
         results = direct(ctx) if direct else None
         if results is not None:
-            self.operand_layouts[ctx.index] = [x.layout for x in ctx.inputs]
             return results
         layouts = ctx.result_layouts()
         windowed = (None if self.windowed_einsum is None
@@ -529,7 +417,6 @@ class Partitioner:
         refs = emit(ctx, operands, layouts) if windowed is None else windowed
         node = ctx.node
         decision = ctx.decision
-        self.operand_layouts[ctx.index] = decision.operand_layouts
         if (windowed is None and emit not in decision.replay_shapes
                 and not any_padded(ctx, operands)
                 and (emit is replay or (hasattr(emit, "replays")
@@ -551,9 +438,11 @@ class Partitioner:
         shapes = decision.replay_shapes.get(emit)
         if shapes is None:
             return None
-        operand_layouts = self.operand_layouts[index] = decision.operand_layouts
-        refs = self.b.replay(node, [self.reshard(x, layout).ref
-                                    for x, layout in zip(inputs, operand_layouts)],
+        operand_layouts = decision.operand_layouts
+        refs = self.b.replay(node, [self.reshard(x, layout,
+                                                 tensor=self.graph.tensor_name(r)).ref
+                                    for x, layout, r in zip(inputs, operand_layouts,
+                                                            node.inputs)],
                              shapes, node.out_dtypes)
         return [Local(ref, layout, shape, dtype) for ref, layout, shape, dtype
                 in zip(refs, decision.result_layouts, node.out_shapes, node.out_dtypes)]
@@ -581,7 +470,8 @@ class Partitioner:
                     f"{self.graph.tensor_name(ref)!r}, whose elements are split, but has no "
                     "partitioning rule; keep the tensors written into that list whole, or "
                     "add a rule for the op")
-        inputs = [self.reshard(x, Layout.replicated(len(x.shape))) for x in ctx.inputs]
+        inputs = [ctx.reshard(x, Layout.replicated(len(x.shape)), "no rule")
+                  for x in ctx.inputs]
         refs = self.b.replay(node, [x.ref for x in inputs], node.out_shapes, node.out_dtypes)
         return [Local(ref, Layout.replicated(len(shape)), shape, dtype)
                 for ref, shape, dtype in zip(refs, node.out_shapes, node.out_dtypes)]

@@ -27,6 +27,9 @@ UNMOVABLE = frozenset({tf.resource, tf.variant})
 
 COLLECTIVES = ("gt.AllReduce", "gt.AllGather", "gt.ReduceScatter", "gt.AllToAll",
                "gt.Permute")
+# A layout change the partitioner needs, explicit in the program until the export pass
+# (spmd/export.py) lowers it to the collectives and local slices the planner plans.
+RESHARD = "gt.Reshard"
 
 
 def _all_empty(op, shapes, dtypes):
@@ -120,6 +123,20 @@ class ProgramBuilder:
         if 0 in self.shape_of(x) or 0 in shape:
             return self.const(np.zeros(shape, dtype.as_numpy_dtype), dtype)
         return self._add(kind, [x], {}, [shape], [dtype], params=params)[0]
+
+    def reshard(self, x: Local, target, needed_by: str, reason: str,
+                tensor: str | None = None) -> Ref:
+        """A gt.Reshard node: `x` (a Local) moved to Layout `target`. Its params say
+        what the export pass (spmd/export.py) needs to lower it (the global `shape`, the
+        `source` and `target` layouts) and why it is there: `needed_by`, the op that
+        needs it, `reason` (e.g. "operand layout", "contraction", "no rule") and, when
+        known, `tensor`, the name of the traced graph's tensor it moves."""
+        params = {"shape": x.shape, "source": x.layout, "target": target,
+                  "needed_by": needed_by, "reason": reason}
+        if tensor is not None:
+            params["tensor"] = tensor
+        return self._add(RESHARD, [x.ref], {}, [target.local_shape(self.mesh, x.shape)],
+                         [x.dtype], params=params)[0]
 
     def shape_of(self, ref):
         """Local shape of a program tensor."""

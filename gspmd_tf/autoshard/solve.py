@@ -1,0 +1,208 @@
+"""The integer program of the search, solved by scipy.optimize.milp (HiGHS).
+
+Variables, as in Alpa's intra-operator pass and XLA's auto-sharding ILP:
+  x[c, s]   binary: class c takes strategy s (one per class)
+  e[g, a, b] >= 0: edge group g runs from producer layout a to consumer layout b; its
+            row sums equal the producer's x summed per layout a, its column sums the
+            consumer's per layout b, so with binary x exactly one e is 1. Edges are
+            priced per pair of distinct layouts, not of strategies: fewer variables.
+A class that follows another (follow.py) has no x of its own: it reads its leader's.
+An edge group whose producer makes one layout, or whose consumer needs one, or between
+classes of one decision, is linear in x and needs no e. Memory rows bound the per-device
+bytes at their points by the limit. Minimise the node and edge seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+
+from gspmd_tf.autoshard.problem import Problem
+from gspmd_tf.errors import ShardingError
+
+# Objective in microseconds and memory rows in MiB keep HiGHS's tolerances (1e-6 to
+# 1e-9 absolute) far below the differences that matter.
+_SECONDS_SCALE = 1e6
+_BYTES_SCALE = 2.0 ** -20
+TIME_LIMIT_SECONDS = 60.0
+# Stop within 1% of the optimum: the model's seconds are not more exact than that, and
+# proving the last 1% took most of the solver's time on the Transformer benchmark.
+RELATIVE_GAP = 1e-2
+# A relaxed solution within this of 0 or 1 is integral.
+_INTEGRAL = 1e-6
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The strategy index chosen per class, the objective (seconds of the step as the
+    model prices it), the solver's status text, the number of variables of the program
+    and the seconds it took (building included)."""
+
+    choice: tuple
+    seconds: float
+    status: str
+    num_variables: int
+    solve_seconds: float
+
+
+class Infeasible(Exception):
+    """No choice fits the limit; `smallest_bytes` is the least per-device memory of any
+    choice (the search's own estimate)."""
+
+    def __init__(self, smallest_bytes: int):
+        super().__init__(smallest_bytes)
+        self.smallest_bytes = smallest_bytes
+
+
+class _Builder:
+    """Columns (variables) and rows (constraints) of a sparse program."""
+
+    def __init__(self):
+        self.cost, self.integral, self.upper = [], [], []
+        self.rows, self.cols, self.vals = [], [], []
+        self.lower_bounds, self.upper_bounds = [], []
+
+    def variables(self, costs, integral: bool, upper=1.0) -> int:
+        """Add one variable per cost; returns the first's index."""
+        first = len(self.cost)
+        self.cost.extend(costs)
+        self.integral.extend([int(integral)] * len(costs))
+        self.upper.extend([upper] * len(costs))
+        return first
+
+    def row(self, columns, values, low, high):
+        """Add the constraint low <= sum(values * x[columns]) <= high."""
+        r = len(self.lower_bounds)
+        self.rows.extend([r] * len(columns))
+        self.cols.extend(columns)
+        self.vals.extend(values)
+        self.lower_bounds.append(low)
+        self.upper_bounds.append(high)
+
+    def solve(self, time_limit: float):
+        """The optimum (a scipy OptimizeResult: x, fun, status, message). The linear
+        relaxation first: on these programs its optimum is usually integral already,
+        and then it is the integer optimum, found in a third of the MIP's time (no
+        branching set-up); else HiGHS's branch and bound."""
+        matrix = sparse.csr_array((self.vals, (self.rows, self.cols)),
+                                  shape=(len(self.lower_bounds), len(self.cost)))
+        cost, upper = np.asarray(self.cost), np.asarray(self.upper)
+        integral = np.asarray(self.integral, bool)
+        low, high = np.asarray(self.lower_bounds), np.asarray(self.upper_bounds)
+        equal = low == high
+        bounded = ~equal & np.isfinite(high)
+        relaxed = linprog(cost, A_ub=matrix[bounded] if bounded.any() else None,
+                          b_ub=high[bounded] if bounded.any() else None,
+                          A_eq=matrix[equal], b_eq=high[equal],
+                          bounds=np.stack([np.zeros_like(upper), upper], axis=1),
+                          method="highs", options={"time_limit": time_limit})
+        if relaxed.status == 2:  # infeasible relaxed: infeasible
+            return relaxed
+        if relaxed.status == 0:
+            values = relaxed.x[integral]
+            if np.all(np.abs(values - np.round(values)) <= _INTEGRAL):
+                relaxed.message = "optimal (its linear relaxation is integral)"
+                return relaxed
+        return milp(cost, integrality=integral.astype(int), bounds=Bounds(0.0, upper),
+                    constraints=LinearConstraint(matrix, low, high),
+                    options={"time_limit": time_limit, "mip_rel_gap": RELATIVE_GAP})
+
+
+def roots(problem: Problem) -> list:
+    """The class whose variables each class reads: its leader, or itself."""
+    return [k if cls.leader < 0 else cls.leader for k, cls in enumerate(problem.classes)]
+
+
+def _choices(problem: Problem, builder: _Builder, costs) -> list:
+    """One binary per strategy of each deciding class (`costs[k]` their objective, only
+    read for those), summing to one per class; returns each class's first column (its
+    leader's for a follower)."""
+    first = [0] * len(problem.classes)
+    root = roots(problem)
+    for k, cls in enumerate(problem.classes):
+        if root[k] == k:
+            first[k] = builder.variables(costs[k], integral=True)
+            count = len(cls.strategies)
+            builder.row(range(first[k], first[k] + count), [1.0] * count, 1.0, 1.0)
+    for k in range(len(problem.classes)):
+        first[k] = first[root[k]]
+    return first
+
+
+def solve(problem: Problem, memory_limit: Optional[int],
+          time_limit: float = TIME_LIMIT_SECONDS) -> Solution:
+    """The cheapest choice whose memory rows all fit `memory_limit` (None: no limit);
+    Infeasible when none fits."""
+    start_time = time.perf_counter()
+    builder = _Builder()
+    root = roots(problem)
+    linear = [np.zeros(len(cls.strategies)) for cls in problem.classes]
+    for k, cls in enumerate(problem.classes):
+        linear[root[k]] += cls.node_cost * len(cls.members)
+    pairs = []
+    for g in problem.edges:
+        producer, consumer = root[g.producer], root[g.consumer]
+        if producer == consumer:
+            linear[producer] += g.count * g.cost[g.source, g.target]
+        elif g.cost.shape[0] == 1:
+            linear[consumer] += g.count * g.cost[0, g.target]
+        elif g.cost.shape[1] == 1:
+            linear[producer] += g.count * g.cost[g.source, 0]
+        else:
+            pairs.append(g)
+    first = _choices(problem, builder, [c * _SECONDS_SCALE for c in linear])
+    for g in pairs:
+        sources, targets = g.cost.shape
+        e = builder.variables((g.count * _SECONDS_SCALE * g.cost).ravel(), integral=False)
+        for a in range(sources):
+            strategies = np.flatnonzero(g.source == a) + first[g.producer]
+            builder.row([e + a * targets + b for b in range(targets)] + list(strategies),
+                        [1.0] * targets + [-1.0] * len(strategies), 0.0, 0.0)
+        for b in range(targets):
+            strategies = np.flatnonzero(g.target == b) + first[g.consumer]
+            builder.row([e + a * targets + b for a in range(sources)] + list(strategies),
+                        [1.0] * sources + [-1.0] * len(strategies), 0.0, 0.0)
+    if memory_limit is not None:
+        for row in problem.memory:
+            columns, values = _row_terms(row, first)
+            builder.row(columns, values, -np.inf, (memory_limit - row.constant) * _BYTES_SCALE)
+    result = builder.solve(time_limit)
+    if result.status == 2:
+        raise Infeasible(smallest_memory(problem, time_limit))
+    if result.x is None:
+        raise ShardingError(
+            f"the auto-sharding search found no plan within {time_limit:g} s "
+            f"({result.message}): give fixed in_shardings to some of the gt.AUTO entries "
+            "to shrink the search")
+    choice = tuple(int(np.argmax(result.x[f:f + len(c.strategies)]))
+                   for f, c in zip(first, problem.classes))
+    return Solution(choice, float(result.fun) / _SECONDS_SCALE, result.message,
+                    len(builder.cost), time.perf_counter() - start_time)
+
+
+def _row_terms(row, first):
+    """(columns, values in MiB) of a memory row's strategy terms."""
+    columns, values = [], []
+    for c, sizes in row.coefficients.items():
+        columns.extend(range(first[c], first[c] + len(sizes)))
+        values.extend(np.asarray(sizes, np.float64) * _BYTES_SCALE)
+    return columns, values
+
+
+def smallest_memory(problem: Problem, time_limit: float = TIME_LIMIT_SECONDS) -> int:
+    """The least, over every choice, of the fullest memory row (bytes per device)."""
+    builder = _Builder()
+    first = _choices(problem, builder, [np.zeros(len(c.strategies)) for c in problem.classes])
+    peak = builder.variables([1.0], integral=False, upper=np.inf)
+    for row in problem.memory:
+        columns, values = _row_terms(row, first)
+        builder.row(columns + [peak], values + [-1.0], -np.inf, -row.constant * _BYTES_SCALE)
+    result = builder.solve(time_limit)
+    choice = [int(np.argmax(result.x[f:f + len(c.strategies)]))
+              for f, c in zip(first, problem.classes)]
+    return max((row.value(choice) for row in problem.memory), default=0)

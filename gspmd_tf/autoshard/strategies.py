@@ -1,0 +1,123 @@
+"""Candidate strategies of one node, made from its registry rule.
+
+A strategy of an op is which mesh axes split which of its rule's factors (each axis
+splits one factor or none, as XLA's auto-sharding enumerates a dot's strategies per mesh
+dim). From it follow every operand's and result's layout, the axes a contraction leaves
+partial (an all-reduce) and how many ways the op's work is divided. Because candidates
+come from OpRules, any op with a rule (also a user's, gt.register_op) takes part in the
+search. A program input has no rule: its candidates are which axes split which dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from gspmd_tf.layout import Layout
+from gspmd_tf.mesh import Mesh
+from gspmd_tf.propagation.oprule import REDUCE, REPLICATE, OpRule
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One candidate of a node: the layout of each data operand (None for an input that
+    is not data), of each result, the mesh axes its contraction leaves partial, and the
+    number of devices its work is divided over."""
+
+    operands: tuple
+    results: tuple
+    partial: tuple
+    divisor: int
+
+
+def _split_axes(mesh: Mesh) -> tuple:
+    """The mesh axes that split anything (an axis of one device splits nothing)."""
+    return tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1)
+
+
+def _dim_axes(factors: tuple, factor_axes: dict, sizes: Sequence[int],
+              mesh: Mesh) -> Optional[tuple]:
+    """The axes of a dim made of `factors` (major first), or None when they do not make
+    a tiling of the dim: a minor factor may be split only below a major one split whole
+    (Shardy's rule for merged dims)."""
+    axes = ()
+    for position, f in enumerate(factors):
+        own = factor_axes.get(f, ())
+        if own and position > 0:
+            major = factors[position - 1]
+            if mesh.axes_size(factor_axes.get(major, ())) != sizes[major]:
+                return None
+        axes += own
+    return axes
+
+
+def rule_strategies(rule: OpRule, mesh: Mesh) -> list[Strategy]:
+    """Every strategy of an op with `rule` on `mesh`, distinct by layouts: each mesh
+    axis splits one factor that is not REPLICATE and whose size the axes on it divide
+    evenly, or none. The replicated strategy comes first."""
+    axes = _split_axes(mesh)
+    sizes = rule.factor_sizes
+    splittable = [f for f, kind in enumerate(rule.factor_kinds) if kind != REPLICATE]
+    found = {}
+    for choice in itertools.product([None] + splittable, repeat=len(axes)):
+        factor_axes = {}
+        for axis, f in zip(axes, choice):
+            if f is not None:
+                factor_axes[f] = factor_axes.get(f, ()) + (axis,)
+        if any(sizes[f] % mesh.axes_size(a) for f, a in factor_axes.items()):
+            continue
+        strategy = _strategy(rule, factor_axes, mesh)
+        if strategy is not None:
+            key = (strategy.operands, strategy.results, strategy.partial)
+            found.setdefault(key, strategy)
+    return list(found.values())
+
+
+def _strategy(rule, factor_axes, mesh) -> Optional[Strategy]:
+    """The Strategy of one factor -> axes assignment (None: not a tiling)."""
+    sizes = rule.factor_sizes
+
+    def layouts(tensors):
+        out = []
+        for dims in tensors:
+            if dims is None:
+                out.append(None)
+                continue
+            per_dim = tuple(_dim_axes(fs, factor_axes, sizes, mesh) for fs in dims)
+            if any(d is None for d in per_dim):
+                return None
+            out.append(Layout(per_dim))
+        return tuple(out)
+
+    operands, results = layouts(rule.operands), layouts(rule.results)
+    if operands is None or results is None:
+        return None
+    partial = tuple(a for f, a_s in factor_axes.items() if rule.factor_kinds[f] == REDUCE
+                    for a in a_s)
+    divisor = mesh.axes_size(tuple(a for a_s in factor_axes.values() for a in a_s))
+    return Strategy(operands, results, tuple(sorted(partial, key=mesh.axis_index)), divisor)
+
+
+def tensor_strategies(shape: Sequence[int], mesh: Mesh) -> list[Strategy]:
+    """Every even layout of a program input of `shape` (each mesh axis splits one dim
+    it divides, or none; several axes on one dim in mesh order), as Strategies with that
+    layout as their one result. The replicated layout comes first."""
+    axes = _split_axes(mesh)
+    found = {}
+    dims = [d for d, n in enumerate(shape) if n > 1]
+    for choice in itertools.product([None] + dims, repeat=len(axes)):
+        per_dim = [()] * len(shape)
+        for axis, d in zip(axes, choice):
+            if d is not None:
+                per_dim[d] += (axis,)
+        if any(n % mesh.axes_size(a) for n, a in zip(shape, per_dim)):
+            continue
+        layout = Layout(tuple(per_dim))
+        found.setdefault(layout, Strategy((), (layout,), (), 1))
+    return list(found.values())
+
+
+def fixed_strategy(layout: Layout) -> Strategy:
+    """The one strategy of an input whose layout is given."""
+    return Strategy((), (layout,), (), 1)

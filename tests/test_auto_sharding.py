@@ -1,0 +1,183 @@
+"""gt.AUTO and memory_limit: the auto-sharding search (gspmd_tf/autoshard) chooses the
+layouts of AUTO arguments within a per-device memory limit; its plan is readable
+(auto_report) and runs with values equal to single-device TF."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gspmd_tf as gt
+from gspmd_tf.testing.transformer_step import Config, make_step
+
+P = gt.P
+BATCH, D_MODEL, D_FF = 64, 128, 512
+
+
+def ffn_train_step(layers):
+    """An L-layer residual FFN's SGD step: (x, up_0, down_0, up_1, ...) -> new weights."""
+
+    def step(x, *weights):
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            h = x
+            for layer in range(layers):
+                with tf.name_scope(f"layer{layer}"):
+                    up, down = weights[2 * layer], weights[2 * layer + 1]
+                    h = h + tf.matmul(tf.nn.relu(tf.matmul(h, up, name="up")), down,
+                                      name="down")
+            loss = tf.reduce_sum(h * h)
+        grads = tape.gradient(loss, weights)
+        return [w - 0.01 * g for w, g in zip(weights, grads)]
+
+    return step
+
+
+def ffn_values(layers, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(BATCH, D_MODEL)).astype(np.float32)
+    weights = []
+    for _ in range(layers):
+        weights += [rng.normal(size=(D_MODEL, D_FF)).astype(np.float32) * 0.05,
+                    rng.normal(size=(D_FF, D_MODEL)).astype(np.float32) * 0.05]
+    return x, weights
+
+
+def weight_bytes(layers):
+    return layers * 2 * D_MODEL * D_FF * 4
+
+
+# Replicated weights alone (arguments and the updated outputs) need 2x the weights'
+# bytes on every device: this limit rules that out, not a plan splitting them 4 ways.
+LIMIT = weight_bytes(2) * 3 // 4
+
+
+def auto_step(mesh, layers, limit=LIMIT):
+    return gt.function(ffn_train_step(layers), mesh=mesh,
+                       in_shardings=(P("data"),) + (gt.AUTO,) * (2 * layers),
+                       memory_limit=limit)
+
+
+@pytest.fixture(scope="module")
+def lowered(mesh):
+    x, weights = ffn_values(2)
+    return auto_step(mesh, 2).lower(x, *weights)
+
+
+def test_auto_ffn_chooses_a_megatron_split_that_fits_the_memory_limit(lowered):
+    layouts = lowered.program.input_layouts[1:5]
+    for up, down in (layouts[0:2], layouts[2:4]):
+        assert "model" in up.dims[1], up      # column-parallel first projection
+        assert "model" in down.dims[0], down  # row-parallel second projection
+    assert lowered.memory().peak <= LIMIT
+    assert lowered.auto_plan.peak_bytes <= LIMIT
+    assert [s for s in lowered.input_shardings[1:]] == [
+        gt.Sharding.from_layout(lowered.mesh, l) for l in layouts]
+
+
+def test_auto_plan_values_equal_single_device(mesh, lowered):
+    x, weights = ffn_values(2)
+    step = auto_step(mesh, 2)
+    got = step(x, *weights)
+    want = tf.function(ffn_train_step(2))(x, *weights)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_auto_report_lists_each_decision_with_alternatives_and_the_pinning_specs(lowered):
+    text = lowered.auto_report()
+    for name in ("weights_0", "weights_1", "weights_2", "weights_3"):
+        assert any(line.startswith(name + " ") for line in text.splitlines()), text
+    assert "argument 1" in text and "   or P()" in text and "over the limit" in text
+    pinned = tuple(layout.to_spec() for layout in lowered.program.input_layouts[:5])
+    assert f"pin the plan with in_shardings={pinned!r}" in text
+    decision = lowered.auto_plan.decisions[0]
+    assert decision.chosen.seconds <= min(o.seconds for o in decision.alternatives
+                                          if o.peak_bytes <= LIMIT)
+
+
+def test_explain_says_the_search_chose_a_layout(lowered):
+    assert "auto-sharding search chose" in lowered.explain("weights_0")
+    assert "auto-sharding search chose" not in lowered.explain("x")
+
+
+def test_html_report_shows_the_auto_sharding_decisions(lowered):
+    page = lowered.report(format="html")
+    assert "<h2>Auto-sharding</h2>" in page and "weights_0" in page
+
+
+def test_memory_limit_no_plan_fits_is_a_sharding_error_naming_the_smallest(mesh):
+    x, weights = ffn_values(2)
+    with pytest.raises(gt.ShardingError, match=r"memory_limit=1000 bytes.*smallest plan "
+                                               r"the search found needs about \d+ bytes"):
+        auto_step(mesh, 2, limit=1000).lower(x, *weights)
+
+
+def test_clustering_gives_2_and_8_layers_the_same_number_of_variables():
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    counts = []
+    for layers in (2, 8):
+        x, weights = ffn_values(layers)
+        specs = [tf.TensorSpec(v.shape, tf.float32) for v in [x] + weights]
+        plan = auto_step(mesh, layers, limit=None).lower(*specs).auto_plan
+        counts.append((plan.num_classes, plan.num_variables))
+    assert counts[0] == counts[1]
+
+
+def test_auto_on_an_abstract_mesh_lowers_without_devices():
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    x, weights = ffn_values(2)
+    specs = [tf.TensorSpec(v.shape, tf.float32) for v in [x] + weights]
+    low = auto_step(mesh, 2).lower(*specs)
+    assert low.memory().peak <= LIMIT
+    assert "model" in low.program.input_layouts[1].dims[1]
+
+
+def test_auto_output_entry_takes_the_searched_layout(mesh):
+    def matmul(x, w):
+        return tf.matmul(x, w)
+
+    low = gt.lower(matmul, mesh, (P("data"), P(None, "model")), (gt.AUTO,),
+                   args=(tf.TensorSpec((16, 32)), tf.TensorSpec((32, 64))))
+    assert low.output_shardings == [gt.Sharding.from_layout(mesh, low.auto_plan
+                                                            .output_layouts[0])]
+    assert low.auto_plan.decisions[0].entry == "output 0"
+
+
+@pytest.mark.parametrize("limit", [-1, "1GB", True])
+def test_bad_memory_limit_is_a_sharding_error(mesh, limit):
+    with pytest.raises(gt.ShardingError, match="memory_limit"):
+        gt.function(tf.identity, mesh=mesh, memory_limit=limit)
+
+
+TRANSFORMER = Config(layers=1, d_model=32, heads=4, d_ff=128, seq=8, batch=8)
+
+
+def transformer_lowered(mesh, plan, config=TRANSFORMER, memory_limit=None):
+    return gt.lower(make_step(config), mesh, config.in_shardings(plan, gt.AUTO),
+                    args=config.specs(), memory_limit=memory_limit)
+
+
+def test_auto_transformer_adam_step_fits_where_data_parallel_does_not_and_sends_no_more_than_megatron():
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    data = transformer_lowered(mesh, "data")
+    megatron = transformer_lowered(mesh, "megatron")
+    limit = (megatron.memory().peak + data.memory().peak) // 2
+    auto = transformer_lowered(mesh, "auto", memory_limit=limit)
+    assert data.memory().peak > limit >= auto.memory().peak
+
+    def sent(lowered):
+        return sum(c.bytes for c in lowered.collectives())
+    assert sent(auto) <= 1.10 * sent(megatron)
+
+
+@pytest.mark.long
+def test_auto_transformer_adam_step_values_equal_single_device(mesh):
+    config = Config(layers=2, d_model=32, heads=4, d_ff=128, seq=8, batch=8)
+    values = config.values()
+    step = gt.function(make_step(config), mesh=mesh,
+                       in_shardings=config.in_shardings("auto", gt.AUTO),
+                       memory_limit=2 ** 20)
+    got = step(*values)
+    want = tf.function(make_step(config))(*values)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
