@@ -14,11 +14,14 @@ from gspmd_tf import keras
 from gspmd_tf.autoshard import AUTO
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.propagation.knobs import propagation_barrier, sharding_group
+from gspmd_tf.attention import ring_attention, ulysses_attention
+from gspmd_tf.attention_layer import context_parallel_attention
 from gspmd_tf.cluster import initialize_cluster
 from gspmd_tf.devices import configure_cpu_devices
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh, P, PartitionSpec
-from gspmd_tf.pipeline import pipeline
+from gspmd_tf.pipeline import pipeline, pipeline_schedule, pipeline_value_and_grad
+from gspmd_tf.pipeline import layer_order as pipeline_layer_order
 from gspmd_tf.registry import register_op
 from gspmd_tf.runtime.function import Function, function, lower
 from gspmd_tf.runtime.lowered import Collective, Lowered
@@ -29,6 +32,8 @@ from gspmd_tf.visualize import visualize_sharding
 
 __all__ = ["AUTO", "Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
+           "context_parallel_attention",
            "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split",
-           "pipeline", "register_op", "save_checkpoint", "sharding_group", "propagation_barrier",
-           "visualize_sharding"]
+           "pipeline", "pipeline_layer_order", "pipeline_schedule",
+           "pipeline_value_and_grad", "propagation_barrier", "register_op", "ring_attention",
+           "save_checkpoint", "sharding_group", "ulysses_attention", "visualize_sharding"]

@@ -44,11 +44,22 @@ class MoeSpecs:
     experts: w_in [E, M, H] and w_out [E, H, M]: E split, e.g. P("expert")
     expert_buffers: the dispatched tensor and the expert output [E, G, C, M]: E split, G
              on any axes left, e.g. P("expert") or P("expert", "data")
+    hidden:  a mesh axis splitting each expert's hidden dim H (model parallelism inside
+             the experts, Megatron-style: w_in's columns, w_out's rows and the hidden
+             activations [E, G, C, H]), or None
     """
 
     groups: P
     experts: P
     expert_buffers: P
+    hidden: str | None = None
+
+    def on_hidden(self, spec, hidden_dim):
+        """`spec` with dim `hidden_dim` split over the hidden axis (unchanged without)."""
+        if self.hidden is None:
+            return spec
+        entries = list(spec)[:hidden_dim]
+        return P(*(entries + [None] * (hidden_dim - len(entries)) + [self.hidden]))
 
 
 def capacity(tokens_per_group, num_experts, k, capacity_factor):
@@ -102,15 +113,20 @@ def moe_layer(x, wg, w_in, w_out, k=2, capacity_factor=1.0, mesh=None, specs=Non
     tensors are annotated for gspmd-tf; otherwise it is plain single-device code.
     annotate_gating=False leaves the dispatch mask and combine weights unannotated (the
     GShard paper's Algorithm 2 annotates only x, the dispatched tensor and y)."""
-    def split(t, role):
-        """`t` annotated with specs.<role> (unchanged without a mesh)."""
-        return t if mesh is None else mesh_split(t, mesh, getattr(specs, role))
+    def split(t, role, hidden_dim=None):
+        """`t` annotated with specs.<role>, its dim `hidden_dim` (if any) over the hidden
+        axis (unchanged without a mesh)."""
+        if mesh is None:
+            return t
+        spec = getattr(specs, role)
+        return mesh_split(t, mesh, spec if hidden_dim is None
+                          else specs.on_hidden(spec, hidden_dim))
 
     if (mesh is None) != (specs is None):
         raise ValueError("moe_layer: give both mesh and specs, or neither")
     x = split(x, "groups")
-    w_in = split(w_in, "experts")
-    w_out = split(w_out, "experts")
+    w_in = split(w_in, "experts", hidden_dim=2)
+    w_out = split(w_out, "experts", hidden_dim=1)
     with tf.name_scope("gating"):
         logits = tf.einsum("GSM,ME->GSE", x, wg)
         expert_capacity = capacity(x.shape[1], w_in.shape[0], k, capacity_factor)
@@ -128,6 +144,8 @@ def moe_layer(x, wg, w_in, w_out, k=2, capacity_factor=1.0, mesh=None, specs=Non
         dispatched = split(dispatched, "expert_buffers")
     with tf.name_scope("experts"):
         h = tf.nn.relu(tf.einsum("EGCM,EMH->EGCH", dispatched, w_in))
+        if specs is not None and specs.hidden is not None:
+            h = split(h, "expert_buffers", hidden_dim=3)
         expert_out = tf.einsum("EGCH,EHM->EGCM", h, w_out)
         expert_out = split(expert_out, "expert_buffers")
     with tf.name_scope("combine"):

@@ -420,3 +420,33 @@ def test_gt_mesh_split_is_read_by_the_same_path():
     (ref, sharding), = g.annotations.items()
     assert producer(g, ref).op == "XlaSharding"
     assert str(gt.Sharding.from_proto(sharding)) == "{devices=[2,4]0,1,2,3,4,5,6,7}"
+
+
+def test_identity_n_operands_each_keep_their_split():
+    """tf.custom_gradient's IdentityN becomes one Identity per output: its operands are
+    independent values, each keeps its split (nothing gathered), the gradient is the
+    custom one, and "IdentityN:k" still names output k."""
+    mesh = gt.Mesh.create((4,), ("x",))
+
+    @tf.custom_gradient
+    def scaled(a, b):
+        return a * b, lambda d: (3 * d * b, 5 * d * a)
+
+    def f(a, b):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b])
+            y = scaled(a, b)
+            loss = tf.reduce_sum(y)
+        return [y] + tape.gradient(loss, [a, b])
+    a, b = np.arange(16, dtype=np.float32).reshape(2, 8), np.ones((2, 8), np.float32)
+    fn = gt.function(f, mesh=mesh, in_shardings=(gt.P(None, "x"),) * 2)
+    y, da, db = (t.numpy() for t in fn(a, b))
+    np.testing.assert_array_equal(y, a * b)
+    np.testing.assert_array_equal(da, 3 * b)
+    np.testing.assert_array_equal(db, 5 * a)
+    low = fn.lower(a, b)
+    assert low.collectives() == [], low.report()
+    [name] = {n.name.split("/output_")[0] for n in low.graph.nodes
+              if "/output_" in n.name and n.op == "Identity"}
+    assert str(low.sharding_of(f"{name}:1")) == str(
+        gt.Sharding.from_spec(mesh, gt.P(None, "x"), 2))

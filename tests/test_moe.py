@@ -254,3 +254,47 @@ def test_training_step_collectives_against_xla(mesh_shape):
                        backend=functools.partial(LocalBackend, copy_collectives=False))
     ours = sorted((c.kind, c.bytes, len(c.groups[0])) for c in lowered.collectives())
     assert ours == [c for c in XLA_TRAIN[mesh_shape] if c[0] != "all-gather"]
+
+
+def test_expert_data_and_model_axes_together_match_single_device():
+    """Experts over "expert", groups over ("data", "expert"), each expert's hidden dim
+    over "model" (w_in's columns, w_out's rows): top-2 training values and gradients
+    equal single-device TF; the routing is still all-to-alls and the expert weights stay
+    split on E and H."""
+    g, s, m, h, e, k, cf = SHAPES["even"]
+    mesh = gt.Mesh.create((2, 2, 2), ("data", "expert", "model"))
+    specs = moe.MoeSpecs(P(("data", "expert")), P("expert"), P("expert", "data"),
+                         hidden="model")
+    args = params(np.random.default_rng(6), g, s, m, h, e)
+    lowered = check_partitioned(
+        train_fn(mesh, specs, k, cf), args, mesh,
+        (specs.groups, P(), P("expert", None, "model"), P("expert", "model")),
+        reference=train_fn(None, None, k, cf))
+    kinds = [c.kind for c in lowered.collectives()]
+    assert "all-gather" not in kinds and "all-to-all" in kinds, lowered.report()
+    assert lowered.program.replicated_ops == []
+    assert lowered.input_shardings[2] == gt.Sharding.from_spec(
+        mesh, P("expert", None, "model"), 3)
+    [hidden] = [n.name for n in lowered.graph.nodes
+                if n.op == "Relu" and n.name.startswith("experts/")]
+    assert str(lowered.sharding_of(hidden)) == str(gt.Sharding.from_spec(
+        mesh, P("expert", "data", None, "model"), 4))
+
+
+def test_load_balancing_loss_is_gshards():
+    """aux = E * sum_e (fraction of the group's tokens whose first choice is e) * (mean
+    gate probability of e), averaged over groups: 1 for a perfectly balanced routing,
+    larger when the tokens crowd onto few experts."""
+    g, s, e = 2, 8, 4
+    logits = randn(np.random.default_rng(7), g, s, e)
+    _, _, aux = single_device(lambda t: moe.top_k_gating(t, 2, 4), [logits])
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    first = np.eye(e)[probs.argmax(-1)].mean(1)                  # [G, E]
+    assert_close(aux, np.mean(e * (first * probs.mean(1)).sum(-1)), "aux")
+    balanced = np.tile(np.eye(e) * 10.0, (g, s // e, 1))         # token i -> expert i % E
+    crowded = np.tile(np.array([10.0, 0, 0, 0]), (g, s, 1))      # every token -> expert 0
+    (_, _, aux_balanced), (_, _, aux_crowded) = (
+        single_device(lambda t: moe.top_k_gating(t, 2, 4), [x.astype(np.float32)])
+        for x in (balanced, crowded))
+    assert abs(aux_balanced - 1.0) < 1e-3 and aux_crowded > 3.0

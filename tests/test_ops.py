@@ -52,12 +52,14 @@ def check(fn, args, mesh, specs, op_name, expect_spec=None, gradient=True):
 @pytest.mark.parametrize("shape", [(6, 12), (5, 10)], ids=str)
 def test_identity_n(mesh, rng, shape):
     """Keras' optimizer and tf.nn.silu pass tensors through an IdentityN: each output
-    keeps its input's split."""
+    keeps its input's split, also where two share a mesh axis (nothing gathered)."""
     def fn(a, b):
         return tf.identity_n([a * 2.0, tf.sin(b)], name="idn")
 
-    check(fn, [randn(rng, *shape), randn(rng, 7)], mesh, (P("data", "model"), P("model")),
-          "idn", P("data", "model"))
+    low = check(fn, [randn(rng, *shape), randn(rng, 7)], mesh,
+                (P("data", "model"), P("model")), "idn", P("data", "model"))
+    assert low.layout_of("idn:1").to_spec() == P("model"), low.report()
+    assert "all-gather" not in [c.kind for c in low.collectives()], low.report()
 
 
 @pytest.mark.parametrize("sizes", [3, [2, 7, 3]], ids=["Split", "SplitV"])

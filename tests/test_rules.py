@@ -542,8 +542,6 @@ ROWS = (UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_
     ("StridedSliceGrad", lambda dy: tf.raw_ops.StridedSliceGrad(
         shape=[4, 6], begin=[0, 1], end=[4, 4], strides=[1, 2], dy=dy), [f32(4, 2)],
      "(_, _, _, _, [i, k])->([i, j]) {i=4, j=6, k=2} need_replication={j, k}"),
-    ("IdentityN", lambda a, b: tf.identity_n([a, b]), [f32(4, 6), f32(3)],
-     "([i, j], [k])->([i, j], [k]) {i=4, j=6, k=3}"),
     # the split axis whole in the operand and in every piece
     ("Split", lambda x: tf.split(x, 3, axis=1), [f32(4, 6)],
      "(_, [i, j])->([i, k], [i, l], [i, m]) {i=4, j=6, k=2, l=2, m=2}"

@@ -157,8 +157,8 @@ def _variable_shape(graph, ref):
     node = graph.nodes[ref.node]
     if "var_shape" in node.params:
         return node.params["var_shape"]
-    if node.op in ("Identity", "IdentityN"):
-        return _variable_shape(graph, node.inputs[ref.out if node.op == "IdentityN" else 0])
+    if node.op == "Identity":
+        return _variable_shape(graph, node.inputs[0])
     if node.op in ("While", "StatelessWhile"):
         body = node.regions[1]
         out = body.outputs[ref.out]

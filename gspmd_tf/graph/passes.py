@@ -5,6 +5,9 @@ control-flow body as it imports it and IMPORT_PASSES on the whole graph.
   mask-summed-row-picks  TF's gradient of a ConcatV2 fed a sparse gradient picks rows
                          with a Where (a value-dependent shape); where the rows are only
                          summed they are masked instead (sparse_rows.py)
+  identities-apart       an IdentityN (tf.custom_gradient's, Keras') becomes one
+                         Identity per output, so each keeps its own sharding
+                         (identity_n.py)
   fold                   shape computations become constants, the shapes they decide
                          are inferred (fold.py)
   rotations-as-rolls     slices and a concat that rotate a tensor become one Roll
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from gspmd_tf.graph.fold import fold
+from gspmd_tf.graph.identity_n import identities_apart
 from gspmd_tf.graph.ir import Graph
 from gspmd_tf.graph.rotate import rotations_as_rolls
 from gspmd_tf.graph.sparse_rows import mask_summed_row_picks
@@ -38,6 +42,7 @@ class GraphPass:
 
 
 REGION_PASSES = (GraphPass("mask-summed-row-picks", mask_summed_row_picks),
+                 GraphPass("identities-apart", identities_apart),
                  GraphPass("fold", fold))
 IMPORT_PASSES = REGION_PASSES + (GraphPass("rotations-as-rolls", rotations_as_rolls),
                                  GraphPass("tensor-list-shapes", infer_element_shapes))

@@ -26,7 +26,7 @@ _VARIANT = frozenset({tf.variant})
 
 # ops whose output 0 is a list of the elements of their list input (at this position):
 # the list updated, passed on, or (ZerosLike, in TF's gradients) zeros like it
-_LIST_IN_OUT = {"TensorListSetItem": 0, "TensorListPushBack": 0, "TensorListPopBack": 0,
+LIST_IN_OUT = {"TensorListSetItem": 0, "TensorListPushBack": 0, "TensorListPopBack": 0,
                 "TensorListResize": 0, "TensorListScatterIntoExistingList": 0,
                 "Identity": 0, "ZerosLike": 0}
 
@@ -108,7 +108,7 @@ def _collect(graph, families, evidence, tensors):
         for k, dtype in enumerate(node.out_dtypes):
             if dtype == tf.variant:
                 tensors.append((graph, Ref(index, k)))
-        position = _LIST_IN_OUT.get(node.op)
+        position = LIST_IN_OUT.get(node.op)
         if position is not None and node.inputs and node.out_dtypes and \
                 node.out_dtypes[0] == tf.variant and \
                 graph.dtype(node.inputs[position]) == tf.variant:

@@ -4,7 +4,9 @@ Every device runs the same program on local (padded) shapes, so one figure holds
 device. The peak is an estimate: tensors live from the op that makes them to their last
 consumer in program order (TF's executor may run independent ops in another order, and
 reuses or aliases some buffers), with arguments, variable shards and outputs live
-throughout.
+throughout. What a loop keeps alive counts: its body's intermediates while it runs, and
+the TensorLists it fills (TF's gradient accumulators: one element per iteration, so a
+loop's forward activations for its backward pass) at their full capacity.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
+from gspmd_tf.graph.tensor_lists import LIST_IN_OUT
 from gspmd_tf.runtime.variables import variable_of_handle
+
+_WHILE_OPS = ("While", "StatelessWhile")
 
 
 @dataclass(frozen=True)
@@ -77,26 +82,82 @@ def program_memory(lowered):
                 variables += _bytes(layout.local_shape(mesh, shape_dtype[0]), shape_dtype[1])
     outputs = sum(_bytes(program.shape(r), program.dtype(r)) for r in program.outputs)
 
-    # live ranges in program order; arguments, variables and outputs stay live
-    pinned = {r.node for r in program.inputs} | {r.node for r in program.outputs}
+    held = arguments + variables + outputs  # live throughout
+    peak, timeline = _intermediates_peak(program, pinned=True)
+    return Memory(arguments, variables, outputs, held + peak,
+                  tuple(held + live for live in timeline))
+
+
+def _value_bytes(graph, node, out):
+    """Bytes output `out` of `node` holds; a TensorList a loop returns counts as full (its
+    capacity times its element), a list made from a tensor as that tensor."""
+    shape, dtype = node.out_shapes[out], node.out_dtypes[out]
+    if node.op in _WHILE_OPS and _passed_through(node.regions[1], out):
+        return 0  # the operand's own buffer (a captured value TF made a loop value)
+    if dtype != tf.variant:
+        return _bytes(shape, dtype)
+    if node.op == "TensorListFromTensor":
+        return _bytes(graph.shape(node.inputs[0]), graph.dtype(node.inputs[0]))
+    if node.op in _WHILE_OPS:
+        capacity = _list_capacity(graph, node.inputs[out])
+        if capacity is not None:
+            return capacity[0] * _bytes(shape, capacity[1])
+    return 0
+
+
+def _passed_through(body, k):
+    """Whether a loop body returns its parameter k unchanged."""
+    result = body.outputs[k]
+    while body.nodes[result.node].op == "Identity":
+        result = body.nodes[result.node].inputs[0]
+    return result == body.inputs[k]
+
+
+def _list_capacity(graph, ref):
+    """(number of elements, element dtype) of the TensorList `ref`, from the op that made
+    it (TensorListReserve's num_elements, EmptyTensorList's max_num_elements: TF's
+    gradient accumulators get a loop's maximum_iterations), followed back through list
+    updates and loops; None when no maker says (e.g. a region parameter)."""
+    while True:
+        node = graph.nodes[ref.node]
+        if node.op in ("EmptyTensorList", "TensorListReserve"):
+            size = graph.const_value(node.inputs[1])
+            if size is None or size.ndim or size < 0:
+                return None
+            return int(size), tf.as_dtype(node.attr("element_dtype"))
+        if node.op in LIST_IN_OUT:
+            ref = node.inputs[LIST_IN_OUT[node.op]]
+        elif node.op in _WHILE_OPS:
+            ref = node.inputs[ref.out]
+        else:
+            return None
+
+
+def _intermediates_peak(graph, pinned):
+    """(peak, timeline): the peak bytes of the values `graph` makes, and the live bytes
+    while each of its nodes runs, the values live from their op to their last consumer
+    in program order; a control-flow op adds its largest region's own peak while it runs
+    (a loop body's intermediates of one iteration; what iterations keep for later is in
+    the loop's list results). pinned: the graph's inputs and outputs are counted by the
+    caller (a region's parameters are its op's operands, counted in the parent)."""
+    skip = {r.node for r in graph.inputs} | ({r.node for r in graph.outputs} if pinned
+                                             else set())
     last_use = {}
-    for i, node in enumerate(program.nodes):
+    for i, node in enumerate(graph.nodes):
         for ref in node.inputs:
             last_use[ref.node] = i
     frees = {}
-    for i in range(len(program.nodes)):  # a value nothing reads is freed where it is made
-        last_use.setdefault(i, i)
-    for producer, i in last_use.items():
-        frees.setdefault(i, []).append(producer)
-    live = peak = arguments + variables + outputs
-    timeline = []
-    for i, node in enumerate(program.nodes):
-        if i not in pinned:
-            live += sum(_bytes(s, d) for s, d in zip(node.out_shapes, node.out_dtypes))
-        peak = max(peak, live)
-        timeline.append(live)
+    for i in range(len(graph.nodes)):  # a value nothing reads is freed where it is made
+        frees.setdefault(last_use.get(i, i), []).append(i)
+    sizes = [0 if i in skip else sum(_value_bytes(graph, node, k)
+                                     for k in range(len(node.out_shapes)))
+             for i, node in enumerate(graph.nodes)]
+    live, timeline = 0, []
+    for i, node in enumerate(graph.nodes):
+        live += sizes[i]
+        running = max((_intermediates_peak(region, pinned=False)[0]
+                       for region in node.regions), default=0)
+        timeline.append(live + running)
         for producer in frees.get(i, ()):
-            if producer not in pinned:
-                done = program.nodes[producer]
-                live -= sum(_bytes(s, d) for s, d in zip(done.out_shapes, done.out_dtypes))
-    return Memory(arguments, variables, outputs, peak, tuple(timeline))
+            live -= sizes[producer]
+    return max(timeline, default=0), timeline

@@ -10,7 +10,7 @@ builders (gspmd_tf/propagation/oprule.py) and every family's builders:
   reshapes     Transpose, Reshape (sub-factors), ExpandDims/Squeeze, Bitcast
   slices       Slice, StridedSlice(Grad), Pad, Tile, ConcatV2 (windows: halos)
   indexing     gathers, scatters, OneHot, Roll
-  structure    IdentityN, Split, Pack/Unpack, FusedBatchNorm, TensorList ops
+  structure    Split, Pack/Unpack, FusedBatchNorm, TensorList ops
   batched      ops mixing their last dims (linear algebra, FFTs, images), whole-input ops
 
 Windowed ops (convolutions, pooling, MirrorPad) are in gspmd_tf/propagation/windowed.py.
@@ -33,7 +33,7 @@ from gspmd_tf.propagation.rules.slices import (SliceParams, changed_dims, concat
 from gspmd_tf.propagation.rules.indexing import (GatherParams, RollParams, gather, gather_nd,
                                                  one_hot, roll, scatter_nd)
 from gspmd_tf.propagation.rules.structure import (BatchNormParams, TensorListParams,
-                                                  fused_batch_norm, identity_n, pack, split,
+                                                  fused_batch_norm, pack, split,
                                                   tensor_list, unpack)
 
 __all__ = ["BatchNormParams", "GatherParams", "OpRule", "PASS", "REDUCE", "REPLICATE",
@@ -41,7 +41,7 @@ __all__ = ["BatchNormParams", "GatherParams", "OpRule", "PASS", "REDUCE", "REPLI
            "TensorListParams", "arg_reduction", "batch_matmul", "bias_add", "bias_add_grad",
            "bitcast", "broadcast_to", "changed_dims", "concat", "cross_entropy", "cumulative",
            "einsum", "einsum_rule", "elementwise", "equation_rule", "fused_batch_norm", "gather",
-           "gather_nd", "identity_n", "last_dim_normalizer", "last_dims_whole", "matmul",
+           "gather_nd", "last_dim_normalizer", "last_dims_whole", "matmul",
            "merge_dims", "one_hot", "pack", "pad_or_slice", "per_dim", "reduction", "reshape",
            "reshape_factors", "roll", "same_rank_slicing", "scatter_nd", "select_v1", "source",
            "split", "squeeze_or_expand", "strided_slice", "strided_slice_grad", "tensor_list",

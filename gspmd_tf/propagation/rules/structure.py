@@ -1,6 +1,7 @@
-"""Rules of ops that hand dims through between several operands or results (IdentityN,
-Split, Pack, Unpack, FusedBatchNorm, TensorList ops): a dim they cut, stack or index
-stays whole, every other dim passes.
+"""Rules of ops that hand dims through between several operands or results (Split,
+Pack, Unpack, FusedBatchNorm, TensorList ops): a dim they cut, stack or index stays
+whole, every other dim passes. (An IdentityN is split into Identity ops when imported:
+graph/identity_n.py.)
 """
 
 from __future__ import annotations
@@ -10,16 +11,6 @@ from typing import Optional
 
 from gspmd_tf.propagation.oprule import (OpRule, RuleContext, passing_dims, spread_operands,
                                         whole_dims)
-
-
-def identity_n(ctx: RuleContext) -> Optional[OpRule]:
-    """IdentityN: each result is its operand."""
-    rule = OpRule()
-    for shape in ctx.in_shapes:
-        dims = passing_dims(rule, shape)
-        rule.operands.append(dims)
-        rule.results.append(dims)
-    return rule
 
 
 def split(ctx: RuleContext, value_input, axis_input) -> Optional[OpRule]:

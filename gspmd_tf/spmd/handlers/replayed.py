@@ -63,7 +63,6 @@ declare("ConcatV2", rules.concat, replay=True)
 declare("Concat", batched.concat_v1, replay=True)
 # a slice updated in place: the dims it takes whole pass (each device updates its block)
 declare("TensorStridedSliceUpdate", batched.strided_slice_update, replay=True)
-declare("IdentityN", rules.identity_n, replay=True)
 declare({"Split": (1, 0), "SplitV": (0, 2)}, rules.split, replay=True)  # (value, axis)
 declare("Pack", rules.pack, replay=True)
 declare("Unpack", rules.unpack, replay=True)
@@ -123,7 +122,7 @@ declare(["Shape", "ShapeN", "Size", "Rank", "VariableShape"], fold=FOLD_SHAPE)
 declare("""Pack Unpack ConcatV2 Concat ConcatOffset StridedSlice Slice Cast Bitcast
 Add AddV2 Sub Mul Div RealDiv FloorDiv FloorMod TruncateDiv TruncateMod Maximum Minimum
 Neg Abs Sign Square Range Reshape Prod Sum Max Min Mean All Any
-Fill GatherV2 Gather GatherNd DynamicStitch Identity IdentityN Snapshot StopGradient
+Fill GatherV2 Gather GatherNd DynamicStitch Identity Snapshot StopGradient
 ExpandDims Squeeze Transpose ReverseV2 Equal NotEqual Less LessEqual Greater GreaterEqual
 LogicalAnd LogicalOr LogicalNot Select SelectV2 ZerosLike OnesLike Tile BroadcastTo
 InvertPermutation BroadcastArgs BroadcastGradientArgs Cumsum Cumprod ListDiff Where

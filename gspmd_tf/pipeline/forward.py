@@ -1,4 +1,5 @@
-"""gt.pipeline: pipeline parallelism the GSPMD way (GPipe schedule, one SPMD program).
+"""gt.pipeline: pipeline parallelism the GSPMD way (GPipe or circular schedule, one SPMD
+program).
 
 The layers of S stages are stacked on a leading stage dim, split over a mesh axis, so
 each device of that axis holds its stages' weights. A buffer [S, b, ...] holds every
@@ -14,6 +15,12 @@ The schedule is one tf.while_loop over the M + S - 1 iterations (`_iteration` is
 body): partitioned control flow partitions the body once, so the program does not grow
 with M, and the shift is a collective-permute inside the body, run on every iteration.
 Each iteration's buffer is written to a TensorArray (a list of stage-split elements).
+
+With virtual_stages=V > 1 (the circular, interleaved schedule of schedule.py) each device
+holds V layers; every iteration each device picks the layer of its current repeat (a
+masked sum over its V layers, local), device 0 takes a new microbatch only at repeat 0
+and otherwise the wrapped-round output of device S - 1, and a microbatch's output is the
+last device's buffer at the step its last layer ends.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ import tensorflow as tf
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import P
+from gspmd_tf.pipeline import schedule as timing
 
 
 def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="stage",
-             microbatch_spec=None, vectorize=True):
-    """Run `stage_fn` as an S-stage pipeline over M microbatches (GPipe schedule).
+             microbatch_spec=None, vectorize=True, virtual_stages=1):
+    """Run `stage_fn` as an S-stage pipeline over M microbatches (GPipe schedule, or the
+    circular one with virtual_stages > 1).
 
     Equal to the unpipelined model `for s in range(S): x = stage_fn(params[s], x)` applied
     to each microbatch, computed as one SPMD program where each device of mesh axis
@@ -54,6 +63,11 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="sta
       microbatch_spec: the PartitionSpec of one microbatch [b, ...], e.g. P("data")
         (default: not split).
       vectorize: whether to vectorize stage_fn over the stage dim (tf.vectorized_map).
+      virtual_stages: V layers per device, run in the circular schedule (bubble
+        (S-1)/(V M+S-1), M a multiple of S): the params' leading dim holds S * V layers
+        device-major, entry d * V + k being layer k * S + d
+        (gt.pipeline_layer_order(S, V) lists the layers in that order), so a split of
+        it over `stage_axis` gives each of the S devices its own V layers.
 
     Returns:
       A tensor [M, b, ...]: the last stage's output for each microbatch.
@@ -64,24 +78,36 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="sta
     """
     params = tf.nest.map_structure(tf.convert_to_tensor, stage_params)
     microbatches = tf.convert_to_tensor(microbatches)
-    num_stages = _num_stages(params)
+    layers = num_stages(params)
     if microbatches.shape.rank is None or microbatches.shape[0] is None:
         raise ShardingError(f"pipeline: microbatches of shape {microbatches.shape} need a "
                             "static leading dim (the number of microbatches)")
     num_microbatches = microbatches.shape[0]
-    annotate = _annotator(mesh, stage_axis, microbatch_spec, num_stages,
-                          microbatches.shape.rank)
-    run_stages = _vectorized(stage_fn) if vectorize else stage_fn
-    shape = [num_stages] + microbatches.shape[1:].as_list()
-    first_stage = tf.reshape(tf.range(num_stages) == 0, [num_stages] + [1] * (len(shape) - 1))
-    iterations = num_microbatches + num_stages - 1
-    # the S - 1 drain iterations feed zeros: microbatch t is row t of the padded feed
-    drain = tf.zeros([num_stages - 1] + shape[1:], microbatches.dtype)
-    feeds = tf.concat([microbatches, drain], 0)
+    schedule = "interleaved" if virtual_stages != 1 else "gpipe"
+    if layers % virtual_stages:
+        raise ShardingError(f"pipeline: {layers} layers do not split into "
+                            f"virtual_stages={virtual_stages} per device")
+    stages = layers // virtual_stages
+    timing.check_schedule(schedule, stages, num_microbatches, virtual_stages)
+    annotate = annotator(mesh, stage_axis, microbatch_spec, stages,
+                         microbatches.shape.rank)
+    run_stages = vectorized(stage_fn) if vectorize else stage_fn
+    if virtual_stages > 1:
+        run_step = _circular_layers(run_stages, params, stages, virtual_stages,
+                                    num_microbatches, mesh, stage_axis)
+    else:
+        run_step = lambda inputs, step: run_stages(params, inputs)  # noqa: E731
+    shape = [stages] + microbatches.shape[1:].as_list()
+    first_stage = tf.reshape(tf.range(stages) == 0, [stages] + [1] * (len(shape) - 1))
+    iterations = timing.circular_steps(stages, num_microbatches, virtual_stages)
+    feeds = padded_feed(microbatches, iterations)
 
     def body(t, state, states):
-        state = _iteration(run_stages, params, state, tf.gather(feeds, t), first_stage,
-                           annotate)
+        microbatch, repeat, _ = timing.circular_work(t, 0, stages, num_microbatches,
+                                                     virtual_stages)
+        feeding = first_stage if virtual_stages == 1 else first_stage & (repeat == 0)
+        state = _iteration(lambda inputs: run_step(inputs, t), state,
+                           tf.gather(feeds, microbatch), feeding, annotate)
         return t + 1, state, states.write(t, state)
 
     _, _, states = tf.while_loop(
@@ -89,16 +115,55 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="sta
         (tf.constant(0), annotate(tf.zeros(shape, microbatches.dtype)),
          tf.TensorArray(microbatches.dtype, size=iterations, element_shape=shape)),
         maximum_iterations=iterations)
-    # the last stage holds microbatch t - (S - 1) after iteration t
-    return _last_stage(states.stack()[num_stages - 1:], num_stages)
+    # the last stage holds microbatch m's output after step circular_exit_step(m)
+    exits = [timing.circular_exit_step(m, stages, virtual_stages)
+             for m in range(num_microbatches)]
+    stacked = states.stack()
+    if exits == list(range(stages - 1, iterations)):
+        stacked = stacked[stages - 1:]
+    else:
+        stacked = tf.gather(stacked, exits)
+    return last_stage(stacked, stages)
 
 
-def _iteration(run_stages, params, state, feed, first_stage, annotate):
+def padded_feed(microbatches, steps):
+    """The microbatches, then zeros up to `steps` rows (what stage 0 takes when no
+    microbatch is left: row t is fed at step t, or at work item t)."""
+    drain = tf.zeros([steps - microbatches.shape[0]] + microbatches.shape[1:].as_list(),
+                     microbatches.dtype)
+    return tf.concat([microbatches, drain], 0)
+
+
+def _circular_layers(run_stages, params, stages, virtual, num_microbatches, mesh,
+                     stage_axis):
+    """run(x, step) for the circular schedule: run_stages with each device's layer of its
+    current repeat, picked from its V layers ([S * V, ...] viewed [S, V, ...])."""
+    def by_device(p):
+        viewed = tf.reshape(p, [stages, virtual] + p.shape[1:].as_list())
+        if mesh is None:
+            return viewed
+        return mesh_split(viewed, mesh, P(stage_axis))
+    layers = tf.nest.map_structure(by_device, params)
+
+    def run(inputs, step):
+        _, repeat, _ = timing.circular_work(step, tf.range(stages), stages,
+                                            num_microbatches, virtual)
+        pick = tf.one_hot(repeat, virtual)                                # [S, V]
+
+        def current(p):
+            mask = tf.reshape(tf.cast(pick, p.dtype),
+                              [stages, virtual] + [1] * (p.shape.rank - 2))
+            return tf.reduce_sum(p * mask, axis=1)
+        return run_stages(tf.nest.map_structure(current, layers), inputs)
+    return run
+
+
+def _iteration(run_stages, state, feed, first_stage, annotate):
     """One step of the schedule: shift every stage's output to the next stage (the last
     one's wraps to stage 0), give stage 0 the microbatch `feed`, run all stages."""
     shifted = tf.roll(state, 1, axis=0)
     inputs = annotate(tf.where(first_stage, feed[tf.newaxis], shifted))
-    outputs = run_stages(params, inputs)
+    outputs = run_stages(inputs)
     if outputs.shape != inputs.shape or outputs.dtype != inputs.dtype:
         raise ShardingError(
             f"pipeline: stage_fn maps {inputs.dtype.name}{inputs.shape[1:]} to "
@@ -107,16 +172,18 @@ def _iteration(run_stages, params, state, feed, first_stage, annotate):
     return annotate(outputs)
 
 
-def _last_stage(stacked, num_stages):
+def last_stage(stacked, stages):
     """[M, b, ...] from [M, S, b, ...]: stage S-1's slice, as a masked sum over the stage
     dim, so a stage-split buffer costs one all-reduce (once, after the loop) rather than
     an all-gather of the whole buffer."""
-    last = tf.reshape(tf.one_hot(num_stages - 1, num_stages, dtype=stacked.dtype),
-                      [1, num_stages] + [1] * (stacked.shape.rank - 2))
+    last = tf.reshape(tf.one_hot(stages - 1, stages, dtype=stacked.dtype),
+                      [1, stages] + [1] * (stacked.shape.rank - 2))
     return tf.reduce_sum(stacked * last, axis=1)
 
 
-def _num_stages(params):
+def num_stages(params):
+    """The stage dim S every leaf of `params` leads with (a ShardingError if they
+    differ)."""
     leaves = tf.nest.flatten(params)
     if not leaves:
         raise ShardingError("pipeline: stage_params is empty; give each stage's weights "
@@ -129,14 +196,14 @@ def _num_stages(params):
     return sizes.pop()
 
 
-def _annotator(mesh, stage_axis, microbatch_spec, num_stages, rank):
-    """The function annotating the stage buffer (identity without a mesh)."""
+def annotator(mesh, stage_axis, microbatch_spec, stages, rank):
+    """The function annotating a stage buffer [S, b, ...] (identity without a mesh)."""
     if mesh is None:
         return lambda x: x
     devices = mesh.axis_size(stage_axis)
-    if num_stages % devices:
+    if stages % devices:
         raise ShardingError(
-            f"pipeline: {num_stages} stages do not divide over the {devices} devices of "
+            f"pipeline: {stages} stages do not divide over the {devices} devices of "
             f"mesh axis {stage_axis!r}; give a multiple of {devices} stages (an uneven "
             "split would gather the stage buffer every iteration)")
     spec = P(stage_axis, *(microbatch_spec or ()))
@@ -146,7 +213,7 @@ def _annotator(mesh, stage_axis, microbatch_spec, num_stages, rank):
     return lambda x: mesh_split(x, mesh, spec)
 
 
-def _vectorized(stage_fn):
+def vectorized(stage_fn):
     """stage_fn over stacked params and a [S, b, ...] buffer, stage by stage."""
     def run(params, inputs):
         return tf.vectorized_map(lambda args: stage_fn(*args), (params, inputs),

@@ -1,0 +1,48 @@
+"""Lowered.memory() counts what a loop keeps alive: the activations TF's gradient of a
+tf.while_loop stores for its backward pass (TensorList accumulators, one element per
+iteration) and the intermediates of one iteration of the body."""
+
+import numpy as np
+import tensorflow as tf
+
+import gspmd_tf as gt
+
+P = gt.P
+_MESH = gt.Mesh.create((4,), ("data",))
+ROWS, COLS = 16, 32  # per device [4, 32] float32: 512 bytes
+
+
+def _gradient_of_loop(iterations):
+    def f(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            y = tf.while_loop(lambda i, x: i < iterations,
+                              lambda i, x: (i + 1, tf.tanh(x @ w)), (0, x),
+                              maximum_iterations=iterations)[1]
+            loss = tf.reduce_sum(y)
+        return tape.gradient(loss, w)
+    return f
+
+
+def _peak(fn, *args, specs):
+    return gt.lower(fn, _MESH, specs, args=args).memory().peak
+
+
+def test_loop_gradient_activations_grow_with_iterations():
+    x = np.ones((ROWS, COLS), np.float32)
+    w = np.eye(COLS, dtype=np.float32)
+    short, long = (_peak(_gradient_of_loop(n), x, w, specs=(P("data"), P()))
+                   for n in (4, 12))
+    # the forward loop keeps each iteration's x (and tanh) for the backward: at least
+    # one device-local [4, 32] row block per extra iteration
+    assert long - short >= 8 * (ROWS // 4) * COLS * 4, (short, long)
+
+
+def test_loop_body_intermediates_count_while_it_runs():
+    def f(x):
+        def body(i, x):
+            wide = tf.tile(x[:, :, None], [1, 1, 64])  # 64x an iteration's value
+            return i + 1, tf.reduce_mean(wide, -1) + 1.0
+        return tf.while_loop(lambda i, x: i < 3, body, (0, x))[1]
+    x = np.ones((ROWS, COLS), np.float32)
+    assert _peak(f, x, specs=(P("data"),)) >= 64 * (ROWS // 4) * COLS * 4
