@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gspmd_tf.backends.base import COLLECTIVE_KINDS
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
 from gspmd_tf.propagation.propagate import Propagation
@@ -32,11 +33,6 @@ class Collective:
     bytes: int
     groups: tuple
     axes: tuple
-
-
-_KIND = {"gt.AllReduce": "all-reduce", "gt.AllGather": "all-gather",
-         "gt.ReduceScatter": "reduce-scatter", "gt.AllToAll": "all-to-all",
-         "gt.Permute": "collective-permute"}
 
 
 class Lowered:
@@ -123,7 +119,7 @@ class Lowered:
             else:
                 groups = tuple(tuple(int(d) for d in row)
                                for row in self.mesh.groups(node.params["axes"]))
-            out.append(Collective(_KIND[node.op], tuple(shape), dtype,
+            out.append(Collective(COLLECTIVE_KINDS[node.op], tuple(shape), dtype,
                                   int(np.prod(shape, dtype=np.int64)) * dtype.size, groups,
                                   tuple(node.params.get("axes", ()))))
         return out
