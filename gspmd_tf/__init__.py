@@ -21,12 +21,12 @@ from gspmd_tf.registry import register_op
 from gspmd_tf.runtime.function import Function, function, lower
 from gspmd_tf.runtime.lowered import Collective, Lowered
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
-from gspmd_tf.runtime.variables import Variable, save_checkpoint
+from gspmd_tf.runtime.variables import Variable, restore_checkpoint, save_checkpoint
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.visualize import visualize_sharding
 
 __all__ = ["Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",
            "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split",
-           "pipeline", "register_op", "save_checkpoint",
+           "pipeline", "register_op", "restore_checkpoint", "save_checkpoint",
            "visualize_sharding"]
