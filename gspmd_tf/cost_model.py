@@ -130,7 +130,8 @@ class CostModel:
         if convolution_multiply_adds_per_second is None:
             convolution_multiply_adds_per_second = multiply_adds_per_second
         rates = (("multiply_adds_per_second", multiply_adds_per_second),
-                 ("convolution_multiply_adds_per_second", convolution_multiply_adds_per_second),
+                 ("convolution_multiply_adds_per_second",
+                  convolution_multiply_adds_per_second),
                  ("elements_per_second", elements_per_second))
         for name, value in (*rates, *((f"{a}'s bandwidth", l.bandwidth) for a, l in link_of)):
             if not value > 0:

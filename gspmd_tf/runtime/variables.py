@@ -370,8 +370,9 @@ def save_checkpoint(checkpoint, prefix):
     into `prefix`_parts/; the first worker merges the parts into the one checkpoint
     `prefix` (TF's MergeV2Checkpoints keeps every slice), and all return once it exists.
     `prefix` must be on a filesystem every worker sees. `checkpoint.read(prefix)` (or
-    restore, or gt.restore_checkpoint: errors naming what to change) then restores it on any number of workers, mesh or spec, or into plain
-    tf.Variables: each variable reads only the slices its devices hold.
+    restore, or gt.restore_checkpoint: errors naming what to change) then restores it
+    on any number of workers, mesh or spec, or into plain tf.Variables: each variable
+    reads only the slices its devices hold.
     """
     global _saving_own_shards
     joined = cluster.current()
