@@ -374,18 +374,20 @@ FAMILY_ROWS = [
      " need_replication={j, k, l, m, n, o}"),
     ("Cholesky", tf.linalg.cholesky, [f32(3, 4, 4)],
      "([i, j, k])->([i, l, m]) {i=3, j=4, k=4, l=4, m=4} need_replication={j, k, l, m}"),
-    # images: batch and channels pass, height and width whole
+    # bilinear and nearest resizes: every dim passes, height and width each one factor of
+    # the image and the resized image (halo exchange, windowed.resize); the gradients alike
     *[(op, lambda x, op=op: getattr(tf.raw_ops, op)(images=x, size=[6, 8]),
-       [f32(2, 3, 4, 5)], f"({PAIRED}, _)->([i, m, n, j]) {{i=2, j=5, k=3, l=4, m=6, n=8}}"
-       " need_replication={k, l, m, n}")
-      for op in ("ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic")],
+       [f32(2, 3, 4, 5)], "([i, j, k, l], _)->([i, j, k, l]) {i=2, j=6, k=8, l=5}")
+      for op in ("ResizeBilinear", "ResizeNearestNeighbor")],
     ("ResizeBilinearGrad", lambda g, x: tf.raw_ops.ResizeBilinearGrad(grads=g, original_image=x),
      [f32(2, 6, 8, 5), f32(2, 3, 4, 5)],
-     f"({PAIRED}, [i, m, n, j])->([i, o, p, j]) {{i=2, j=5, k=6, l=8, m=3, n=4, o=3, p=4}}"
-     " need_replication={k, l, m, n, o, p}"),
+     "([i, j, k, l], [i, j, k, l])->([i, j, k, l]) {i=2, j=6, k=8, l=5}"),
     ("ResizeNearestNeighborGrad",
      lambda g: tf.raw_ops.ResizeNearestNeighborGrad(grads=g, size=[3, 4]), [f32(2, 6, 8, 5)],
-     f"({PAIRED}, _)->([i, m, n, j]) {{i=2, j=5, k=6, l=8, m=3, n=4}}"
+     "([i, j, k, l], _)->([i, j, k, l]) {i=2, j=6, k=8, l=5}"),
+    # other images ops: batch and channels pass, height and width whole
+    ("ResizeBicubic", lambda x: tf.raw_ops.ResizeBicubic(images=x, size=[6, 8]),
+     [f32(2, 3, 4, 5)], f"({PAIRED}, _)->([i, m, n, j]) {{i=2, j=5, k=3, l=4, m=6, n=8}}"
      " need_replication={k, l, m, n}"),
     ("AdjustContrastv2", lambda x: tf.image.adjust_contrast(x, 2.0), [f32(2, 3, 4, 5)],
      f"({PAIRED}, _)->([i, m, n, j]) {{i=2, j=5, k=3, l=4, m=3, n=4}}"

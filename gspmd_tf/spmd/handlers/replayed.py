@@ -77,10 +77,7 @@ declare("InTopKV2", batched.in_top_k, replay=True, safe_padding={1: 0})  # targe
 # pooling's second derivative (its windows whole)
 declare({op + suffix: int(suffix[:1] or 1) for op in ("FFT", "IFFT", "RFFT", "IRFFT")
          for suffix in ("", "2D", "3D")}, batched.transform, replay=True)
-declare(["ResizeBilinear", "ResizeNearestNeighbor", "ResizeNearestNeighborGrad",
-         "ResizeBicubic", "AdjustContrastv2"], batched.images_spatial_whole,
-        replay=True)
-declare({"ResizeBilinearGrad": ((0, 1),)}, batched.images_spatial_whole, replay=True)
+declare(["ResizeBicubic", "AdjustContrastv2"], batched.images_spatial_whole, replay=True)
 declare(["AdjustSaturation", "AdjustHue"], batched.channels_whole, replay=True)
 declare(["MaxPoolGradGrad", "MaxPool3DGradGrad"], batched.pool_grad_grad,
         replay=True)

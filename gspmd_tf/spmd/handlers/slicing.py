@@ -25,15 +25,13 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from gspmd_tf import _halo
-from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules, windowed
 from gspmd_tf.propagation.windowed import Geometry
 from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.handlers.grads import index_dtype
-from gspmd_tf.spmd.handlers.windows import (extend_and_slice, halos_worth_it, mask_edges,
-                                            per_shard, prepare_input)
+from gspmd_tf.spmd.handlers.windows import (extend_and_slice, mask_edges, operand_window,
+                                            per_shard, prepare_input, range_plan)
 
 
 def _windowed_input(ctx, operands, layouts, fill, index=0):
@@ -202,11 +200,7 @@ class _MirrorPlan:
         self.useful = useful
         self.per = -(-m.n // self.k)
         n = m.n + m.pad_lo + m.pad_hi if grad else m.n  # the operand's size
-        self.whole = not operand_split
-        self.plan = _halo.range_plan(starts, span, n, self.k, self.whole, useful)
-        if not self.whole and not halos_worth_it(self.plan, self.k):
-            self.whole = True
-            self.plan = _halo.range_plan(starts, span, n, self.k, True, useful)
+        self.plan, self.whole = range_plan(starts, span, n, self.k, operand_split, useful)
 
     @property
     def split(self):
@@ -255,13 +249,7 @@ def mirror_pad(ctx, operands, layouts):
     original = ctx.inputs[0]
     plans = [_MirrorPlan(ctx.mesh, m, layouts[0].dims[m.dim], grad, params.symmetric,
                          bool(original.layout.dims[m.dim])) for m in dims]
-    x = operands[0]
-    whole = {p.dim for p in plans if p.whole}
-    wanted = Layout(tuple(() if d in whole else a for d, a in enumerate(x.layout.dims)),
-                    x.layout.partial, x.layout.reduce_op)
-    if wanted != x.layout:
-        refs[0] = masked_refs(ctx, [ctx.reshard(original, wanted)] + operands[1:])[0]
-    window = extend_and_slice(ctx.b, refs[0], plans, lambda p: p.dim)
+    window = operand_window(ctx, operands, plans)
     for p in plans:
         window = p.local(ctx.b, window)
     paddings = np.array(ctx.graph.const_value(ctx.node.inputs[1]))
