@@ -305,9 +305,16 @@ def text(*shape):
 # special functions are elementwise (broadcasting from the right): unary ones, binary
 # ones, the ternary Betainc (equal shapes or scalars), integer and complex ones
 SPECIAL_UNARY = {"BesselI0e": f32, "BesselI1e": f32, "Ndtri": f32, "Erfinv": f32,
-                 "Invert": i32, "PopulationCount": i32, "ComplexAbs": c64}
+                 "Invert": i32, "PopulationCount": i32, "ComplexAbs": c64,
+                 **dict.fromkeys("""BesselI0 BesselI1 BesselJ0 BesselJ1 BesselK0 BesselK0e
+                 BesselK1 BesselK1e BesselY0 BesselY1 Expint FresnelCos FresnelSin Spence
+                 DebugGradientIdentity FakeQuantWithMinMaxArgs""".split(), f32)}
+# binary ones of equal shapes (no broadcasting)
+SPECIAL_SAME_SHAPES = {"InvGrad", "ApproximateEqual", "FakeQuantWithMinMaxArgsGradient"}
 SPECIAL_ROWS = [(op, raw(op), [SPECIAL_UNARY[op](4, 6)], SAME_2D)
                 if op in SPECIAL_UNARY else
+                (op, raw(op), [f32(4, 6)] * 2, "([i, j], [i, j])->([i, j]) {i=4, j=6}")
+                if op in SPECIAL_SAME_SHAPES else
                 (op, raw(op), [f32(4, 6)] * 3, "([i, j], [i, j], [i, j])->([i, j]) {i=4, j=6}")
                 if op == "Betainc" else
                 (op, raw(op), [(i32 if op == "Mod" else f32)(4, 1, 6),
