@@ -416,13 +416,13 @@ FAMILY_ROWS = [
      "([i, k, l, m, j], [i, n, o, p, j], [i, q, r, s, j])->([i, t, u, v, j])"
      " {i=2, j=3, k=6, l=8, m=8, n=3, o=4, p=4, q=6, r=8, s=8, t=3, u=4, v=4}"
      " need_replication={k, l, m, n, o, p, q, r, s, t, u, v}"),
+    # the diagonal: rows pass, columns whole (the handler cuts them to the row block)
+    ("DiagPart", raw("DiagPart"), [f32(4, 4)], "([i, j])->([i]) {i=4, j=4} need_replication={j}"),
     # every input whole
     ("StringFormat", lambda x: tf.strings.format("{}", x), [f32(4, 6)],
      "([i, j])->([]) {i=4, j=6} need_replication={i, j}"),
     ("InvertPermutation", raw("InvertPermutation"), [i32(5)],
      "([i])->([j]) {i=5, j=5} need_replication={i, j}"),
-    ("DiagPart", raw("DiagPart"), [f32(4, 4)],
-     "([i, j])->([k]) {i=4, j=4, k=4} need_replication={i, j, k}"),
     # Python functions: inputs whole, run once per call (handlers/py_functions.py)
     *[(op, python_function(call), [f32(4, 6)],
        "([i, j])->([k, l]) {i=4, j=6, k=4, l=6} need_replication={i, j, k, l}")

@@ -88,7 +88,7 @@ declare(["MaxPoolGradGrad", "MaxPool3DGradGrad"], batched.pool_grad_grad,
         replay=True)
 # ops that need every input whole: a rule keeps their inputs' producers from being split
 # for nothing, and the op is not reported as lacking one
-declare(["StringFormat", "InvertPermutation", "DiagPart", "RngReadAndSkip"],
+declare(["StringFormat", "InvertPermutation", "RngReadAndSkip"],
         batched.all_whole, replay=True)
 # updates that overwrite: every device applies all of them (index batch dims whole) to
 # its block of the trailing dims

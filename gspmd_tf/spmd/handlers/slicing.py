@@ -1,5 +1,5 @@
 """Slice, StridedSlice, Pad, PadV2 and MirrorPad(Grad) with a split dim whose size they
-change.
+change; DiagPart with split rows.
 
 Such a dim is a window of one element (stride s, low padding -first element read for a
 slice, the pad amount for a pad: rules/slices.py), so the method is that of the
@@ -26,12 +26,14 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf.propagation import rules, windowed
+from gspmd_tf.propagation.rules import batched
 from gspmd_tf.propagation.windowed import Geometry
 from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.handlers.grads import index_dtype
-from gspmd_tf.spmd.handlers.windows import (extend_and_slice, mask_edges, operand_window,
-                                            per_shard, prepare_input, range_plan)
+from gspmd_tf.spmd.handlers.windows import (affine_start, extend_and_slice, mask_edges,
+                                            operand_window, pad_dims, per_shard,
+                                            prepare_input, range_plan, slice_dims)
 
 
 def _windowed_input(ctx, operands, layouts, fill, index=0):
@@ -256,3 +258,25 @@ def mirror_pad(ctx, operands, layouts):
     paddings[[m.dim for m in dims]] = 0
     refs[0], refs[1] = window, ctx.b.const(paddings)
     return replay(ctx, operands, layouts, refs=refs)
+
+
+@op_family("DiagPart", batched.diagonal_part)
+def diagonal_part(ctx, operands, layouts):
+    """DiagPart with split rows: each device's columns cut to its own row block (padded
+    to whole blocks first), then the TF op on the square block: the diagonal of the
+    rows this device holds."""
+    x = operands[0]
+    b = ctx.b
+    half = len(x.shape) // 2
+    rows = x.layout.dims[:half]
+    if not any(rows):
+        return replay(ctx, operands, layouts)
+    block = x.layout.local_shape(ctx.mesh, x.shape)[:half]
+    ref = pad_dims(b, x.ref, {half + i: (0, block[i] * ctx.mesh.axes_size(axes) - n)
+                              for i, (axes, n) in enumerate(zip(rows, x.shape[:half]))
+                              if axes})
+    starts = {half + i: affine_start(b, axes, block[i], 0)
+              for i, axes in enumerate(rows) if axes}
+    square = slice_dims(b, ref, starts, {half + i: block[i] for i, axes in enumerate(rows)
+                                         if axes})
+    return replay(ctx, operands, layouts, refs=[square])
