@@ -26,7 +26,7 @@ from gspmd_tf.registry import register_op
 from gspmd_tf.runtime.function import Function, function, lower
 from gspmd_tf.runtime.lowered import Collective, Lowered
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
-from gspmd_tf.runtime.variables import Variable, save_checkpoint
+from gspmd_tf.runtime.variables import Variable, restore_checkpoint, save_checkpoint
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.visualize import visualize_sharding
 
@@ -35,5 +35,6 @@ __all__ = ["AUTO", "Collective", "Function", "Lowered", "Mesh", "P", "PartitionS
            "context_parallel_attention",
            "Variable", "function", "initialize_cluster", "keras", "lower", "mesh_split",
            "pipeline", "pipeline_layer_order", "pipeline_schedule",
-           "pipeline_value_and_grad", "propagation_barrier", "register_op", "ring_attention",
-           "save_checkpoint", "sharding_group", "ulysses_attention", "visualize_sharding"]
+           "pipeline_value_and_grad", "propagation_barrier", "register_op",
+           "restore_checkpoint", "ring_attention", "save_checkpoint", "sharding_group",
+           "ulysses_attention", "visualize_sharding"]

@@ -10,10 +10,15 @@ otherwise. A group of several axes runs at its slowest link.
 
 Who reads it: the reshard planner ranks plans by `collective_seconds` (spmd/planner.py),
 the all-reduce combiner merges all-reduces below `combine_threshold_bytes` (the size
-below which latency dominates; spmd/combine.py), and `compute_seconds` is the compute
-side a backend choice or a scheduler weighs against it. A backend states what it emits:
-`native_reduce_scatter` False (the default, what TF's collectives do: an all-reduce and a
-local slice, twice the traffic of a ring reduce-scatter) or True.
+below which latency dominates; spmd/combine.py), the opt-in backend choice compares a
+program's seconds on each backend's model (backends/auto.py) and the local backend's
+scheduler orders nodes by when their inputs are ready (backends/schedule.py), both by
+`compute_seconds` and `collective_seconds` per node (backends/base.py `node_seconds`).
+Each backend supplies its model (Backend.cost_model): what it emits
+(`native_reduce_scatter` False, what TF's collectives do: an all-reduce and a local
+slice, twice the traffic of a ring reduce-scatter; True where it does a true one) and
+what its kernels compute at (TF's kernels one kernel launch per op; XLA:CPU's compiled
+segments none per op but slower dots and convolutions).
 
 This module imports only mesh-level code, so every stage may read it.
 """
@@ -61,6 +66,20 @@ CROSS_WORKER = Link(latency=2.5e-3, bandwidth=2.0 ** 26)
 # per small einsum; the smaller: a floor).
 MULTIPLY_ADDS_PER_SECOND = 1.1e10
 KERNEL_SECONDS = 1.1e-5
+# Elements an op without multiply-adds (elementwise, data movement) produces per second:
+# not measured; priced as one multiply-add each, the weight the scheduler gave them.
+ELEMENTS_PER_SECOND = MULTIPLY_ADDS_PER_SECOND
+# XLA:CPU's compiled segments, against TF's oneDNN kernels on the same devices (RESULTS
+# §14.9, §14.11): the FFN train steps, whose time is their dots, ran 1.4-1.67x slower
+# under XLA at widths 64-256 (2.1x at 512): dots at 1/1.5 of TF's rate; the ResNet50 step
+# 2.6x slower: convolutions at 1/2.6. An op inside a segment launches no kernel of its
+# own (XLA_SEGMENT_KERNEL_SECONDS). With TF's 11 us per kernel, a program of dots
+# averaging 2 x 11e-6 x 1.1e10 = 2.4e5 multiply-adds per op costs the same either way:
+# between the Transformer LM (<= 2.1e5, faster under XLA) and the narrow FFN (4.4e5,
+# slower), the crossover §14.11 measured.
+XLA_CPU_MULTIPLY_ADDS_PER_SECOND = MULTIPLY_ADDS_PER_SECOND / 1.5
+XLA_CPU_CONVOLUTION_MULTIPLY_ADDS_PER_SECOND = MULTIPLY_ADDS_PER_SECOND / 2.6
+XLA_SEGMENT_KERNEL_SECONDS = 0.0
 
 KINDS = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 
@@ -84,17 +103,23 @@ class CostModel:
 
     `axis_sizes` maps each mesh axis to its size, `links` each axis to its Link (axes not
     listed are intra-process). `native_reduce_scatter`: whether the backend emits a true
-    reduce-scatter (else an all-reduce and a slice). Immutable and hashable: the planner's
-    caches key on it. Build one for a mesh with `CostModel.for_mesh`.
+    reduce-scatter (else an all-reduce and a slice). Compute: `multiply_adds_per_second`
+    of dots, `convolution_multiply_adds_per_second` of convolutions (None: the dots'),
+    `elements_per_second` an op without multiply-adds produces, `kernel_seconds` per
+    kernel launched. Immutable and hashable: the planner's caches key on it. Build one
+    for a mesh with `CostModel.for_mesh`.
     """
 
     __slots__ = ("axis_sizes", "links", "native_reduce_scatter", "multiply_adds_per_second",
+                 "convolution_multiply_adds_per_second", "elements_per_second",
                  "kernel_seconds", "_key", "_hash")
 
     def __init__(self, axis_sizes: Mapping[str, int], links: Mapping[str, Link] | None = None,
                  native_reduce_scatter: bool = False,
                  multiply_adds_per_second: float = MULTIPLY_ADDS_PER_SECOND,
-                 kernel_seconds: float = KERNEL_SECONDS):
+                 kernel_seconds: float = KERNEL_SECONDS,
+                 convolution_multiply_adds_per_second: float | None = None,
+                 elements_per_second: float = ELEMENTS_PER_SECOND):
         links = dict(links or {})
         unknown = set(links) - set(axis_sizes)
         if unknown:
@@ -102,17 +127,27 @@ class CostModel:
                                 f"mesh axes {list(axis_sizes)}")
         sizes = tuple((a, int(n)) for a, n in axis_sizes.items())
         link_of = tuple((a, links.get(a, INTRA_PROCESS)) for a, _ in sizes)
-        for name, value in (("multiply_adds_per_second", multiply_adds_per_second),
-                            *((f"{a}'s bandwidth", l.bandwidth) for a, l in link_of)):
+        if convolution_multiply_adds_per_second is None:
+            convolution_multiply_adds_per_second = multiply_adds_per_second
+        rates = (("multiply_adds_per_second", multiply_adds_per_second),
+                 ("convolution_multiply_adds_per_second",
+                  convolution_multiply_adds_per_second),
+                 ("elements_per_second", elements_per_second))
+        for name, value in (*rates, *((f"{a}'s bandwidth", l.bandwidth) for a, l in link_of)):
             if not value > 0:
                 raise ShardingError(f"CostModel: {name} is {value!r}; give a rate above 0")
+        if not kernel_seconds >= 0:
+            raise ShardingError(f"CostModel: kernel_seconds is {kernel_seconds!r}; give "
+                                "seconds >= 0")
         object.__setattr__(self, "axis_sizes", dict(sizes))
         object.__setattr__(self, "links", dict(link_of))
         object.__setattr__(self, "native_reduce_scatter", bool(native_reduce_scatter))
-        object.__setattr__(self, "multiply_adds_per_second", float(multiply_adds_per_second))
+        for name, value in rates:
+            object.__setattr__(self, name, float(value))
         object.__setattr__(self, "kernel_seconds", float(kernel_seconds))
         object.__setattr__(self, "_key", (sizes, link_of, self.native_reduce_scatter,
-                                          self.multiply_adds_per_second, self.kernel_seconds))
+                                          *(float(value) for _, value in rates),
+                                          self.kernel_seconds))
         object.__setattr__(self, "_hash", hash(self._key))  # every planner cache lookup
 
     @classmethod
@@ -171,10 +206,15 @@ class CostModel:
         return (latency_weight * link.latency
                 + self.wire_bytes(kind, operand_bytes, axes) / link.bandwidth)
 
-    def compute_seconds(self, multiply_adds: float, kernels: int = 1) -> float:
-        """Seconds one device takes for `multiply_adds` in `kernels` TF kernels (each
-        with a fixed launch cost)."""
-        return kernels * self.kernel_seconds + multiply_adds / self.multiply_adds_per_second
+    def compute_seconds(self, multiply_adds: float, kernels: int = 1,
+                        convolution: bool = False, elements: float = 0) -> float:
+        """Seconds one device takes for `multiply_adds` (of a convolution when
+        `convolution`: at its rate) and `elements` produced without multiply-adds, in
+        `kernels` kernels (each with a fixed launch cost)."""
+        rate = (self.convolution_multiply_adds_per_second if convolution
+                else self.multiply_adds_per_second)
+        return (kernels * self.kernel_seconds + multiply_adds / rate
+                + elements / self.elements_per_second)
 
     def combine_threshold_bytes(self, axes: Sequence | None = None) -> int:
         """The all-reduce size (operand bytes per device) below which latency dominates:

@@ -278,9 +278,9 @@ def multiply_adds(node, in_shapes: Sequence) -> int:
     return int(cost(node, in_shapes))
 
 
-# Random ops XLA draws other numbers for than TF's kernels, also those no entry
-# declares (any op whose name says it draws): both backends must give the same numbers.
-_RANDOM_WORDS = ("Random", "Multinomial", "TruncatedNormal")
+# Random ops XLA draws other numbers for than TF's kernels (each declares it: the random
+# families of spmd/handlers/basic.py, the others beside them): both backends must give
+# the same numbers.
 RANDOM_NUMERICS = "a random op (XLA draws other numbers than TF's kernel)"
 # XLA's max and min propagate NaN; TF's CPU kernels of these ops do not
 # (tests/test_nonfinite.py; fuzzer seed 46, RESULTS §14.11)
@@ -291,14 +291,10 @@ INTEGER_DIVISION = "XLA divides integers by zero otherwise than TF's kernel"
 
 def xla_numerics_differ(node, operand_dtype) -> Optional[str]:
     """Why XLA computes other values than TF's kernel for `node` (its first operand of
-    dtype `operand_dtype`, None without operands), or None: the entry's xla_numerics,
-    and for an op no entry speaks for, a random op's other numbers."""
+    dtype `operand_dtype`, None without operands), or None: the entry's xla_numerics
+    (None for an op whose entry declares none)."""
     differs = op_def(node.op).xla_numerics
-    if differs is not None:
-        return differs(node, operand_dtype)
-    if any(word in node.op for word in _RANDOM_WORDS):
-        return RANDOM_NUMERICS
-    return None
+    return None if differs is None else differs(node, operand_dtype)
 
 
 def on_floats(reason):

@@ -11,9 +11,10 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from gspmd_tf.backends import auto, segments
+from gspmd_tf.backends import auto
 from gspmd_tf.backends.local import LocalBackend
 from gspmd_tf.backends.xla import XlaBackend
+from gspmd_tf.cost_model import CostModel
 from gspmd_tf.runtime.function import DEFAULT_BACKEND, backend_factory
 from util import assert_close, explicitly_padded_input_gradient, randn, single_device
 
@@ -79,35 +80,61 @@ def test_small_program_on_cpus_is_compiled_by_xla(rng, caplog):
 
 
 def test_matmul_heavy_program_on_cpus_stays_on_tf_kernels(rng, caplog):
-    """Dots of DOT_PER_OP multiply-adds or more per program op: the local backend."""
+    """Dots whose XLA:CPU slowdown outweighs the kernel launches compiling saves (the
+    cost model's estimate): the local backend."""
     mesh = gt.Mesh.create((2,), ("x",))
     # per device: (256 / 2) x 512 x 256 = 2^24 multiply-adds over a handful of ops
     args = [randn(rng, 256, 512), randn(rng, 512, 256)]
     got, want, chosen = run_auto(tf.matmul, mesh, args, (P("x", None), None), caplog)
-    assert "LocalBackend" in chosen and "per op" in chosen, chosen
+    assert "LocalBackend" in chosen and "faster than compiling" in chosen, chosen
     assert_close(got[0], want[0])
 
 
-def test_large_convolution_stays_on_tf_kernels_among_cheap_ops(rng, caplog):
-    """A convolution of CONVOLUTION multiply-adds per device or more sends the program to
-    the local backend even where its dots per op are few."""
-    mesh = gt.Mesh.create((2,), ("x",))
-
+def _conv_then_elementwise(layers):
+    """A SAME 2-D convolution followed by `layers` of cheap elementwise ops."""
     def conv_then_elementwise(image, kernel):
         y = tf.nn.conv2d(image, kernel, strides=1, padding="SAME")
-        for _ in range(12):  # cheap ops: the dots per op fall below DOT_PER_OP
+        for _ in range(layers):
             y = tf.nn.relu(y) * 0.5 + 0.25
         return y
+    return conv_then_elementwise
 
-    # per device: 16 x 16 x 32 outputs over 3 x 3 x 16 inputs: 1,179,648 >= 2^20
-    args = [randn(rng, 2, 16, 16, 16), randn(rng, 3, 3, 16, 32)]
-    f = gt.function(conv_then_elementwise, mesh=mesh, in_shardings=(P("x"), None))
-    program = f.lower(*args).compile().program
-    per_op = sum(segments.dot_multiply_adds(program).values()) / len(program.nodes)
-    assert per_op < auto.DOT_PER_OP, per_op
-    got, want, chosen = run_auto(conv_then_elementwise, mesh, args, (P("x"), None), caplog)
-    assert "LocalBackend" in chosen and "Conv2D" in chosen, chosen
+
+# per device: 16 x 16 x 32 outputs over 3 x 3 x 16 inputs: 1,179,648 multiply-adds
+CONV_SHAPES = ((2, 16, 16, 16), (3, 3, 16, 32))
+
+
+def test_large_convolution_among_few_ops_stays_on_tf_kernels(rng, caplog):
+    """A convolution whose XLA:CPU slowdown outweighs the launches of the few ops around
+    it: the local backend."""
+    mesh = gt.Mesh.create((2,), ("x",))
+    args = [randn(rng, *shape) for shape in CONV_SHAPES]
+    got, want, chosen = run_auto(_conv_then_elementwise(2), mesh, args, (P("x"), None),
+                                 caplog)
+    assert "LocalBackend" in chosen, chosen
     assert_close(got[0], want[0])
+
+
+def test_the_choice_moves_with_the_backends_cost_models():
+    """The same program (a large convolution among many cheap ops) compiles on the
+    default models and stays on TF's kernels where XLA's convolutions are priced 10x
+    slower or TF's kernel launches free."""
+    mesh = gt.Mesh.create((2,), ("x",))
+    specs = [tf.TensorSpec(shape) for shape in CONV_SHAPES]
+    program = gt.function(_conv_then_elementwise(12), mesh=mesh,
+                          in_shardings=(P("x"), None)).lower(*specs).compile().program
+    models = {cls: cls(mesh).cost_model for cls in (LocalBackend, XlaBackend)}
+    assert auto.choose(mesh, program, models)[0] is XlaBackend
+    xla = models[XlaBackend]
+    slow_convolutions = CostModel.for_mesh(
+        mesh, multiply_adds_per_second=xla.multiply_adds_per_second,
+        convolution_multiply_adds_per_second=xla.convolution_multiply_adds_per_second / 10,
+        kernel_seconds=xla.kernel_seconds)
+    assert auto.choose(mesh, program, {**models, XlaBackend: slow_convolutions})[0] \
+        is LocalBackend
+    free_launches = CostModel.for_mesh(mesh, kernel_seconds=0.0)
+    assert auto.choose(mesh, program, {**models, LocalBackend: free_launches})[0] \
+        is LocalBackend
 
 
 def test_small_convolution_is_compiled(rng, caplog):
@@ -177,4 +204,4 @@ def test_auto_counts_the_dots_inside_loop_bodies(rng):
     program = gt.lower(loop, mesh, (P("x", None), None), args=args).program.graph
     assert not any(node.op == "MatMul" for node in program.nodes)
     cls, reason = auto.choose(mesh, program)
-    assert cls is LocalBackend and "per op" in reason, reason
+    assert cls is LocalBackend and "faster than compiling" in reason, reason

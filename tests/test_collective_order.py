@@ -54,7 +54,7 @@ def test_ready_order_prefetches_weight_gathers(mesh, rng):
     values = _weights(rng, 3, 16, 32)
     f, _ = _fsdp_function(mesh, values, ASYNC)
     program = f.lower(tf.TensorSpec((8, 16))).program.graph
-    order = schedule.ready_order(program)
+    order = schedule.ready_order(program, LocalBackend(mesh).cost_model)
     assert sorted(order) == list(range(len(program.nodes)))
     position = {index: k for k, index in enumerate(order)}
     for index, node in enumerate(program.nodes):

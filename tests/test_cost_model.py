@@ -3,6 +3,7 @@ the devices, seconds per collective kind, reduce-scatter as the backend emits it
 the combiner's threshold; and the planner and combiner reading it."""
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -10,6 +11,9 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf import cost_model
+from gspmd_tf.backends import base, schedule
+from gspmd_tf.backends.local import LocalBackend
+from gspmd_tf.backends.xla import XlaBackend
 from gspmd_tf.cost_model import CROSS_WORKER, INTRA_PROCESS, CostModel, Link
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import SubAxis
@@ -172,3 +176,96 @@ def test_a_backends_native_reduce_scatter_brings_back_xlas_plan():
     np.testing.assert_equal(planner.plan_estimate(src, Layout((("model",), ())), (16, 32),
                                                   tf.float32, mesh, native),
                             planner.seconds(steps, native))
+
+
+class _ModelledBackend(LocalBackend):
+    """The local backend, its cost model built with `options` (CostModel.for_mesh)."""
+
+    def __init__(self, mesh, copy_collectives=True, **options):
+        super().__init__(mesh, copy_collectives=copy_collectives)
+        self.options = options
+
+    @property
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities,
+                                   cost_model=CostModel.for_mesh(self.mesh, **self.options))
+
+
+def _modelled(copy_collectives=True, **options):
+    """A backend factory (mesh -> backend) of _ModelledBackend."""
+    return lambda mesh: _ModelledBackend(mesh, copy_collectives, **options)
+
+
+def test_the_local_backend_prices_its_copy_reduce_scatter_as_native():
+    """Copies among this process's CPU devices do a true reduce-scatter; TF's collective
+    ops (copy_collectives=False) an all-reduce and a slice."""
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+    assert LocalBackend(mesh).cost_model.native_reduce_scatter
+    assert XlaBackend(mesh).cost_model.native_reduce_scatter
+    assert not LocalBackend(mesh, copy_collectives=False).cost_model.native_reduce_scatter
+
+
+def _partial_sum_to_split(x, w):
+    """x @ w summed over the split contraction dim, wanted split over "model"."""
+    return tf.matmul(x, w)
+
+
+def test_the_planner_reads_the_backends_cost_model(rng):
+    """A partial sum over both axes wanted split over "model": a reduce-scatter over
+    "model" and an all-reduce over "data" on a backend whose model has a native
+    reduce-scatter (XLA's plan), one all-reduce (and a slice) where it has not; the
+    values equal single-device TF either way."""
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+    args = [rng.standard_normal((16, 16)).astype(np.float32),
+            rng.standard_normal((16, 32)).astype(np.float32)]
+    want = tf.matmul(*args).numpy()
+    for native, kinds in ((True, ["reduce-scatter", "all-reduce"]), (False, ["all-reduce"])):
+        f = gt.function(_partial_sum_to_split, mesh=mesh,
+                        in_shardings=(P(None, ("data", "model")), P(("data", "model"))),
+                        out_shardings=(P("model"),),
+                        backend=_modelled(native_reduce_scatter=native))
+        assert [c.kind for c in f.lower(*args).collectives()] == kinds
+        np.testing.assert_allclose(f(*args).numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_combiner_reads_the_backends_cost_model():
+    """TF's collective ops (no copies): 8 gradient all-reduces of 192 KiB merge below the
+    model's latency-bound size (256 KiB in one process) and stay apart on a model of
+    links with a tenth of the latency."""
+    def f(x, *gs):
+        return [tf.matmul(x, g, transpose_a=True) for g in gs]
+
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+    specs = [tf.TensorSpec((1024, 64))] + [tf.TensorSpec((1024, 768))] * 8
+    counts = {}
+    for latency in (INTRA_PROCESS.latency, INTRA_PROCESS.latency / 10):
+        fast = Link(latency, INTRA_PROCESS.bandwidth)
+        low = gt.function(f, mesh=mesh, in_shardings=(P("data"),) * 9,
+                          out_shardings=(P(),) * 8,
+                          backend=_modelled(copy_collectives=False, intra=fast)).lower(*specs)
+        counts[latency] = len(low.collectives())
+    assert counts == {INTRA_PROCESS.latency: 1, INTRA_PROCESS.latency / 10: 8}
+
+
+def test_the_scheduler_reads_the_cost_model():
+    """Two independent branches, each ending in a collective: a dot of many
+    multiply-adds (all-reduced) and a chain of elementwise kernels (all-gathered).
+    Launches priced high put the dot branch's collective first; multiply-adds priced
+    high, the elementwise branch's."""
+    def f(x, w, y):
+        for _ in range(6):
+            y = y * 2.0 + 1.0
+        return tf.matmul(x, w), y
+
+    mesh = gt.Mesh.create((2,), ("x",))
+    specs = [tf.TensorSpec((8, 64)), tf.TensorSpec((64, 64)), tf.TensorSpec((8, 64))]
+    program = gt.lower(f, mesh, (P(None, "x"), P("x", None), P("x")), args=specs,
+                       out_shardings=(P(), P())).program.graph
+
+    def collectives_in_order(**options):
+        order = schedule.ready_order(program, CostModel.for_mesh(mesh, **options))
+        return [program.nodes[i].op for i in order if program.nodes[i].op in base.COLLECTIVES]
+
+    assert collectives_in_order(kernel_seconds=1e-3) == ["gt.AllReduce", "gt.AllGather"]
+    assert collectives_in_order(kernel_seconds=0.0, multiply_adds_per_second=1e3) == \
+        ["gt.AllGather", "gt.AllReduce"]

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from util import check_partitioned
+from util import assert_close, check_partitioned, single_device
 
 P = gt.P
 NAN, INF = np.nan, np.inf
@@ -76,10 +76,13 @@ SPLITS = {
 }
 
 
-# TF's float32 Softmax kernel on CPUs with oneDNN puts NaN in lane-dependent places of a
-# row holding NaN/+Inf ([0..14, nan] -> NaN at 0 and 15, 0 elsewhere; [0..15, nan] -> NaN
-# at 15 and 16), which no partition of the row can reproduce; its Eigen kernel (float64,
-# float16, or float32 without oneDNN) makes such a row NaN. That is the reference here.
+# TF's float32 Softmax kernel on CPUs with oneDNN (TF_ENABLE_ONEDNN_OPTS=1, as conftest
+# asks) puts NaN in lane-dependent places of a row holding NaN/+Inf ([0..14, nan] -> NaN
+# at 0 and 15, 0 elsewhere; [0..15, nan] -> NaN at 15 and 16), which no partition of the
+# row can reproduce; its Eigen kernel (float64, float16, or float32 without oneDNN, TF's
+# default on CPUs it does not tune oneDNN for) makes such a row NaN, as the softmax of a
+# row whose sum is NaN is. That is the reference here (test_softmax_of_a_split_row_...
+# pins both).
 REFERENCES = {"softmax": lambda x: tf.cast(tf.nn.softmax(tf.cast(x, tf.float64)), x.dtype)}
 
 
@@ -91,6 +94,31 @@ def test_nonfinite_values_match_single_device(op, split, n):
     mesh = gt.Mesh.create(shape, axes)
     x = special_rows(n, np.random.default_rng(n))
     check_partitioned(OPS[op], (x,), mesh, (spec,), reference=REFERENCES.get(op))
+
+
+def test_softmax_of_a_split_row_with_nan_or_inf_is_nan_across_it_as_eigens_kernel():
+    """Over a split row, softmax is NaN across every row holding NaN or +Inf (and every
+    all -Inf row), exactly where TF's Eigen kernels (float64, float16) put NaN; finite
+    rows equal single-device float32. Where single-device float32 differs, it is
+    oneDNN's kernel: its NaNs are a subset of those, placed by SIMD lane (rolling the
+    row moves them otherwise than the values), so no partition reproduces them."""
+    mesh = gt.Mesh.create((8,), ("x",))
+    x = special_rows(16, np.random.default_rng(16))
+    got = gt.function(tf.nn.softmax, mesh=mesh, in_shardings=(P(None, "x"),))(x).numpy()
+    nan_rows = np.isnan(x).any(1) | np.isposinf(x).any(1) | np.isneginf(x).all(1)
+    np.testing.assert_array_equal(np.isnan(got), np.repeat(nan_rows[:, None], 16, 1))
+    for dtype in (tf.float64, tf.float16):
+        eigen = tf.nn.softmax(tf.cast(x, dtype)).numpy()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(eigen), err_msg=dtype.name)
+    single = single_device(tf.nn.softmax, (x,))[0]
+    assert_close(got[~nan_rows], single[~nan_rows])
+    if np.array_equal(np.isnan(single), np.isnan(got)):
+        return  # float32 on Eigen's kernel (oneDNN off): equal everywhere
+    assert (np.isnan(got) | ~np.isnan(single)).all()  # oneDNN's NaNs: a subset
+    row = x[1]  # one NaN, at the start
+    rolled = [np.roll(np.isnan(single_device(tf.nn.softmax, (np.roll(row, k)[None],))[0][0]),
+                      -k) for k in range(16)]
+    assert any(not np.array_equal(r, rolled[0]) for r in rolled), "NaNs follow the values"
 
 
 SEGMENT_LAYOUTS = {  # data, ids, result

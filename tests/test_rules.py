@@ -305,9 +305,16 @@ def text(*shape):
 # special functions are elementwise (broadcasting from the right): unary ones, binary
 # ones, the ternary Betainc (equal shapes or scalars), integer and complex ones
 SPECIAL_UNARY = {"BesselI0e": f32, "BesselI1e": f32, "Ndtri": f32, "Erfinv": f32,
-                 "Invert": i32, "PopulationCount": i32, "ComplexAbs": c64}
+                 "Invert": i32, "PopulationCount": i32, "ComplexAbs": c64,
+                 **dict.fromkeys("""BesselI0 BesselI1 BesselJ0 BesselJ1 BesselK0 BesselK0e
+                 BesselK1 BesselK1e BesselY0 BesselY1 Expint FresnelCos FresnelSin Spence
+                 DebugGradientIdentity FakeQuantWithMinMaxArgs""".split(), f32)}
+# binary ones of equal shapes (no broadcasting)
+SPECIAL_SAME_SHAPES = {"InvGrad", "ApproximateEqual", "FakeQuantWithMinMaxArgsGradient"}
 SPECIAL_ROWS = [(op, raw(op), [SPECIAL_UNARY[op](4, 6)], SAME_2D)
                 if op in SPECIAL_UNARY else
+                (op, raw(op), [f32(4, 6)] * 2, "([i, j], [i, j])->([i, j]) {i=4, j=6}")
+                if op in SPECIAL_SAME_SHAPES else
                 (op, raw(op), [f32(4, 6)] * 3, "([i, j], [i, j], [i, j])->([i, j]) {i=4, j=6}")
                 if op == "Betainc" else
                 (op, raw(op), [(i32 if op == "Mod" else f32)(4, 1, 6),
@@ -374,18 +381,20 @@ FAMILY_ROWS = [
      " need_replication={j, k, l, m, n, o}"),
     ("Cholesky", tf.linalg.cholesky, [f32(3, 4, 4)],
      "([i, j, k])->([i, l, m]) {i=3, j=4, k=4, l=4, m=4} need_replication={j, k, l, m}"),
-    # images: batch and channels pass, height and width whole
+    # bilinear and nearest resizes: every dim passes, height and width each one factor of
+    # the image and the resized image (halo exchange, windowed.resize); the gradients alike
     *[(op, lambda x, op=op: getattr(tf.raw_ops, op)(images=x, size=[6, 8]),
-       [f32(2, 3, 4, 5)], f"({PAIRED}, _)->([i, m, n, j]) {{i=2, j=5, k=3, l=4, m=6, n=8}}"
-       " need_replication={k, l, m, n}")
-      for op in ("ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic")],
+       [f32(2, 3, 4, 5)], "([i, j, k, l], _)->([i, j, k, l]) {i=2, j=6, k=8, l=5}")
+      for op in ("ResizeBilinear", "ResizeNearestNeighbor")],
     ("ResizeBilinearGrad", lambda g, x: tf.raw_ops.ResizeBilinearGrad(grads=g, original_image=x),
      [f32(2, 6, 8, 5), f32(2, 3, 4, 5)],
-     f"({PAIRED}, [i, m, n, j])->([i, o, p, j]) {{i=2, j=5, k=6, l=8, m=3, n=4, o=3, p=4}}"
-     " need_replication={k, l, m, n, o, p}"),
+     "([i, j, k, l], [i, j, k, l])->([i, j, k, l]) {i=2, j=6, k=8, l=5}"),
     ("ResizeNearestNeighborGrad",
      lambda g: tf.raw_ops.ResizeNearestNeighborGrad(grads=g, size=[3, 4]), [f32(2, 6, 8, 5)],
-     f"({PAIRED}, _)->([i, m, n, j]) {{i=2, j=5, k=6, l=8, m=3, n=4}}"
+     "([i, j, k, l], _)->([i, j, k, l]) {i=2, j=6, k=8, l=5}"),
+    # other images ops: batch and channels pass, height and width whole
+    ("ResizeBicubic", lambda x: tf.raw_ops.ResizeBicubic(images=x, size=[6, 8]),
+     [f32(2, 3, 4, 5)], f"({PAIRED}, _)->([i, m, n, j]) {{i=2, j=5, k=3, l=4, m=6, n=8}}"
      " need_replication={k, l, m, n}"),
     ("AdjustContrastv2", lambda x: tf.image.adjust_contrast(x, 2.0), [f32(2, 3, 4, 5)],
      f"({PAIRED}, _)->([i, m, n, j]) {{i=2, j=5, k=3, l=4, m=3, n=4}}"
@@ -407,13 +416,13 @@ FAMILY_ROWS = [
      "([i, k, l, m, j], [i, n, o, p, j], [i, q, r, s, j])->([i, t, u, v, j])"
      " {i=2, j=3, k=6, l=8, m=8, n=3, o=4, p=4, q=6, r=8, s=8, t=3, u=4, v=4}"
      " need_replication={k, l, m, n, o, p, q, r, s, t, u, v}"),
+    # the diagonal: rows pass, columns whole (the handler cuts them to the row block)
+    ("DiagPart", raw("DiagPart"), [f32(4, 4)], "([i, j])->([i]) {i=4, j=4} need_replication={j}"),
     # every input whole
     ("StringFormat", lambda x: tf.strings.format("{}", x), [f32(4, 6)],
      "([i, j])->([]) {i=4, j=6} need_replication={i, j}"),
     ("InvertPermutation", raw("InvertPermutation"), [i32(5)],
      "([i])->([j]) {i=5, j=5} need_replication={i, j}"),
-    ("DiagPart", raw("DiagPart"), [f32(4, 4)],
-     "([i, j])->([k]) {i=4, j=4, k=4} need_replication={i, j, k}"),
     # Python functions: inputs whole, run once per call (handlers/py_functions.py)
     *[(op, python_function(call), [f32(4, 6)],
        "([i, j])->([k, l]) {i=4, j=6, k=4, l=6} need_replication={i, j, k, l}")

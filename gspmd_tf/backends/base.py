@@ -6,7 +6,7 @@ a Compiled: called with inputs[i][d] (the shard of program input i on device id 
 returns outputs[j][d]; cost_analysis(), memory() and as_text() describe it without
 running it. The backends are peers behind this protocol (backends/__init__.py):
 LocalBackend (every op on TF's kernels), XlaBackend (the compute between collectives
-compiled by XLA), AutoBackend (one of the two per program, by multiply-adds) and
+compiled by XLA), AutoBackend (one of the two per program, by their cost models) and
 XlaBridgeBackend (the TPU route: the whole annotated global program, compiled by XLA
 behind TF's bridge; capabilities.whole_program).
 """
@@ -20,10 +20,11 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
+from gspmd_tf.cost_model import CostModel
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
 from gspmd_tf.graph.text import program_text
-from gspmd_tf.registry import multiply_adds
+from gspmd_tf.registry import CONVOLUTION, has_trait, multiply_adds
 
 INPUT = "gt.Input"
 SHARD_INDEX = "gt.ShardIndex"
@@ -33,6 +34,10 @@ REDUCE_SCATTER = "gt.ReduceScatter"
 ALL_TO_ALL = "gt.AllToAll"
 PERMUTE = "gt.Permute"
 COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, PERMUTE)
+# the collective kind (XLA's name, as cost_model and gt.Collective name them) of each op
+COLLECTIVE_KINDS = {ALL_REDUCE: "all-reduce", ALL_GATHER: "all-gather",
+                    REDUCE_SCATTER: "reduce-scatter", ALL_TO_ALL: "all-to-all",
+                    PERMUTE: "collective-permute"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,11 @@ class Capabilities:
         see registry.xla_numerics_differ).
     whole_program: compiles the whole global program for XLA's SPMD partitioner (the
         annotated graph, runtime/annotated.GlobalProgram; global values in and out),
-        not the per-device SPMD program."""
+        not the per-device SPMD program.
+    cost_model: the backend's CostModel of its mesh (gspmd_tf/cost_model.py: its links,
+        native_reduce_scatter, its kernels' compute rates), which the partitioner's
+        planner and combiner, the opt-in backend choice and the scheduler read; None:
+        CostModel.for_mesh with this record's native_reduce_scatter."""
 
     copy_collectives: bool
     several_workers: bool
@@ -61,6 +70,7 @@ class Capabilities:
     native_reduce_scatter: bool
     semantics: str
     whole_program: bool = False
+    cost_model: Optional[CostModel] = None
 
 
 class Backend(abc.ABC):
@@ -90,6 +100,17 @@ class Backend(abc.ABC):
         errors.
         """
 
+    @property
+    def cost_model(self) -> CostModel:
+        """The one model every cost decision about this backend's programs reads: its
+        capabilities' cost_model, else CostModel.for_mesh(mesh) with its
+        native_reduce_scatter."""
+        capabilities = self.capabilities
+        if capabilities.cost_model is not None:
+            return capabilities.cost_model
+        return CostModel.for_mesh(self.mesh,
+                                  native_reduce_scatter=capabilities.native_reduce_scatter)
+
     def all_reduce_combine_bytes(self, in_region: bool) -> Optional[int]:
         """The largest all-reduce (operand bytes per device) the partitioner's combiner
         should merge with others (spmd/combine.py) in this backend's programs: at the
@@ -100,10 +121,8 @@ class Backend(abc.ABC):
         and combining only adds a flatten, a concat, a split and a reshape per member
         (benchmarks/RESULTS.md §14.10). TF's collectives (bodies, other devices,
         several workers) keep the combiner's default."""
-        if in_region or not self.capabilities.copy_collectives or \
-                not self.mesh.is_fully_addressable:
-            return None
-        if mesh_device_kinds(self.mesh) == {"CPU"}:
+        if not in_region and collectives_are_copies(self.mesh,
+                                                    self.capabilities.copy_collectives):
             return 0
         return None
 
@@ -137,6 +156,15 @@ class Compiled(abc.ABC):
     def as_text(self) -> str:
         """The SPMD program as text (program_text)."""
         return program_text(self.program)
+
+
+def collectives_are_copies(mesh, copy_collectives: bool) -> bool:
+    """Whether a backend emitting copy collectives when `copy_collectives` makes the
+    collectives outside control-flow bodies on `mesh` copies (every device a CPU of this
+    process): an all-reduce one AddN, a reduce-scatter a true one (each member sums its
+    chunk); TF's collective ops otherwise (a reduce-scatter an all-reduce and a slice)."""
+    return bool(copy_collectives) and mesh.is_fully_addressable and \
+        mesh_device_kinds(mesh) == {"CPU"}
 
 
 def mesh_device_kinds(mesh) -> set:
@@ -185,6 +213,33 @@ def nodes_with_graphs(graph: Graph):
 def node_multiply_adds(graph: Graph, node) -> int:
     """registry.multiply_adds of `node`, its input shapes read from `graph`."""
     return multiply_adds(node, [graph.shape(ref) for ref in node.inputs])
+
+
+def node_seconds(graph: Graph, node, model: CostModel) -> float:
+    """Seconds one device spends on `node` (its input shapes read from `graph`) by
+    `model`: a collective's collective_seconds over its axes (a permute: its pairs, no
+    axes); a program input or shard index nothing; any other op one kernel, its
+    multiply-adds (registry.multiply_adds; a CONVOLUTION op at the convolution rate)
+    or, without any, the elements it produces."""
+    if node.op in COLLECTIVES:
+        operand = node.inputs[0]
+        return model.collective_seconds(
+            COLLECTIVE_KINDS[node.op], _bytes(graph.shape(operand), graph.dtype(operand)),
+            tuple(node.params.get("axes", ())))
+    if node.op in (INPUT, SHARD_INDEX):
+        return 0.0
+    count = node_multiply_adds(graph, node)
+    if count:
+        return model.compute_seconds(count, convolution=has_trait(node.op, CONVOLUTION))
+    return model.compute_seconds(0, elements=sum(
+        math.prod(shape) for shape in node.out_shapes
+        if shape is not None and None not in shape))
+
+
+def program_seconds(program: Graph, model: CostModel) -> float:
+    """Seconds one device spends on `program` by `model`: node_seconds summed over its
+    nodes and its bodies' (each body once)."""
+    return sum(node_seconds(graph, node, model) for graph, node in nodes_with_graphs(program))
 
 
 def _bytes(shape, dtype):

@@ -10,6 +10,7 @@ parts concurrently. CompiledProgram is that function, called with per-device sha
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -21,6 +22,7 @@ from tensorflow.python.eager.polymorphic_function import attributes as function_
 from gspmd_tf.backends import base, collectives, schedule
 from gspmd_tf.backends.emitter import DeviceEmitter
 from gspmd_tf.backends.tf_kernels import call_attrs
+from gspmd_tf.cost_model import CostModel
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.ir import Graph, walk
@@ -95,18 +97,22 @@ class LocalBackend(base.Backend):
         GradientTape does not record the call.
         """
         settings = self.settings
-        order = schedule.ready_order if settings.async_collectives else schedule.program_order
+        order = (functools.partial(schedule.ready_order, model=self.cost_model)
+                 if settings.async_collectives else schedule.program_order)
         return CompiledProgram(self.mesh, program, settings.collective_timeout, name, order,
                                settings.copy_collectives, settings.replicated_once)
 
     @property
     def capabilities(self) -> base.Capabilities:
         """Op by op on TF's kernels, any worker's devices; collectives among this
-        process's CPU devices are copies with copy_collectives."""
+        process's CPU devices are copies with copy_collectives, a reduce-scatter among
+        them a true one (each member sums its chunk): native_reduce_scatter there."""
+        native = base.collectives_are_copies(self.mesh, self.settings.copy_collectives)
         return base.Capabilities(
             copy_collectives=self.settings.copy_collectives, several_workers=True,
             compiles_segments=False, device_kinds=frozenset(base.mesh_device_kinds(self.mesh)),
-            native_reduce_scatter=False, semantics="tf")
+            native_reduce_scatter=native, semantics="tf",
+            cost_model=CostModel.for_mesh(self.mesh, native_reduce_scatter=native))
 
 
 class CompiledProgram(base.Compiled):

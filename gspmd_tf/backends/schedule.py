@@ -11,7 +11,8 @@ behind every collective created before it, and those wait for the compute their 
 need.
 
 `ready_order` emits the program in the order of an estimate of when each node can start
-(the heaviest path to it from the program's inputs, each node weighted by its work), so
+(the heaviest path to it from the program's inputs, each node weighted by its seconds
+on the backend's cost model, base.node_seconds), so
 the collectives are chained by when their operands are ready: a weight's all-gather
 whose variable read is ready at the start goes first, overlapping the compute before
 its use, instead of after the collectives of the layers before. It is one order
@@ -32,9 +33,11 @@ from __future__ import annotations
 
 import heapq
 
-import numpy as np
 import tensorflow as tf
+
 from gspmd_tf.backends import base
+from gspmd_tf.cost_model import CostModel
+from gspmd_tf.graph.ir import Graph
 from gspmd_tf.registry import is_stateful
 
 def program_order(program):
@@ -42,11 +45,12 @@ def program_order(program):
     return range(len(program.nodes))
 
 
-def ready_order(program):
-    """The nodes' indices in the order of start_times (program order on ties), the
-    chained nodes (see the module docstring) in program order among themselves."""
+def ready_order(program: Graph, model: CostModel) -> list:
+    """The nodes' indices in the order of start_times on `model` (program order on
+    ties), the chained nodes (see the module docstring) in program order among
+    themselves."""
     nodes = program.nodes
-    start = start_times(program)
+    start = start_times(program, model)
     needs = [set([ref.node for ref in node.inputs] + list(node.control_inputs))
              for node in nodes]
     previous = None
@@ -85,24 +89,14 @@ def _chained(program, node):
     return is_stateful(node.op)
 
 
-def start_times(program):
+def start_times(program: Graph, model: CostModel) -> list:
     """Per node, the estimated time its inputs are ready: the heaviest path to them
-    from the program's inputs, a node weighing its work (node_work)."""
+    from the program's inputs, a node weighing its seconds on `model`
+    (base.node_seconds: compute, or a collective's latency and bytes)."""
     start = [0.0] * len(program.nodes)
     done = [0.0] * len(program.nodes)
     for index, node in enumerate(program.nodes):
         start[index] = max([done[ref.node] for ref in node.inputs] +
                            [done[c] for c in node.control_inputs], default=0.0)
-        done[index] = start[index] + node_work(program, node)
+        done[index] = start[index] + base.node_seconds(program, node, model)
     return start
-
-
-def node_work(program, node):
-    """A rough cost of `node`: the multiply-adds of a dot or convolution (the op's
-    contract, registry.multiply_adds), else the elements it produces (a collective:
-    those it moves)."""
-    count = base.node_multiply_adds(program, node)
-    if count:
-        return count
-    return sum(int(np.prod(shape, dtype=np.int64)) for shape in node.out_shapes
-               if shape is not None and None not in shape)

@@ -40,6 +40,9 @@ from gspmd_tf.backends import base, segments
 from gspmd_tf.backends.emitter import cpu_replica_classes
 from gspmd_tf.backends.local import CompiledProgram, EmissionSettings
 from gspmd_tf.backends.tf_kernels import set_shapes, tf_op_emitter
+from gspmd_tf.cost_model import (XLA_CPU_CONVOLUTION_MULTIPLY_ADDS_PER_SECOND,
+                                 XLA_CPU_MULTIPLY_ADDS_PER_SECOND, XLA_SEGMENT_KERNEL_SECONDS,
+                                 CostModel)
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.registry import ASSIGNS_VARIABLE, READS_VARIABLE, has_trait
 from gspmd_tf.graph.ir import Graph, Ref
@@ -84,10 +87,12 @@ class XlaBackend(base.Backend):
     def capabilities(self) -> base.Capabilities:
         """Compiled segments, this process's devices only; XLA's rounding, TF's values
         where XLA's kernels differ (those ops run op by op)."""
+        native = base.collectives_are_copies(self.mesh, self.settings.copy_collectives)
         return base.Capabilities(
             copy_collectives=self.settings.copy_collectives, several_workers=False,
             compiles_segments=True, device_kinds=frozenset(base.mesh_device_kinds(self.mesh)),
-            native_reduce_scatter=False, semantics="xla")
+            native_reduce_scatter=native, semantics="xla",
+            cost_model=xla_cost_model(self.mesh, native))
 
     def compile(self, program: Graph, name: Optional[str] = None) -> CompiledProgram:
         """The CompiledProgram of `program` (as LocalBackend.compile), following a
@@ -105,6 +110,17 @@ class XlaBackend(base.Backend):
                                copy_collectives=self.settings.copy_collectives,
                                replicated_once=self.settings.replicated_once,
                                segment_compiler=plan)
+
+
+def xla_cost_model(mesh, native_reduce_scatter: bool) -> CostModel:
+    """The XLA backend's CostModel of `mesh`: its links, `native_reduce_scatter`, and
+    XLA:CPU's compiled segments' compute (cost_model.py: slower dots and convolutions
+    than TF's kernels, no kernel launch per op)."""
+    return CostModel.for_mesh(
+        mesh, native_reduce_scatter=native_reduce_scatter,
+        multiply_adds_per_second=XLA_CPU_MULTIPLY_ADDS_PER_SECOND,
+        convolution_multiply_adds_per_second=XLA_CPU_CONVOLUTION_MULTIPLY_ADDS_PER_SECOND,
+        kernel_seconds=XLA_SEGMENT_KERNEL_SECONDS)
 
 
 class SegmentPlan:

@@ -19,6 +19,8 @@ channels] (or channels first), windows over the spatial dims, an output y. Facto
 
 MirrorPad and MirrorPadGrad: a padded dim is one factor shared by x and y, PASS-like as a
 Pad's (its result blocks read mirrored ranges of the operand; MirrorPadParams).
+ResizeBilinear, ResizeNearestNeighbor and their gradients likewise: height and width
+each one factor shared by the image and the resized image (resize; ResizeDim params).
 
 Every windowed op's rule carries a WindowedParams (OpRule.params): the geometry and layout
 its emitter needs. The op types these builders serve, with their parameters, are declared
@@ -330,4 +332,50 @@ def mirror_pad(ctx: RuleContext, grad) -> Optional[OpRule]:
             b.put(yd, d, b.factor(m, REPLICATE))
     rule = b.done({0: yd if grad else xd}, [xd if grad else yd])
     rule.params = MirrorPadParams(tuple(dims), mode == "SYMMETRIC")
+    return rule
+
+
+@dataclass(frozen=True)
+class ResizeDim:
+    """One resized dim of an image op: its index, its size `n` in the image and `out`
+    in the resized image."""
+
+    dim: int
+    n: int
+    out: int
+
+
+def resize(ctx: RuleContext, grad: bool) -> Optional[OpRule]:
+    """ResizeBilinear / ResizeNearestNeighbor x [B, H, W, C] -> y [B, h, w, C], or their
+    gradients dy [B, h, w, C] -> dx [B, H, W, C] (`grad`; ResizeBilinearGrad's second
+    input, the original image, read for its shape, aligned with dx). Batch and channels
+    pass; height and width each one factor shared by the image and the resized image,
+    PASS-like (each result block reads a contiguous range of its operand: the handler
+    exchanges halos, gspmd_tf/spmd/handlers/resize.py); whole where either size is 1.
+    OpRule.params: the ResizeDims of the two spatial dims."""
+    operand, result = ctx.in_shapes[0], ctx.out_shapes[0]
+    if len(operand) != 4 or len(result) != 4 or None in operand or None in result:
+        return None
+    image, resized = (result, operand) if grad else (operand, result)
+    b = _Builder(len(ctx.in_shapes))
+    xd, yd = b.tensor(image), b.tensor(resized)
+    dims = []
+    for d in range(4):
+        n, m = image[d], resized[d]
+        if d in (0, 3) or n == m:
+            f = b.factor(n)
+        elif n > 1 and m > 1:
+            f = b.factor(max(n, m))
+            dims.append(ResizeDim(d, int(n), int(m)))
+        else:
+            b.put(xd, d, b.factor(n, REPLICATE))
+            b.put(yd, d, b.factor(m, REPLICATE))
+            continue
+        b.put(xd, d, f)
+        b.put(yd, d, f)
+    operands = {0: yd if grad else xd}
+    if grad and ctx.node.op == "ResizeBilinearGrad":
+        operands[1] = list(xd)
+    rule = b.done(operands, [xd if grad else yd])
+    rule.params = tuple(dims)
     return rule

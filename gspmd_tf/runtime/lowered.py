@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 
+from gspmd_tf.backends.base import COLLECTIVE_KINDS
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
 from gspmd_tf.graph.text import program_text
@@ -97,11 +98,6 @@ class Collective:
     def reason(self) -> str:
         """Why: a gspmd_tf.spmd.provenance.REASONS code ("" when unknown)."""
         return self.origins[0].reason if self.origins else ""
-
-
-_KIND = {"gt.AllReduce": "all-reduce", "gt.AllGather": "all-gather",
-         "gt.ReduceScatter": "reduce-scatter", "gt.AllToAll": "all-to-all",
-         "gt.Permute": "collective-permute"}
 
 
 class Lowered:
@@ -201,7 +197,7 @@ class Lowered:
                                for row in self.mesh.groups(node.params["axes"]))
             size = int(np.prod(shape, dtype=np.int64)) * dtype.size
             origins = self.program.origins.get(node.name, ())
-            out.append(Collective(_KIND[node.op], tuple(shape), dtype, size, groups,
+            out.append(Collective(COLLECTIVE_KINDS[node.op], tuple(shape), dtype, size, groups,
                                   tuple(node.params.get("axes", ())),
                                   tuple(self._origin(o, size if len(origins) == 1 else o.bytes)
                                         for o in origins)))

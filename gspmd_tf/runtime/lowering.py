@@ -198,11 +198,12 @@ def _propagate_and_partition(graph, seeds, out_layouts, options, knobs=None):
     log.info("gspmd_tf: %s propagated from %d annotations (%.1f s)", name, len(seeds),
              propagated - start)
     out_layouts = [l or propagation.layout(r) for l, r in zip(out_layouts, graph.outputs)]
-    # the backend says which all-reduces are worth combining (an abstract mesh runs none)
-    combine_bytes = (None if mesh.is_abstract
-                     else options.backend_factory(mesh).all_reduce_combine_bytes)
+    # the backend says which all-reduces are worth combining and prices every choice
+    # with its cost model (an abstract mesh runs none: CostModel.for_mesh)
+    backend = None if mesh.is_abstract else options.backend_factory(mesh)
     program = partition(graph, mesh, propagation, out_layouts, options.windowed_einsum,
-                        combine_bytes, annotated=frozenset(seeds))
+                        backend and backend.all_reduce_combine_bytes,
+                        backend and backend.cost_model, annotated=frozenset(seeds))
     partitioned = time.perf_counter()
     log.info("gspmd_tf: %s partitioned: %d ops in the SPMD program (%.1f s)", name,
              len(program.graph.nodes), partitioned - propagated)

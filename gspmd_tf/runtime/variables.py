@@ -19,6 +19,7 @@ restores it on any number of workers.
 from __future__ import annotations
 
 import os
+import re
 import weakref
 
 import numpy as np
@@ -369,8 +370,9 @@ def save_checkpoint(checkpoint, prefix):
     into `prefix`_parts/; the first worker merges the parts into the one checkpoint
     `prefix` (TF's MergeV2Checkpoints keeps every slice), and all return once it exists.
     `prefix` must be on a filesystem every worker sees. `checkpoint.read(prefix)` (or
-    restore) then restores it on any number of workers, mesh or spec, or into plain
-    tf.Variables: each variable reads only the slices its devices hold.
+    restore, or gt.restore_checkpoint: errors naming what to change) then restores it
+    on any number of workers, mesh or spec, or into plain tf.Variables: each variable
+    reads only the slices its devices hold.
     """
     global _saving_own_shards
     joined = cluster.current()
@@ -392,6 +394,46 @@ def save_checkpoint(checkpoint, prefix):
         gen_io_ops.merge_v2_checkpoints(written, prefix, delete_old_dirs=True)
     collectives.barrier()
     return prefix
+
+
+def restore_checkpoint(checkpoint, prefix):
+    """checkpoint.read(prefix) (a tf.train.Checkpoint of gt.Variables, tf.Variables or
+    any trackables); returns its status. A checkpoint that does not fit raises a
+    ShardingError naming the file, the entry and what to change, TF's error its cause:
+    no files at `prefix`, a corrupt file, or an entry whose stored shape or dtype is not
+    its variable's.
+
+    On one process a failed restore changes no variable: TF reads every entry of the
+    checkpoint, checking each stored shape and dtype against the slice its variable
+    reads (a gt.Variable's shards read as slices of the full shape), before any value
+    is written. On a cluster each worker reads its own entries.
+    """
+    try:
+        return checkpoint.read(prefix)
+    except tf.errors.NotFoundError as error:
+        raise ShardingError(
+            f"no checkpoint at {prefix!r} ({_first_line(error)}): give the prefix "
+            "checkpoint.write (or gt.save_checkpoint) returned, e.g. "
+            "tf.train.latest_checkpoint(directory)") from error
+    except tf.errors.DataLossError as error:
+        raise ShardingError(
+            f"checkpoint {prefix!r} is corrupt ({_first_line(error)}): restore from an "
+            "intact copy, or save it again") from error
+    except tf.errors.InvalidArgumentError as error:
+        entry = re.search(r"tensor_name = ([^;\s]+)", error.message or "")
+        what = (f"its entry {entry.group(1).split('/.ATTRIBUTES/')[0]!r}" if entry
+                else "an entry")
+        raise ShardingError(
+            f"checkpoint {prefix!r}: {what} does not fit the variable restoring it "
+            f"({_first_line(error)}): restore into a variable of the saved shape and "
+            "dtype (create it with the shape the checkpoint holds, then reshard or "
+            "reshape it), or save the checkpoint again from these variables") from error
+
+
+def _first_line(error):
+    """The first line of a TF error's message without TF's function-node prefix."""
+    message = (error.message or str(error)).strip().splitlines()[0]
+    return re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", message)
 
 
 def _write_own_shards(checkpoint, part):

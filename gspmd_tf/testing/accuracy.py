@@ -179,10 +179,32 @@ def summed_magnitude(tf, tensor):
     if op.type in _CROSS_ENTROPY and tensor.value_index == 0:
         return tf.cast(cross_entropy_magnitude(tf, op), tensor.dtype)
     if (op.type in _SUMMING or op.type == "Sub") and len(op.outputs) == 1:
-        inputs = [tf.abs(t) if t.dtype.is_floating else t for t in op.inputs]
+        inputs = [term_magnitude(tf, t) if t.dtype.is_floating else t for t in op.inputs]
         attrs = {k: v for k, v in op.node_def.attr.items() if not k.startswith("_")}
         return op.graph.create_op("AddV2" if op.type == "Sub" else op.type, inputs,
                                   [tensor.dtype], attrs=attrs).outputs[0]
+    return tf.abs(tensor)
+
+
+def term_magnitude(tf, tensor):
+    """The magnitude a summed term `tensor` carries: |tensor|, but for a softmax's
+    gradient, (grad - sum(grad * softmax)) * softmax (TF's _SoftmaxGrad, maybe negated),
+    the magnitude of what it cancels, (|grad| + sum|grad * softmax|) * softmax: the sum
+    over the softmax axis is off by up to n*eps times that in any order, and a split
+    softmax axis sums it in another order. Its terms cancel to 0 in real arithmetic where
+    the input broadcast over the softmax axis (seed 7 #13: the gradient of
+    softmax(x1 - x0), x1 of one column: TF 4.7e-9, gspmd-tf -1.1e-7, sum|grad * softmax|
+    about 1)."""
+    op = tensor.op
+    if op.type == "Neg":
+        return term_magnitude(tf, op.inputs[0])
+    if op.type == "Mul" and len(op.inputs) == 2:
+        for k in (0, 1):
+            difference, softmax = op.inputs[k], op.inputs[1 - k]
+            if softmax.op.type == "Softmax" and difference.op.type == "Sub":
+                grad = difference.op.inputs[0]
+                cancelled = tf.reduce_sum(tf.abs(grad * softmax), -1, keepdims=True)
+                return (tf.abs(grad) + cancelled) * softmax
     return tf.abs(tensor)
 
 

@@ -124,10 +124,26 @@ def sum_of_everything(ctx: RuleContext) -> OpRule:
     return rule
 
 
+def diagonal_part(ctx: RuleContext) -> Optional[OpRule]:
+    """DiagPart x [d1..dk, d1..dk] -> [d1..dk]: dim i of x and of the result share a
+    factor (each device reads the diagonal of its rows: the handler slices the matching
+    columns), x's dims k..2k-1 whole (a mesh axis splits one dim of a tensor, so no
+    layout holds just the diagonal blocks)."""
+    shape = ctx.in_shapes[0]
+    half = len(shape) // 2
+    if len(shape) != 2 * half or tuple(shape[:half]) != tuple(shape[half:]):
+        return None
+    rule = OpRule()
+    rows = passing_dims(rule, shape[:half])
+    rule.operands = [rows + tuple(whole_dims(rule, n) for n in shape[half:])]
+    rule.results = [rows]
+    return rule
+
+
 def all_whole(ctx: RuleContext) -> OpRule:
     """Ops that need every data input and result whole (StringFormat formats whole
-    tensors, InvertPermutation inverts one permutation, DiagPart reads the diagonal
-    across both halves of its dims; RngReadAndSkip's state is a scalar resource):
+    tensors, InvertPermutation inverts one permutation; RngReadAndSkip's state is a
+    scalar resource):
     each dim a REPLICATE factor, non-numeric resource inputs not data."""
     rule = OpRule()
 

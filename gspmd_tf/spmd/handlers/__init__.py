@@ -12,7 +12,7 @@ replayed on local shapes (`replay`) is exact. Importing this package loads them 
 # every module declares its families when imported
 from gspmd_tf.spmd.handlers import (basic, batch_norm, conv, einsum, gather,  # noqa: F401
                                     grads, linalg, normalize, py_functions, replayed,
-                                    reshape, roll, segment, slicing, tensor_lists)
+                                    reshape, resize, roll, segment, slicing, tensor_lists)
 from gspmd_tf.spmd.handlers.basic import replay
 
 __all__ = ["replay"]

@@ -112,6 +112,16 @@ STATEFUL_RANDOM = ["RandomUniform", "RandomStandardNormal", "TruncatedNormal",
                    "RandomUniformInt"]
 
 
+# the other random ops (no rule: they run replicated, drawing what one device draws) and
+# a random op's seed machinery (key, counter and algorithm: XLA's default algorithm is
+# not TF's kernel's)
+OTHER_RANDOM = """Multinomial ParameterizedTruncatedNormal RandomCrop RandomGamma
+RandomGammaGrad RandomIndexShuffle RandomPoisson RandomPoissonV2 RandomShuffle
+StatefulRandomBinomial StatefulTruncatedNormal StatelessRandomGetAlg
+StatelessRandomGetKeyCounter StatelessRandomGetKeyCounterAlg""".split()
+declare(OTHER_RANDOM, xla_numerics=always(RANDOM_NUMERICS))
+
+
 @op_family("Const", rules.source)
 @op_family(STATELESS_RANDOM, rules.source, xla_numerics=always(RANDOM_NUMERICS))
 def whole_then_sliced(ctx, operands, layouts, attrs=None):

@@ -1,5 +1,5 @@
 """Slice, StridedSlice, Pad, PadV2 and MirrorPad(Grad) with a split dim whose size they
-change.
+change; DiagPart with split rows.
 
 Such a dim is a window of one element (stride s, low padding -first element read for a
 slice, the pad amount for a pad: rules/slices.py), so the method is that of the
@@ -25,15 +25,15 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from gspmd_tf import _halo
-from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules, windowed
+from gspmd_tf.propagation.rules import batched
 from gspmd_tf.propagation.windowed import Geometry
 from gspmd_tf.registry import op_family
 from gspmd_tf.spmd.handlers.basic import local_shapes, masked_refs, replay
 from gspmd_tf.spmd.handlers.grads import index_dtype
-from gspmd_tf.spmd.handlers.windows import (extend_and_slice, halos_worth_it, mask_edges,
-                                            per_shard, prepare_input)
+from gspmd_tf.spmd.handlers.windows import (affine_start, extend_and_slice, mask_edges,
+                                            operand_window, pad_dims, per_shard,
+                                            prepare_input, range_plan, slice_dims)
 
 
 def _windowed_input(ctx, operands, layouts, fill, index=0):
@@ -202,11 +202,7 @@ class _MirrorPlan:
         self.useful = useful
         self.per = -(-m.n // self.k)
         n = m.n + m.pad_lo + m.pad_hi if grad else m.n  # the operand's size
-        self.whole = not operand_split
-        self.plan = _halo.range_plan(starts, span, n, self.k, self.whole, useful)
-        if not self.whole and not halos_worth_it(self.plan, self.k):
-            self.whole = True
-            self.plan = _halo.range_plan(starts, span, n, self.k, True, useful)
+        self.plan, self.whole = range_plan(starts, span, n, self.k, operand_split, useful)
 
     @property
     def split(self):
@@ -255,16 +251,32 @@ def mirror_pad(ctx, operands, layouts):
     original = ctx.inputs[0]
     plans = [_MirrorPlan(ctx.mesh, m, layouts[0].dims[m.dim], grad, params.symmetric,
                          bool(original.layout.dims[m.dim])) for m in dims]
-    x = operands[0]
-    whole = {p.dim for p in plans if p.whole}
-    wanted = Layout(tuple(() if d in whole else a for d, a in enumerate(x.layout.dims)),
-                    x.layout.partial, x.layout.reduce_op)
-    if wanted != x.layout:
-        refs[0] = masked_refs(ctx, [ctx.reshard(original, wanted)] + operands[1:])[0]
-    window = extend_and_slice(ctx.b, refs[0], plans, lambda p: p.dim)
+    window = operand_window(ctx, operands, plans)
     for p in plans:
         window = p.local(ctx.b, window)
     paddings = np.array(ctx.graph.const_value(ctx.node.inputs[1]))
     paddings[[m.dim for m in dims]] = 0
     refs[0], refs[1] = window, ctx.b.const(paddings)
     return replay(ctx, operands, layouts, refs=refs)
+
+
+@op_family("DiagPart", batched.diagonal_part)
+def diagonal_part(ctx, operands, layouts):
+    """DiagPart with split rows: each device's columns cut to its own row block (padded
+    to whole blocks first), then the TF op on the square block: the diagonal of the
+    rows this device holds."""
+    x = operands[0]
+    b = ctx.b
+    half = len(x.shape) // 2
+    rows = x.layout.dims[:half]
+    if not any(rows):
+        return replay(ctx, operands, layouts)
+    block = x.layout.local_shape(ctx.mesh, x.shape)[:half]
+    ref = pad_dims(b, x.ref, {half + i: (0, block[i] * ctx.mesh.axes_size(axes) - n)
+                              for i, (axes, n) in enumerate(zip(rows, x.shape[:half]))
+                              if axes})
+    starts = {half + i: affine_start(b, axes, block[i], 0)
+              for i, axes in enumerate(rows) if axes}
+    square = slice_dims(b, ref, starts, {half + i: block[i] for i, axes in enumerate(rows)
+                                         if axes})
+    return replay(ctx, operands, layouts, refs=[square])

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from gspmd_tf import _halo
 from gspmd_tf.layout import Layout
+from gspmd_tf.spmd.handlers.basic import masked_refs
 from gspmd_tf.spmd.reshard import exchange_halo
 
 
@@ -187,6 +188,34 @@ def _extend_and_slice_uncached(b, ref, dims_plans, dim_of):
     # the zeros after every exchange: a later dim's halos carry the earlier dims' halos
     # (the corners) but not their padding, which is zeros on every device anyway
     return slice_dims(b, pad_dims(b, ref, pads), starts, sizes)
+
+
+def range_plan(starts, span, n, k, operand_split, useful):
+    """(plan, whole) of per-shard reads [starts[i], starts[i] + span) of an operand dim
+    of `n` elements whose result is split `k` ways: a halo-exchange range plan
+    (gspmd_tf._halo.range_plan) where the operand is split and halos cost less than
+    gathering (halos_worth_it), else the dim whole (`whole` True)."""
+    whole = not operand_split
+    plan = _halo.range_plan(starts, span, n, k, whole, useful)
+    if not whole and not halos_worth_it(plan, k):
+        whole = True
+        plan = _halo.range_plan(starts, span, n, k, True, useful)
+    return plan, whole
+
+
+def operand_window(ctx, operands, plans):
+    """Operand 0 with each planned dim (`plans`: range plans with `dim`, `axes`,
+    `split`, `whole`, `plan`) whole where its plan is (resharded from the op's input),
+    its padding masked (masked_refs), then extended and sliced to the range this shard
+    reads (extend_and_slice)."""
+    x = operands[0]
+    whole = {p.dim for p in plans if p.whole}
+    wanted = Layout(tuple(() if d in whole else a for d, a in enumerate(x.layout.dims)),
+                    x.layout.partial, x.layout.reduce_op)
+    if wanted != x.layout:
+        x = ctx.reshard(ctx.inputs[0], wanted)
+    ref = masked_refs(ctx, [x] + list(operands[1:]))[0]
+    return extend_and_slice(ctx.b, ref, plans, lambda p: p.dim)
 
 
 def _offset(b, dp):
