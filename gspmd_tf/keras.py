@@ -130,8 +130,9 @@ def _shard_variable(kvar, mesh, spec, what):
     old = getattr(kvar, "_value", None)
     if old is None:  # not created yet (deferred); sharded when it exists
         return False
-    rank = len(kvar.shape)
-    layout = Layout.from_spec(mesh, spec, rank, what)
+    # compared as the variable stores it (a size-1 dim unsplit), so a variable already
+    # taken over is kept: steps traced earlier read it
+    layout = Variable.layout_for(mesh, spec, tuple(kvar.shape), what)
     if _is_sharded(kvar, mesh, layout):
         return False
     value = old.numpy()
