@@ -39,7 +39,7 @@ from gspmd_tf.runtime.function import function as _gt_function
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable
 
-__all__ = ["shard_model", "layout_of", "lowered"]
+__all__ = ["shard_model", "layout_of", "lowered", "take_over"]
 
 
 # --------------------------------------------------------------------------- layout map
@@ -69,8 +69,10 @@ class _Rules:
                     from None
             self.items.append((key, _as_spec(key, value)))
 
-    def lookup(self, path):
-        """(key, spec) for a variable path, or (None, None) when no key matches."""
+    def lookup(self, variable):
+        """(key, spec) for a keras variable by its path, or (None, None) when no key
+        matches."""
+        path = variable.path
         for key, spec in self.items:
             if key == path:
                 return key, spec
@@ -83,6 +85,7 @@ class _Rules:
 
 
 def _as_spec(key, value):
+    """A PartitionSpec from a layout_map value (`key` names it in errors)."""
     if value is None:
         return PartitionSpec()
     if isinstance(value, PartitionSpec):
@@ -212,7 +215,7 @@ class _MeshModel:
         model_vars = list(model.variables)
         replicated, matched, specs = [], set(), {}
         for v in model_vars:
-            key, spec = self.rules.lookup(v.path)
+            key, spec = self.rules.lookup(v)
             if key is None:
                 spec = PartitionSpec()
                 replicated.append(v.path)
@@ -372,9 +375,15 @@ def lowered(model, kind="train", data=None):
     without it, the step of the last batch that ran.
     """
     state = getattr(model, "_gt_keras", None)
+    if state is None and hasattr(model, "make_train_function"):
+        # a model a keras.distribution applies to is taken over when Keras makes its
+        # step functions (gspmd_tf.keras_distribution)
+        model.make_train_function()
+        state = getattr(model, "_gt_keras", None)
     if state is None:
         raise ShardingError(f"model {getattr(model, 'name', model)!r} is not sharded: call "
-                            "gt.keras.shard_model(model, mesh, layout_map) first")
+                            "gt.keras.shard_model(model, mesh, layout_map) first, or build "
+                            "it under a keras.distribution")
     if kind not in ("train", "test", "predict"):
         raise ShardingError(f"kind {kind!r}: use 'train', 'test' or 'predict'")
     if data is not None:
@@ -445,6 +454,13 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
     optimizer after re-compiling) are sharded before the first step that uses them.
     Calling shard_model again moves the model to another mesh or layout.
     """
+    return take_over(model, _as_mesh(mesh, layout_map), _Rules(layout_map), batch_spec)
+
+
+def take_over(model, mesh: Mesh, rules, batch_spec) -> "keras.Model":
+    """shard_model's work once the layout source is known: `rules.lookup(variable)`
+    gives (what decided, PartitionSpec or None for replicated) of a model variable, and
+    `rules.items` the (key, spec) pairs to warn about when they match no variable."""
     import keras  # the installed Keras 3
     if keras.backend.backend() != "tensorflow":
         raise ShardingError(f"gt.keras needs Keras' TensorFlow backend, but Keras runs on "
@@ -456,9 +472,8 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
             "use gt.function with gt.Variables")
     batch_spec = batch_spec if isinstance(batch_spec, PartitionSpec) \
         else PartitionSpec(*(batch_spec or ()))
-    mesh = _as_mesh(mesh, layout_map)
     Layout.from_spec(mesh, batch_spec, len(batch_spec), "batch_spec")  # checks axis names
-    state = _MeshModel(model, mesh, _Rules(layout_map), batch_spec)
+    state = _MeshModel(model, mesh, rules, batch_spec)
     state.shard_variables()
     object.__setattr__(model, "_gt_keras", state)
     for name, fn in (("make_train_function", _make_train_function),
