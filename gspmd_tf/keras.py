@@ -25,7 +25,6 @@ This module imports Keras only inside shard_model, never at import time.
 
 from __future__ import annotations
 
-import re
 import types
 import warnings
 
@@ -34,6 +33,7 @@ import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
+from gspmd_tf.layout_map import LayoutRules
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime.function import function as _gt_function
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
@@ -42,61 +42,7 @@ from gspmd_tf.runtime.variables import Variable
 __all__ = ["shard_model", "layout_of", "lowered", "take_over"]
 
 
-# --------------------------------------------------------------------------- layout map
-
-class _Rules:
-    """layout_map as Keras' LayoutMap reads it: an exact key wins; otherwise every key is
-    a regex tried with re.fullmatch on the variable path, and two matching keys are an
-    error. Values: PartitionSpec, tuple/list of axis names, keras TensorLayout or None
-    (replicated)."""
-
-    def __init__(self, layout_map):
-        self.items = []
-        if layout_map is None:
-            return
-        if not hasattr(layout_map, "items"):
-            raise ShardingError(
-                f"layout_map must be a dict or keras.distribution.LayoutMap mapping variable "
-                f"path regexes to PartitionSpecs, got {type(layout_map).__name__}")
-        for key, value in layout_map.items():
-            if not isinstance(key, str):
-                raise ShardingError(f"layout_map key {key!r} is not a string (a regex on "
-                                    "variable paths such as 'dense_1/kernel')")
-            try:
-                re.compile(key)
-            except re.error as e:
-                raise ShardingError(f"layout_map key {key!r} is not a valid regex: {e}") \
-                    from None
-            self.items.append((key, _as_spec(key, value)))
-
-    def lookup(self, variable):
-        """(key, spec) for a keras variable by its path, or (None, None) when no key
-        matches."""
-        path = variable.path
-        for key, spec in self.items:
-            if key == path:
-                return key, spec
-        hits = [(key, spec) for key, spec in self.items if re.fullmatch(key, path)]
-        if len(hits) > 1:
-            raise ShardingError(
-                f"variable {path!r} matches several layout_map keys {[k for k, _ in hits]}; "
-                "make each variable path match at most one key")
-        return hits[0] if hits else (None, None)
-
-
-def _as_spec(key, value):
-    """A PartitionSpec from a layout_map value (`key` names it in errors)."""
-    if value is None:
-        return PartitionSpec()
-    if isinstance(value, PartitionSpec):
-        return value
-    if hasattr(value, "axes") and not isinstance(value, (tuple, list)):  # TensorLayout
-        return PartitionSpec(*value.axes)
-    if isinstance(value, (tuple, list)):
-        return PartitionSpec(*value)
-    raise ShardingError(f"layout_map[{key!r}] = {value!r}: expected a PartitionSpec, a tuple "
-                        "of mesh axis names, a keras TensorLayout or None")
-
+# --------------------------------------------------------------------------- meshes
 
 def _as_mesh(mesh, layout_map):
     """A gt.Mesh from a gt.Mesh, a keras DeviceMesh, or the LayoutMap's device_mesh."""
@@ -454,7 +400,7 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
     optimizer after re-compiling) are sharded before the first step that uses them.
     Calling shard_model again moves the model to another mesh or layout.
     """
-    return take_over(model, _as_mesh(mesh, layout_map), _Rules(layout_map), batch_spec)
+    return take_over(model, _as_mesh(mesh, layout_map), LayoutRules(layout_map), batch_spec)
 
 
 def take_over(model, mesh: Mesh, rules, batch_spec) -> "keras.Model":

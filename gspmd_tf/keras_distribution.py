@@ -36,6 +36,7 @@ from gspmd_tf import keras as gt_keras
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
+from gspmd_tf.layout_map import as_spec
 from gspmd_tf.mesh import Mesh, PartitionSpec, global_device_names
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.sharding import Sharding
@@ -143,7 +144,7 @@ class _VariableLayouts:
                 layout = distribution.get_variable_layout(variable)
         if layout is None:
             return None, None
-        return "distribution", gt_keras._as_spec(variable.path, layout)
+        return "distribution", as_spec(variable.path, layout)
 
 
 def _keras_distribution():
