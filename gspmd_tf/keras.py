@@ -91,6 +91,21 @@ def _shard_variable(kvar, mesh, spec, what):
     return True
 
 
+def _undivided_dims(mesh, layout, variable, is_model_variable):
+    """What happens to each dim of a model variable that its split does not divide: a
+    dim of size 1 stays whole (as gt.Variable stores it), a larger one is split
+    unevenly (the last shards padded)."""
+    if not is_model_variable:  # optimizer slots repeat their model variable's split
+        return []
+    found = []
+    for d, (n, axes) in enumerate(zip(variable.shape, layout.dims)):
+        parts = mesh.axes_size(axes)
+        if axes and n % parts:
+            found.append(f"{variable.path!r} dim {d} of size {n} over {axes} ({parts} "
+                         + ("devices): kept whole" if n <= 1 else "devices): split unevenly"))
+    return found
+
+
 def layout_of(variable):
     """The PartitionSpec a (keras or gt) variable is sharded with, or None if not sharded."""
     value = getattr(variable, "_value", variable)
@@ -144,6 +159,7 @@ class _MeshModel:
         self.functions = {}  # (kind, structure) -> gt.Function
         self.last_batch = {}  # kind -> (gt.Function, TensorSpecs) of its last step
         self.warned = False
+        self.reported = set()  # undivided splits already warned about
 
     # ---------------------------------------------------------------- variables
     def shard_variables(self):
@@ -187,8 +203,11 @@ class _MeshModel:
                 seen.add(id(v))
                 plan.append((v, PartitionSpec(), f"metric variable {v.path!r}"))
 
+        undivided = []
         for v, spec, what in plan:  # check everything first
-            Layout.from_spec(mesh, spec, len(v.shape), what)
+            layout = Layout.from_spec(mesh, spec, len(v.shape), what)
+            undivided += _undivided_dims(mesh, layout, v, id(v) in specs)
+        self._report_undivided(undivided)
         for v, spec, what in plan:
             _shard_variable(v, mesh, spec, what)
         if optimizer is not None and optimizer.built:
@@ -205,6 +224,17 @@ class _MeshModel:
                 f"model {model.name!r}; these variables stay replicated: {replicated} "
                 f"(all variable paths: {[v.path for v in model_vars]})", UserWarning,
                 stacklevel=3)
+
+    def _report_undivided(self, undivided):
+        """Warn once per variable about splits its dims do not divide."""
+        new = [text for text in undivided if text not in self.reported]
+        if new:
+            self.reported.update(new)
+            warnings.warn(
+                f"gt.keras: model {self.model.name!r}: layout splits that do not divide the "
+                "dim: " + "; ".join(new) + ". The model still computes exactly; give these "
+                "dims a split that divides them to spread their memory evenly",
+                UserWarning, stacklevel=4)
 
     def _prepare(self, kind, data):
         """Before the first step on a new batch structure: let Keras build whatever is
