@@ -61,8 +61,9 @@ def test_slots_of_many_operand_ops():
 
 def test_identity_n_over_forty_tensors_keeps_every_inputs_split(caplog):
     """A rule of more factors than any fixed limit (IdentityN of 40 matrices: 80 factors,
-    as a Keras optimizer step's IdentityN has hundreds) propagates like any other: every
-    result keeps its input's split and no op is reported without a rule."""
+    as a Keras optimizer step's IdentityN has hundreds) propagates and partitions like any
+    other: every result keeps its input's split, nothing moves, and no op is reported
+    without a rule."""
     mesh = gt.Mesh.create((2, 4), ("data", "model"))
     specs = [gt.P("model", None) if i % 2 else gt.P(None, "data") for i in range(40)]
 
@@ -73,4 +74,6 @@ def test_identity_n_over_forty_tensors_keeps_every_inputs_split(caplog):
     with caplog.at_level("WARNING", logger="gspmd_tf"):
         lowered = gt.lower(doubled_identities, mesh, in_shardings=specs, args=args)
     assert lowered.output_shardings == [gt.Sharding.from_spec(mesh, s, 2) for s in specs]
+    # each part of IdentityN keeps its own split, even where two parts use one mesh axis
+    assert lowered.collectives() == []
     assert "no partitioning rule" not in caplog.text

@@ -211,16 +211,21 @@ def _assign(mesh, rule, sources, kinds=None, start=None, pinned=()):
     """Factor axes taken greedily from `sources` (dims, layout) in order; factors in
     `pinned` keep what `start` gives them."""
     chosen = list(start) if start else [()] * len(rule.factor_sizes)
-    taken = {a for axes in chosen for a in axes}
+    # an axis is used once per group of factors that meet in tensors (once per op but
+    # in IdentityN-like ops of independent parts)
+    group = rule.independent_groups() or [0] * len(chosen)
+    taken = {}
+    for f, axes in enumerate(chosen):
+        taken.setdefault(group[f], set()).update(axes)
     for dims, layout in sources:
         for f, axes in _split_candidates(mesh, rule, dims, layout).items():
             kind = rule.factor_kinds[f]
             if (chosen[f] or not axes or kind == REPLICATE or f in pinned
                     or (kinds and kind not in kinds)):
                 continue
-            if taken.isdisjoint(axes):
+            if taken.setdefault(group[f], set()).isdisjoint(axes):
                 chosen[f] = tuple(axes)
-                taken.update(axes)
+                taken[group[f]].update(axes)
     _keep_sub_factors_exact(mesh, rule, chosen)
     return chosen
 
