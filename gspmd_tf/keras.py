@@ -353,9 +353,12 @@ def lowered(model, kind="train", data=None):
     state = getattr(model, "_gt_keras", None)
     if state is None and hasattr(model, "make_train_function"):
         # a model a keras.distribution applies to is taken over when Keras makes its
-        # step functions (gspmd_tf.keras_distribution)
+        # step functions (gspmd_tf.keras_distribution); any other is left as it was
+        keras_own = model.train_function
         model.make_train_function()
         state = getattr(model, "_gt_keras", None)
+        if state is None:
+            model.train_function = keras_own
     if state is None:
         raise ShardingError(f"model {getattr(model, 'name', model)!r} is not sharded: call "
                             "gt.keras.shard_model(model, mesh, layout_map) first, or build "

@@ -27,6 +27,7 @@ The steps then run as gt.functions; gt.keras.lowered(model, "train") shows them.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Optional
 
 import tensorflow as tf
@@ -209,8 +210,6 @@ def install() -> None:
     import keras
     if _installed or keras.backend.backend() != "tensorflow":
         return
-    import sys
-
     from keras.src import backend
     from keras.src.backend.tensorflow import core, trainer
     from keras.src.distribution import distribution_lib
