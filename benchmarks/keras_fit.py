@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
+from gspmd_tf.testing.keras_layouts import gpt2_megatron_layout_map  # noqa: E402
+
 MODEL = flags.DEFINE_enum("model", "gpt2", ["gpt2", "resnet50", "mobilenetv2"], "model")
 PATH = flags.DEFINE_enum("path", "distribution", ["distribution", "shard_model"],
                          "how the mesh run is set up")
@@ -74,14 +76,9 @@ def _model():
 def _layout_map(device_mesh):
     """Megatron's split of GPT-2; the image models are data parallel (an empty map)."""
     import keras
-    layout_map = keras.distribution.LayoutMap(device_mesh)
     if MODEL.value == "gpt2":
-        layout_map[".*self_attention/(query|key|value)/kernel"] = (None, "model", None)
-        layout_map[".*self_attention/(query|key|value)/bias"] = ("model", None)
-        layout_map[".*attention_output/kernel"] = ("model", None, None)
-        layout_map[".*feedforward_intermediate_dense/kernel"] = (None, "model")
-        layout_map[".*feedforward_output_dense/kernel"] = ("model", None)
-    return layout_map
+        return gpt2_megatron_layout_map(device_mesh)
+    return keras.distribution.LayoutMap(device_mesh)
 
 
 def _data(steps):

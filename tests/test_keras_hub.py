@@ -11,6 +11,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import gspmd_tf as gt  # noqa: E402
+from gspmd_tf.testing.keras_layouts import gpt2_megatron_layout_map  # noqa: E402
 
 keras = pytest.importorskip("keras")
 keras_hub = pytest.importorskip("keras_hub")
@@ -74,21 +75,10 @@ def _gpt2():
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
 
-def _gpt2_layout_map(device_mesh):
-    """GPT-2 publishes no map: Megatron's (heads and the MLP's inner dim over "model")."""
-    layout_map = kd.LayoutMap(device_mesh)
-    layout_map[".*self_attention/(query|key|value)/kernel"] = (None, "model", None)
-    layout_map[".*self_attention/(query|key|value)/bias"] = ("model", None)
-    layout_map[".*attention_output/kernel"] = ("model", None, None)
-    layout_map[".*feedforward_intermediate_dense/kernel"] = (None, "model")
-    layout_map[".*feedforward_output_dense/kernel"] = ("model", None)
-    return layout_map
-
-
 MODELS = {
     "gemma": (_gemma, keras_hub.models.GemmaBackbone.get_layout_map),
     "llama": (_llama, keras_hub.models.LlamaBackbone.get_layout_map),
-    "gpt2": (_gpt2, _gpt2_layout_map),
+    "gpt2": (_gpt2, gpt2_megatron_layout_map),  # GPT-2 publishes no map
     "qwen": (_qwen, keras_hub.models.QwenBackbone.get_layout_map),
     "qwen_moe": (_qwen_moe, keras_hub.models.QwenMoeBackbone.get_layout_map),
     "qwen3_moe": (_qwen3_moe, keras_hub.models.Qwen3MoeBackbone.get_layout_map),
