@@ -27,6 +27,7 @@ The steps then run as gt.functions; gt.keras.lowered(model, "train") shows them.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Optional
 
@@ -207,7 +208,12 @@ _installed = False
 def install() -> None:
     """Make this module Keras' distribution backend (the TF backend only; once)."""
     global _installed
-    import keras
+    if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
+        return  # another backend asked for: not even imported
+    try:
+        import keras
+    except ImportError:  # no Keras, or its configured backend is not installed
+        return
     if _installed or keras.backend.backend() != "tensorflow":
         return
     from keras.src import backend
