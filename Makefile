@@ -14,10 +14,13 @@ TESTS ?= tests
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt
+# requirements-nodeps.txt: packages whose declared dependencies would pull the full
+# `tensorflow` beside tensorflow-cpu (keras-hub, tf-keras), installed without them.
+$(VENV)/.installed: requirements.txt requirements-nodeps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -r requirements.txt
+	$(PY) -m pip install --no-deps -r requirements-nodeps.txt
 	touch $@
 
 # The stamp depends on the Cython sources, so editing a .pyx rebuilds its extension.

@@ -107,14 +107,14 @@ cdef object _const_id(object src, Py_ssize_t j, dict const_ids):
     return memo
 
 
-def encode_rules(list nodes, object has_rule, object make_rule, int max_factors):
+def encode_rules(list nodes, object has_rule, object make_rule):
     """The rules of `nodes` as the core's arrays.
 
     has_rule(op_type) says whether an op type has a rule builder; make_rule(index) builds
     the OpRule of node `index` (None: no rule). Returns (rules, ranks, tensor_base,
     slot_tensor, dim_factors, dim_counts, dim_uneven, factor_size, factor_kind, op_slots,
     op_factors, tensor_op_start, tensor_ops, slot_layer, op_node): `rules` per node (None
-    for ops without a rule or with more than `max_factors` factors), the rest int numpy
+    for ops without a rule), the rest int numpy
     arrays (see csrc/propagation.pyx; op_node[op] is the node index of core op `op`).
     """
     cdef Py_ssize_t n = len(nodes), i, k, d, f, op, num_tensors = 0
@@ -157,7 +157,7 @@ def encode_rules(list nodes, object has_rule, object make_rule, int max_factors)
         entry = cache.get(key)
         if entry is None:
             rule = make_rule(i)
-            if rule is None or len(rule.factor_sizes) > max_factors:
+            if rule is None:
                 entry = cache[key] = -1
             else:
                 encs.append(EncodedRule(rule))

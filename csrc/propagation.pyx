@@ -44,7 +44,6 @@ cimport numpy as cnp
 
 cdef enum:
     MAX_AXES = 4
-    MAX_FACTORS = 64
     REPLICATE = 2
 
 
@@ -78,29 +77,32 @@ cdef class _Propagator:
     cdef int[:, ::1] origin_slot
     cdef signed char[:, ::1] origin_layer
     cdef int layer  # the layer being run
-    # per-op scratch: the chosen axes of each factor and the slot that offered them
-    cdef signed char cand[MAX_FACTORS][MAX_AXES]
-    cdef int cand_n[MAX_FACTORS]
-    cdef int cand_src[MAX_FACTORS]
-    cdef long long cand_size[MAX_FACTORS]
+    # per-op scratch, one row per factor, sized for the op with the most factors (an op
+    # may have any number: IdentityN over a whole optimizer step has hundreds): the chosen
+    # axes of each factor and the slot that offered them
+    cdef signed char[:, ::1] cand
+    cdef int[::1] cand_n, cand_src
+    cdef long long[::1] cand_size
     # the candidates after _resolve: how many of each factor's axes it keeps
-    cdef int res_n[MAX_FACTORS]
+    cdef int[::1] res_n
+    # _resolve's input: the factors it must not consider (1), and its progress
+    cdef unsigned char[::1] done
 
     cdef void _offer(self, int f, const signed char* ax, int n, int s) noexcept nogil:
         """Merge candidate `ax` for factor f, offered by slot s (which holds all of `ax`)."""
         cdef long long size
         if n == 0:
             return
-        if _is_prefix(&self.cand[f][0], self.cand_n[f], ax, n):
+        if _is_prefix(&self.cand[f, 0], self.cand_n[f], ax, n):
             pass
-        elif _is_prefix(ax, n, &self.cand[f][0], self.cand_n[f]):
+        elif _is_prefix(ax, n, &self.cand[f, 0], self.cand_n[f]):
             return
         else:
             size = _size(ax, n, &self.axis_size[0])
             if size <= self.cand_size[f]:
                 return
         for k in range(n):
-            self.cand[f][k] = ax[k]
+            self.cand[f, k] = ax[k]
         self.cand_n[f] = n
         self.cand_src[f] = s
         self.cand_size[f] = _size(ax, n, &self.axis_size[0])
@@ -146,33 +148,32 @@ cdef class _Propagator:
                     if p != fsize:
                         break
 
-    cdef bint _resolve(self, int op, unsigned long long among) noexcept nogil:
-        """Give each axis to one of the factors in bit set `among` only (res_n[f]: how
+    cdef bint _resolve(self, int op) noexcept nogil:
+        """Give each axis to one of the factors with done[f] == 0 only (res_n[f]: how
         many of cand[f] factor f keeps): larger splits first, then the candidate of the
         earlier slot (as XLA prefers the first of equally specific operands). Returns
         whether some factor lost axes."""
         cdef int nfac = self.factor_start[op + 1] - self.factor_start[op]
-        cdef unsigned long long done = ~among
         cdef long long used = 0
         cdef int f, best, k
         cdef bint cut = False
         while True:
             best = -1
             for f in range(nfac):
-                if not (done >> f) & 1 and (best < 0 or self.cand_size[f] > self.cand_size[best] or (
+                if not self.done[f] and (best < 0 or self.cand_size[f] > self.cand_size[best] or (
                         self.cand_size[f] == self.cand_size[best]
                         and self.cand_src[f] < self.cand_src[best])):
                     best = f
             if best < 0:
                 return cut
-            done |= 1ULL << best
+            self.done[best] = 1
             self.res_n[best] = self.cand_n[best]
             for k in range(self.cand_n[best]):
-                if used & (1LL << self.cand[best][k]):
+                if used & (1LL << self.cand[best, k]):
                     self.res_n[best] = k
                     cut = True
                     break
-                used |= 1LL << self.cand[best][k]
+                used |= 1LL << self.cand[best, k]
 
     cdef bint _project(self, int op, bint cut) noexcept nogil:
         """Extend the op's unfixed tensors to the chosen factor axes. Where the op-wide
@@ -183,18 +184,18 @@ cdef class _Propagator:
         cdef signed char new[MAX_AXES]
         cdef int new_src[MAX_AXES]
         cdef long long other, p, asz
-        cdef unsigned long long held
         cdef bint changed = False, uneven
         for s in range(self.slot_start[op], self.slot_start[op + 1]):
             t = self.slot_tensor[s]
             if self.fixed[t] or self.slot_layer[s] > self.layer or self.no_write[s]:
                 continue
-            if cut:
-                held = 0
+            if cut:  # choose among the factors this tensor holds
+                for f in range(self.factor_start[op + 1] - fb):
+                    self.done[f] = 1
                 for sd in range(self.slot_dim_start[s], self.slot_dim_start[s] + self.rank[t]):
                     for j in range(self.dim_factor_start[sd], self.dim_factor_start[sd + 1]):
-                        held |= 1ULL << self.dim_factors[j]
-                self._resolve(op, held)
+                        self.done[self.dim_factors[j]] = 0
+                self._resolve(op)
             for d in range(self.rank[t]):
                 sd = self.slot_dim_start[s] + d
                 nf = self.dim_factor_start[sd + 1] - self.dim_factor_start[sd]
@@ -206,14 +207,14 @@ cdef class _Propagator:
                     f = self.dim_factors[self.dim_factor_start[sd] + j]
                     p = 1
                     for k in range(self.res_n[f]):
-                        asz = self.axis_size[self.cand[f][k]]
+                        asz = self.axis_size[self.cand[f, k]]
                         # in a dim of several factors each is split evenly (but the major
                         # factor of a dim_uneven one)
                         if n == MAX_AXES or (nf > 1 and self.factor_size[fb + f] % (p * asz)
                                              and not (j == 0 and uneven)):
                             break
                         p *= asz
-                        new[n] = self.cand[f][k]
+                        new[n] = self.cand[f, k]
                         new_src[n] = self.cand_src[f]
                         n += 1
                     if p != self.factor_size[fb + f]:
@@ -246,10 +247,11 @@ cdef class _Propagator:
                 self.dirty[self.tensor_ops[i]] = 1
 
     cdef bint _step(self, int op) noexcept nogil:
-        cdef int nfac = self.factor_start[op + 1] - self.factor_start[op]
+        cdef int f
         self._collect(op)
-        return self._project(op, self._resolve(
-            op, ~0ULL if nfac == 64 else (1ULL << nfac) - 1))
+        for f in range(self.factor_start[op + 1] - self.factor_start[op]):
+            self.done[f] = 0
+        return self._project(op, self._resolve(op))
 
     cdef void _mark_layer(self, int layer) noexcept nogil:
         """Mark the ops that gain a slot in `layer`; the others are at their fixed point
@@ -295,7 +297,7 @@ def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
 
     Arrays are int32 except factor_size (int64), axes, naxes, factor_kind, origin_layer
     (int8) and fixed, dim_uneven, slot_layer, no_write, closed (uint8; None: all 0); see the
-    module docstring for their meaning. An op may have at most 64 factors and a dim at
+    module docstring for their meaning. An op may have any number of factors, a dim at
     most 4 axes.
     """
     cdef _Propagator p = _Propagator()
@@ -311,6 +313,11 @@ def propagate_arrays(rank, dim_start, fixed, axes, naxes, axis_size, slot_start,
     p.no_write = (np.zeros(len(slot_tensor), dtype=np.uint8) if no_write is None
                   else no_write)
     p.closed = np.zeros(len(naxes), dtype=np.uint8) if closed is None else closed
+    most = max(int(np.max(np.diff(factor_start))) if len(factor_start) > 1 else 0, 1)
+    p.cand = np.empty((most, MAX_AXES), np.int8)
+    p.cand_n, p.cand_src, p.res_n = (np.empty(most, np.int32) for _ in range(3))
+    p.cand_size = np.empty(most, np.int64)
+    p.done = np.empty(most, np.uint8)
     return p.run(num_layers, max_sweeps)
 
 

@@ -29,6 +29,10 @@ from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable, restore_checkpoint, save_checkpoint
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.visualize import visualize_sharding
+from gspmd_tf import keras_distribution as _keras_distribution
+
+# Keras' own keras.distribution API runs on gspmd-tf when Keras' backend is TensorFlow
+_keras_distribution.install()
 
 __all__ = ["AUTO", "Collective", "Function", "Lowered", "Mesh", "P", "PartitionSpec",
            "ShardedTensor", "Sharding", "ShardingError", "configure_cpu_devices",

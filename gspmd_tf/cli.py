@@ -27,7 +27,7 @@ from absl import app, flags
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.importer import import_graph
-from gspmd_tf.keras import _Rules
+from gspmd_tf.layout_map import LayoutRules
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime.lowering import lower_seeded, seed_annotations
@@ -130,7 +130,7 @@ def lower_saved_model(path, mesh, shard_rules, signature="serving_default", shap
     signature_fn = loaded.signatures[signature]
     concrete = _static_signature(signature_fn, shapes or {}, signature)
     graph = import_graph(concrete)
-    rules, used = _Rules(shard_rules), set()
+    rules, used = LayoutRules(shard_rules), set()
     specs = tf.nest.flatten(concrete.structured_input_signature)
     variables = {id(v.handle): v for v in signature_fn.variables}
     named = [(spec.name, ref, spec.shape) for spec, ref in zip(specs, graph.inputs)]
@@ -141,7 +141,7 @@ def lower_saved_model(path, mesh, shard_rules, signature="serving_default", shap
             named.append((variable.name.split(":")[0], ref, variable.shape))
     seeds = {}
     for name, ref, shape in named:
-        key, spec = rules.lookup(name)
+        key, spec = rules.lookup_path(name)
         if key is not None:
             used.add(key)
             seeds[ref] = Layout.from_spec(mesh, spec, len(shape), f"{name!r} (--shard {key!r})")

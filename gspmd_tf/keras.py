@@ -25,7 +25,6 @@ This module imports Keras only inside shard_model, never at import time.
 
 from __future__ import annotations
 
-import re
 import types
 import warnings
 
@@ -34,66 +33,16 @@ import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
+from gspmd_tf.layout_map import LayoutRules
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime.function import function as _gt_function
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable
 
-__all__ = ["shard_model", "layout_of", "lowered"]
+__all__ = ["shard_model", "layout_of", "lowered", "take_over"]
 
 
-# --------------------------------------------------------------------------- layout map
-
-class _Rules:
-    """layout_map as Keras' LayoutMap reads it: an exact key wins; otherwise every key is
-    a regex tried with re.fullmatch on the variable path, and two matching keys are an
-    error. Values: PartitionSpec, tuple/list of axis names, keras TensorLayout or None
-    (replicated)."""
-
-    def __init__(self, layout_map):
-        self.items = []
-        if layout_map is None:
-            return
-        if not hasattr(layout_map, "items"):
-            raise ShardingError(
-                f"layout_map must be a dict or keras.distribution.LayoutMap mapping variable "
-                f"path regexes to PartitionSpecs, got {type(layout_map).__name__}")
-        for key, value in layout_map.items():
-            if not isinstance(key, str):
-                raise ShardingError(f"layout_map key {key!r} is not a string (a regex on "
-                                    "variable paths such as 'dense_1/kernel')")
-            try:
-                re.compile(key)
-            except re.error as e:
-                raise ShardingError(f"layout_map key {key!r} is not a valid regex: {e}") \
-                    from None
-            self.items.append((key, _as_spec(key, value)))
-
-    def lookup(self, path):
-        """(key, spec) for a variable path, or (None, None) when no key matches."""
-        for key, spec in self.items:
-            if key == path:
-                return key, spec
-        hits = [(key, spec) for key, spec in self.items if re.fullmatch(key, path)]
-        if len(hits) > 1:
-            raise ShardingError(
-                f"variable {path!r} matches several layout_map keys {[k for k, _ in hits]}; "
-                "make each variable path match at most one key")
-        return hits[0] if hits else (None, None)
-
-
-def _as_spec(key, value):
-    if value is None:
-        return PartitionSpec()
-    if isinstance(value, PartitionSpec):
-        return value
-    if hasattr(value, "axes") and not isinstance(value, (tuple, list)):  # TensorLayout
-        return PartitionSpec(*value.axes)
-    if isinstance(value, (tuple, list)):
-        return PartitionSpec(*value)
-    raise ShardingError(f"layout_map[{key!r}] = {value!r}: expected a PartitionSpec, a tuple "
-                        "of mesh axis names, a keras TensorLayout or None")
-
+# --------------------------------------------------------------------------- meshes
 
 def _as_mesh(mesh, layout_map):
     """A gt.Mesh from a gt.Mesh, a keras DeviceMesh, or the LayoutMap's device_mesh."""
@@ -130,8 +79,9 @@ def _shard_variable(kvar, mesh, spec, what):
     old = getattr(kvar, "_value", None)
     if old is None:  # not created yet (deferred); sharded when it exists
         return False
-    rank = len(kvar.shape)
-    layout = Layout.from_spec(mesh, spec, rank, what)
+    # compared as the variable stores it (a size-1 dim unsplit), so a variable already
+    # taken over is kept: steps traced earlier read it
+    layout = Variable.layout_for(mesh, spec, tuple(kvar.shape), what)
     if _is_sharded(kvar, mesh, layout):
         return False
     value = old.numpy()
@@ -139,6 +89,21 @@ def _shard_variable(kvar, mesh, spec, what):
                                        dtype=old.dtype, name=kvar.path,
                                        trainable=bool(old.trainable))
     return True
+
+
+def _undivided_dims(mesh, layout, variable, is_model_variable):
+    """What happens to each dim of a model variable that its split does not divide: a
+    dim of size 1 stays whole (as gt.Variable stores it), a larger one is split
+    unevenly (the last shards padded)."""
+    if not is_model_variable:  # optimizer slots repeat their model variable's split
+        return []
+    found = []
+    for d, (n, axes) in enumerate(zip(variable.shape, layout.dims)):
+        parts = mesh.axes_size(axes)
+        if axes and n % parts:
+            found.append(f"{variable.path!r} dim {d} of size {n} over {axes} ({parts} "
+                         + ("devices): kept whole" if n <= 1 else "devices): split unevenly"))
+    return found
 
 
 def layout_of(variable):
@@ -194,6 +159,7 @@ class _MeshModel:
         self.functions = {}  # (kind, structure) -> gt.Function
         self.last_batch = {}  # kind -> (gt.Function, TensorSpecs) of its last step
         self.warned = False
+        self.reported = set()  # undivided splits already warned about
 
     # ---------------------------------------------------------------- variables
     def shard_variables(self):
@@ -211,7 +177,7 @@ class _MeshModel:
         model_vars = list(model.variables)
         replicated, matched, specs = [], set(), {}
         for v in model_vars:
-            key, spec = self.rules.lookup(v.path)
+            key, spec = self.rules.lookup(v)
             if key is None:
                 spec = PartitionSpec()
                 replicated.append(v.path)
@@ -237,8 +203,11 @@ class _MeshModel:
                 seen.add(id(v))
                 plan.append((v, PartitionSpec(), f"metric variable {v.path!r}"))
 
+        undivided = []
         for v, spec, what in plan:  # check everything first
-            Layout.from_spec(mesh, spec, len(v.shape), what)
+            layout = Layout.from_spec(mesh, spec, len(v.shape), what)
+            undivided += _undivided_dims(mesh, layout, v, id(v) in specs)
+        self._report_undivided(undivided)
         for v, spec, what in plan:
             _shard_variable(v, mesh, spec, what)
         if optimizer is not None and optimizer.built:
@@ -255,6 +224,17 @@ class _MeshModel:
                 f"model {model.name!r}; these variables stay replicated: {replicated} "
                 f"(all variable paths: {[v.path for v in model_vars]})", UserWarning,
                 stacklevel=3)
+
+    def _report_undivided(self, undivided):
+        """Warn once per variable about splits its dims do not divide."""
+        new = [text for text in undivided if text not in self.reported]
+        if new:
+            self.reported.update(new)
+            warnings.warn(
+                f"gt.keras: model {self.model.name!r}: layout splits that do not divide the "
+                "dim: " + "; ".join(new) + ". The model still computes exactly; give these "
+                "dims a split that divides them to spread their memory evenly",
+                UserWarning, stacklevel=4)
 
     def _prepare(self, kind, data):
         """Before the first step on a new batch structure: let Keras build whatever is
@@ -371,9 +351,18 @@ def lowered(model, kind="train", data=None):
     without it, the step of the last batch that ran.
     """
     state = getattr(model, "_gt_keras", None)
+    if state is None and hasattr(model, "make_train_function"):
+        # a model a keras.distribution applies to is taken over when Keras makes its
+        # step functions (gspmd_tf.keras_distribution); any other is left as it was
+        keras_own = model.train_function
+        model.make_train_function()
+        state = getattr(model, "_gt_keras", None)
+        if state is None:
+            model.train_function = keras_own
     if state is None:
         raise ShardingError(f"model {getattr(model, 'name', model)!r} is not sharded: call "
-                            "gt.keras.shard_model(model, mesh, layout_map) first")
+                            "gt.keras.shard_model(model, mesh, layout_map) first, or build "
+                            "it under a keras.distribution")
     if kind not in ("train", "test", "predict"):
         raise ShardingError(f"kind {kind!r}: use 'train', 'test' or 'predict'")
     if data is not None:
@@ -444,6 +433,13 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
     optimizer after re-compiling) are sharded before the first step that uses them.
     Calling shard_model again moves the model to another mesh or layout.
     """
+    return take_over(model, _as_mesh(mesh, layout_map), LayoutRules(layout_map), batch_spec)
+
+
+def take_over(model, mesh: Mesh, rules, batch_spec) -> "keras.Model":
+    """shard_model's work once the layout source is known: `rules.lookup(variable)`
+    gives (what decided, PartitionSpec or None for replicated) of a model variable, and
+    `rules.items` the (key, spec) pairs to warn about when they match no variable."""
     import keras  # the installed Keras 3
     if keras.backend.backend() != "tensorflow":
         raise ShardingError(f"gt.keras needs Keras' TensorFlow backend, but Keras runs on "
@@ -455,9 +451,8 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
             "use gt.function with gt.Variables")
     batch_spec = batch_spec if isinstance(batch_spec, PartitionSpec) \
         else PartitionSpec(*(batch_spec or ()))
-    mesh = _as_mesh(mesh, layout_map)
     Layout.from_spec(mesh, batch_spec, len(batch_spec), "batch_spec")  # checks axis names
-    state = _MeshModel(model, mesh, _Rules(layout_map), batch_spec)
+    state = _MeshModel(model, mesh, rules, batch_spec)
     state.shard_variables()
     object.__setattr__(model, "_gt_keras", state)
     for name, fn in (("make_train_function", _make_train_function),

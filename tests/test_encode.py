@@ -57,3 +57,23 @@ def test_slots_of_many_operand_ops():
     assert slot_tensor.tolist() == [t for i in range(40) for t in (i, i, i, i, i + 1)]
     run(encoded)
     assert all(encoded.naxes[:41] == 1)  # the split reached every sum
+
+
+def test_identity_n_over_forty_tensors_keeps_every_inputs_split(caplog):
+    """A rule of more factors than any fixed limit (IdentityN of 40 matrices: 80 factors,
+    as a Keras optimizer step's IdentityN has hundreds) propagates and partitions like any
+    other: every result keeps its input's split, nothing moves, and no op is reported
+    without a rule."""
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+    specs = [gt.P("model", None) if i % 2 else gt.P(None, "data") for i in range(40)]
+
+    def doubled_identities(*xs):
+        return [2.0 * y for y in tf.identity_n(list(xs))]
+
+    args = [tf.TensorSpec((8, 4), tf.float32)] * 40
+    with caplog.at_level("WARNING", logger="gspmd_tf"):
+        lowered = gt.lower(doubled_identities, mesh, in_shardings=specs, args=args)
+    assert lowered.output_shardings == [gt.Sharding.from_spec(mesh, s, 2) for s in specs]
+    # each part of IdentityN keeps its own split, even where two parts use one mesh axis
+    assert lowered.collectives() == []
+    assert "no partitioning rule" not in caplog.text

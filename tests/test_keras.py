@@ -325,3 +325,39 @@ def test_export_of_a_sharded_model_serves_on_one_device(mesh, tmp_path):
     sharded.export(str(tmp_path / "served"), verbose=False)
     served = tf.saved_model.load(str(tmp_path / "served"))
     _close(served.serve(x).numpy(), ref.predict_on_batch(x), "exported model")
+
+
+def _narrow_mlp():
+    """d1's kernel has a dim of 1 (12, 1) and d2's one of 2 (1, 2): both smaller than the
+    "model" axis of 4 a layout map splits them over."""
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(1, name="d1"),
+                              keras.layers.Dense(2, name="d2")], name="narrow")
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], jit_compile=False)
+    return model
+
+
+def test_dims_smaller_than_their_axis_work_in_every_step_after_fit(mesh):
+    """Steps built after the first (predict after fit, a validation epoch, fit after
+    evaluate) keep the variables fit took over, also where a dim is smaller than the
+    mesh axis splitting it."""
+    ref, sharded = _twins(_narrow_mlp)
+    gt.keras.shard_model(sharded, mesh, {".*/d1/kernel": P(None, "model"),
+                                         ".*/d2/kernel": P(None, "model")})
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 12)).astype(np.float32)
+    y = rng.integers(0, 2, 16).astype(np.int32)
+    for model in (ref, sharded):
+        _fit(model, x, y, epochs=1)
+    _close(sharded.predict(x, batch_size=BATCH, verbose=0),
+           ref.predict(x, batch_size=BATCH, verbose=0), "predict after fit")
+    _, want = _fit(ref, x, y, epochs=2, validation_data=(x, y))
+    _, got = _fit(sharded, x, y, epochs=2, validation_data=(x, y))
+    _close(got["val_loss"], want["val_loss"], "validation losses")
+    _close(sharded.evaluate(x, y, batch_size=BATCH, verbose=0),
+           ref.evaluate(x, y, batch_size=BATCH, verbose=0), "evaluate")
+    want_losses, _ = _fit(ref, x, y, epochs=1)
+    got_losses, _ = _fit(sharded, x, y, epochs=1)
+    _close(got_losses, want_losses, "fit after evaluate")
+    _assert_same_state(ref, sharded)

@@ -59,6 +59,27 @@ class OpRule:
         return (tuple(self.factor_sizes), tuple(self.factor_kinds), tensors(self.operands),
                 tensors(self.results), self.reduce_op)
 
+    def independent_groups(self) -> Optional[list]:
+        """Group id per factor where the op is several computations that share no tensor
+        (IdentityN: each result is its operand), else None. Factors of different groups
+        never meet in one tensor, so they may use the same mesh axis; an op with REDUCE
+        factors is one group (its results are all partial over them)."""
+        if REDUCE in self.factor_kinds or not self.factor_sizes:
+            return None
+        group = list(range(len(self.factor_sizes)))
+
+        def root(f):
+            while group[f] != f:
+                group[f] = group[group[f]]
+                f = group[f]
+            return f
+        for dims in list(self.operands) + list(self.results):
+            held = [f for fs in dims or () for f in fs]
+            for f in held[1:]:
+                group[root(f)] = root(held[0])
+        roots = [root(f) for f in range(len(group))]
+        return roots if len(set(roots)) > 1 else None
+
     def add_factor(self, size: int, kind: int = PASS) -> int:
         """A new factor; returns its id."""
         self.factor_sizes.append(int(size))

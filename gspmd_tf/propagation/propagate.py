@@ -32,9 +32,9 @@ from gspmd_tf.sharding import Sharding
 
 log = logging.getLogger("gspmd_tf")
 
-# the core's limits (csrc/propagation.pyx): axes per dim, factors per op
+# the core's limit (csrc/propagation.pyx): axes per dim (an op may have any number of
+# factors)
 MAX_AXES = 4
-MAX_FACTORS = 64
 # the priority layers, in the order they run (ids as csrc/encode.pyx assigns them)
 LAYERS = ("pass-through", "all ops", "broadcast")
 
@@ -201,8 +201,7 @@ def encode(graph, mesh, seeds, layered=True, open_dims=None):
         (rules, rank, tensor_base, slot_tensor, dim_factors, dim_counts, dim_uneven,
          factor_size, factor_kind, op_slots, op_factors, tensor_op_start, tensor_ops,
          slot_layer, op_node) = _encode.encode_rules(
-            graph.nodes, _has_rule, lambda i: _rule_for(graph, graph.nodes[i]),
-            MAX_FACTORS)
+            graph.nodes, _has_rule, lambda i: _rule_for(graph, graph.nodes[i]))
     if not layered:
         slot_layer[:] = 0
     dim_start = _offsets(rank)

@@ -67,7 +67,7 @@ def backend_factory(backend, collective_timeout):
 
 def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=None,
              collective_timeout=None, windowed_einsum=False, memory_limit=None,
-             strict=False):
+             strict=False, layout_map=None):
     """Partition `fn` over `mesh`; usable as `@gt.function(mesh=...)` or `gt.function(f, ...)`.
 
     in_shardings: one entry per argument, matched to fn's parameters in signature order
@@ -92,7 +92,12 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     all-gather, all-to-all or collective-permute, or a replicated fallback), naming
     the op, its source line and the annotation that would ask for it explicitly;
     movement at the user's own shardings and the sums of contractions are allowed
-    (runtime/strict.py).
+    (runtime/strict.py). layout_map: variable-path
+    regexes -> PartitionSpecs (as gt.keras.shard_model reads them; a tf.Variable's path
+    is its name without ":0"): the plain tf.Variables `fn` captures (Keras 2 / tf_keras
+    layers, tf.Module models) are taken over in place as gt.Variables split as it says,
+    replicated where no key matches (runtime/plain_variables.py); without it a captured
+    plain tf.Variable is a ShardingError.
     """
     threshold = threshold_of(windowed_einsum)  # a bad value fails here, not at the first call
     if fn is None:
@@ -100,7 +105,7 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
                                  out_shardings=out_shardings, backend=backend,
                                  collective_timeout=collective_timeout,
                                  windowed_einsum=windowed_einsum, memory_limit=memory_limit,
-                                 strict=strict)
+                                 strict=strict, layout_map=layout_map)
     factory = backend_factory(backend, collective_timeout)
     if not isinstance(mesh, Mesh):
         raise ShardingError(f"gt.function needs mesh=gt.Mesh(...), got {mesh!r}: build "
@@ -110,7 +115,7 @@ def function(fn=None, *, mesh, in_shardings=None, out_shardings=None, backend=No
     options = LowerOptions(mesh, factory, _name_of(fn), out_shardings=out_shardings,
                            windowed_einsum=threshold,
                            memory_limit=check_memory_limit(memory_limit), strict=strict)
-    return Function(fn, in_shardings, options)
+    return Function(fn, in_shardings, options, layout_map)
 
 
 def lower(fn, mesh: Mesh, in_shardings: Optional[Sequence] = None,
@@ -184,14 +189,16 @@ class Function:
     Made by gt.function: `options` are its LowerOptions.
     """
 
-    def __init__(self, fn: Callable, in_shardings: Optional[Sequence], options: LowerOptions):
+    def __init__(self, fn: Callable, in_shardings: Optional[Sequence], options: LowerOptions,
+                 layout_map=None):
         self.fn = fn
+        self.layout_map = layout_map
         self.name = options.name
         self.mesh = options.mesh
         self.in_shardings = in_shardings
         self.out_shardings = options.out_shardings
         self.options = options
-        self._tracer = Tracer(fn, options.mesh, in_shardings, options.name)
+        self._tracer = Tracer(fn, options.mesh, in_shardings, options.name, layout_map)
         self._cache = {}  # Call.key -> Lowered
         functools.update_wrapper(self, fn)
 
@@ -209,7 +216,7 @@ class Function:
         method = None if state is None else state.get(key)
         if method is None:
             method = Function(types.MethodType(self.fn, instance), self.in_shardings,
-                              self.options)
+                              self.options, self.layout_map)
             if state is not None:
                 state[key] = method
         return method

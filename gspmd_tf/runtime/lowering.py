@@ -306,7 +306,8 @@ def _captured_variable(graph, ref, handle):
         raise ShardingError(
             f"the function captures a tf.Variable ({graph.tensor_name(ref)!r}) that is not a "
             "gt.Variable; create it with gt.Variable(value, mesh=..., spec=...) so that "
-            "each device holds its shard" + _KERAS_HINT * ("keras" in sys.modules))
+            "each device holds its shard, or pass gt.function(..., layout_map={path regex: "
+            "spec}) to take the function's tf.Variables over" + _KERAS_HINT * ("keras" in sys.modules))
     return variable
 
 

@@ -13,9 +13,11 @@ import tensorflow as tf
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
+from gspmd_tf.layout_map import LayoutRules
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.runtime.arguments import Arguments, is_static, signature_of
 from gspmd_tf.runtime.options import check_entries
+from gspmd_tf.runtime.plain_variables import take_over_captured
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 
 
@@ -43,8 +45,11 @@ class Tracer:
     and gt.lower. `in_shardings` has one entry per argument, matched to the function's
     parameters in signature order."""
 
-    def __init__(self, fn: Callable, mesh: Mesh, in_shardings: Optional[Sequence], name: str):
+    def __init__(self, fn: Callable, mesh: Mesh, in_shardings: Optional[Sequence], name: str,
+                 layout_map=None):
         check_entries("in_shardings", in_shardings, "argument")
+        # plain tf.Variables a trace captures are taken over by this (None: refused)
+        self.variable_rules = None if layout_map is None else LayoutRules(layout_map)
         self.fn = fn
         self.mesh = mesh
         self.in_shardings = in_shardings
@@ -77,11 +82,13 @@ class Tracer:
         shown = "(" + ", ".join(f"{n}: {_describe_spec(v)}" for n, v in zip(
             arguments.names, positional + list(keywords.values()))) + ")"
         try:
-            if keywords:
-                concrete = self._keyword_traced(arguments).get_concrete_function(
-                    *positional, *keywords.values())
-            else:
-                concrete = self._traced.get_concrete_function(*positional)
+            concrete = self._concrete(arguments, positional, keywords)
+            if self.variable_rules is not None and take_over_captured(
+                    concrete, self.mesh, self.variable_rules):
+                # the trace captured the handles the variables had before: trace again
+                self._traced = tf.function(self.fn, autograph=False)
+                self._keyword_functions = {}
+                concrete = self._concrete(arguments, positional, keywords)
         except (TypeError, ValueError) as e:
             e.add_note(f"while tracing gt.function {self.name!r} for {shown}" + (
                 f"; earlier calls traced {', '.join(self._signatures)}: pass the same "
@@ -90,6 +97,12 @@ class Tracer:
             raise
         self._signatures.append(shown)
         return concrete
+
+    def _concrete(self, arguments, positional, keywords):
+        if keywords:
+            return self._keyword_traced(arguments).get_concrete_function(
+                *positional, *keywords.values())
+        return self._traced.get_concrete_function(*positional)
 
     def _arguments(self, args, kwargs):
         arguments = Arguments(f"gt.function {self.name!r}", self._signature, args, kwargs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import weakref
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -32,7 +33,7 @@ from gspmd_tf import cluster
 from gspmd_tf.backends import collectives
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
-from gspmd_tf.mesh import PartitionSpec
+from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime.sharded_tensor import (ShardedTensor, distinct_boxes, pad_piece,
                                              padding, shard_bytes, split_value)
 
@@ -98,13 +99,7 @@ class Variable(_WholeValueCheckpoint):
         shape = tuple(int(s) for s in shape)
         super().__init__(trainable=trainable, name=name, shape=shape, dtype=dtype)
         self.mesh = mesh
-        layout = Layout.from_spec(mesh, spec or PartitionSpec(), len(shape),
-                                  f"variable {self.name!r}")
-        # A dim of size 0 or 1 is the same on every device split or not (ceil(n/k) = n):
-        # kept unsplit, so that op rules, which give such dims no factor, use the shards
-        # in place (a variable's shards cannot be resharded).
-        self.layout = Layout(tuple(() if n <= 1 else axes
-                                   for n, axes in zip(shape, layout.dims)))
+        self.layout = self.layout_for(mesh, spec, shape, f"variable {self.name!r}")
         pieces = (self._global_pieces(np.asarray(value)) if value is not None
                   else self._initial_pieces(initial_value))
         self.shard_variables = [None] * mesh.size
@@ -118,6 +113,17 @@ class Variable(_WholeValueCheckpoint):
                     self.shard_variables[device] = tf.Variable(piece, trainable=False,
                                                                name=_SHARD_NAME)
         _BY_HANDLE[id(self.handle)] = self
+
+    @staticmethod
+    def layout_for(mesh: Mesh, spec: Optional[PartitionSpec], shape: Sequence[int],
+                   what: str = "variable") -> Layout:
+        """The layout a variable of `shape` split by `spec` is stored with.
+
+        A dim of size 0 or 1 is the same on every device split or not (ceil(n/k) = n):
+        kept unsplit, so that op rules, which give such dims no factor, use the shards
+        in place (a variable's shards cannot be resharded)."""
+        layout = Layout.from_spec(mesh, spec or PartitionSpec(), len(shape), what)
+        return Layout(tuple(() if n <= 1 else axes for n, axes in zip(shape, layout.dims)))
 
     def _local_boxes(self):
         """[(box, device ids)] of the distinct shards some device of this process holds,

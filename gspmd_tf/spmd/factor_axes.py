@@ -89,16 +89,18 @@ def _assign(mesh, rule, sources, kinds=None, start=None, pinned=()):
     """Factor axes taken greedily from `sources` (dims, layout) in order; factors in
     `pinned` keep what `start` gives them."""
     chosen = list(start) if start else [()] * len(rule.factor_sizes)
-    taken = {a for axes in chosen for a in axes}
+    group = rule.independent_groups() or [0] * len(chosen)  # axes are unique per group
+    taken = {g: {a for f, axes in enumerate(chosen) if group[f] == g for a in axes}
+             for g in set(group)}
     for dims, layout in sources:
         for f, axes in _split_candidates(mesh, rule, dims, layout).items():
             kind = rule.factor_kinds[f]
             if (chosen[f] or not axes or kind == REPLICATE or f in pinned
                     or (kinds and kind not in kinds)):
                 continue
-            if taken.isdisjoint(axes):
+            if taken[group[f]].isdisjoint(axes):
                 chosen[f] = tuple(axes)
-                taken.update(axes)
+                taken[group[f]].update(axes)
     _keep_sub_factors_exact(mesh, rule, chosen)
     return chosen
 

@@ -17,7 +17,8 @@ benchmarks/fuzz.py is the command line over these.
 
 Models and cases shared by tests and benchmarks: pipeline_model (a Transformer stack for
 gt.pipeline), unet3d_model (a 3-D U-Net), bridge_cases (programs checked through XLA's
-SPMD partitioner), collective_cases (reshard, dot and window cases compared with XLA).
+SPMD partitioner), collective_cases (reshard, dot and window cases compared with XLA),
+keras_layouts (layout maps for keras_hub models that publish none).
 
 The package's __init__ imports nothing: `import gspmd_tf.testing.X` loads X alone.
 """

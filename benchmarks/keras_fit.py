@@ -1,0 +1,149 @@
+"""Keras fit on the mesh vs single-device Keras fit, in one process (issue 21, item 6).
+
+    .venv/bin/python benchmarks/keras_fit.py --model=gpt2 --path=distribution --steps=10
+    .venv/bin/python benchmarks/keras_fit.py --model=resnet50 --mesh=8,1 --batch=16
+    .venv/bin/python benchmarks/keras_fit.py --model=mobilenetv2 --mesh=8,1 --image=64
+
+Models (--model): gpt2 (keras_hub GPT2CausalLM built from --layers/--d_model/--heads/
+--vocab/--seq, Megatron layout: attention heads and the MLP's inner dim over "model"),
+resnet50 and mobilenetv2 (keras.applications, weights=None, --image pixels square,
+--classes outputs; data parallel: every variable replicated). Both runs build the model
+from the same seed and start from the same weights.
+
+How the mesh run is set up (--path):
+  distribution  Keras' own API, as a JAX script writes it: keras.distribution
+                ModelParallel(layout_map=..., batch_dim_name="batch") on a DeviceMesh
+                ("batch", "model") of --mesh, the model built under it (gspmd-tf is
+                the TF backend of keras.distribution after `import gspmd_tf`)
+  shard_model   gt.keras.shard_model(model, mesh, layout_map, batch_spec=P("batch"))
+Each run's first fit call (one step: build, trace, lower, first step) and then --steps
+steps (fit over that many batches, after a --warmup fit) are timed; the table gives the
+mesh's time over single-device Keras's for both. The logical devices share the host's
+cores, so the ratio is the overhead of running on the mesh, not a speed-up.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gspmd_tf.testing.keras_layouts import gpt2_megatron_layout_map  # noqa: E402
+
+MODEL = flags.DEFINE_enum("model", "gpt2", ["gpt2", "resnet50", "mobilenetv2"], "model")
+PATH = flags.DEFINE_enum("path", "distribution", ["distribution", "shard_model"],
+                         "how the mesh run is set up")
+MESH = flags.DEFINE_string("mesh", "2,4", "mesh shape batch,model")
+BATCH = flags.DEFINE_integer("batch", 16, "global batch size")
+STEPS = flags.DEFINE_integer("steps", 10, "timed steps of each run")
+WARMUP = flags.DEFINE_integer("warmup", 2, "untimed steps of each run first")
+LAYERS = flags.DEFINE_integer("layers", 2, "gpt2: transformer layers")
+D_MODEL = flags.DEFINE_integer("d_model", 256, "gpt2: model width")
+HEADS = flags.DEFINE_integer("heads", 4, "gpt2: attention heads")
+VOCAB = flags.DEFINE_integer("vocab", 1024, "gpt2: vocabulary size")
+SEQ = flags.DEFINE_integer("seq", 128, "gpt2: sequence length")
+IMAGE = flags.DEFINE_integer("image", 64, "resnet50/mobilenetv2: image side in pixels")
+CLASSES = flags.DEFINE_integer("classes", 10, "resnet50/mobilenetv2: classes")
+
+
+def _model():
+    import keras
+    if MODEL.value == "gpt2":
+        import keras_hub
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=VOCAB.value, num_layers=LAYERS.value, num_heads=HEADS.value,
+            hidden_dim=D_MODEL.value, intermediate_dim=4 * D_MODEL.value, dropout=0.0,
+            max_sequence_length=SEQ.value)
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    else:
+        application = {"resnet50": keras.applications.ResNet50,
+                       "mobilenetv2": keras.applications.MobileNetV2}[MODEL.value]
+        model = application(weights=None, input_shape=(IMAGE.value, IMAGE.value, 3),
+                            classes=CLASSES.value)
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=MODEL.value == "gpt2"), jit_compile=False)
+    return model
+
+
+def _layout_map(device_mesh):
+    """Megatron's split of GPT-2; the image models are data parallel (an empty map)."""
+    import keras
+    if MODEL.value == "gpt2":
+        return gpt2_megatron_layout_map(device_mesh)
+    return keras.distribution.LayoutMap(device_mesh)
+
+
+def _data(steps):
+    rng = np.random.default_rng(0)
+    n = BATCH.value * steps
+    if MODEL.value == "gpt2":
+        x = {"token_ids": rng.integers(0, VOCAB.value, (n, SEQ.value)).astype(np.int32),
+             "padding_mask": np.ones((n, SEQ.value), np.int32)}
+        return x, rng.integers(0, VOCAB.value, (n, SEQ.value)).astype(np.int32)
+    x = rng.standard_normal((n, IMAGE.value, IMAGE.value, 3)).astype(np.float32)
+    return x, rng.integers(0, CLASSES.value, n).astype(np.int32)
+
+
+def _timed_fit(model, steps):
+    x, y = _data(steps)
+    start = time.perf_counter()
+    history = model.fit(x, y, batch_size=BATCH.value, epochs=1, shuffle=False, verbose=0)
+    return time.perf_counter() - start, history.history["loss"][-1]
+
+
+def _run(model, scope):
+    """(first fit call seconds, seconds per step, last loss)."""
+    with scope:
+        first, _ = _timed_fit(model, 1)
+        if WARMUP.value:
+            _timed_fit(model, WARMUP.value)
+        seconds, loss = _timed_fit(model, STEPS.value)
+    return first, seconds / STEPS.value, loss
+
+
+def main(argv):
+    del argv
+    import contextlib
+
+    import gspmd_tf as gt
+    shape = tuple(int(n) for n in MESH.value.split(","))
+    gt.configure_cpu_devices(int(np.prod(shape)))
+    import keras
+    kd = keras.distribution
+    keras.utils.set_random_seed(0)
+    single = _model()
+    device_mesh = kd.DeviceMesh(shape, ("batch", "model"), devices=kd.list_devices())
+    if PATH.value == "distribution":
+        distribution = kd.ModelParallel(layout_map=_layout_map(device_mesh),
+                                        batch_dim_name="batch")
+        with distribution.scope():
+            mesh_model = _model()
+        scope = distribution.scope()
+    else:
+        mesh_model = _model()
+        scope = contextlib.nullcontext()
+    mesh_model.set_weights(single.get_weights())
+    if PATH.value == "shard_model":
+        gt.keras.shard_model(mesh_model, layout_map=_layout_map(device_mesh),
+                             batch_spec=gt.P("batch"))
+    single_run = _run(single, contextlib.nullcontext())
+    mesh_run = _run(mesh_model, scope)
+    print(f"{MODEL.value} on mesh {shape} ({PATH.value}), batch {BATCH.value}, "
+          f"{STEPS.value} steps")
+    print(f"{'':14}{'first fit s':>12}{'step s':>10}{'last loss':>12}")
+    for name, (first, step, loss) in (("single", single_run), ("mesh", mesh_run)):
+        print(f"{name:14}{first:12.3f}{step:10.4f}{loss:12.5f}")
+    print(f"{'mesh/single':14}{mesh_run[0] / single_run[0]:12.2f}"
+          f"{mesh_run[1] / single_run[1]:10.2f}")
+
+
+if __name__ == "__main__":
+    app.run(main)
