@@ -123,8 +123,10 @@ def test_dead_worker_fails_the_others_within_the_collective_timeout():
     results = launch(2, 4, ["dead_peer"], collective_timeout=5, MULTIWORKER_DEAD_TASK="0")
     assert list(results) == [1]  # worker 0 left without a word
     facts = results[1]["dead_peer"]
-    assert facts["error"] == "DeadlineExceededError", facts
-    assert "did not finish within 5 s" in facts["message"]
+    # the watchdog's timeout, or TF's runtime finding the peer gone first (under load)
+    assert facts["error"] in ("DeadlineExceededError", "UnavailableError"), facts
+    assert facts["error"] == "UnavailableError" or "did not finish within 5 s" in facts[
+        "message"]
     assert "a worker of the cluster may have died" in facts["message"]
     assert facts["seconds"] < 5 + 30  # the timeout, plus the watchdog's grace at most
 

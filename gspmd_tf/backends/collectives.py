@@ -458,6 +458,11 @@ class Watchdog:
                     "restart it")
 
 
+_PEER_LOST = ("a worker of the cluster may have died or be unreachable; this worker's "
+              "collective keys have moved on, so restart every worker (from the last "
+              "checkpoint).")
+
+
 class GuardedCall:
     """One call under the watchdog: its CancellationManager and whether it timed out."""
 
@@ -472,15 +477,26 @@ class GuardedCall:
         """The DeadlineExceededError to raise for this call."""
         joined = cluster.current()
         after = ("later calls run normally." if joined is None or joined.num_workers == 1
-                 else "a worker of the cluster may have died or be unreachable; this "
-                 "worker's collective keys have moved on, so restart every worker (from the "
-                 "last checkpoint).")
+                 else _PEER_LOST)
         return errors.DeadlineExceededError(
             None, None,
             f"{self.what} did not finish within {self.seconds:g} s, so it was cancelled: a "
             "collective waited for peers that did not come (or the program is slower than "
             "the limit: raise it with collective_timeout= or GSPMD_TF_COLLECTIVE_TIMEOUT). "
             f"Variables it assigns may be partly updated; {after}")
+
+
+    def peer_lost_error(self, error):
+        """The error to raise for this call when TF's runtime reports a worker of the
+        cluster unreachable (an UnavailableError) before the timeout; None on one
+        worker (the error is TF's own then)."""
+        joined = cluster.current()
+        if (not isinstance(error, errors.UnavailableError) or joined is None
+                or joined.num_workers == 1):
+            return None
+        first = (error.message or "").strip().splitlines()[:1]
+        return errors.UnavailableError(
+            None, None, f"{self.what} failed: {_PEER_LOST} (TF: {first[0] if first else ''})")
 
 
 watchdog = Watchdog()

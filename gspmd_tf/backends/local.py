@@ -214,6 +214,9 @@ class CompiledProgram(base.Compiled):
                 except tf.errors.OpError as e:
                     if call is not None and call.timed_out:
                         raise call.timeout_error() from None
+                    lost = call and call.peer_lost_error(e)
+                    if lost is not None:
+                        raise lost from e
                     e.add_note(f"while running {self.what}")
                     raise
         k = len(self.local)

@@ -46,6 +46,12 @@ _HANDLE_DTYPES = frozenset({tf.resource, tf.variant})
 _SUNK_ELEMENTS = 64
 
 
+# The frame ops of TF1 (v1) while loops: their back edge makes the graph cyclic, and a
+# frame op run outside its frame on device-placed inputs hangs TF's executor.
+_V1_LOOP_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+                          "RefNextIteration", "LoopCond"})
+
+
 def import_graph(fn, inputs: Optional[Sequence[tf.Tensor]] = None,
                  outputs: Optional[Sequence[tf.Tensor]] = None) -> Graph:
     """The IR of `fn`: a ConcreteFunction, a FuncGraph, or a tf.Graph.
@@ -123,6 +129,13 @@ class _Importer:
             if len(deps) > 1:
                 deps = list(dict.fromkeys(deps))
             op_type = op.type
+            if op_type in _V1_LOOP_OPS:
+                raise ShardingError(
+                    f"op '{prefix + op.name}' ({op_type}) belongs to a TF1 while loop "
+                    "(control flow v1: Enter/NextIteration/Exit frames), which gspmd-tf "
+                    "does not partition; build the program with TF2 control flow "
+                    "(tf.while_loop inside a tf.function, or call "
+                    "tf.compat.v1.enable_control_flow_v2() before building the graph)")
             if op_type == "NoOp":  # dropped; control edges on it go to its own deps
                 control[op] = deps
                 continue

@@ -35,6 +35,8 @@ import tensorflow as tf
 from tensorflow.python.framework import op_def_registry, ops
 
 import gspmd_tf as gt
+from gspmd_tf.graph.ir import Ref
+from gspmd_tf.runtime.annotated import explicit_reshards
 from gspmd_tf.testing.accuracy import TOLERANCE, Mismatch, check_values
 
 OUTCOMES = ("partitioned", "replicated", "refused", "wrong", "error", "not generated")
@@ -206,11 +208,23 @@ def _classified(op_type, lowered) -> Outcome:
     names = {lowered.graph.nodes[i].name for i in indices}
     if names & set(program.replicated_ops):
         return Outcome(op_type, "replicated", "no partitioning rule")
-    layouts = [layout for i in indices for layout in
-               program.operand_layouts.get(i, []) + program.result_layouts.get(i, [])]
-    if any(layout is not None and not layout.is_replicated for layout in layouts):
+    if any(not layout.is_replicated for i in indices for layout in _ran_layouts(lowered, i)):
         return Outcome(op_type, "partitioned")
     return Outcome(op_type, "replicated", "its rule keeps the split dims whole")
+
+
+def _ran_layouts(lowered, index) -> list:
+    """The layouts node `index` of the graph ran with: each operand's (the target of the
+    gt.Reshard the op needed, else its propagated layout) and each result's (the source
+    of the gt.Reshard that moved it to its propagated layout, else that layout)."""
+    graph, node = lowered.graph, lowered.graph.nodes[index]
+    needs, _ = explicit_reshards(lowered)
+    operands = [needs.get((node.name, graph.tensor_name(ref)),
+                          (None, lowered.propagation.layout(ref)))[1] for ref in node.inputs]
+    results = [needs.get((node.name, graph.tensor_name(Ref(index, k))),
+                         (lowered.propagation.layout(Ref(index, k)),))[0]
+               for k in range(len(node.out_shapes))]
+    return operands + results
 
 
 def _first_line(exc) -> str:
