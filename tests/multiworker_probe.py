@@ -25,6 +25,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from multiworker_values import checkpoint_values  # noqa: E402
 
+from gspmd_tf.backends.collectives import barrier  # noqa: E402
+
 P = gt.P
 TOL = 1e-5
 MESH_SHAPE = tuple(int(n) for n in os.environ.get("MULTIWORKER_MESH", "2,4").split(","))
@@ -205,8 +207,12 @@ def keras_fit():
 def dead_peer():
     """Worker MULTIWORKER_DEAD_TASK (default: the last) leaves; the others run a program
     needing it, which must fail within the collective timeout."""
+    # every worker past initialize_cluster first: the leader leaving while another is
+    # still joining fails that one's start instead of its program
+    barrier()
     if cluster.task_index == int(os.environ.get("MULTIWORKER_DEAD_TASK", "-1")) % \
             cluster.num_workers:
+        time.sleep(1)  # the others' side of the barrier completes
         os._exit(0)
     x = np.ones((8, 16), np.float32)
     f = gt.function(lambda v: tf.reduce_sum(v), mesh=mesh, in_shardings=(P("data", "model"),))
