@@ -46,10 +46,21 @@ _HANDLE_DTYPES = frozenset({tf.resource, tf.variant})
 _SUNK_ELEMENTS = 64
 
 
-# The frame ops of TF1 (v1) while loops: their back edge makes the graph cyclic, and a
-# frame op run outside its frame on device-placed inputs hangs TF's executor.
-_V1_LOOP_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
-                          "RefNextIteration", "LoopCond"})
+# Ops no SPMD program can run as the user's program does, and why. The frame ops of TF1
+# (v1) while loops: their back edge makes the graph cyclic, and a frame op run outside
+# its frame on device-placed inputs hangs TF's executor. TensorSummary writes its own
+# node name into its value, and each device's copy of an op has its own name.
+_V1_LOOP = ("belongs to a TF1 while loop (control flow v1: Enter/NextIteration/Exit "
+            "frames), which gspmd-tf does not partition; build the program with TF2 "
+            "control flow (tf.while_loop inside a tf.function, or call "
+            "tf.compat.v1.enable_control_flow_v2() before building the graph)")
+_REFUSED_OPS = {
+    **dict.fromkeys(("Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+                     "RefNextIteration", "LoopCond"), _V1_LOOP),
+    "TensorSummary": "writes its node's name into its value, and every device's copy of "
+                     "an op has a name of its own, so no partitioned value equals it; "
+                     "write summaries with tf.summary (v2) outside the gt.function, or "
+                     "use TensorSummaryV2, whose tag is an input"}
 
 
 def import_graph(fn, inputs: Optional[Sequence[tf.Tensor]] = None,
@@ -129,13 +140,9 @@ class _Importer:
             if len(deps) > 1:
                 deps = list(dict.fromkeys(deps))
             op_type = op.type
-            if op_type in _V1_LOOP_OPS:
-                raise ShardingError(
-                    f"op '{prefix + op.name}' ({op_type}) belongs to a TF1 while loop "
-                    "(control flow v1: Enter/NextIteration/Exit frames), which gspmd-tf "
-                    "does not partition; build the program with TF2 control flow "
-                    "(tf.while_loop inside a tf.function, or call "
-                    "tf.compat.v1.enable_control_flow_v2() before building the graph)")
+            if op_type in _REFUSED_OPS:
+                raise ShardingError(f"op '{prefix + op.name}' ({op_type}) "
+                                    f"{_REFUSED_OPS[op_type]}")
             if op_type == "NoOp":  # dropped; control edges on it go to its own deps
                 control[op] = deps
                 continue
