@@ -450,3 +450,16 @@ def test_identity_n_operands_each_keep_their_split():
               if "/output_" in n.name and n.op == "Identity"}
     assert str(low.sharding_of(f"{name}:1")) == str(
         gt.Sharding.from_spec(mesh, gt.P(None, "x"), 2))
+
+
+@pytest.mark.parametrize("body, named", [
+    (lambda x: tf.raw_ops.NextIteration(data=x), "TF1 while loop"),
+    (lambda x: tf.raw_ops.TensorSummary(tensor=x), "its node's name into its value")])
+def test_ops_no_spmd_program_can_run_as_written_are_refused_with_why(body, named):
+    """A TF1 loop frame op outside its loop (it hung TF's executor on device-placed
+    inputs) and TensorSummary (its value holds its node name, which each device's copy
+    changes) are refused at import, naming the op and the way out."""
+    fn = tf.function(body, autograph=False).get_concrete_function(spec(4, 6))
+    with pytest.raises(gt.ShardingError, match=named) as error:
+        import_graph(fn)
+    assert "op '" in str(error.value)
