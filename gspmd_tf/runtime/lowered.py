@@ -308,7 +308,9 @@ class Lowered:
         header, *rows = layer_table(self.layers())
         lines += [f"{header[0]:40s} {header[1]:>6s} {header[2]:>11s} {header[3]:>16s} "
                   f"{header[4]:>14s}"]
-        lines += [f"{layer[:40]:40s} {ops:6d} {count:11d} {moved:16d} {held:14d}"
+        # a long scope path keeps its end, the layer's own name ("...sequential_1/out_1")
+        lines += [f"{layer if len(layer) <= 40 else '...' + layer[-37:]:40s} {ops:6d} "
+                  f"{count:11d} {moved:16d} {held:14d}"
                   for layer, ops, count, moved, held in rows]
         if self.program.replicated_ops:
             lines.append("ran replicated (no rule): " + ", ".join(self.program.replicated_ops))
