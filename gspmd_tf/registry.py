@@ -123,6 +123,14 @@ def _check(entry):
             f"op type {op!r} has a rule but no emitter: pass emit=<handler> or, when "
             "running the TF op on each device's local shards gives exactly the local "
             "part of its result, replay=True")
+    for name in ("multiply_adds", "xla_numerics"):
+        value = getattr(entry, name)
+        if value is not None and not callable(value):
+            raise ShardingError(f"op type {op!r}: {name} must be a callable (see the "
+                                f"registry's docstring), not {value!r}")
+    if entry.stateful not in (None, True, False):
+        raise ShardingError(f"op type {op!r}: stateful must be True, False or None, not "
+                            f"{entry.stateful!r}")
     if not entry.traits <= TRAITS:
         raise ShardingError(f"op type {op!r}: unknown traits {sorted(entry.traits - TRAITS)}; "
                             f"the traits are {sorted(TRAITS)}")
@@ -184,7 +192,9 @@ def op_family(op_types: Union[str, list, dict], rule: Callable, **flags) -> Call
 
 
 def register_op(op_type: str, rule: Union[str, Callable], *, emit: Optional[Callable] = None,
-                replay: bool = False, override: bool = False) -> None:
+                replay: bool = False, override: bool = False,
+                stateful: Optional[bool] = None, multiply_adds: Optional[Callable] = None,
+                xla_numerics: Optional[Callable] = None, traits=()) -> None:
     """Give a TF op type (a custom op, or one gspmd-tf has no rule for) a sharding rule.
 
     rule: an einsum equation over the op's first inputs, e.g. "bij,j->bij" (letters
@@ -200,6 +210,11 @@ def register_op(op_type: str, rule: Union[str, Callable], *, emit: Optional[Call
     emit: otherwise, the handler emit(ctx, operands, layouts) -> list of program refs
         (see gspmd_tf/spmd/handlers/__init__.py), as the built-in handlers are.
     override: replace the rule of an op type that has one (built-in or registered).
+    stateful, multiply_adds, xla_numerics, traits: the rest of the op's contract, as the
+        built-in entries declare it (module docstring): whether the op has effects beyond
+        its outputs (None: as TF's op registry says), its multiply-add count for the cost
+        model, why XLA would compute other values (a backend compiling with XLA then runs
+        it on TF's kernel), and its traits (DOT, CONVOLUTION, ...).
 
     Register before the first call of a gt.function that uses the op: programs already
     lowered keep the rules they were built with. Raises ShardingError when the entry is
@@ -211,8 +226,12 @@ def register_op(op_type: str, rule: Union[str, Callable], *, emit: Optional[Call
     if isinstance(rule, str):
         rule, args = equation_rule, (rule,)
     previous = _TABLE.get(op_type)
+    # only the contract fields given: an override keeps what the entry declared of the rest
+    contract = {name: value for name, value in (
+        ("stateful", stateful), ("multiply_adds", multiply_adds),
+        ("xla_numerics", xla_numerics), ("traits", traits)) if value not in (None, ())}
     _put(op_type, override=override, rule=rule, rule_args=args, emit=emit, replay=replay,
-         custom=True)
+         custom=True, **contract)
     try:
         _check(_TABLE[op_type])
     except ShardingError:
