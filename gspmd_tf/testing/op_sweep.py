@@ -208,17 +208,19 @@ def _classified(op_type, lowered) -> Outcome:
     names = {lowered.graph.nodes[i].name for i in indices}
     if names & set(program.replicated_ops):
         return Outcome(op_type, "replicated", "no partitioning rule")
-    if any(not layout.is_replicated for i in indices for layout in _ran_layouts(lowered, i)):
+    needs, _ = explicit_reshards(lowered)  # one walk of the program for every index
+    if any(not layout.is_replicated for i in indices
+           for layout in _ran_layouts(lowered, needs, i)):
         return Outcome(op_type, "partitioned")
     return Outcome(op_type, "replicated", "its rule keeps the split dims whole")
 
 
-def _ran_layouts(lowered, index) -> list:
+def _ran_layouts(lowered, needs, index) -> list:
     """The layouts node `index` of the graph ran with: each operand's (the target of the
     gt.Reshard the op needed, else its propagated layout) and each result's (the source
-    of the gt.Reshard that moved it to its propagated layout, else that layout)."""
+    of the gt.Reshard that moved it to its propagated layout, else that layout); `needs`
+    is annotated.explicit_reshards' first table."""
     graph, node = lowered.graph, lowered.graph.nodes[index]
-    needs, _ = explicit_reshards(lowered)
     operands = [needs.get((node.name, graph.tensor_name(ref)),
                           (None, lowered.propagation.layout(ref)))[1] for ref in node.inputs]
     results = [needs.get((node.name, graph.tensor_name(Ref(index, k))),
