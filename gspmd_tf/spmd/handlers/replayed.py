@@ -14,7 +14,7 @@ from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import batched
 from gspmd_tf.registry import (ASSIGNS_VARIABLE, FOLD_SHAPE, FOLD_VALUES, INTEGER_DIVISION,
                                NAN_ORDER, READS_VARIABLE, VALUE_SHAPED, declare, on_floats,
-                               on_integers)
+                               on_integers, read_result_bytes, view)
 
 UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
 Floor Identity Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike Reciprocal
@@ -116,6 +116,12 @@ declare(["Div", "FloorDiv", "TruncateDiv", "FloorMod", "TruncateMod", "Mod"],
         xla_numerics=on_integers(INTEGER_DIVISION))
 
 # ---------------------------------------------------------------- flags of ops in general
+# what ops touch in memory, for the cost model (others: every operand and result once):
+# TF's views share their operand's buffer; slices and gathers copy only what they keep
+declare(["Reshape", "Identity", "Squeeze", "ExpandDims", "StopGradient", "PreventGradient",
+         "EnsureShape", "IdentityN"], bytes_touched=view)
+declare(["Slice", "StridedSlice", "GatherV2", "GatherNd", "ResourceGather", "ResourceGatherNd",
+         "Split", "SplitV", "Unpack"], bytes_touched=read_result_bytes)
 # shape ops graph.fold turns into constants from their inputs' static shapes
 # (VariableShape: of the variable behind the handle, see fold._variable_shape)
 declare(["Shape", "ShapeN", "Size", "Rank", "VariableShape"], fold=FOLD_SHAPE)
