@@ -16,7 +16,7 @@ import tensorflow as tf
 from gspmd_tf.layout import ceil_div
 from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.local_ops import (concat_dim, dynamic_slice_dim, pad_dim, replace_dim,
-                                     shard_offset, static_slice_dim)
+                                     reshape, shard_offset, static_slice_dim)
 from gspmd_tf.spmd.program import Local
 
 _COLLECTIVE_DTYPE = {tf.bool: tf.int32}
@@ -83,6 +83,8 @@ def _all_gather(b, x, step, layout):
 
 
 def _all_to_all(b, x, step, layout):
+    if step.also:
+        return _joined_all_to_all(b, x, step, layout)
     d1, d2 = step.concat_dim, step.split_dim
     k = b.mesh.axes_size(step.axes)
     chunk = _shard_size(b, x, d2, layout.dims[d2])
@@ -92,6 +94,53 @@ def _all_to_all(b, x, step, layout):
     ref = _collective(b, "gt.AllToAll", ref, shape, axes=step.axes, split_dim=d2,
                       concat_dim=d1)
     return _unpad(b, ref, d1, x.shape[d1]) if not layout.dims[d1] else ref
+
+
+def _joined_all_to_all(b, x, step, layout):
+    """An all-to-all of several (axes, concat_dim, split_dim) moves at once: each split
+    dim cut into [k, chunk] and its k moved to the front, the k's flattened into one dim
+    in group order (a member's shard index over all the moves' axes), one all-to-all
+    on it, then each received k merged in front of its concat dim (major: the sender's
+    index along the move's axes is the minor part of the concat dim's split)."""
+    moves = step.moves
+    ks = [b.mesh.axes_size(axes) for axes, _, _ in moves]
+    ref = x.ref
+    for (_, _, d2), k in zip(moves, ks):
+        ref = _pad_to(b, ref, d2, _shard_size(b, x, d2, layout.dims[d2]) * k)
+    local = b.shape_of(ref)
+    cut, front = [], {}  # the shape with split dims cut; each split dim's k position
+    split_k = {d2: k for (_, _, d2), k in zip(moves, ks)}
+    for d, size in enumerate(local):
+        if d in split_k:
+            front[d] = len(cut)
+            cut += [split_k[d], size // split_k[d]]
+        else:
+            cut.append(size)
+    ks_first = [front[d2] for _, _, d2 in moves]
+    order = ks_first + [i for i in range(len(cut)) if i not in ks_first]
+    rest = [cut[i] for i in order[len(moves):]]  # the local dims, split dims as chunks
+    blocks = _transpose(b, reshape(b, ref, cut), order)
+    blocks = reshape(b, blocks, [int(np.prod(ks))] + rest)
+    blocks = _collective(b, "gt.AllToAll", blocks, b.shape_of(blocks),
+                         axes=step.group_axes, split_dim=0, concat_dim=0)
+    concat_k = {d1: i for i, (_, d1, _) in enumerate(moves)}
+    order = []
+    for d in range(len(rest)):
+        order += ([concat_k[d]] if d in concat_k else []) + [len(moves) + d]
+    merged = _transpose(b, reshape(b, blocks, ks + rest), order)
+    out = [size * (ks[concat_k[d]] if d in concat_k else 1) for d, size in enumerate(rest)]
+    ref = reshape(b, merged, out)
+    for _, d1, _ in moves:
+        if not layout.dims[d1]:
+            ref = _unpad(b, ref, d1, x.shape[d1])
+    return ref
+
+
+def _transpose(b, ref, order):
+    """`ref` with its dims in `order`."""
+    shape, dtype = b.shape_of(ref), b.graph.dtype(ref)
+    return b.op("Transpose", [ref, b.const(np.asarray(order, np.int32))],
+                tuple(shape[i] for i in order), dtype, T=dtype, Tperm=tf.int32)
 
 
 def _permute(b, x, step, layout):

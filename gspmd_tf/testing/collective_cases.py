@@ -13,6 +13,10 @@ RESHARDS = {
     "both_axes_move_right": ((8, 16, 32), ("data", "model", None), (None, "data", "model")),
     "xla_rematerializes": ((8, 16, 32), (("data", "model"), None, None),
                            (None, "data", "model")),
+    "two_dims_one_all_to_all": ((8, 16, 32, 8), ("data", "model", None, None),
+                                (None, None, "data", "model")),
+    "crossed_dims_one_all_to_all": ((8, 16, 32, 8), ("data", "model", None, None),
+                                    (None, None, "model", "data")),
 }
 
 # name -> (einsum equation, operand shapes, operand specs); the result is unconstrained
