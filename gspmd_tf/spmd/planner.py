@@ -11,7 +11,8 @@ candidate layouts cheaply.
 Search: Dijkstra over layouts, from `src` to `dst`, with moves that each keep every shard
 exact, uneven dims included (see `nests`): slice axes into a dim locally, gather a dim's
 minor axes, all-to-all a dim's minor axes onto another dim (one collective over several
-axes when they move together), collective-permute to a layout with the same shard counts,
+axes when they move together, and over several dims' when they move at once),
+collective-permute to a layout with the same shard counts,
 reduce-scatter or all-reduce pending partial sums. The cheapest sequence wins; among equal
 costs, fewer collectives, then fewer steps. Beside the search over whole mesh axes, one
 search per way of cutting an axis of the reshard in two (`_sub_axis_splits`) may find a
