@@ -21,7 +21,10 @@ each side (the halos). Per split dim (DimPlan, gspmd_tf._halo computes the sizes
 
 A halo longer than a neighbour's block takes one permute per block it spans; when that
 would take as many steps or move as much as gathering the dim, the dim is gathered
-whole instead and each device slices its windows from the padded whole dim. A dim whose
+whole instead and each device slices its windows from the padded whole dim. A plain
+slice (window 1, stride 1, no padding) whose blocks lie in other shards' blocks further
+away is re-blocked instead where that moves less (reshard.reblock: one permute per
+distance between a block and the blocks it reads, of only the part read). A dim whose
 input is not split (only the output is) is sliced the same way, with no collective.
 Everything here works per dim, so it serves any number of spatial dims.
 """
@@ -131,12 +134,12 @@ class DimPlan:
             # halos spanning many blocks: gather the dim whole instead
             self.whole = True
             self.plan = self._make(k, True)
-        # a plain slice whose blocks lie in a few other shards' blocks (the last stage
-        # of a stage-split buffer, a block-aligned part of the dim): each shard's block
-        # re-blocked from them by collective-permutes (reshard.reblock), as XLA does,
-        # where that moves fewer elements than the halos or the gather
+        # a plain slice whose blocks lie in a few other shards' blocks (e.g. a
+        # block-aligned half of the dim): each shard's block re-blocked from them by
+        # collective-permutes (reshard.reblock), as XLA does, where that moves fewer
+        # elements than the halos or the gather
         self.reblocked = k > 1 and bool(input_axes) and _reblock_moves(spatial, k) < (
-            (k - 1) * self.plan["own"] if self.whole
+            (k - 1) * ceil_div(spatial.n, k) if self.whole
             else self.plan["halo_lo"] + self.plan["halo_hi"])
         if self.reblocked:
             self.whole = False
