@@ -114,15 +114,11 @@ class Backend(abc.ABC):
         """The largest all-reduce (operand bytes per device) the partitioner's combiner
         should merge with others (spmd/combine.py) in this backend's programs: at the
         top level, or inside control-flow bodies (`in_region`); 0 for none, None for
-        the combiner's default. 0 for the top-level all-reduces of a backend whose
-        collectives on this mesh are all copies (copy_collectives, every device a CPU
-        of this process): a copy all-reduce is one AddN with no fixed cost to amortise,
-        and combining only adds a flatten, a concat, a split and a reshape per member
-        (benchmarks/RESULTS.md §14.10). TF's collectives (bodies, other devices,
-        several workers) keep the combiner's default."""
-        if not in_region and collectives_are_copies(self.mesh,
-                                                    self.capabilities.copy_collectives):
-            return 0
+        the combiner's default. None here, on every backend: a program's all-reduces
+        are combined as XLA combines them whatever runs them, so a step's collectives
+        are the same on every backend (copy collectives included, where a combined
+        all-reduce costs a flatten, a concat, a split and a reshape per member more
+        than separate ones: benchmarks/RESULTS.md §14.10)."""
         return None
 
 
