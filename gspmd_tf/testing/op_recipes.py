@@ -108,6 +108,8 @@ def _recipes() -> dict:
     r["StridedSliceGrad"] = Recipe((C([4, 6]), C([1, 0]), C([4, 6]), C([1, 2]), F(3, 3)))
     r["Cast"] = Recipe((F(4, 6),), {"DstT": "int32"})
     r["EnsureShape"] = Recipe((F(4, 6),), {"shape": [4, 6]})
+    r["PlaceholderWithDefault"] = Recipe((F(4, 6),), {"shape": [4, 6]})
+    r["DynamicPartition"] = Recipe((F(6, 4), Int((6,), 2)), {"num_partitions": 2})
     r["ApproxTopK"] = Recipe((F(4, 6),), {"k": 3})
     r["Einsum"] = Recipe(([F(4, 6), F(6, 5)],), {"equation": "ij,jk->ik"})
     r["BatchMatMulV3"] = Recipe((F(2, 4, 6), F(2, 6, 5)), {"Tout": "float32"})
@@ -154,6 +156,7 @@ def _recipes() -> dict:
     r["MaxPool3D"] = Recipe((F(*VOLUME),), POOL3D)
     r["AvgPool3DGrad"] = Recipe((C(VOLUME), F(2, 2, 3, 2, 3)), POOL3D)
     r["MaxPool3DGrad"] = Recipe((F(*VOLUME), F(2, 2, 3, 2, 3), F(2, 2, 3, 2, 3)), POOL3D)
+    r["MaxPool3DGradGrad"] = Recipe((F(*VOLUME), F(2, 2, 3, 2, 3), F(*VOLUME)), POOL3D)
     r["AvgPoolGrad"] = Recipe((C([2, 6, 4, 3]), F(2, 3, 2, 3)), POOL)
     r["MaxPoolV2"] = Recipe((F(2, 6, 4, 3), C([1, 2, 2, 1]), C([1, 2, 2, 1])),
                             {"padding": "VALID"})
@@ -180,6 +183,9 @@ def _recipes() -> dict:
     r["FusedBatchNorm"] = Recipe((F(2, 4, 6, 3), *channels, F(0), F(0)))
     for op in ("FusedBatchNormV2", "FusedBatchNormV3"):
         r[op] = Recipe((F(2, 4, 6, 3), *channels, F(0), F(0)))
+    variance = G([0.5, 1.0, 2.0], "float32")
+    r["FusedBatchNormGrad"] = Recipe((F(2, 4, 6, 3), F(2, 4, 6, 3), F(3), F(3), variance))
+    r["FusedBatchNormGradV2"] = Recipe((F(2, 4, 6, 3), F(2, 4, 6, 3), F(3), F(3), variance))
     # linear algebra
     r["MatrixSetDiag"] = Recipe((F(4, 6), F(4)))
     for op in ("MatrixSetDiagV2", "MatrixSetDiagV3"):
@@ -221,6 +227,11 @@ def _recipes() -> dict:
     r["SparseReorder"] = Recipe(SPARSE)
     r["SparseFillEmptyRows"] = Recipe((*SPARSE, F()))
     r["SparseAdd"] = Recipe((*SPARSE, *SPARSE, C(0.0, "float32")))
+    r["SparseSparseMaximum"] = Recipe((*SPARSE, *SPARSE))
+    r["SparseSparseMinimum"] = Recipe((*SPARSE, *SPARSE))
+    r["SparseSlice"] = Recipe((*SPARSE, C([0, 0], "int64"), C([2, 6], "int64")))
+    r["SparseAddGrad"] = Recipe((F(3), C([[0, 1], [2, 3]], "int64"), C([[1, 1]], "int64"),
+                                 C([[0, 1], [1, 1], [2, 3]], "int64")))
     return r
 
 
