@@ -9,7 +9,8 @@ gt.Variable (each device holds only its shard) and replaces the model's train/te
 functions by ones that pull a batch from Keras' iterator on the host and run
 `model.train_step` / `test_step` / `predict_step` as a gt.function with the batch split
 by `batch_spec`. Keras itself (fit/evaluate/predict loops, callbacks, save_weights,
-load_weights, get_weights, set_weights) is unchanged.
+load_weights, get_weights, set_weights) is unchanged, but a load_weights that fails
+leaves every variable as it was (and raises a ShardingError).
 
 How it hooks into Keras 3 with the TensorFlow backend:
 - a keras.Variable keeps its backend tf.Variable in `_value`; reads, gradients and
@@ -411,6 +412,48 @@ def _make_predict_function(self, force=False):
     return self.predict_function
 
 
+def _load_weights(self, filepath, *args, **kwargs):
+    """keras.Model.load_weights, all or nothing: a load that fails (a file that does not
+    fit the model, a corrupt or missing one) writes every variable back as it was and
+    raises a ShardingError naming the file, Keras' error its cause."""
+    written_back = _values_now(_all_variables(self))
+    try:
+        return type(self).load_weights(self, filepath, *args, **kwargs)
+    except (ValueError, OSError, KeyError, tf.errors.OpError) as error:
+        for target, value in written_back:
+            target.assign(value, read_value=False)
+        raise ShardingError(
+            f"model {self.name!r}: load_weights({str(filepath)!r}) failed, every variable "
+            f"left as it was ({' '.join(str(error).split()):.400}): load a file saved from a "
+            "model of the same architecture and variable shapes") from error
+
+
+def _all_variables(model):
+    """Every variable of `model`, its optimizer and its metrics, once each."""
+    optimizer = getattr(model, "optimizer", None)
+    found = {}
+    for v in (list(model.variables) + list(getattr(optimizer, "variables", ()) or ())
+              + list(getattr(model, "metrics_variables", ()))):
+        found.setdefault(id(v), v)
+    return list(found.values())
+
+
+def _values_now(variables):
+    """(tf.Variable, its value now) of every shard variable of the gt.Variables backing
+    `variables` (keras Variables) and of every other backing tf.Variable. A value read
+    keeps its buffer: a later assign writes a new one (TF copies a buffer that is
+    referenced elsewhere), so this holds no second copy until a variable changes."""
+    pairs = []
+    for kvar in variables:
+        backing = getattr(kvar, "_value", kvar)
+        targets = ([s for s in backing.shard_variables if s is not None]
+                   if isinstance(backing, Variable) else [backing])
+        for target in targets:
+            with tf.device(target.device):
+                pairs.append((target, target.read_value()))
+    return pairs
+
+
 def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("data")):
     """Run `model` (Keras 3, TensorFlow backend) partitioned over `mesh`; returns `model`.
 
@@ -457,7 +500,8 @@ def take_over(model, mesh: Mesh, rules, batch_spec) -> "keras.Model":
     object.__setattr__(model, "_gt_keras", state)
     for name, fn in (("make_train_function", _make_train_function),
                      ("make_test_function", _make_test_function),
-                     ("make_predict_function", _make_predict_function)):
+                     ("make_predict_function", _make_predict_function),
+                     ("load_weights", _load_weights)):
         object.__setattr__(model, name, types.MethodType(fn, model))
     model.train_function = None
     model.test_function = None

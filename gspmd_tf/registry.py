@@ -342,6 +342,12 @@ RANDOM_NUMERICS = "a random op (XLA draws other numbers than TF's kernel)"
 # XLA's max and min propagate NaN; TF's CPU kernels of these ops do not
 # (tests/test_nonfinite.py; fuzzer seed 46, RESULTS §14.11)
 NAN_ORDER = "XLA orders NaN against numbers otherwise than TF's kernel"
+# TF's elementwise gradient kernels give 0 for a zero upstream gradient whatever the
+# forward output (NaN, Inf: 0 * NaN), XLA's the product (NaN); TF's ReluGrad passes a
+# NaN upstream gradient, XLA's selects 0 (fuzz seed 60 #36: rsqrt of a negative value
+# before a minimum, RESULTS §14.11's EluGrad)
+ZERO_GRADIENT = ("XLA's gradient kernel gives other values than TF's where the upstream "
+                 "gradient is 0 or NaN")
 # XLA gives -1 for an integer divided by zero (an integer Mean of no elements too)
 INTEGER_DIVISION = "XLA divides integers by zero otherwise than TF's kernel"
 
