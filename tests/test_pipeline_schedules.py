@@ -1,7 +1,8 @@
 """gt.pipeline_value_and_grad (GPipe, 1F1B, interleaved) equals the unpipelined model's
 mean loss and stage-param gradients (single-device TF, relative 1e-5), partitioned over
 a stage axis (with data and model axes too); 1F1B's per-device peak memory is at most half of
-GPipe's at M=16, S=4; gt.pipeline_schedule's table has the formulas' bubbles."""
+GPipe's at M=16, S=4, and its stage s holds at most S - s microbatches;
+gt.pipeline_schedule's table has the formulas' bubbles."""
 
 from fractions import Fraction
 
@@ -111,7 +112,7 @@ def test_1f1b_peak_memory_at_most_half_of_gpipe_at_16_microbatches_4_stages():
 @pytest.mark.parametrize("schedule,stages,microbatches,virtual,bubble", [
     ("gpipe", 4, 16, 1, Fraction(3, 19)), ("gpipe", 2, 3, 1, Fraction(1, 4)),
     ("interleaved", 4, 8, 2, Fraction(3, 19)), ("interleaved", 2, 4, 3, Fraction(1, 13)),
-    ("1f1b", 4, 16, 1, Fraction(6, 22))])
+    ("1f1b", 4, 16, 1, Fraction(3, 19)), ("1f1b", 2, 3, 1, Fraction(1, 4))])
 def test_schedule_table_bubble_matches_formula(schedule, stages, microbatches, virtual,
                                                bubble):
     table = gt.pipeline_schedule(schedule, stages, microbatches, virtual)
@@ -121,6 +122,21 @@ def test_schedule_table_bubble_matches_formula(schedule, stages, microbatches, v
         busy = [cell for cell in row if cell]
         assert len(busy) == len(set(busy)) == 2 * microbatches * virtual
     assert str(bubble) in table.text() and table.text().startswith("slot")
+
+
+@pytest.mark.parametrize("stages,microbatches", [(4, 16), (3, 2), (2, 5)])
+def test_1f1b_stage_holds_at_most_stages_minus_its_index_microbatches(stages,
+                                                                     microbatches):
+    table = gt.pipeline_schedule("1f1b", stages, microbatches)
+    for stage, row in enumerate(table.cells):
+        alive, most = set(), 0
+        for cell in row:
+            if cell.startswith("F"):
+                alive.add(cell[1:])
+            elif cell:
+                alive.remove(cell[1:])  # a backward follows its own forward
+            most = max(most, len(alive))
+        assert not alive and most == min(stages - stage, microbatches), (stage, row)
 
 
 def test_bad_schedules_name_what_to_change():

@@ -36,8 +36,9 @@ def pipeline_value_and_grad(stage_fn, loss_fn, stage_params, microbatches, targe
       microbatches: [M, b, ...]; targets: [M, ...], one row per microbatch.
       mesh, stage_axis, microbatch_spec: as gt.pipeline.
       schedule: "gpipe" (all forwards, then all backwards: keeps every step's
-        activations), "1f1b" (each step one forward and one backward per stage: keeps
-        2 S - 1 stage inputs per stage, recomputes the forward in the backward) or
+        activations), "1f1b" (each stage alternating forwards and backwards: keeps
+        at most S stage inputs per stage, recomputes the forward in the backward;
+        bubble (S-1)/(M+S-1)) or
         "interleaved" (GPipe's order over V virtual stages per device, the circular
         schedule: bubble (S-1)/(V M+S-1); M a multiple of S).
       virtual_stages: V, for "interleaved".
