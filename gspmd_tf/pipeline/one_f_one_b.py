@@ -33,6 +33,7 @@ import tensorflow as tf
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.mesh import P
 from gspmd_tf.pipeline import schedule as timing
+from gspmd_tf.pipeline.forward import pick_along_stages
 
 
 def one_f_one_b(run_stages, run_losses, params, microbatches, targets, annotate, *,
@@ -67,7 +68,7 @@ def one_f_one_b(run_stages, run_losses, params, microbatches, targets, annotate,
         feed = tf.gather(microbatches, tf.minimum(tick // 2, count - 1))
         incoming = tf.where(along_stages(stage == 0), feed[tf.newaxis],
                             tf.roll(sent_forward, 1, axis=0))
-        stashed = _read_slot(stash, slot)
+        stashed = pick_along_stages(stash, slot)
         inputs = annotate(tf.where(along_stages(forward), incoming, stashed))
         written = along_stages(tf.cast(slot, tf.bool) & (forward & busy)[:, tf.newaxis])
         stash = stash_annotate(tf.where(written, inputs[:, tf.newaxis], stash))
@@ -103,13 +104,6 @@ def one_f_one_b(run_stages, run_losses, params, microbatches, targets, annotate,
     *_, losses, grads = tf.while_loop(lambda tick, *_: tick < ticks, body, initial,
                                       maximum_iterations=ticks)
     return tf.reduce_sum(losses) / count, grads
-
-
-def _read_slot(stash, slot):
-    """[S, b, ...]: each stage's slot of the stash [S, slots, b, ...], `slot` [S, slots]
-    one-hot (a contraction over the slot dim: no stash-sized product)."""
-    letters = "abcdefghij"[:stash.shape.rank - 2]
-    return tf.einsum(f"sk{letters},sk->s{letters}", stash, slot)
 
 
 def stash_spec(stage_axis, microbatch_spec):
