@@ -2,7 +2,7 @@
 mean loss and stage-param gradients (single-device TF, relative 1e-5), partitioned over
 a stage axis (with data and model axes too); 1F1B's per-device peak memory is at most half of
 GPipe's at M=16, S=4, and its stage s holds at most S - s microbatches;
-gt.pipeline_schedule's table has the formulas' bubbles."""
+gt.pipeline_schedule's table has the formulas' bubbles, and the HTML report shows it."""
 
 from fractions import Fraction
 
@@ -137,6 +137,17 @@ def test_1f1b_stage_holds_at_most_stages_minus_its_index_microbatches(stages,
                 alive.remove(cell[1:])  # a backward follows its own forward
             most = max(most, len(alive))
         assert not alive and most == min(stages - stage, microbatches), (stage, row)
+
+
+def test_html_report_shows_the_schedule_grid_of_a_pipelined_program():
+    args = _args(5, 2, 3)
+    page = gt.lower(pipelined("1f1b", _PAIR), _PAIR, (P("stage"),) * 3 + (P(),) * 2,
+                    args=args).report(format="html")
+    table = gt.pipeline_schedule("1f1b", 2, 3)
+    assert "Pipeline schedule (1f1b)" in page and f"bubble {table.bubble}" in page
+    for stage, row in enumerate(table.cells):
+        cells = "".join(f'<td class="{c[0] if c else "idle"}">{c or "."}</td>' for c in row)
+        assert f"<tr><th>stage {stage}</th>{cells}</tr>" in page
 
 
 def test_bad_schedules_name_what_to_change():

@@ -24,12 +24,17 @@ microbatches (forwarded, not yet backwarded), S slots of a ring at most.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 
 from gspmd_tf.errors import ShardingError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# the name scope gt.pipeline_value_and_grad traces under: it tells a report (e.g. the
+# HTML one, which sees only the traced graph's op names) which schedule ran
+_SCOPE = re.compile(r"(?:^|/)pipeline_(gpipe|1f1b|interleaved)_S(\d+)_M(\d+)_V(\d+)"
+                    r"(?:_\d+)?/")
 
 
 def circular_steps(stages, microbatches, virtual=1):
@@ -157,6 +162,23 @@ def _one_f_one_b_row(stage, stages, microbatches):
         microbatch, forward, busy = one_f_one_b_work(tick, stage, stages, microbatches)
         row.append(f"{'F' if forward else 'B'}{microbatch}" if busy else "")
     return tuple(row)
+
+
+def scope_name(schedule, stages, microbatches, virtual):
+    """The name scope of a pipeline's ops, naming its schedule and sizes."""
+    return f"pipeline_{schedule}_S{stages}_M{microbatches}_V{virtual}"
+
+
+def schedules_in(names) -> list:
+    """The PipelineSchedule of each pipeline whose scope (scope_name) one of the op
+    `names` lies in, in order of first appearance, each once."""
+    found = {}
+    for name in names:
+        match = _SCOPE.search(name)
+        if match and match.groups() not in found:
+            schedule, *sizes = match.groups()
+            found[match.groups()] = pipeline_schedule(schedule, *map(int, sizes))
+    return list(found.values())
 
 
 def layer_order(stages, virtual_stages):

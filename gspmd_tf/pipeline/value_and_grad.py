@@ -44,7 +44,8 @@ def pipeline_value_and_grad(stage_fn, loss_fn, stage_params, microbatches, targe
       virtual_stages: V, for "interleaved".
 
     Returns:
-      (the mean loss, a nest like `stage_params` of its gradients).
+      (the mean loss, a nest like `stage_params` of its gradients). Its ops lie in a
+      name scope naming the schedule, so the HTML report of the program shows it.
 
     Raises:
       gt.ShardingError: an unknown schedule, sizes it cannot run, or gt.pipeline's.
@@ -55,11 +56,19 @@ def pipeline_value_and_grad(stage_fn, loss_fn, stage_params, microbatches, targe
     if targets.shape.rank is None or targets.shape[:1] != microbatches.shape[:1]:
         raise ShardingError(f"pipeline_value_and_grad: targets {targets.shape} need one "
                             f"row per microbatch (microbatches {microbatches.shape})")
-    timing.check_schedule(schedule, num_stages(params) // max(virtual_stages, 1),
-                          microbatches.shape[0], virtual_stages)
+    stages = num_stages(params) // max(virtual_stages, 1)
+    timing.check_schedule(schedule, stages, microbatches.shape[0], virtual_stages)
+    with tf.name_scope(timing.scope_name(schedule, stages, microbatches.shape[0],
+                                         virtual_stages)):
+        return _run(schedule, stage_fn, loss_fn, params, microbatches, targets, mesh,
+                    stage_axis, virtual_stages, microbatch_spec)
+
+
+def _run(schedule, stage_fn, loss_fn, params, microbatches, targets, mesh, stage_axis,
+         virtual_stages, microbatch_spec):
+    """pipeline_value_and_grad's work, checked arguments given."""
     if schedule == "1f1b":
-        stages = num_stages(params)
-        annotate = annotator(mesh, stage_axis, microbatch_spec, stages,
+        annotate = annotator(mesh, stage_axis, microbatch_spec, num_stages(params),
                              microbatches.shape.rank)
         return one_f_one_b(vectorized(stage_fn), _vectorized_loss(loss_fn), params,
                            microbatches, targets, annotate, mesh=mesh,
