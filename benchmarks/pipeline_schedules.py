@@ -1,17 +1,22 @@
 """Pipeline schedules against their formulas: bubble and per-device peak memory.
 
     .venv/bin/python benchmarks/pipeline_schedules.py --stages=2,4 --microbatches=4,8,16 \
-        --virtual=1,2 --microbatch_size=8 --d_model=64 --d_ff=256
+        --virtual=1,2 --microbatch_size=8,64 --d_model=64 --d_ff=256
 
-For every schedule (gpipe, 1f1b, interleaved) and every S, M (and V for interleaved) the
-script prints the bubble of gt.pipeline_schedule's time table beside the formula
-((S-1)/(M+S-1) GPipe, (S-1)/(V M+S-1) interleaved, (2S-2)/(M+2S-2) for this 1F1B, whose
-every step runs one forward and one backward on every stage), and the per-device peak
-of gt.pipeline_value_and_grad's program as Lowered.memory() estimates it (lowered on an
-abstract mesh of S devices: nothing runs, so any S fits), with the stash or activations
-the schedule keeps per device: 1F1B (2S-1) stage inputs whatever M, GPipe and
-interleaved every step's intermediates (M+S-1, V M+S-1 steps). Stages are residual MLP
-blocks x + relu(x W1) W2 on [b, d]; the loss is the mean square error to a target.
+For every S, M, V and microbatch size b the model is the same: L = S V residual MLP
+layers x + relu(x W1) W2 on [b, d], the loss the mean square error to a target. GPipe
+and 1F1B run it as S stages of V consecutive layers each; the interleaved (circular)
+schedule as V rounds of S one-layer stages (layers round-robin over the devices; only
+for V > 1 and M a multiple of S). For each the script prints the bubble of
+gt.pipeline_schedule's time table beside the formula ((S-1)/(M+S-1) GPipe and 1F1B,
+(S-1)/(V M+S-1) interleaved), what the schedule keeps alive per device by its shape
+(GPipe: the intermediates of all M+S-1 steps, for TF's gradient of the loop; 1F1B:
+S stage inputs, the stash, whatever M; interleaved: the input of each of its V M+S-1
+steps, each step rematerialised in the backward), and the per-device peak of
+gt.pipeline_value_and_grad's program as Lowered.memory() estimates it (lowered on an
+abstract mesh of S devices: nothing runs, so any S fits), also as a ratio to GPipe's
+on the same model. The peak includes the weights, their gradients, the microbatches
+and targets (replicated): with a small b they, not the activations, dominate.
 """
 
 from __future__ import annotations
@@ -28,33 +33,55 @@ from absl import app, flags  # noqa: E402
 
 STAGES = flags.DEFINE_list("stages", ["2", "4"], "pipeline stages S (devices on the axis)")
 MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16"], "microbatch counts M")
-VIRTUAL = flags.DEFINE_list("virtual", ["1", "2"], "virtual stages V for interleaved")
-MICROBATCH_SIZE = flags.DEFINE_integer("microbatch_size", 8, "examples per microbatch")
+VIRTUAL = flags.DEFINE_list("virtual", ["1", "2"],
+                            "layers per device V (interleaved's virtual stages)")
+MICROBATCH_SIZE = flags.DEFINE_list("microbatch_size", ["8"], "examples per microbatch b")
 D_MODEL = flags.DEFINE_integer("d_model", 64, "model width")
 D_FF = flags.DEFINE_integer("d_ff", 256, "hidden width")
 
 
 def formula(schedule, stages, microbatches, virtual):
     """The bubble the schedule's shape predicts."""
+    if schedule == "interleaved":
+        return Fraction(stages - 1, virtual * microbatches + stages - 1)
+    return Fraction(stages - 1, microbatches + stages - 1)
+
+
+def kept(schedule, stages, microbatches, virtual):
+    """What the schedule keeps alive per device for its backward, by its shape."""
+    if schedule == "gpipe":
+        return f"{microbatches + stages - 1} steps' activations"
     if schedule == "1f1b":
-        return Fraction(2 * stages - 2, microbatches + 2 * stages - 2)
-    return Fraction(stages - 1, virtual * microbatches + stages - 1)
+        return f"{stages} stage inputs"
+    return f"{virtual * microbatches + stages - 1} step inputs"
 
 
-def peak_bytes(gt, tf, schedule, stages, microbatches, virtual):
+def peak_bytes(gt, tf, schedule, stages, microbatches, virtual, batch):
     """Per-device peak of the loss-and-gradients program on an abstract stage mesh."""
     mesh = gt.Mesh.abstract((stages,), ("stage",))
-    layers, d, f, b = stages * virtual, D_MODEL.value, D_FF.value, MICROBATCH_SIZE.value
+    d, f = D_MODEL.value, D_FF.value
 
-    def stage(w, x):
-        return x + tf.nn.relu(x @ w["w1"]) @ w["w2"]
+    def stage(w, x):  # V consecutive layers (one, interleaved)
+        for w1, w2 in zip(w["w1"], w["w2"]):
+            x = x + tf.nn.relu(x @ w1) @ w2
+        return x
 
     def step(w1, w2, x, targets):
+        # GPipe and 1F1B: stage params a list of V tensors [S, ...] (not one [S, V, ...]
+        # indexed in the stage: TF's gradient loop would keep each step's slices)
+        def per_stage(w):
+            if schedule == "interleaved" or virtual == 1:
+                return [w]
+            return tf.unstack(tf.reshape(w, [stages, virtual] + w.shape[1:].as_list()),
+                              axis=1)
+        w1, w2 = per_stage(w1), per_stage(w2)
         return gt.pipeline_value_and_grad(
             stage, lambda y, t: tf.reduce_mean(tf.square(y - t)), {"w1": w1, "w2": w2},
-            x, targets, mesh=mesh, schedule=schedule, virtual_stages=virtual)
-    specs = [tf.TensorSpec([layers, d, f]), tf.TensorSpec([layers, f, d]),
-             tf.TensorSpec([microbatches, b, d]), tf.TensorSpec([microbatches, b, d])]
+            x, targets, mesh=mesh, schedule=schedule,
+            virtual_stages=virtual if schedule == "interleaved" else 1)
+    layers = stages * virtual
+    specs = [tf.TensorSpec([layers, d, f]), tf.TensorSpec([layers, f, d])] + [
+        tf.TensorSpec([microbatches, batch, d])] * 2
     P = gt.P
     low = gt.lower(step, mesh, (P("stage"), P("stage"), P(), P()), args=specs)
     return low.memory().peak
@@ -65,19 +92,28 @@ def main(argv):
     import gspmd_tf as gt
     import tensorflow as tf
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
-    print(f"{'schedule':12s} {'S':>3s} {'M':>4s} {'V':>3s} {'bubble':>9s} {'formula':>9s} "
-          f"{'peak bytes/device':>18s}")
-    for stages in map(int, STAGES.value):
-        for microbatches in map(int, MICROBATCHES.value):
-            runs = [("gpipe", 1), ("1f1b", 1)] + [
-                ("interleaved", int(v)) for v in VIRTUAL.value
-                if int(v) > 1 and microbatches % stages == 0]
-            for schedule, virtual in runs:
-                table = gt.pipeline_schedule(schedule, stages, microbatches, virtual)
-                peak = peak_bytes(gt, tf, schedule, stages, microbatches, virtual)
-                want = formula(schedule, stages, microbatches, virtual)
-                print(f"{schedule:12s} {stages:3d} {microbatches:4d} {virtual:3d} "
-                      f"{float(table.bubble):9.4f} {float(want):9.4f} {peak:18d}")
+    print(f"{'schedule':12s} {'S':>3s} {'M':>4s} {'V':>3s} {'b':>4s} {'bubble':>8s} "
+          f"{'formula':>8s} {'kept per device':>24s} {'peak B/device':>14s} {'/gpipe':>7s}")
+    for batch in map(int, MICROBATCH_SIZE.value):
+        for stages in map(int, STAGES.value):
+            for microbatches in map(int, MICROBATCHES.value):
+                for virtual in map(int, VIRTUAL.value):
+                    runs = ["gpipe", "1f1b"] + (
+                        ["interleaved"] if virtual > 1 and microbatches % stages == 0
+                        else [])
+                    gpipe = None
+                    for schedule in runs:
+                        table = gt.pipeline_schedule(
+                            schedule, stages, microbatches,
+                            virtual if schedule == "interleaved" else 1)
+                        peak = peak_bytes(gt, tf, schedule, stages, microbatches, virtual,
+                                          batch)
+                        gpipe = gpipe or peak
+                        want = formula(schedule, stages, microbatches, virtual)
+                        print(f"{schedule:12s} {stages:3d} {microbatches:4d} {virtual:3d} "
+                              f"{batch:4d} {float(table.bubble):8.4f} {float(want):8.4f} "
+                              f"{kept(schedule, stages, microbatches, virtual):>24s} "
+                              f"{peak:14d} {peak / gpipe:7.3f}", flush=True)
 
 
 if __name__ == "__main__":

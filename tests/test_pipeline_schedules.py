@@ -1,8 +1,9 @@
 """gt.pipeline_value_and_grad (GPipe, 1F1B, interleaved) equals the unpipelined model's
 mean loss and stage-param gradients (single-device TF, relative 1e-5), partitioned over
-a stage axis (with data and model axes too); 1F1B's per-device peak memory is at most half of
-GPipe's at M=16, S=4, and its stage s holds at most S - s microbatches;
-gt.pipeline_schedule's table has the formulas' bubbles, and the HTML report shows it."""
+a stage axis (with data and model axes too); 1F1B's per-device peak memory is at most
+half of GPipe's at M=16, S=4, and its stage s holds at most S - s microbatches;
+interleaved keeps stage buffers per step, not layers; gt.pipeline_schedule's table has
+the formulas' bubbles, and the HTML report shows it."""
 
 from fractions import Fraction
 
@@ -107,6 +108,20 @@ def test_1f1b_peak_memory_at_most_half_of_gpipe_at_16_microbatches_4_stages():
                                 (P("stage"),) * 3 + (P(),) * 2, args=args).memory().peak
              for schedule in ("gpipe", "1f1b")}
     assert peaks["1f1b"] * 2 <= peaks["gpipe"], peaks
+
+
+def test_interleaved_keeps_a_step_input_per_step_not_its_layers():
+    # S=2, V=2: 4 more microbatches are 8 more steps; a step's layer (w1, b1, w2 of one
+    # device) is 1088 bytes, a stage buffer [1, BATCH, D] 128
+    def peak(microbatches):
+        w1, b1, w2, x, targets = _args(6, 4, microbatches)
+        return gt.lower(pipelined("interleaved", _PAIR, virtual=2), _PAIR,
+                        (P("stage"),) * 3 + (P(),) * 2,
+                        args=(w1, b1, w2, x, targets)).memory().peak
+    inputs_bytes = 2 * (BATCH * D * 4)  # the microbatch and its target, replicated
+    per_step = (peak(8) - peak(4) - 4 * inputs_bytes) / 8
+    # the loops' lists of stage buffers, a few per step
+    assert 0 < per_step <= 5 * BATCH * D * 4, per_step
 
 
 @pytest.mark.parametrize("schedule,stages,microbatches,virtual,bubble", [

@@ -20,7 +20,9 @@ With virtual_stages=V > 1 (the circular, interleaved schedule of schedule.py) ea
 holds V layers; every iteration each device picks the layer of its current repeat (a
 masked sum over its V layers, local), device 0 takes a new microbatch only at repeat 0
 and otherwise the wrapped-round output of device S - 1, and a microbatch's output is the
-last device's buffer at the step its last layer ends.
+last device's buffer at the step its last layer ends. Each of its steps is rematerialised
+in the backward (recomputed from the step's input), so TF's gradient of the loop keeps
+one [S, b, ...] input per step rather than every step's picked layers and activations.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 stage params, by the GPipe, interleaved (circular) or 1F1B schedule (schedule.py).
 
 GPipe and interleaved run forward.py's loop under a tape: TF's gradient of the loop is
-the backward pipeline, and it keeps the forward's activations of every step. 1F1B runs
-one_f_one_b.py's loop, which computes the gradients itself.
+the backward pipeline; it keeps the forward's activations of every step (GPipe) or every
+step's input (interleaved, whose steps are rematerialised). 1F1B runs one_f_one_b.py's
+loop, which computes the gradients itself.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def pipeline_value_and_grad(stage_fn, loss_fn, stage_params, microbatches, targe
         at most S stage inputs per stage, recomputes the forward in the backward;
         bubble (S-1)/(M+S-1)) or
         "interleaved" (GPipe's order over V virtual stages per device, the circular
-        schedule: bubble (S-1)/(V M+S-1); M a multiple of S).
+        schedule: bubble (S-1)/(V M+S-1); M a multiple of S; each step recomputed in
+        the backward, so only the steps' inputs are kept).
       virtual_stages: V, for "interleaved".
 
     Returns:

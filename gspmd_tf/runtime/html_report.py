@@ -262,8 +262,9 @@ def _schedule_section(table):
             f'<td class="{cell[0] if cell else "idle"}">{html.escape(cell or ".")}</td>'
             for cell in row) + "</tr>"
         for stage, row in enumerate(table.cells))
-    return (f"<h2>Pipeline schedule ({html.escape(table.schedule)})</h2><p>S={table.stages} "
-            f"stages, M={table.microbatches} microbatches, V={table.virtual}: "
+    return (f"<h2>Pipeline schedule ({html.escape(table.schedule)})</h2>"
+            f"<p>S={table.stages} stages, M={table.microbatches} microbatches, "
+            f"V={table.virtual}: "
             f"bubble {table.bubble} = {float(table.bubble):.3f} (idle slots, marked .). "
             "Each slot is one forward (F) or backward (B) of a stage (of one of its V "
             "layers, interleaved; .k: repeat k).</p>"
