@@ -17,18 +17,29 @@ gt.pipeline_value_and_grad's program as Lowered.memory() estimates it (lowered o
 abstract mesh of S devices: nothing runs, so any S fits), also as a ratio to GPipe's
 on the same model. The peak includes the weights, their gradients, the microbatches
 and targets (replicated): with a small b they, not the activations, dominate.
+
+--time_steps=N also runs every step on S logical CPU devices (they share the host's
+cores: the shape of the schedule's cost, not a speed-up) and prints the median time of
+N calls and its ratio to GPipe's, the schedules' calls alternating round by round.
+In the SPMD 1F1B loop every stage runs one forward and one backward every tick (the
+backward with a zero cotangent on its forward ticks), 2M+2S-2 ticks; GPipe runs M+S-1
+forward steps and as many backward ones; interleaved recomputes each forward step in
+the backward.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import statistics
 import sys
+import time
 from fractions import Fraction
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 STAGES = flags.DEFINE_list("stages", ["2", "4"], "pipeline stages S (devices on the axis)")
@@ -38,6 +49,9 @@ VIRTUAL = flags.DEFINE_list("virtual", ["1", "2"],
 MICROBATCH_SIZE = flags.DEFINE_list("microbatch_size", ["8"], "examples per microbatch b")
 D_MODEL = flags.DEFINE_integer("d_model", 64, "model width")
 D_FF = flags.DEFINE_integer("d_ff", 256, "hidden width")
+TIME_STEPS = flags.DEFINE_integer(
+    "time_steps", 0, "when > 0, also run each step on S logical CPU devices this many "
+    "times (after one warm-up call) and print the median seconds")
 
 
 def formula(schedule, stages, microbatches, virtual):
@@ -56,9 +70,8 @@ def kept(schedule, stages, microbatches, virtual):
     return f"{virtual * microbatches + stages - 1} step inputs"
 
 
-def peak_bytes(gt, tf, schedule, stages, microbatches, virtual, batch):
-    """Per-device peak of the loss-and-gradients program on an abstract stage mesh."""
-    mesh = gt.Mesh.abstract((stages,), ("stage",))
+def program(gt, tf, schedule, stages, microbatches, virtual, batch, mesh):
+    """(step, argument specs, in_shardings): the loss-and-gradients step of the model."""
     d, f = D_MODEL.value, D_FF.value
 
     def stage(w, x):  # V consecutive layers (one, interleaved)
@@ -83,17 +96,50 @@ def peak_bytes(gt, tf, schedule, stages, microbatches, virtual, batch):
     specs = [tf.TensorSpec([layers, d, f]), tf.TensorSpec([layers, f, d])] + [
         tf.TensorSpec([microbatches, batch, d])] * 2
     P = gt.P
-    low = gt.lower(step, mesh, (P("stage"), P("stage"), P(), P()), args=specs)
-    return low.memory().peak
+    return step, specs, (P("stage"), P("stage"), P(), P())
+
+
+def peak_bytes(gt, tf, schedule, stages, microbatches, virtual, batch):
+    """Per-device peak of the step's program, lowered on an abstract stage mesh."""
+    mesh = gt.Mesh.abstract((stages,), ("stage",))
+    step, specs, shardings = program(gt, tf, schedule, stages, microbatches, virtual,
+                                     batch, mesh)
+    return gt.lower(step, mesh, shardings, args=specs).memory().peak
+
+
+def step_times(gt, tf, schedules, stages, microbatches, virtual, batch):
+    """Median seconds of one call of each schedule's step on S logical CPU devices, the
+    schedules' calls alternating round by round (so all see the same machine load)."""
+    mesh = gt.Mesh.create((stages,), ("stage",))
+    rng = np.random.default_rng(0)
+    calls = []
+    for schedule in schedules:
+        step, specs, shardings = program(gt, tf, schedule, stages, microbatches, virtual,
+                                         batch, mesh)
+        args = [rng.standard_normal(spec.shape, dtype=np.float32) * 0.1 for spec in specs]
+        function = gt.function(step, mesh=mesh, in_shardings=shardings)
+        function(*args)  # trace, partition, warm up
+        calls.append((function, args))
+    times = [[] for _ in schedules]
+    for _ in range(TIME_STEPS.value):
+        for (function, args), measured in zip(calls, times):
+            start = time.perf_counter()
+            tf.nest.map_structure(lambda t: t.numpy(), function(*args))
+            measured.append(time.perf_counter() - start)
+    return [statistics.median(measured) for measured in times]
 
 
 def main(argv):
     del argv
     import gspmd_tf as gt
+    if TIME_STEPS.value:
+        gt.configure_cpu_devices(max(map(int, STAGES.value)))
     import tensorflow as tf
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
+    timed = TIME_STEPS.value > 0
     print(f"{'schedule':12s} {'S':>3s} {'M':>4s} {'V':>3s} {'b':>4s} {'bubble':>8s} "
-          f"{'formula':>8s} {'kept per device':>24s} {'peak B/device':>14s} {'/gpipe':>7s}")
+          f"{'formula':>8s} {'kept per device':>24s} {'peak B/device':>14s} {'/gpipe':>7s}"
+          + (f" {'step s':>8s} {'/gpipe':>7s}" if timed else ""))
     for batch in map(int, MICROBATCH_SIZE.value):
         for stages in map(int, STAGES.value):
             for microbatches in map(int, MICROBATCHES.value):
@@ -101,19 +147,21 @@ def main(argv):
                     runs = ["gpipe", "1f1b"] + (
                         ["interleaved"] if virtual > 1 and microbatches % stages == 0
                         else [])
-                    gpipe = None
-                    for schedule in runs:
+                    times = (step_times(gt, tf, runs, stages, microbatches, virtual, batch)
+                             if timed else [None] * len(runs))
+                    peaks = [peak_bytes(gt, tf, schedule, stages, microbatches, virtual,
+                                        batch) for schedule in runs]
+                    for schedule, peak, seconds in zip(runs, peaks, times):
                         table = gt.pipeline_schedule(
                             schedule, stages, microbatches,
                             virtual if schedule == "interleaved" else 1)
-                        peak = peak_bytes(gt, tf, schedule, stages, microbatches, virtual,
-                                          batch)
-                        gpipe = gpipe or peak
                         want = formula(schedule, stages, microbatches, virtual)
                         print(f"{schedule:12s} {stages:3d} {microbatches:4d} {virtual:3d} "
                               f"{batch:4d} {float(table.bubble):8.4f} {float(want):8.4f} "
                               f"{kept(schedule, stages, microbatches, virtual):>24s} "
-                              f"{peak:14d} {peak / gpipe:7.3f}", flush=True)
+                              f"{peak:14d} {peak / peaks[0]:7.3f}"
+                              + (f" {seconds:8.4f} {seconds / times[0]:7.3f}" if timed
+                                 else ""), flush=True)
 
 
 if __name__ == "__main__":
