@@ -247,6 +247,13 @@ def test_several_source_and_target_dims_move_in_one_all_to_all():
     assert cost(steps).bytes == 16384 * 7 // 8
 
 
+def test_a_program_moving_two_dims_at_once_runs_one_all_to_all(rng):
+    shape, src, dst, xla = XLA_RESHARDS["crossed_dims_one_all_to_all"]
+    low = check_partitioned(lambda x: x * 2.0, (randn(rng, *shape),), mesh_of((2, 4)),
+                            (P("data", "model"),), (P(None, None, "model", "data"),))
+    assert [(c.kind, c.bytes, len(c.groups[0])) for c in low.collectives()] == xla
+
+
 def test_uneven_tiled_to_tiled_is_one_all_to_all():
     shape, src, dst, xla = XLA_RESHARDS["uneven_all_to_all"]
     steps = plan(src, dst, shape, tf.float32, XLA_MESH)
