@@ -18,8 +18,18 @@ How the mesh run is set up (--path):
   shard_model   gt.keras.shard_model(model, mesh, layout_map, batch_spec=P("batch"))
 Each run's first fit call (one step: build, trace, lower, first step) and then --steps
 steps (fit over that many batches, after a --warmup fit) are timed; the table gives the
-mesh's time over single-device Keras's for both. The logical devices share the host's
-cores, so the ratio is the overhead of running on the mesh, not a speed-up.
+mesh's time over single-device Keras's for both, in wall seconds and in the process's CPU
+seconds (all threads; steadier than wall time on a shared, loaded machine). The logical
+devices share the host's cores, so the ratio is the overhead of running on the mesh, not
+a speed-up.
+
+Equality: the first fit call (one step from the same weights) must give the loss and
+the weight update of single-device Keras: the step's loss to relative error --rtol, and
+every weight to --rtol of the step's largest update (the update, not the weight, is what
+the step computes; a weight the step barely moves, such as an attention key bias whose
+gradient is zero up to rounding, is judged on that scale too). The benchmark fails
+otherwise. Later steps are not compared: a few steps of SGD amplify rounding differently
+in each run (batch norm over a few samples, especially).
 """
 
 from __future__ import annotations
@@ -51,6 +61,8 @@ VOCAB = flags.DEFINE_integer("vocab", 1024, "gpt2: vocabulary size")
 SEQ = flags.DEFINE_integer("seq", 128, "gpt2: sequence length")
 IMAGE = flags.DEFINE_integer("image", 64, "resnet50/mobilenetv2: image side in pixels")
 CLASSES = flags.DEFINE_integer("classes", 10, "resnet50/mobilenetv2: classes")
+RTOL = flags.DEFINE_float("rtol", 1e-4, "largest relative error of a weight after the first "
+                          "fit step (float32; the steps differ in summation order)")
 
 
 def _model():
@@ -93,20 +105,37 @@ def _data(steps):
 
 
 def _timed_fit(model, steps):
+    """(wall seconds, CPU seconds, last loss) of one fit over `steps` batches."""
     x, y = _data(steps)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     history = model.fit(x, y, batch_size=BATCH.value, epochs=1, shuffle=False, verbose=0)
-    return time.perf_counter() - start, history.history["loss"][-1]
+    return (time.perf_counter() - start, time.process_time() - cpu,
+            history.history["loss"][-1])
 
 
 def _run(model, scope):
-    """(first fit call seconds, seconds per step, last loss)."""
+    """{"first": (wall s, CPU s) of the first fit call, "step": per step, "first_loss",
+    "weights" after the first step, "loss" of the last step}."""
     with scope:
-        first, _ = _timed_fit(model, 1)
+        initial = model.get_weights()
+        first_wall, first_cpu, first_loss = _timed_fit(model, 1)
+        weights = model.get_weights()
         if WARMUP.value:
             _timed_fit(model, WARMUP.value)
-        seconds, loss = _timed_fit(model, STEPS.value)
-    return first, seconds / STEPS.value, loss
+        wall, cpu, loss = _timed_fit(model, STEPS.value)
+    return {"first": (first_wall, first_cpu), "first_loss": first_loss,
+            "initial": initial, "weights": weights,
+            "step": (wall / STEPS.value, cpu / STEPS.value), "loss": loss}
+
+
+def _update_error(initial, mesh_weights, single_weights):
+    """Largest |mesh - single| of a weight after the step over the largest |update| of
+    the single-device step."""
+    def largest(arrays):
+        return max((float(np.max(np.abs(a))) for a in arrays if np.size(a)), default=0.0)
+    update = largest([np.asarray(b, np.float64) - w for w, b in zip(initial, single_weights)])
+    diff = largest([np.asarray(a, np.float64) - b for a, b in zip(mesh_weights, single_weights)])
+    return diff / update if update else diff
 
 
 def main(argv):
@@ -137,12 +166,23 @@ def main(argv):
     single_run = _run(single, contextlib.nullcontext())
     mesh_run = _run(mesh_model, scope)
     print(f"{MODEL.value} on mesh {shape} ({PATH.value}), batch {BATCH.value}, "
-          f"{STEPS.value} steps")
-    print(f"{'':14}{'first fit s':>12}{'step s':>10}{'last loss':>12}")
-    for name, (first, step, loss) in (("single", single_run), ("mesh", mesh_run)):
-        print(f"{name:14}{first:12.3f}{step:10.4f}{loss:12.5f}")
-    print(f"{'mesh/single':14}{mesh_run[0] / single_run[0]:12.2f}"
-          f"{mesh_run[1] / single_run[1]:10.2f}")
+          f"{STEPS.value} steps; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'':14}{'first fit s':>12}{'(cpu s)':>9}{'step s':>10}{'(cpu s)':>9}"
+          f"{'step-1 loss':>13}{'last loss':>12}")
+    for name, run in (("single", single_run), ("mesh", mesh_run)):
+        print(f"{name:14}{run['first'][0]:12.3f}{run['first'][1]:9.2f}{run['step'][0]:10.4f}"
+              f"{run['step'][1]:9.3f}{run['first_loss']:13.6f}{run['loss']:12.5f}")
+    print(f"{'mesh/single':14}" + "".join(
+        f"{mesh_run[k][i] / single_run[k][i]:{w}.2f}"
+        for k, i, w in (("first", 0, 12), ("first", 1, 9), ("step", 0, 10), ("step", 1, 9))))
+    error = _update_error(single_run["initial"], mesh_run["weights"], single_run["weights"])
+    loss_error = abs(mesh_run["first_loss"] - single_run["first_loss"]) / \
+        abs(single_run["first_loss"])
+    print(f"equality after the first step: weights max error {error:.2e} of the largest "
+          f"update, loss rel. error {loss_error:.2e} (rtol {RTOL.value:g})")
+    if max(error, loss_error) > RTOL.value:
+        raise SystemExit(f"mesh fit differs from single-device Keras fit beyond rtol "
+                         f"{RTOL.value:g}")
 
 
 if __name__ == "__main__":

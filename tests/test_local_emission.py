@@ -43,3 +43,25 @@ def test_inputs_are_read_in_place(mesh):
     placeholders = [op for op in graph.get_operations() if op.type == "Placeholder"]
     assert placeholders and all(consumer.type != "Identity" for op in placeholders
                                 for consumer in op.outputs[0].consumers())
+
+
+def _pass_through_program(x):
+    # an identity, a stop_gradient and a reshape to the shape x already has: on every
+    # device their value is their input's
+    y = tf.stop_gradient(tf.identity(x * 2.0))
+    return tf.reshape(y, [8, 3]) + 1.0
+
+
+def test_identities_and_no_op_reshapes_emit_no_op(mesh):
+    x = np.arange(24, dtype=np.float32).reshape(8, 3)
+    step = gt.function(_pass_through_program, mesh=mesh, in_shardings=(P("data"),),
+                       backend="local")
+    lowered = step.lower(tf.TensorSpec(x.shape, tf.float32))
+    program_ops = {node.op for node in lowered.program.graph.nodes}
+    assert {"Identity", "StopGradient", "Reshape"} <= program_ops
+    graph = lowered.compile().function.graph
+    emitted = collections.Counter(op.type for op in graph.get_operations())
+    assert emitted["StopGradient"] == 0 and emitted["Reshape"] == 0
+    # Identities left: at most the copies that hold each device's output on it
+    assert emitted["Identity"] <= mesh.size
+    assert_close(step(x).numpy(), _pass_through_program(tf.constant(x)).numpy(), "output")

@@ -85,6 +85,7 @@ class DeviceEmitter:
         self.ordering = None  # ordering.Ordering of the program lower() emits
         self.last_token = {}  # device id -> op of its last node on its ordering token
         self.must_run = []  # ops to make control outputs of the function
+        self.controlling = frozenset()  # nodes some node of lower()'s program waits for
 
     def _place(self, op):
         """Device function of emit_node: the op's own device (an emitter's tf.device
@@ -116,6 +117,9 @@ class DeviceEmitter:
         order = list(self.order(program))
         if self.orders_state:  # else tf.function's automatic control dependencies do
             self.ordering = ordering.program_ordering(program, order)
+            self.controlling = frozenset(
+                c for node in program.nodes for c in node.control_inputs).union(
+                *self.ordering.after.values())
         self.last_token = dict.fromkeys(self.local)
         self.must_run = []
         for index in order:
@@ -152,6 +156,13 @@ class DeviceEmitter:
         """Emits node `index` of `program` on every device of this process, filling
         values[index] and op_of[index] (None entries for other workers' devices)."""
         node = program.nodes[index]
+        if self._passes_through(program, index):
+            # the node's value is its input's on every device: no op (Identities and
+            # no-op reshapes were 9% of GPT-2's train step and cost the first call's
+            # graph building and optimization that much)
+            values[index] = [values[node.inputs[0].node][node.inputs[0].out]]
+            op_of[index] = [None if t is None else t.op for t in values[index][0]]
+            return
         const = _const_key(node)
         if const is not None:
             # one Const per value and device: the program repeats a few values (shapes,
@@ -205,6 +216,21 @@ class DeviceEmitter:
         if const is not None:
             self._consts[const] = values[index], node_ops
 
+    def _passes_through(self, program, index):
+        """Whether node `index` may be left out, its consumers reading its first input:
+        an Identity-like op or a Reshape to the local shape its input has, of a dense
+        value (not a handle, whose identities ordering.py resolves), that waits for
+        nothing and that nothing waits for (orders_state: the program says which)."""
+        node = program.nodes[index]
+        if node.op not in _PASS_THROUGH or self.ordering is None or node.control_inputs \
+                or index in self.controlling or index in self.ordering.must_run:
+            return False
+        source = node.inputs[0]
+        if program.dtype(source) in (tf.resource, tf.variant):
+            return False
+        return node.op != "Reshape" or \
+            tuple(program.shape(source)) == tuple(node.out_shapes[0])
+
     def _sources(self, node, index):
         """sources[d]: the device whose copy of `node` (node `index` of the program)
         device d reads: d, unless the node runs once for a class of devices
@@ -246,6 +272,10 @@ class DeviceEmitter:
         if node.regions:
             return region_emitter.region_op(self, node)
         return tf_op_emitter(node, self.devices)
+
+
+# ops whose output is their first input (a Reshape: when the local shapes agree)
+_PASS_THROUGH = frozenset({"Identity", "StopGradient", "Snapshot", "Reshape"})
 
 
 def _const_key(node):
