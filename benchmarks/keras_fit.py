@@ -129,13 +129,16 @@ def _run(model, scope):
 
 
 def _update_error(initial, mesh_weights, single_weights):
-    """Largest |mesh - single| of a weight after the step over the largest |update| of
-    the single-device step."""
-    def largest(arrays):
-        return max((float(np.max(np.abs(a))) for a in arrays if np.size(a)), default=0.0)
-    update = largest([np.asarray(b, np.float64) - w for w, b in zip(initial, single_weights)])
-    diff = largest([np.asarray(a, np.float64) - b for a, b in zip(mesh_weights, single_weights)])
-    return diff / update if update else diff
+    """(largest |mesh - single| of a weight after the step over the largest |update| of
+    the single-device step, index of the weight where it is largest)."""
+    def largest(a):
+        return float(np.max(np.abs(a))) if np.size(a) else 0.0
+    update = max(largest(np.asarray(b, np.float64) - w)
+                 for w, b in zip(initial, single_weights))
+    diffs = [largest(np.asarray(a, np.float64) - b)
+             for a, b in zip(mesh_weights, single_weights)]
+    worst = int(np.argmax(diffs))
+    return (diffs[worst] / update if update else diffs[worst]), worst
 
 
 def main(argv):
@@ -175,11 +178,13 @@ def main(argv):
     print(f"{'mesh/single':14}" + "".join(
         f"{mesh_run[k][i] / single_run[k][i]:{w}.2f}"
         for k, i, w in (("first", 0, 12), ("first", 1, 9), ("step", 0, 10), ("step", 1, 9))))
-    error = _update_error(single_run["initial"], mesh_run["weights"], single_run["weights"])
+    error, worst = _update_error(single_run["initial"], mesh_run["weights"],
+                                 single_run["weights"])
     loss_error = abs(mesh_run["first_loss"] - single_run["first_loss"]) / \
         abs(single_run["first_loss"])
     print(f"equality after the first step: weights max error {error:.2e} of the largest "
-          f"update, loss rel. error {loss_error:.2e} (rtol {RTOL.value:g})")
+          f"update (at {single.weights[worst].path}), loss rel. error {loss_error:.2e} "
+          f"(rtol {RTOL.value:g})")
     if max(error, loss_error) > RTOL.value:
         raise SystemExit(f"mesh fit differs from single-device Keras fit beyond rtol "
                          f"{RTOL.value:g}")
