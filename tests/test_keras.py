@@ -383,3 +383,39 @@ def test_a_failed_load_weights_leaves_every_variable_as_it_was(mesh, tmp_path):
         np.testing.assert_array_equal(v.numpy(), want, err_msg=v.path)
     assert not np.array_equal(wider.get_layer("d1").kernel.numpy(),
                               model.get_layer("d1").kernel.numpy())
+
+
+class _CountedDense(keras.layers.Dense):
+    """A Dense layer counting the calls of its `call` (one per trace)."""
+
+    calls = 0
+
+    def call(self, inputs):
+        _CountedDense.calls += 1
+        return super().call(inputs)
+
+
+def test_first_fit_traces_the_forward_pass_once_and_builds_metrics(mesh):
+    def make():
+        inputs = keras.Input((12,))
+        logits = _CountedDense(CLASSES, name="counted")(
+            keras.layers.Dense(32, activation="relu", name="d1")(inputs))
+        model = keras.Model(inputs, logits)
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], jit_compile=False)
+        return model
+    ref, sharded = _twins(make)
+    gt.keras.shard_model(sharded, mesh, {"d1/kernel": P(None, "model")})
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((BATCH, 12)).astype(np.float32)
+    y = rng.integers(0, CLASSES, BATCH).astype(np.int32)
+    _CountedDense.calls = 0
+    _, got = _fit(sharded, x, y)
+    # the step's trace only: the compiled metrics and loss are built from the model's
+    # symbolic outputs, not from another trace of the model
+    assert _CountedDense.calls == 1
+    _, want = _fit(ref, x, y)
+    for key in ("loss", "accuracy"):
+        _close(got[key], want[key], key)
+    _assert_same_state(ref, sharded)
