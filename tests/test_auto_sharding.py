@@ -181,3 +181,36 @@ def test_auto_transformer_adam_step_values_equal_single_device(mesh):
     want = tf.function(make_step(config))(*values)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def adam_ffn_step(x, up, down, up_m, down_m, up_v, down_v):
+    """A 1-layer FFN's Adam step whose slots are named unlike their weights."""
+    weights = (up, down)
+    with tf.GradientTape() as tape:
+        tape.watch(weights)
+        h = x + tf.matmul(tf.nn.relu(tf.matmul(x, up)), down)
+        loss = tf.reduce_sum(h * h)
+    grads = tape.gradient(loss, weights)
+    out = []
+    with tf.name_scope("adam"):
+        for w, m, v, g in zip(weights, (up_m, down_m), (up_v, down_v), grads):
+            m = 0.9 * m + 0.1 * g
+            v = 0.999 * v + 0.001 * tf.square(g)
+            out += [w - 0.001 * m / (tf.sqrt(v) + 1e-7), m, v]
+    return out
+
+
+def test_adam_slots_take_their_weights_decision_and_the_update_sends_nothing():
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    specs = [tf.TensorSpec((BATCH, D_MODEL))] + [
+        tf.TensorSpec(s) for s in [(D_MODEL, D_FF), (D_FF, D_MODEL)] * 3]
+    low = gt.lower(adam_ffn_step, mesh, (P("data"),) + (gt.AUTO,) * 6, args=specs,
+                   memory_limit=3 * weight_bytes(1) // 2)
+    up, down, up_m, down_m, up_v, down_v = low.program.input_layouts[1:]
+    assert up == up_m == up_v and down == down_m == down_v
+    # one decision: changing the weight's layout changes its slots' too, priced together
+    decisions = low.auto_plan.decisions
+    assert decisions[0].alternatives == decisions[2].alternatives == decisions[4].alternatives
+    assert low.memory().peak <= 3 * weight_bytes(1) // 2
+    assert not [c for c in low.collectives()
+                if any(o.op.startswith("adam/") for o in c.origins)]
