@@ -31,15 +31,18 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from gspmd_tf.autoshard.spec import is_auto
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.keras_auto import decide
 from gspmd_tf.layout import Layout
 from gspmd_tf.layout_map import LayoutRules
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime.function import function as _gt_function
+from gspmd_tf.runtime.options import check_memory_limit
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable
 
-__all__ = ["shard_model", "layout_of", "lowered", "take_over"]
+__all__ = ["shard_model", "layout_of", "lowered", "take_over", "auto_report"]
 
 
 # --------------------------------------------------------------------------- meshes
@@ -151,11 +154,15 @@ def _build_optimizer(optimizer, trainable):
 class _MeshModel:
     """What shard_model attaches to a model (as `model._gt_keras`)."""
 
-    def __init__(self, model, mesh, rules, batch_spec):
+    def __init__(self, model, mesh, rules, batch_spec, memory_limit=None):
         self.model = model
         self.mesh = mesh
         self.rules = rules
         self.batch_spec = batch_spec
+        self.memory_limit = memory_limit
+        self.auto_specs = {}  # id(model variable) -> the spec the search chose for AUTO
+        self.auto_lowered = None  # the search's probe (keras_auto.py), once it ran
+        self.auto_arguments = []  # what each of the probe's arguments is
         self.functions = {}  # (kind, structure) -> gt.Function
         self.last_batch = {}  # kind -> (gt.Function, TensorSpecs) of its last step
         self.warned = False
@@ -183,6 +190,10 @@ class _MeshModel:
                 replicated.append(v.path)
             else:
                 matched.add(key)
+            if is_auto(spec):  # decided before the first step (_prepare); until then as is
+                spec = specs[id(v)] = self.auto_specs.get(id(v))
+                if spec is None:
+                    continue
             specs[id(v)] = spec
             plan.append((v, spec, f"variable {v.path!r} of shape {tuple(v.shape)}"
                          + (f" (layout_map key {key!r})" if key is not None else "")))
@@ -194,6 +205,8 @@ class _MeshModel:
                 spec = PartitionSpec()
                 if ref is not None and tuple(ref.shape) == tuple(v.shape):
                     spec = specs.get(id(ref), PartitionSpec())
+                    if spec is None:  # its weight's AUTO spec is not decided yet
+                        continue
                 plan.append((v, spec, f"optimizer variable {v.path!r} of shape "
                              f"{tuple(v.shape)}"))
 
@@ -256,7 +269,34 @@ class _MeshModel:
                 if model.optimizer is not None and not model.optimizer.built and model.built:
                     _build_optimizer(model.optimizer, list(model.trainable_variables))
                 model._symbolic_build(data_batch=data)
+        self._decide_auto(kind, data)
         self.shard_variables()
+
+    def _decide_auto(self, kind, data):
+        """Choose the specs of the model variables the layout map gives gt.AUTO and
+        that have none yet, by the search on the step's probe (keras_auto.py)."""
+        model = self.model
+        specs = {}
+        for v in model.variables:
+            spec = self.rules.lookup(v)[1]
+            specs[id(v)] = self.auto_specs.get(id(v), spec)
+        if not any(is_auto(spec) for spec in specs.values()):
+            return
+        optimizer = getattr(model, "optimizer", None)
+        train = kind == "train" and optimizer is not None and optimizer.built
+        slots = {}
+        if train:
+            trainable = list(model.trainable_variables)
+            refs = _slot_references(optimizer, trainable)
+            for var in optimizer.variables:
+                ref = refs.get(id(var))
+                if ref is not None and tuple(ref.shape) == tuple(var.shape):
+                    slots.setdefault(id(ref), []).append(var)
+        leaves = [leaf for leaf in tf.nest.flatten(data) if leaf is not None]
+        chosen, self.auto_lowered, self.auto_arguments = decide(
+            model, self.mesh, specs, slots, tuple(self._spec_for(leaf) for leaf in leaves),
+            data, train, self.memory_limit)
+        self.auto_specs.update(chosen)
 
     # ---------------------------------------------------------------- steps
     def _spec_for(self, leaf):
@@ -375,6 +415,27 @@ def lowered(model, kind="train", data=None):
     return fn.lower(*specs)
 
 
+def auto_report(model) -> str:
+    """The auto-sharding search's report for a shard_model model whose layout map has
+    gt.AUTO values: the spec chosen for each AUTO variable, then the search's own report
+    on the step's probe (gspmd_tf/keras_auto.py: each decision's cost and alternatives)
+    with what each of the probe's arguments is."""
+    state = getattr(model, "_gt_keras", None)
+    if state is None or state.auto_lowered is None:
+        raise ShardingError(f"model {getattr(model, 'name', model)!r} has no auto-sharding "
+                            "decisions: give gt.AUTO as a layout_map value to "
+                            "gt.keras.shard_model and run (or gt.keras.lowered) a step")
+    by_id = {id(v): v for v in model.variables}
+    lines = ["gt.keras auto-sharding: the specs chosen for the layout map's gt.AUTO "
+             "variables (optimizer slots take their variable's)"]
+    lines += [f"  {by_id[k].path}: {spec}" for k, spec in state.auto_specs.items()
+              if k in by_id]
+    lines += ["", "the probe's arguments: " + ", ".join(
+        f"{k} {what}" for k, what in enumerate(state.auto_arguments)), "",
+        state.auto_lowered.auto_report()]
+    return "\n".join(lines)
+
+
 def _to_host(tree):
     """ShardedTensors -> eager tensors (global values), through dicts/lists/tuples."""
     if isinstance(tree, ShardedTensor):
@@ -411,7 +472,8 @@ def _make_predict_function(self, force=False):
     return self.predict_function
 
 
-def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("data")):
+def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("data"),
+                memory_limit=None):
     """Run `model` (Keras 3, TensorFlow backend) partitioned over `mesh`; returns `model`.
 
     mesh: a gt.Mesh (or a keras.distribution.DeviceMesh of local devices; defaults to
@@ -424,6 +486,11 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
       a key matching no variable gives a warning listing the replicated variables.
     batch_spec: how every batch leaf (x, y, sample_weight) is split; a leaf of lower
       rank takes the spec's first entries (labels of rank 1 split their batch dim).
+    memory_limit: per-device bytes the auto-sharding search must fit the train step in
+      when a layout_map value is gt.AUTO (None: no limit). Before the first step (or
+      gt.keras.lowered(model, kind, data)) the search chooses a spec for every AUTO
+      variable on a functional copy of the step (gspmd_tf/keras_auto.py; an optimizer
+      slot takes its weight's spec); gt.keras.auto_report(model) shows the decisions.
 
     Afterwards every model variable, optimizer variable (the optimizer is built for the
     trainable variables if it is not yet; a slot variable takes the spec of its model
@@ -433,13 +500,16 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
     optimizer after re-compiling) are sharded before the first step that uses them.
     Calling shard_model again moves the model to another mesh or layout.
     """
-    return take_over(model, _as_mesh(mesh, layout_map), LayoutRules(layout_map), batch_spec)
+    return take_over(model, _as_mesh(mesh, layout_map), LayoutRules(layout_map), batch_spec,
+                     check_memory_limit(memory_limit))
 
 
-def take_over(model, mesh: Mesh, rules, batch_spec) -> "keras.Model":
+def take_over(model, mesh: Mesh, rules, batch_spec,
+              memory_limit: "int | None" = None) -> "keras.Model":
     """shard_model's work once the layout source is known: `rules.lookup(variable)`
     gives (what decided, PartitionSpec or None for replicated) of a model variable, and
-    `rules.items` the (key, spec) pairs to warn about when they match no variable."""
+    `rules.items` the (key, spec) pairs to warn about when they match no variable;
+    `memory_limit` the AUTO search's per-device bytes."""
     import keras  # the installed Keras 3
     if keras.backend.backend() != "tensorflow":
         raise ShardingError(f"gt.keras needs Keras' TensorFlow backend, but Keras runs on "
@@ -452,7 +522,7 @@ def take_over(model, mesh: Mesh, rules, batch_spec) -> "keras.Model":
     batch_spec = batch_spec if isinstance(batch_spec, PartitionSpec) \
         else PartitionSpec(*(batch_spec or ()))
     Layout.from_spec(mesh, batch_spec, len(batch_spec), "batch_spec")  # checks axis names
-    state = _MeshModel(model, mesh, rules, batch_spec)
+    state = _MeshModel(model, mesh, rules, batch_spec, memory_limit)
     state.shard_variables()
     object.__setattr__(model, "_gt_keras", state)
     for name, fn in (("make_train_function", _make_train_function),
