@@ -39,7 +39,8 @@ flags.DEFINE_integer("heads", 8, "attention heads N")
 flags.DEFINE_integer("d_ff", 2048, "feed-forward dim H")
 flags.DEFINE_integer("seq", 128, "sequence length S")
 flags.DEFINE_integer("batch", 16, "global batch B")
-flags.DEFINE_string("mesh", "2x4", "data x model mesh shape")
+flags.DEFINE_string("mesh", "2x4", "mesh shape: data x model, or data x replica x model "
+                    "(the hand plans leave \"replica\" unused)")
 flags.DEFINE_float("limit_between", 0.5, "memory_limit: this far from Megatron's peak "
                    "(0) to data parallel's (1)")
 
@@ -61,8 +62,9 @@ def main(argv):
     import gspmd_tf as gt
     from gspmd_tf.testing.transformer_step import Config
     logging.getLogger("gspmd_tf").setLevel(logging.WARNING)
-    data, model = (int(s) for s in FLAGS.mesh.split("x"))
-    mesh = gt.Mesh.abstract((data, model), ("data", "model"))
+    shape = tuple(int(s) for s in FLAGS.mesh.split("x"))
+    names = {2: ("data", "model"), 3: ("data", "replica", "model")}[len(shape)]
+    mesh = gt.Mesh.abstract(shape, names)
     print(f"Transformer train step (Adam), M={FLAGS.d_model} N={FLAGS.heads} "
           f"H={FLAGS.d_ff} S={FLAGS.seq} B={FLAGS.batch}, mesh {FLAGS.mesh}")
     print(f"{'layers':>6s} {'ops':>6s} {'classes':>7s} {'vars':>6s} {'search s':>9s} "

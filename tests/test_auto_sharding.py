@@ -214,3 +214,28 @@ def test_adam_slots_take_their_weights_decision_and_the_update_sends_nothing():
     assert low.memory().peak <= 3 * weight_bytes(1) // 2
     assert not [c for c in low.collectives()
                 if any(o.op.startswith("adam/") for o in c.origins)]
+
+
+def test_three_axis_mesh_candidates_are_those_of_two_runs_of_axes():
+    from gspmd_tf.autoshard.strategies import rule_strategies
+    from gspmd_tf.propagation.oprule import einsum_rule
+    mesh = gt.Mesh.abstract((2, 2, 2), ("data", "replica", "model"))
+    rule = einsum_rule("bsm,mnk->bsnk", [(8, 8, 8), (8, 8, 8)], (8, 8, 8, 8))
+    merged, full = rule_strategies(rule, mesh), rule_strategies(rule, mesh, merged=False)
+    assert len(full) == 6 ** 3 and len(merged) < len(full) // 3
+    assert set(merged) <= set(full)
+    # each candidate splits at most two factors, the axes of each a run in mesh order
+    for s in merged:
+        assert len({dims for dims in s.operands[0].dims + s.operands[1].dims if dims}) <= 2
+
+
+def test_auto_on_a_three_axis_mesh_fits_and_equals_single_device():
+    mesh = gt.Mesh.create((2, 2, 2), ("data", "replica", "model"))
+    x, weights = ffn_values(2)
+    step = gt.function(ffn_train_step(2), mesh=mesh,
+                       in_shardings=(P("data"),) + (gt.AUTO,) * 4, memory_limit=LIMIT)
+    assert step.lower(x, *weights).memory().peak <= LIMIT
+    got = step(x, *weights)
+    want = tf.function(ffn_train_step(2))(x, *weights)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)

@@ -130,9 +130,11 @@ def _candidates(graph, mesh, i, rule, seeds, input_nodes) -> list:
         return tensor_strategies(node.out_shapes[0], mesh)
     if rule is None or node.regions:
         return []
-    found = rule_strategies(rule, mesh)
-    for k in range(len(node.out_shapes)):
-        seed = seeds.get(Ref(i, k))
-        if seed is not None:
-            found = [s for s in found if s.results[k] == seed]
+    given = [(k, seeds[Ref(i, k)]) for k in range(len(node.out_shapes))
+             if Ref(i, k) in seeds]
+    for merged in (True, False):  # a given layout only the full list may have
+        found = [s for s in rule_strategies(rule, mesh, merged)
+                 if all(s.results[k] == layout for k, layout in given)]
+        if found or not given:
+            return found
     return found
