@@ -16,6 +16,12 @@ Plans, on a data x model mesh, the activations' batch split over "data":
                  the way from the Megatron plan's peak to data parallel's (so data
                  parallelism does not fit and Megatron does)
 
+--model=moe: a GShard MoE layer's SGD step (gspmd_tf/moe.py, top-2 gating; x [G, S, M]
+split on G over the mesh's last axis, the gating weight and expert weights [E, M, H],
+[E, H, M]) on the same mesh: data parallel (weights replicated, no annotations), the
+hand expert plan (moe.MoeSpecs: experts split on E, GShard's annotations inside the
+layer) and auto (the weights gt.AUTO, no annotations), memory_limit as above.
+
 Reported per layer count: the ops of the step, the search's classes and variables, its
 seconds (all of it, and the HiGHS solver's share), then per plan the per-device peak
 (lowered.memory().peak) and the bytes of all collective operands per step
@@ -41,6 +47,8 @@ flags.DEFINE_integer("seq", 128, "sequence length S")
 flags.DEFINE_integer("batch", 16, "global batch B")
 flags.DEFINE_string("mesh", "2x4", "mesh shape: data x model, or data x replica x model "
                     "(the hand plans leave \"replica\" unused)")
+flags.DEFINE_enum("model", "transformer", ["transformer", "moe"], "the step to plan")
+flags.DEFINE_integer("experts", 8, "--model=moe: experts E (the groups G are as many)")
 flags.DEFINE_float("limit_between", 0.5, "memory_limit: this far from Megatron's peak "
                    "(0) to data parallel's (1)")
 
@@ -49,6 +57,55 @@ def lower(gt, mesh, config, plan, memory_limit=None):
     from gspmd_tf.testing.transformer_step import make_step
     return gt.lower(make_step(config), mesh, config.in_shardings(plan, gt.AUTO),
                     args=config.specs(), memory_limit=memory_limit)
+
+
+def moe_step(gt, mesh, hand):
+    """The MoE layer's SGD step, annotated as GShard's expert plan when `hand`."""
+    import tensorflow as tf
+    from gspmd_tf import moe
+    axis = mesh.axis_names[-1]
+    specs = moe.MoeSpecs(groups=gt.P(axis), experts=gt.P(axis),
+                         expert_buffers=gt.P(axis)) if hand else None
+
+    def step(x, wg, w_in, w_out):
+        weights = (wg, w_in, w_out)
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            y, aux = moe.moe_layer(x, *weights, k=2, mesh=mesh if hand else None,
+                                   specs=specs)
+            loss = tf.reduce_mean(tf.square(y)) + 0.01 * aux
+        return [w - 0.01 * g for w, g in zip(weights, tape.gradient(loss, weights))]
+    return step
+
+
+def moe_rows(gt, mesh):
+    """Print the MoE rows: data parallel, the hand expert plan and auto."""
+    import tensorflow as tf
+    P = gt.P
+    e, m, h = FLAGS.experts, FLAGS.d_model, FLAGS.d_ff
+    shapes = [(e, FLAGS.seq, m), (m, e), (e, m, h), (e, h, m)]
+    args = [tf.TensorSpec(s) for s in shapes]
+    x = P(mesh.axis_names[-1])
+
+    def lower(plan, memory_limit=None):
+        entries = {"data": (x, P(), P(), P()), "hand": (x, P(), x, x),
+                   "auto": (x,) + (gt.AUTO,) * 3}[plan]
+        return gt.lower(moe_step(gt, mesh, plan == "hand"), mesh, entries, args=args,
+                        memory_limit=memory_limit)
+
+    data_plan, hand = lower("data"), lower("hand")
+    low, high = hand.memory().peak, data_plan.memory().peak
+    auto = lower("auto", int(low + FLAGS.limit_between * (high - low)))
+    plan = auto.auto_plan
+    print(f"MoE layer SGD step, G=E={e} S={FLAGS.seq} M={m} H={h}, top-2, mesh {FLAGS.mesh}")
+    print(f"ops {plan.num_nodes} classes {plan.num_classes} vars {plan.num_variables} "
+          f"search {plan.search_seconds:.2f} s (solver {plan.solve_seconds:.2f} s)")
+    for name, p in (("data", data_plan), ("expert (hand)", hand), ("auto", auto)):
+        print(f"  {name:14s} peak {p.memory().peak / 2 ** 20:8.2f} MiB  collectives "
+              f"{collective_bytes(p) / 2 ** 20:8.2f} MiB  in_shardings "
+              f"{[s.to_spec() if hasattr(s, 'to_spec') else s for s in p.program.input_layouts[1:]]}")
+    print(f"  auto/hand collective bytes {collective_bytes(auto) / collective_bytes(hand):.3f}"
+          f"; memory_limit {plan.memory_limit} bytes, auto peak {auto.memory().peak}")
 
 
 def collective_bytes(lowered):
@@ -65,6 +122,8 @@ def main(argv):
     shape = tuple(int(s) for s in FLAGS.mesh.split("x"))
     names = {2: ("data", "model"), 3: ("data", "replica", "model")}[len(shape)]
     mesh = gt.Mesh.abstract(shape, names)
+    if FLAGS.model == "moe":
+        return moe_rows(gt, mesh)
     print(f"Transformer train step (Adam), M={FLAGS.d_model} N={FLAGS.heads} "
           f"H={FLAGS.d_ff} S={FLAGS.seq} B={FLAGS.batch}, mesh {FLAGS.mesh}")
     print(f"{'layers':>6s} {'ops':>6s} {'classes':>7s} {'vars':>6s} {'search s':>9s} "

@@ -239,3 +239,33 @@ def test_auto_on_a_three_axis_mesh_fits_and_equals_single_device():
     want = tf.function(ffn_train_step(2))(x, *weights)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def moe_sgd_step(x, wg, w_in, w_out):
+    """A GShard MoE layer's SGD step, unannotated (gspmd_tf/moe.py)."""
+    from gspmd_tf import moe
+    weights = (wg, w_in, w_out)
+    with tf.GradientTape() as tape:
+        tape.watch(weights)
+        y, aux = moe.moe_layer(x, *weights, k=2)
+        loss = tf.reduce_mean(tf.square(y)) + 0.01 * aux
+    return [w - 0.1 * g for w, g in zip(weights, tape.gradient(loss, weights))]
+
+
+@pytest.mark.long
+def test_auto_moe_step_splits_the_experts_within_the_limit_and_equals_single_device(mesh):
+    rng = np.random.default_rng(0)
+    experts, seq, m, h = 8, 16, 16, 32
+    values = [rng.normal(size=s).astype(np.float32) * 0.3
+              for s in [(experts, seq, m), (m, experts), (experts, m, h), (experts, h, m)]]
+    # replicated, the experts' weights and their updates alone take the whole limit
+    limit = 2 * sum(v.nbytes for v in values[2:])
+    step = gt.function(moe_sgd_step, mesh=mesh, in_shardings=(P("model"),) + (gt.AUTO,) * 3,
+                       memory_limit=limit)
+    low = step.lower(*values)
+    assert low.memory().peak <= limit
+    assert any(low.program.input_layouts[2].dims[0]), low.program.input_layouts[2]
+    got = step(*values)
+    want = tf.function(moe_sgd_step)(*values)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
