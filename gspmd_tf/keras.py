@@ -38,6 +38,7 @@ from gspmd_tf.layout import Layout
 from gspmd_tf.layout_map import LayoutRules
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime.function import function as _gt_function
+from gspmd_tf.runtime.lowering import AUTO_ATTEMPTS
 from gspmd_tf.runtime.options import check_memory_limit
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable
@@ -272,9 +273,38 @@ class _MeshModel:
         self._decide_auto(kind, data)
         self.shard_variables()
 
-    def _decide_auto(self, kind, data):
+    def _within_limit(self, kind, data, leaves, make):
+        """The train step `make()` gives, its AUTO variables decided again with a
+        tighter budget while the step's lowered peak exceeds memory_limit: the search
+        fits the probe (keras_auto.py), whose peak is an estimate of the step's (as
+        lowering._lower_auto tightens its budget, AUTO_ATTEMPTS times)."""
+        fn = make()
+        if self.memory_limit is None or not self.auto_specs or kind != "train":
+            return fn
+        limit = budget = self.memory_limit
+        for _ in range(AUTO_ATTEMPTS):
+            peak = fn.lower(*leaves).memory().peak
+            if peak <= limit:
+                return fn
+            budget = min(budget - (peak - limit),
+                         limit - (peak - self.auto_lowered.memory().peak))
+            if budget <= 0:
+                break
+            self.auto_specs.clear()
+            self._decide_auto(kind, data, budget)
+            self.shard_variables()
+            fn = make()
+        raise ShardingError(
+            f"gt.keras: model {self.model.name!r}: the train step with the layout map's "
+            f"gt.AUTO variables decided needs {peak} bytes per device "
+            f"(gt.keras.lowered(model).memory().peak), over memory_limit={limit}, and "
+            "tightening the search's budget did not bring it under: raise memory_limit, "
+            "use a mesh with more devices, or give the large variables specs")
+
+    def _decide_auto(self, kind, data, budget=None):
         """Choose the specs of the model variables the layout map gives gt.AUTO and
-        that have none yet, by the search on the step's probe (keras_auto.py)."""
+        that have none yet, by the search on the step's probe (keras_auto.py) within
+        `budget` bytes per device (default memory_limit)."""
         model = self.model
         specs = {}
         for v in model.variables:
@@ -295,7 +325,7 @@ class _MeshModel:
         leaves = [leaf for leaf in tf.nest.flatten(data) if leaf is not None]
         chosen, self.auto_lowered, self.auto_arguments = decide(
             model, self.mesh, specs, slots, tuple(self._spec_for(leaf) for leaf in leaves),
-            data, train, self.memory_limit)
+            data, train, self.memory_limit if budget is None else budget)
         self.auto_specs.update(chosen)
 
     # ---------------------------------------------------------------- steps
@@ -314,8 +344,9 @@ class _MeshModel:
         fn = self.functions.get(key)
         if fn is None:
             self._prepare(kind, data)
-            fn = self._make(kind, data, len(flat), present,
-                            tuple(self._spec_for(leaf) for leaf in leaves))
+            specs = tuple(self._spec_for(leaf) for leaf in leaves)
+            fn = self._within_limit(kind, data, leaves, lambda: self._make(
+                kind, data, len(flat), present, specs))
             self.functions[key] = fn
         return fn, leaves
 
