@@ -1,5 +1,5 @@
 """The op sweep (gspmd_tf/testing/op_sweep.py): every TF op type with a registered
-gradient, partitioned on generated inputs over a 2x4 mesh and compared with
+gradient, partitioned on generated inputs over 2x4 and 4x2 meshes and compared with
 single-device TF; writes the coverage table (partitioned / replicated with a reason /
 refused / wrong / error / not generated) as markdown.
 
@@ -29,7 +29,7 @@ def main(_):
     from gspmd_tf.testing import op_sweep
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)  # the table says it all
     op_types = OPS.value or op_sweep.gradient_op_types()[::EVERY.value]
-    outcomes = op_sweep.sweep(op_types, op_sweep.mesh_2x4(), SEED.value,
+    outcomes = op_sweep.sweep(op_types, op_sweep.sweep_meshes(), SEED.value,
                               progress=lambda o: print(f"{o.op_type}: {o.kind} {o.reason}",
                                                        flush=True))
     text = op_sweep.table(outcomes)

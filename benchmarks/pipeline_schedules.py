@@ -1,83 +1,167 @@
 """Pipeline schedules against their formulas: bubble and per-device peak memory.
 
     .venv/bin/python benchmarks/pipeline_schedules.py --stages=2,4 --microbatches=4,8,16 \
-        --virtual=1,2 --microbatch_size=8 --d_model=64 --d_ff=256
+        --virtual=1,2 --microbatch_size=8,64 --d_model=64 --d_ff=256
 
-For every schedule (gpipe, 1f1b, interleaved) and every S, M (and V for interleaved) the
-script prints the bubble of gt.pipeline_schedule's time table beside the formula
-((S-1)/(M+S-1) GPipe, (S-1)/(V M+S-1) interleaved, (2S-2)/(M+2S-2) for this 1F1B, whose
-every step runs one forward and one backward on every stage), and the per-device peak
-of gt.pipeline_value_and_grad's program as Lowered.memory() estimates it (lowered on an
-abstract mesh of S devices: nothing runs, so any S fits), with the stash or activations
-the schedule keeps per device: 1F1B (2S-1) stage inputs whatever M, GPipe and
-interleaved every step's intermediates (M+S-1, V M+S-1 steps). Stages are residual MLP
-blocks x + relu(x W1) W2 on [b, d]; the loss is the mean square error to a target.
+For every S, M, V and microbatch size b the model is the same: L = S V residual MLP
+layers x + relu(x W1) W2 on [b, d], the loss the mean square error to a target. GPipe
+and 1F1B run it as S stages of V consecutive layers each; the interleaved (circular)
+schedule as V rounds of S one-layer stages (layers round-robin over the devices; only
+for V > 1 and M a multiple of S). For each the script prints the bubble of
+gt.pipeline_schedule's time table beside the formula ((S-1)/(M+S-1) GPipe and 1F1B,
+(S-1)/(V M+S-1) interleaved), what the schedule keeps alive per device by its shape
+(GPipe: the intermediates of all M+S-1 steps, for TF's gradient of the loop; 1F1B:
+S stage inputs, the stash, whatever M; interleaved: the input of each of its V M+S-1
+steps, each step rematerialised in the backward), and the per-device peak of
+gt.pipeline_value_and_grad's program as Lowered.memory() estimates it (lowered on an
+abstract mesh of S devices: nothing runs, so any S fits), also as a ratio to GPipe's
+on the same model. The peak includes the weights, their gradients, the microbatches
+and targets (replicated): with a small b they, not the activations, dominate.
+
+--time_steps=N also runs every step on S logical CPU devices (they share the host's
+cores: the shape of the schedule's cost, not a speed-up) and prints the median time of
+N calls and its ratio to GPipe's, the schedules' calls alternating round by round.
+In the SPMD 1F1B loop every stage runs one forward and one backward every tick (the
+backward with a zero cotangent on its forward ticks), 2M+2S-2 ticks; GPipe runs M+S-1
+forward steps and as many backward ones; interleaved recomputes each forward step in
+the backward.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import statistics
 import sys
+import time
 from fractions import Fraction
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 STAGES = flags.DEFINE_list("stages", ["2", "4"], "pipeline stages S (devices on the axis)")
 MICROBATCHES = flags.DEFINE_list("microbatches", ["4", "8", "16"], "microbatch counts M")
-VIRTUAL = flags.DEFINE_list("virtual", ["1", "2"], "virtual stages V for interleaved")
-MICROBATCH_SIZE = flags.DEFINE_integer("microbatch_size", 8, "examples per microbatch")
+VIRTUAL = flags.DEFINE_list("virtual", ["1", "2"],
+                            "layers per device V (interleaved's virtual stages)")
+MICROBATCH_SIZE = flags.DEFINE_list("microbatch_size", ["8"], "examples per microbatch b")
 D_MODEL = flags.DEFINE_integer("d_model", 64, "model width")
 D_FF = flags.DEFINE_integer("d_ff", 256, "hidden width")
+TIME_STEPS = flags.DEFINE_integer(
+    "time_steps", 0, "when > 0, also run each step on S logical CPU devices this many "
+    "times (after one warm-up call) and print the median seconds")
 
 
 def formula(schedule, stages, microbatches, virtual):
     """The bubble the schedule's shape predicts."""
+    if schedule == "interleaved":
+        return Fraction(stages - 1, virtual * microbatches + stages - 1)
+    return Fraction(stages - 1, microbatches + stages - 1)
+
+
+def kept(schedule, stages, microbatches, virtual):
+    """What the schedule keeps alive per device for its backward, by its shape."""
+    if schedule == "gpipe":
+        return f"{microbatches + stages - 1} steps' activations"
     if schedule == "1f1b":
-        return Fraction(2 * stages - 2, microbatches + 2 * stages - 2)
-    return Fraction(stages - 1, virtual * microbatches + stages - 1)
+        return f"{stages} stage inputs"
+    return f"{virtual * microbatches + stages - 1} step inputs"
 
 
-def peak_bytes(gt, tf, schedule, stages, microbatches, virtual):
-    """Per-device peak of the loss-and-gradients program on an abstract stage mesh."""
-    mesh = gt.Mesh.abstract((stages,), ("stage",))
-    layers, d, f, b = stages * virtual, D_MODEL.value, D_FF.value, MICROBATCH_SIZE.value
+def program(gt, tf, schedule, stages, microbatches, virtual, batch, mesh):
+    """(step, argument specs, in_shardings): the loss-and-gradients step of the model."""
+    d, f = D_MODEL.value, D_FF.value
 
-    def stage(w, x):
-        return x + tf.nn.relu(x @ w["w1"]) @ w["w2"]
+    def stage(w, x):  # V consecutive layers (one, interleaved)
+        for w1, w2 in zip(w["w1"], w["w2"]):
+            x = x + tf.nn.relu(x @ w1) @ w2
+        return x
 
     def step(w1, w2, x, targets):
+        # GPipe and 1F1B: stage params a list of V tensors [S, ...] (not one [S, V, ...]
+        # indexed in the stage: TF's gradient loop would keep each step's slices)
+        def per_stage(w):
+            if schedule == "interleaved" or virtual == 1:
+                return [w]
+            return tf.unstack(tf.reshape(w, [stages, virtual] + w.shape[1:].as_list()),
+                              axis=1)
+        w1, w2 = per_stage(w1), per_stage(w2)
         return gt.pipeline_value_and_grad(
             stage, lambda y, t: tf.reduce_mean(tf.square(y - t)), {"w1": w1, "w2": w2},
-            x, targets, mesh=mesh, schedule=schedule, virtual_stages=virtual)
-    specs = [tf.TensorSpec([layers, d, f]), tf.TensorSpec([layers, f, d]),
-             tf.TensorSpec([microbatches, b, d]), tf.TensorSpec([microbatches, b, d])]
+            x, targets, mesh=mesh, schedule=schedule,
+            virtual_stages=virtual if schedule == "interleaved" else 1)
+    layers = stages * virtual
+    specs = [tf.TensorSpec([layers, d, f]), tf.TensorSpec([layers, f, d])] + [
+        tf.TensorSpec([microbatches, batch, d])] * 2
     P = gt.P
-    low = gt.lower(step, mesh, (P("stage"), P("stage"), P(), P()), args=specs)
-    return low.memory().peak
+    return step, specs, (P("stage"), P("stage"), P(), P())
+
+
+def peak_bytes(gt, tf, schedule, stages, microbatches, virtual, batch):
+    """Per-device peak of the step's program, lowered on an abstract stage mesh."""
+    mesh = gt.Mesh.abstract((stages,), ("stage",))
+    step, specs, shardings = program(gt, tf, schedule, stages, microbatches, virtual,
+                                     batch, mesh)
+    return gt.lower(step, mesh, shardings, args=specs).memory().peak
+
+
+def step_times(gt, tf, schedules, stages, microbatches, virtual, batch):
+    """Median seconds of one call of each schedule's step on S logical CPU devices, the
+    schedules' calls alternating round by round (so all see the same machine load)."""
+    mesh = gt.Mesh.create((stages,), ("stage",))
+    rng = np.random.default_rng(0)
+    calls = []
+    for schedule in schedules:
+        step, specs, shardings = program(gt, tf, schedule, stages, microbatches, virtual,
+                                         batch, mesh)
+        args = [rng.standard_normal(spec.shape, dtype=np.float32) * 0.1 for spec in specs]
+        function = gt.function(step, mesh=mesh, in_shardings=shardings)
+        function(*args)  # trace, partition, warm up
+        calls.append((function, args))
+    times = [[] for _ in schedules]
+    for _ in range(TIME_STEPS.value):
+        for (function, args), measured in zip(calls, times):
+            start = time.perf_counter()
+            tf.nest.map_structure(lambda t: t.numpy(), function(*args))
+            measured.append(time.perf_counter() - start)
+    return [statistics.median(measured) for measured in times]
 
 
 def main(argv):
     del argv
     import gspmd_tf as gt
+    if TIME_STEPS.value:
+        gt.configure_cpu_devices(max(map(int, STAGES.value)))
     import tensorflow as tf
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
-    print(f"{'schedule':12s} {'S':>3s} {'M':>4s} {'V':>3s} {'bubble':>9s} {'formula':>9s} "
-          f"{'peak bytes/device':>18s}")
-    for stages in map(int, STAGES.value):
-        for microbatches in map(int, MICROBATCHES.value):
-            runs = [("gpipe", 1), ("1f1b", 1)] + [
-                ("interleaved", int(v)) for v in VIRTUAL.value
-                if int(v) > 1 and microbatches % stages == 0]
-            for schedule, virtual in runs:
-                table = gt.pipeline_schedule(schedule, stages, microbatches, virtual)
-                peak = peak_bytes(gt, tf, schedule, stages, microbatches, virtual)
-                want = formula(schedule, stages, microbatches, virtual)
-                print(f"{schedule:12s} {stages:3d} {microbatches:4d} {virtual:3d} "
-                      f"{float(table.bubble):9.4f} {float(want):9.4f} {peak:18d}")
+    timed = TIME_STEPS.value > 0
+    print(f"{'schedule':12s} {'S':>3s} {'M':>4s} {'V':>3s} {'b':>4s} {'bubble':>8s} "
+          f"{'formula':>8s} {'kept per device':>24s} {'peak B/device':>14s} {'/gpipe':>7s}"
+          + (f" {'step s':>8s} {'/gpipe':>7s}" if timed else ""))
+    for batch in map(int, MICROBATCH_SIZE.value):
+        for stages in map(int, STAGES.value):
+            for microbatches in map(int, MICROBATCHES.value):
+                for virtual in map(int, VIRTUAL.value):
+                    runs = ["gpipe", "1f1b"] + (
+                        ["interleaved"] if virtual > 1 and microbatches % stages == 0
+                        else [])
+                    times = (step_times(gt, tf, runs, stages, microbatches, virtual, batch)
+                             if timed else [None] * len(runs))
+                    peaks = [peak_bytes(gt, tf, schedule, stages, microbatches, virtual,
+                                        batch) for schedule in runs]
+                    for schedule, peak, seconds in zip(runs, peaks, times):
+                        table = gt.pipeline_schedule(
+                            schedule, stages, microbatches,
+                            virtual if schedule == "interleaved" else 1)
+                        want = formula(schedule, stages, microbatches, virtual)
+                        print(f"{schedule:12s} {stages:3d} {microbatches:4d} {virtual:3d} "
+                              f"{batch:4d} {float(table.bubble):8.4f} {float(want):8.4f} "
+                              f"{kept(schedule, stages, microbatches, virtual):>24s} "
+                              f"{peak:14d} {peak / peaks[0]:7.3f}"
+                              + (f" {seconds:8.4f} {seconds / times[0]:7.3f}" if timed
+                                 else ""), flush=True)
 
 
 if __name__ == "__main__":

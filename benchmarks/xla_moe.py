@@ -4,12 +4,15 @@ NEEDS JAX (not a dependency of gspmd-tf; see benchmarks/xla_reference.py for the
 
     /work/jaxref/bin/python benchmarks/xla_moe.py --mesh=8 [--train] [--partitioner=gspmd]
     /work/jaxref/bin/python benchmarks/xla_moe.py --mesh=2,4 [--train]
+    /work/jaxref/bin/python benchmarks/xla_moe.py --mesh=2,2,2 [--train]
 
 The same program as gspmd_tf/moe.py (top-k softmax gating, exclusive cumsum positions
 over first then second choices, capacity, dispatch/expert/combine einsums), written with
 jax.numpy, annotated the same way (x split on G, expert weights on E, the dispatched
 tensor and the expert output on E, the dispatch mask and combine weights on G unless
---paper_annotations) with with_sharding_constraint, jitted on a mesh of
+--paper_annotations; on --mesh=2,2,2, axes (data, expert, model), each expert's hidden dim
+also on model, as moe_layer's MoeSpecs(hidden="model")) with with_sharding_constraint,
+jitted on a mesh of
 host CPU devices and compiled. Prints every collective of the compiled entry (kind,
 operand bytes per device, group size) and their count by kind; tests/test_moe.py holds
 the counts as constants.
@@ -29,7 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from xla_collectives import collectives  # noqa: E402
 
-MESH = flags.DEFINE_string("mesh", "8", "mesh shape: 8 (expert) or 2,4 (data, expert)")
+MESH = flags.DEFINE_string("mesh", "8", "mesh shape: 8 (expert), 2,4 (data, expert) or "
+                           "2,2,2 (data, expert, model)")
 TRAIN = flags.DEFINE_bool("train", False, "gradients of a loss too (a training step)")
 SHAPE = flags.DEFINE_string("shape", "8,16,8,16,8", "G,S,M,H,E")
 K = flags.DEFINE_integer("k", 2, "experts per token")
@@ -44,7 +48,7 @@ PARTITIONER = flags.DEFINE_enum("partitioner", "gspmd", ["gspmd", "shardy"],
 def moe(x, wg, w_in, w_out, k, capacity_factor, constrain, specs):
     """gspmd_tf/moe.py's moe_layer in jax.numpy."""
     x = constrain(x, specs["groups"])
-    w_in, w_out = constrain(w_in, specs["experts"]), constrain(w_out, specs["experts"])
+    w_in, w_out = constrain(w_in, specs["w_in"]), constrain(w_out, specs["w_out"])
     g, s, _ = x.shape
     e = wg.shape[1]
     cap = max(1, math.ceil(k * s * capacity_factor / e))
@@ -69,6 +73,8 @@ def moe(x, wg, w_in, w_out, k, capacity_factor, constrain, specs):
     dispatched = constrain(jnp.einsum("GSEC,GSM->EGCM", dispatch_mask, x),
                            specs["expert_buffers"])
     h = jax.nn.relu(jnp.einsum("EGCM,EMH->EGCH", dispatched, w_in))
+    if "hidden" in specs:
+        h = constrain(h, specs["hidden"])
     expert_out = constrain(jnp.einsum("EGCH,EHM->EGCM", h, w_out), specs["expert_buffers"])
     y = constrain(jnp.einsum("GSEC,EGCM->GSM", combine_weights, expert_out), specs["groups"])
     return y, aux
@@ -78,14 +84,17 @@ def main(argv):
     del argv
     jax.config.update("jax_use_shardy_partitioner", PARTITIONER.value == "shardy")
     shape = tuple(int(n) for n in MESH.value.split(","))
+    names = {1: ("expert",), 2: ("data", "expert"), 3: ("data", "expert", "model")}
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names[len(shape)])
     if len(shape) == 1:
-        mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("expert",))
-        specs = {"groups": P("expert"), "experts": P("expert"),
+        specs = {"groups": P("expert"), "w_in": P("expert"), "w_out": P("expert"),
                  "expert_buffers": P("expert")}
     else:
-        mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("data", "expert"))
-        specs = {"groups": P(("data", "expert")), "experts": P("expert"),
+        specs = {"groups": P(("data", "expert")), "w_in": P("expert"), "w_out": P("expert"),
                  "expert_buffers": P("expert", "data")}
+    if len(shape) == 3:
+        specs.update(w_in=P("expert", None, "model"), w_out=P("expert", "model"),
+                     hidden=P("expert", "data", None, "model"))
 
     def constrain(t, spec):
         return jax.lax.with_sharding_constraint(t, NamedSharding(mesh, spec))
@@ -103,7 +112,7 @@ def main(argv):
 
     fn = train if TRAIN.value else forward
     in_shardings = tuple(NamedSharding(mesh, p) for p in
-                         (specs["groups"], P(), specs["experts"], specs["experts"]))
+                         (specs["groups"], P(), specs["w_in"], specs["w_out"]))
     args = [jax.ShapeDtypeStruct(shp, jnp.float32)
             for shp in ((g, s, m), (m, e), (e, m, h), (e, h, m))]
     compiled = jax.jit(fn, in_shardings=in_shardings).lower(*args).compile()

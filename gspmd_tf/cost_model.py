@@ -66,9 +66,11 @@ CROSS_WORKER = Link(latency=2.5e-3, bandwidth=2.0 ** 26)
 # per small einsum; the smaller: a floor).
 MULTIPLY_ADDS_PER_SECOND = 1.1e10
 KERNEL_SECONDS = 1.1e-5
-# Elements an op without multiply-adds (elementwise, data movement) produces per second:
-# not measured; priced as one multiply-add each, the weight the scheduler gave them.
-ELEMENTS_PER_SECOND = MULTIPLY_ADDS_PER_SECOND
+# Bytes an op without multiply-adds (elementwise, data movement) reads and writes per
+# second (registry.bytes_touched): an elementwise add of 16 MiB vectors moved 1.27x as
+# many bytes per second as a 1024^3 matmul did multiply-adds, in one run of
+# benchmarks/kernel_rates.py (RESULTS §17.1; a transpose 0.12x, a copied slice more).
+MEMORY_BYTES_PER_SECOND = 1.27 * MULTIPLY_ADDS_PER_SECOND
 # XLA:CPU's compiled segments, against TF's oneDNN kernels on the same devices (RESULTS
 # §14.9, §14.11): the FFN train steps, whose time is their dots, ran 1.4-1.67x slower
 # under XLA at widths 64-256 (2.1x at 512): dots at 1/1.5 of TF's rate; the ResNet50 step
@@ -105,13 +107,13 @@ class CostModel:
     listed are intra-process). `native_reduce_scatter`: whether the backend emits a true
     reduce-scatter (else an all-reduce and a slice). Compute: `multiply_adds_per_second`
     of dots, `convolution_multiply_adds_per_second` of convolutions (None: the dots'),
-    `elements_per_second` an op without multiply-adds produces, `kernel_seconds` per
-    kernel launched. Immutable and hashable: the planner's caches key on it. Build one
+    `memory_bytes_per_second` an op without multiply-adds reads and writes (its
+    registry.bytes_touched), `kernel_seconds` per kernel launched. Immutable and hashable: the planner's caches key on it. Build one
     for a mesh with `CostModel.for_mesh`.
     """
 
     __slots__ = ("axis_sizes", "links", "native_reduce_scatter", "multiply_adds_per_second",
-                 "convolution_multiply_adds_per_second", "elements_per_second",
+                 "convolution_multiply_adds_per_second", "memory_bytes_per_second",
                  "kernel_seconds", "_key", "_hash")
 
     def __init__(self, axis_sizes: Mapping[str, int], links: Mapping[str, Link] | None = None,
@@ -119,7 +121,7 @@ class CostModel:
                  multiply_adds_per_second: float = MULTIPLY_ADDS_PER_SECOND,
                  kernel_seconds: float = KERNEL_SECONDS,
                  convolution_multiply_adds_per_second: float | None = None,
-                 elements_per_second: float = ELEMENTS_PER_SECOND):
+                 memory_bytes_per_second: float = MEMORY_BYTES_PER_SECOND):
         links = dict(links or {})
         unknown = set(links) - set(axis_sizes)
         if unknown:
@@ -132,7 +134,7 @@ class CostModel:
         rates = (("multiply_adds_per_second", multiply_adds_per_second),
                  ("convolution_multiply_adds_per_second",
                   convolution_multiply_adds_per_second),
-                 ("elements_per_second", elements_per_second))
+                 ("memory_bytes_per_second", memory_bytes_per_second))
         for name, value in (*rates, *((f"{a}'s bandwidth", l.bandwidth) for a, l in link_of)):
             if not value > 0:
                 raise ShardingError(f"CostModel: {name} is {value!r}; give a rate above 0")
@@ -207,14 +209,14 @@ class CostModel:
                 + self.wire_bytes(kind, operand_bytes, axes) / link.bandwidth)
 
     def compute_seconds(self, multiply_adds: float, kernels: int = 1,
-                        convolution: bool = False, elements: float = 0) -> float:
+                        convolution: bool = False, bytes_touched: float = 0) -> float:
         """Seconds one device takes for `multiply_adds` (of a convolution when
-        `convolution`: at its rate) and `elements` produced without multiply-adds, in
-        `kernels` kernels (each with a fixed launch cost)."""
+        `convolution`: at its rate) and `bytes_touched` read and written without
+        multiply-adds, in `kernels` kernels (each with a fixed launch cost)."""
         rate = (self.convolution_multiply_adds_per_second if convolution
                 else self.multiply_adds_per_second)
         return (kernels * self.kernel_seconds + multiply_adds / rate
-                + elements / self.elements_per_second)
+                + bytes_touched / self.memory_bytes_per_second)
 
     def combine_threshold_bytes(self, axes: Sequence | None = None) -> int:
         """The all-reduce size (operand bytes per device) below which latency dominates:

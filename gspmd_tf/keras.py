@@ -9,7 +9,8 @@ gt.Variable (each device holds only its shard) and replaces the model's train/te
 functions by ones that pull a batch from Keras' iterator on the host and run
 `model.train_step` / `test_step` / `predict_step` as a gt.function with the batch split
 by `batch_spec`. Keras itself (fit/evaluate/predict loops, callbacks, save_weights,
-load_weights, get_weights, set_weights) is unchanged.
+load_weights, get_weights, set_weights) is unchanged, but a load_weights that fails
+leaves every variable as it was (and raises a ShardingError).
 
 How it hooks into Keras 3 with the TensorFlow backend:
 - a keras.Variable keeps its backend tf.Variable in `_value`; reads, gradients and
@@ -33,7 +34,7 @@ import tensorflow as tf
 
 from gspmd_tf.autoshard.spec import is_auto
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.keras_auto import decide
+from gspmd_tf.keras_auto import auto_report, decide
 from gspmd_tf.layout import Layout
 from gspmd_tf.layout_map import LayoutRules
 from gspmd_tf.mesh import Mesh, PartitionSpec
@@ -446,27 +447,6 @@ def lowered(model, kind="train", data=None):
     return fn.lower(*specs)
 
 
-def auto_report(model) -> str:
-    """The auto-sharding search's report for a shard_model model whose layout map has
-    gt.AUTO values: the spec chosen for each AUTO variable, then the search's own report
-    on the step's probe (gspmd_tf/keras_auto.py: each decision's cost and alternatives)
-    with what each of the probe's arguments is."""
-    state = getattr(model, "_gt_keras", None)
-    if state is None or state.auto_lowered is None:
-        raise ShardingError(f"model {getattr(model, 'name', model)!r} has no auto-sharding "
-                            "decisions: give gt.AUTO as a layout_map value to "
-                            "gt.keras.shard_model and run (or gt.keras.lowered) a step")
-    by_id = {id(v): v for v in model.variables}
-    lines = ["gt.keras auto-sharding: the specs chosen for the layout map's gt.AUTO "
-             "variables (optimizer slots take their variable's)"]
-    lines += [f"  {by_id[k].path}: {spec}" for k, spec in state.auto_specs.items()
-              if k in by_id]
-    lines += ["", "the probe's arguments: " + ", ".join(
-        f"{k} {what}" for k, what in enumerate(state.auto_arguments)), "",
-        state.auto_lowered.auto_report()]
-    return "\n".join(lines)
-
-
 def _to_host(tree):
     """ShardedTensors -> eager tensors (global values), through dicts/lists/tuples."""
     if isinstance(tree, ShardedTensor):
@@ -501,6 +481,48 @@ def _make_predict_function(self, force=False):
         return self.predict_function
     self.predict_function = self._gt_keras.make_predict_function()
     return self.predict_function
+
+
+def _load_weights(self, filepath, *args, **kwargs):
+    """keras.Model.load_weights, all or nothing: a load that fails (a file that does not
+    fit the model, a corrupt or missing one) writes every variable back as it was and
+    raises a ShardingError naming the file, Keras' error its cause."""
+    written_back = _values_now(_all_variables(self))
+    try:
+        return type(self).load_weights(self, filepath, *args, **kwargs)
+    except (ValueError, OSError, KeyError, tf.errors.OpError) as error:
+        for target, value in written_back:
+            target.assign(value, read_value=False)
+        raise ShardingError(
+            f"model {self.name!r}: load_weights({str(filepath)!r}) failed, every variable "
+            f"left as it was ({' '.join(str(error).split()):.400}): load a file saved from a "
+            "model of the same architecture and variable shapes") from error
+
+
+def _all_variables(model):
+    """Every variable of `model`, its optimizer and its metrics, once each."""
+    optimizer = getattr(model, "optimizer", None)
+    found = {}
+    for v in (list(model.variables) + list(getattr(optimizer, "variables", ()) or ())
+              + list(getattr(model, "metrics_variables", ()))):
+        found.setdefault(id(v), v)
+    return list(found.values())
+
+
+def _values_now(variables):
+    """(tf.Variable, its value now) of every shard variable of the gt.Variables backing
+    `variables` (keras Variables) and of every other backing tf.Variable. A value read
+    keeps its buffer: a later assign writes a new one (TF copies a buffer that is
+    referenced elsewhere), so this holds no second copy until a variable changes."""
+    pairs = []
+    for kvar in variables:
+        backing = getattr(kvar, "_value", kvar)
+        targets = ([s for s in backing.shard_variables if s is not None]
+                   if isinstance(backing, Variable) else [backing])
+        for target in targets:
+            with tf.device(target.device):
+                pairs.append((target, target.read_value()))
+    return pairs
 
 
 def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("data"),
@@ -558,7 +580,8 @@ def take_over(model, mesh: Mesh, rules, batch_spec,
     object.__setattr__(model, "_gt_keras", state)
     for name, fn in (("make_train_function", _make_train_function),
                      ("make_test_function", _make_test_function),
-                     ("make_predict_function", _make_predict_function)):
+                     ("make_predict_function", _make_predict_function),
+                     ("load_weights", _load_weights)):
         object.__setattr__(model, name, types.MethodType(fn, model))
     model.train_function = None
     model.test_function = None

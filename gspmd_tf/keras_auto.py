@@ -25,6 +25,7 @@ from typing import Optional
 import tensorflow as tf
 
 from gspmd_tf.autoshard import AUTO, is_auto
+from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime.function import function as _gt_function
 
@@ -105,6 +106,27 @@ def decide(model, mesh: Mesh, specs: dict, slots: dict, batch_specs: tuple, data
     arguments = [f"batch leaf {i}" for i in present] + [
         v.path for v in trainable + frozen + metrics + slot_variables]
     return chosen, lowered, arguments
+
+
+def auto_report(model) -> str:
+    """The auto-sharding search's report for a shard_model model whose layout map has
+    gt.AUTO values: the spec chosen for each AUTO variable, then the search's own report
+    on the step's probe (gspmd_tf/keras_auto.py: each decision's cost and alternatives)
+    with what each of the probe's arguments is."""
+    state = getattr(model, "_gt_keras", None)
+    if state is None or state.auto_lowered is None:
+        raise ShardingError(f"model {getattr(model, 'name', model)!r} has no auto-sharding "
+                            "decisions: give gt.AUTO as a layout_map value to "
+                            "gt.keras.shard_model and run (or gt.keras.lowered) a step")
+    by_id = {id(v): v for v in model.variables}
+    lines = ["gt.keras auto-sharding: the specs chosen for the layout map's gt.AUTO "
+             "variables (optimizer slots take their variable's)"]
+    lines += [f"  {by_id[k].path}: {spec}" for k, spec in state.auto_specs.items()
+              if k in by_id]
+    lines += ["", "the probe's arguments: " + ", ".join(
+        f"{k} {what}" for k, what in enumerate(state.auto_arguments)), "",
+        state.auto_lowered.auto_report()]
+    return "\n".join(lines)
 
 
 def _entry(specs, variable):

@@ -25,6 +25,10 @@ no stage keeps an op-type list of its own):
                      and an op TF does not register counts as stateful (is_stateful)
   multiply_adds      cost(node, in_shapes) -> the multiply-adds the op does (dots and
                      convolutions; 0 for ops without one: see multiply_adds)
+  bytes_touched      cost(node, in_shapes, in_dtypes) -> the bytes the op reads and
+                     writes in memory; None (the default): every operand and result once
+                     (see bytes_touched). A view (Reshape, Identity) touches none, a slice
+                     or gather what it copies (read_result_bytes)
   xla_numerics       differs(node, operand_dtype) -> why XLA computes other values than
                      TF's kernel for this instance (NaN ordering, integer division by
                      zero, other random numbers, a kernel XLA:CPU gets wrong), or None:
@@ -55,9 +59,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
+import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
 from gspmd_tf.errors import ShardingError
@@ -93,6 +99,7 @@ class OpDef:
     custom: bool = False
     stateful: Optional[bool] = None
     multiply_adds: Optional[Callable] = None
+    bytes_touched: Optional[Callable] = None
     xla_numerics: Optional[Callable] = None
     traits: frozenset = frozenset()
 
@@ -123,7 +130,7 @@ def _check(entry):
             f"op type {op!r} has a rule but no emitter: pass emit=<handler> or, when "
             "running the TF op on each device's local shards gives exactly the local "
             "part of its result, replay=True")
-    for name in ("multiply_adds", "xla_numerics"):
+    for name in ("multiply_adds", "bytes_touched", "xla_numerics"):
         value = getattr(entry, name)
         if value is not None and not callable(value):
             raise ShardingError(f"op type {op!r}: {name} must be a callable (see the "
@@ -165,7 +172,7 @@ def declare(op_types: Union[str, list, dict], rule: Optional[Callable] = None, *
     """Declare built-in op types: `op_types` is a name, a list of names, or a dict
     {name: rule parameters} (a tuple, or one value) when they differ per op. Flags
     (silent_replicated, safe_padding as a dict, fold, stateful, multiply_adds,
-    xla_numerics, traits) without a rule give a flag-only entry; flags merge into an
+    bytes_touched, xla_numerics, traits) without a rule give a flag-only entry; flags merge into an
     entry declared elsewhere. Checked when the module is imported."""
     if "safe_padding" in flags:
         flags["safe_padding"] = tuple(sorted(flags["safe_padding"].items()))
@@ -194,6 +201,7 @@ def op_family(op_types: Union[str, list, dict], rule: Callable, **flags) -> Call
 def register_op(op_type: str, rule: Union[str, Callable], *, emit: Optional[Callable] = None,
                 replay: bool = False, override: bool = False,
                 stateful: Optional[bool] = None, multiply_adds: Optional[Callable] = None,
+                bytes_touched: Optional[Callable] = None,
                 xla_numerics: Optional[Callable] = None, traits=()) -> None:
     """Give a TF op type (a custom op, or one gspmd-tf has no rule for) a sharding rule.
 
@@ -210,10 +218,10 @@ def register_op(op_type: str, rule: Union[str, Callable], *, emit: Optional[Call
     emit: otherwise, the handler emit(ctx, operands, layouts) -> list of program refs
         (see gspmd_tf/spmd/handlers/__init__.py), as the built-in handlers are.
     override: replace the rule of an op type that has one (built-in or registered).
-    stateful, multiply_adds, xla_numerics, traits: the rest of the op's contract, as the
-        built-in entries declare it (module docstring): whether the op has effects beyond
-        its outputs (None: as TF's op registry says), its multiply-add count for the cost
-        model, why XLA would compute other values (a backend compiling with XLA then runs
+    stateful, multiply_adds, bytes_touched, xla_numerics, traits: the rest of the op's
+        contract, as the built-in entries declare it (module docstring): whether the op
+        has effects beyond its outputs (None: as TF's op registry says), its multiply-add
+        count and the bytes it reads and writes for the cost model, why XLA would compute other values (a backend compiling with XLA then runs
         it on TF's kernel), and its traits (DOT, CONVOLUTION, ...).
 
     Register before the first call of a gt.function that uses the op: programs already
@@ -229,7 +237,7 @@ def register_op(op_type: str, rule: Union[str, Callable], *, emit: Optional[Call
     # only the contract fields given: an override keeps what the entry declared of the rest
     contract = {name: value for name, value in (
         ("stateful", stateful), ("multiply_adds", multiply_adds),
-        ("xla_numerics", xla_numerics), ("traits", traits)) if value not in (None, ())}
+        ("bytes_touched", bytes_touched), ("xla_numerics", xla_numerics), ("traits", traits)) if value not in (None, ())}
     _put(op_type, override=override, rule=rule, rule_args=args, emit=emit, replay=replay,
          custom=True, **contract)
     try:
@@ -297,6 +305,36 @@ def multiply_adds(node, in_shapes: Sequence) -> int:
     return int(cost(node, in_shapes))
 
 
+def dense_bytes(shape, dtype) -> int:
+    """Bytes of a dense tensor of `shape` and `dtype` (a tf.DType); 0 for an unknown
+    shape and for handles and strings (resources, variants), which hold no dense data."""
+    if shape is None or None in shape or dtype is None or \
+            dtype.base_dtype in (tf.resource, tf.variant, tf.string):
+        return 0
+    return math.prod(shape) * dtype.size
+
+
+def bytes_touched(node, in_shapes: Sequence, in_dtypes: Sequence) -> int:
+    """The bytes `node` reads and writes in memory: its entry's cost function when it
+    declares one, else every operand and result once."""
+    cost = op_def(node.op).bytes_touched
+    if cost is not None:
+        return int(cost(node, in_shapes, in_dtypes))
+    return (sum(dense_bytes(s, d) for s, d in zip(in_shapes, in_dtypes))
+            + sum(dense_bytes(s, d) for s, d in zip(node.out_shapes, node.out_dtypes)))
+
+
+def view(node, in_shapes, in_dtypes) -> int:
+    """A bytes_touched function: none (the result shares its operand's buffer)."""
+    return 0
+
+
+def read_result_bytes(node, in_shapes, in_dtypes) -> int:
+    """A bytes_touched function: each result read from its operand and written once
+    (a slice or gather copies only what it keeps)."""
+    return 2 * sum(dense_bytes(s, d) for s, d in zip(node.out_shapes, node.out_dtypes))
+
+
 # Random ops XLA draws other numbers for than TF's kernels (each declares it: the random
 # families of spmd/handlers/basic.py, the others beside them): both backends must give
 # the same numbers.
@@ -304,6 +342,12 @@ RANDOM_NUMERICS = "a random op (XLA draws other numbers than TF's kernel)"
 # XLA's max and min propagate NaN; TF's CPU kernels of these ops do not
 # (tests/test_nonfinite.py; fuzzer seed 46, RESULTS §14.11)
 NAN_ORDER = "XLA orders NaN against numbers otherwise than TF's kernel"
+# TF's elementwise gradient kernels give 0 for a zero upstream gradient whatever the
+# forward output (NaN, Inf: 0 * NaN), XLA's the product (NaN); TF's ReluGrad passes a
+# NaN upstream gradient, XLA's selects 0 (fuzz seed 60 #36: rsqrt of a negative value
+# before a minimum, RESULTS §14.11's EluGrad)
+ZERO_GRADIENT = ("XLA's gradient kernel gives other values than TF's where the upstream "
+                 "gradient is 0 or NaN")
 # XLA gives -1 for an integer divided by zero (an integer Mean of no elements too)
 INTEGER_DIVISION = "XLA divides integers by zero otherwise than TF's kernel"
 

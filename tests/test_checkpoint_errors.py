@@ -94,3 +94,33 @@ def test_no_checkpoint_at_the_prefix_names_it(mesh, tmp_path):
                        r"tf.train.latest_checkpoint"):
         gt.restore_checkpoint(tf.train.Checkpoint(**_variables(mesh)), missing)
     assert not os.path.exists(missing + ".index")
+
+
+@pytest.mark.parametrize("method", ["read", "restore"])
+def test_tf_checkpoint_read_of_an_entry_of_another_shape_raises_sharding_error(
+        mesh, saved, method):
+    restored = _variables(mesh, b_rows=6, fill=-1.0)
+    with pytest.raises(gt.ShardingError, match=r"entry 'b' does not fit .*"
+                       r"restore into a variable of the saved shape") as caught:
+        getattr(tf.train.Checkpoint(**restored), method)(saved)
+    assert isinstance(caught.value.__cause__, tf.errors.InvalidArgumentError)
+    assert saved in str(caught.value)
+    _assert_unchanged(restored, -1.0)
+
+
+def test_tf_checkpoint_read_of_a_corrupt_file_raises_sharding_error(mesh, saved, tmp_path):
+    copy = _corrupt_copy(saved, tmp_path)
+    restored = _variables(mesh, fill=-1.0)
+    with pytest.raises(gt.ShardingError, match=r"is corrupt .*restore from an intact copy"):
+        tf.train.Checkpoint(**restored).read(copy)
+    _assert_unchanged(restored, -1.0)
+
+
+def test_tf_checkpoint_read_of_a_missing_prefix_raises_sharding_error(mesh, tmp_path):
+    with pytest.raises(gt.ShardingError, match=r"no checkpoint at .*never-written"):
+        tf.train.Checkpoint(**_variables(mesh)).read(str(tmp_path / "never-written"))
+
+
+def test_a_checkpoint_without_gt_variables_keeps_tf_errors(tmp_path):
+    with pytest.raises(tf.errors.NotFoundError):
+        tf.train.Checkpoint(v=tf.Variable(1.0)).read(str(tmp_path / "never-written"))

@@ -55,8 +55,7 @@ def test_training_step_values_and_all_reduce_counts(monkeypatch, threshold, expe
     x = rng.standard_normal((16, WIDTH)).astype(np.float32)
     mesh = gt.Mesh.create((2, 4), ("data", "model"))
     weights = [gt.Variable(v, mesh, P(), name=f"w{i}") for i, v in enumerate(values)]
-    # TF's collectives: where the local backend's all-reduces are copies it asks for no
-    # combining by default (tests/test_state_order_per_device.py)
+    # TF's collectives (copies are combined alike: test_mlp_step_combines_as_xla)
     step = gt.function(make_step(weights), mesh=mesh, in_shardings=(P(("data", "model")),),
                        backend=functools.partial(LocalBackend, copy_collectives=False))
     losses = [step(x).numpy() for _ in range(3)]
@@ -70,6 +69,46 @@ def test_training_step_values_and_all_reduce_counts(monkeypatch, threshold, expe
         assert_replicas_equal(w)
     low = step.lower(x)
     assert counts(low) == {("all-reduce", ("data", "model")): expected}, low.report()
+
+
+def mlp_step(weights):
+    """SGD on a 2-layer Megatron MLP (hidden dim split over model): the forward pass
+    all-reduces over model, the four gradients and the loss over data."""
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            h = tf.nn.relu(x @ weights[0] + weights[1])
+            loss = tf.reduce_mean(tf.square(h @ weights[2] + weights[3] - y))
+        for w, g in zip(weights, tape.gradient(loss, weights)):
+            w.assign_sub(0.1 * g)
+        return loss
+    return step
+
+
+@pytest.mark.parametrize("backend", ["local", "xla"])
+def test_mlp_step_combines_as_xla(backend):
+    # XLA (JAX 0.10.2, 8 CPU devices, same specs) compiles this step to 2 all-reduces:
+    # the forward one over model and one over data of the gradients and the loss
+    rng = np.random.default_rng(2)
+    shapes = [(16, 32), (32,), (32, 16), (16,)]
+    specs = [P(None, "model"), P("model"), P("model", None), P()]
+    values = [rng.standard_normal(s).astype(np.float32) * 0.3 for s in shapes]
+    x, y = (rng.standard_normal((16, 16)).astype(np.float32) for _ in range(2))
+    mesh = gt.Mesh.create((2, 4), ("data", "model"))
+    weights = [gt.Variable(v, mesh, s, name=f"w{i}") for i, (v, s) in
+               enumerate(zip(values, specs))]
+    step = gt.function(mlp_step(weights), mesh=mesh, in_shardings=(P("data"), P("data")),
+                       backend=backend)
+    losses = [step(x, y).numpy() for _ in range(2)]
+    with tf.device("/device:CPU:0"):
+        plain = [tf.Variable(v) for v in values]
+        plain_step = tf.function(mlp_step(plain))
+        want = [plain_step(x, y).numpy() for _ in range(2)]
+    assert_close(np.array(losses), np.array(want), "losses")
+    for w, p in zip(weights, plain):
+        assert_close(w.numpy(), p.numpy(), w.name)
+    low = step.lower(x, y)
+    assert counts(low) == {("all-reduce", ("model",)): 1, ("all-reduce", ("data",)): 1}, \
+        low.report()
 
 
 def test_dependent_all_reduces_stay_apart():

@@ -8,10 +8,14 @@ the XLA backend runs it on TF's kernel and gives eager TF's own value.
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
+import gspmd_tf as gt
 from gspmd_tf.testing.generator import generate
 from gspmd_tf.testing.workers import run_programs
+
+P = gt.P
 
 
 def test_the_xla_backend_gives_tf_values_where_xla_semantics_differ(monkeypatch):
@@ -31,3 +35,32 @@ def test_the_two_semantics_differ():
     compiled = tf.function(tf.maximum, jit_compile=True)(x, y).numpy()
     assert np.isnan(eager).all()
     assert not np.isnan(compiled).all(), compiled  # a number where TF gives NaN
+
+
+# (op, its inputs by name): forward outputs NaN, Inf, -Inf and numbers, upstream
+# gradients 0 where the output is not finite, NaN and Inf elsewhere
+_Y = [np.nan, np.inf, -np.inf, 0.0, 1.0, -1.0, 0.0, np.nan]
+_DY = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, np.nan, np.inf]
+_GRADIENTS = {"SqrtGrad": ("y", "dy"), "RsqrtGrad": ("y", "dy"),
+              "ReciprocalGrad": ("y", "dy"), "EluGrad": ("outputs", "gradients"),
+              "SeluGrad": ("outputs", "gradients"), "ReluGrad": ("features", "gradients"),
+              "Relu6Grad": ("features", "gradients")}
+
+
+@pytest.mark.parametrize("op_type", sorted(_GRADIENTS))
+def test_the_xla_backend_gives_tf_gradients_of_zero_and_nan_upstream_gradients(op_type):
+    """Seed 60 #36 (shrunk: the gradient of rsqrt(x) before a minimum with x negative):
+    TF's kernel gives 0 for a zero upstream gradient where the forward output is NaN,
+    XLA's NaN; ReluGrad the other way round. The XLA backend runs them on TF's kernel."""
+    mesh = gt.Mesh.create((2,), ("x",))
+    first, second = _GRADIENTS[op_type]
+    raw = getattr(tf.raw_ops, op_type)
+
+    def f(y, dy):
+        return raw(**{first: y, second: dy})
+    y, dy = np.array(_Y, np.float32), np.array(_DY, np.float32)
+    want = f(tf.constant(y), tf.constant(dy)).numpy()
+    compiled = tf.function(f, jit_compile=True)(tf.constant(y), tf.constant(dy)).numpy()
+    assert not np.array_equal(compiled, want, equal_nan=True)  # why the contract says so
+    got = gt.function(f, mesh=mesh, in_shardings=(P("x"), P("x")), backend="xla")(y, dy)
+    np.testing.assert_array_equal(got.numpy(), want)

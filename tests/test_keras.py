@@ -361,3 +361,25 @@ def test_dims_smaller_than_their_axis_work_in_every_step_after_fit(mesh):
     got_losses, _ = _fit(sharded, x, y, epochs=1)
     _close(got_losses, want_losses, "fit after evaluate")
     _assert_same_state(ref, sharded)
+
+
+def test_a_failed_load_weights_leaves_every_variable_as_it_was(mesh, tmp_path):
+    """d1 fits the file and d2 does not: Keras writes d1 before it finds d2's shape
+    wrong; the sharded model writes d1 back."""
+    path = str(tmp_path / "wider.weights.h5")
+    keras.utils.set_random_seed(2)
+    wider = keras.Sequential([keras.Input((12,)), keras.layers.Dense(32, name="d1"),
+                              keras.layers.Dense(CLASSES + 1, name="d2")])
+    wider.save_weights(path)
+    keras.utils.set_random_seed(3)
+    model = _mlp("load_target")
+    gt.keras.shard_model(model, mesh, {"d1/kernel": P(None, "model")})
+    before = [v.numpy() for v in _all_variables(model)]
+    with pytest.raises(gt.ShardingError, match=r"load_weights\(.*wider.weights.h5.*every "
+                       r"variable left as it was.*shape") as caught:
+        model.load_weights(path)
+    assert isinstance(caught.value.__cause__, ValueError)
+    for v, want in zip(_all_variables(model), before):
+        np.testing.assert_array_equal(v.numpy(), want, err_msg=v.path)
+    assert not np.array_equal(wider.get_layer("d1").kernel.numpy(),
+                              model.get_layer("d1").kernel.numpy())

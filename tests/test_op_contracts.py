@@ -117,3 +117,33 @@ def test_explicitly_padded_conv_input_gradient_on_the_xla_backend(rng):
     program = f.lower(*args).compile().program
     grads = [n for n in program.nodes if n.op == "Conv2DBackpropInput"]
     assert grads and all(segments.why_not_compiled(program, n) is not None for n in grads)
+
+
+def _bytes_touched(op, in_shapes, out_shapes, dtype=tf.float32):
+    graph = Graph()
+    node = Node("op", op, [], out_shapes=list(out_shapes), out_dtypes=[dtype] * len(out_shapes))
+    return registry.bytes_touched(node, in_shapes, [dtype] * len(in_shapes))
+
+
+def test_bytes_touched_by_elementwise_ops_views_and_slices():
+    """An op without a declaration reads each operand and writes each result once; a
+    view touches nothing; a slice or gather reads and writes only what it keeps; a
+    handle or an unknown shape holds no bytes."""
+    assert _bytes_touched("AddV2", [(4, 8), (8,)], [(4, 8)]) == 4 * (32 + 8 + 32)
+    assert _bytes_touched("Reshape", [(4, 8), (2,)], [(8, 4)]) == 0
+    assert _bytes_touched("StridedSlice", [(100, 8), (2,), (2,), (2,)], [(3, 8)]) == 2 * 96
+    assert _bytes_touched("AddV2", [(None, 8), (8,)], [(None, 8)]) == 32
+    assert registry.dense_bytes((3,), tf.resource) == registry.dense_bytes(None, tf.float32) == 0
+
+
+def test_the_cost_model_prices_memory_bound_ops_by_bytes_touched():
+    """backends.base.node_seconds prices an op without multiply-adds by the bytes its
+    contract says it touches, a view by its kernel launch alone."""
+    from gspmd_tf.backends.base import node_seconds
+    from gspmd_tf.cost_model import CostModel
+    model = CostModel({"x": 8})
+    graph, add = _program_of("AddV2", out_shapes=((2,),))
+    assert node_seconds(graph, add, model) == pytest.approx(
+        model.kernel_seconds + 16 / model.memory_bytes_per_second)
+    graph, reshape = _program_of("Reshape", out_shapes=((2,),))
+    assert node_seconds(graph, reshape, model) == pytest.approx(model.kernel_seconds)

@@ -1,6 +1,6 @@
 """A fast slice of the op sweep (gspmd_tf/testing/op_sweep.py; benchmarks/op_sweep.py
 sweeps every op type with a registered gradient): generated inputs over random layouts of
-a 2x4 mesh, compared with single-device TF, each op classified (issue 25 item 6)."""
+2x4 and 4x2 meshes, compared with single-device TF, each op classified (issue 25 item 6)."""
 
 import pytest
 
@@ -9,13 +9,17 @@ from gspmd_tf.testing import op_sweep
 # every 10th op type with a registered gradient, and ops whose class is pinned below
 NAMED = {"Relu": "partitioned", "MatMul": "partitioned", "BesselY1": "partitioned",
          "ResizeBilinear": "partitioned", "NextIteration": "refused",
-         "SegmentSum": "refused", "AudioSummary": "not generated"}
+         "SegmentSum": "refused", "AudioSummary": "not generated",
+         # inputs from op_recipes (ranks, constants, complex values) and raw ops whose
+         # parameters are named otherwise than their OpDef's inputs (Sum's axis)
+         "BiasAdd": "partitioned", "Conv2DBackpropInput": "partitioned",
+         "FFT": "partitioned", "UnsortedSegmentSum": "partitioned", "Sum": "partitioned"}
 
 
 @pytest.fixture(scope="module")
 def outcomes():
     op_types = sorted(set(op_sweep.gradient_op_types()[::10]) | set(NAMED))
-    return {o.op_type: o for o in op_sweep.sweep(op_types, op_sweep.mesh_2x4())}
+    return {o.op_type: o for o in op_sweep.sweep(op_types, op_sweep.sweep_meshes())}
 
 
 def test_the_slice_has_no_wrong_value_and_no_error(outcomes):
@@ -26,7 +30,9 @@ def test_the_slice_has_no_wrong_value_and_no_error(outcomes):
 
 @pytest.mark.parametrize("op_type", sorted(NAMED))
 def test_ops_are_classified_by_what_ran(outcomes, op_type):
-    """Split inputs partitioned (Relu, MatMul, the Bessel functions, a resize); an op
+    """Split inputs partitioned (Relu, MatMul, the Bessel functions, a resize, ops of
+    recipe inputs: a bias, a convolution's input gradient, an FFT of complex values,
+    segment sums, a sum over a constant axis); an op
     without a rule replicated, saying so; a result shape decided by values (segment
     ids) refused; an op of string inputs not generated."""
     outcome = outcomes[op_type]
@@ -41,3 +47,17 @@ def test_the_table_counts_every_outcome(outcomes):
         count = sum(o.kind == kind for o in outcomes.values())
         assert f"| {kind} | {count} |" in text
     assert "| Relu | partitioned |" in text
+
+
+def test_every_recipe_gives_each_input_of_its_op():
+    """A recipe's inputs are its OpDef's, in order (a list input as a list)."""
+    from tensorflow.python.framework import op_def_registry
+
+    from gspmd_tf.testing.op_recipes import RECIPES
+    for op_type, recipe in RECIPES.items():
+        op_def = op_def_registry.get(op_type)
+        assert op_def is not None, op_type
+        assert len(recipe.inputs) == len(op_def.input_arg), op_type
+        for given, arg in zip(recipe.inputs, op_def.input_arg):
+            is_list = bool(arg.number_attr or arg.type_list_attr)
+            assert isinstance(given, list) == is_list, (op_type, arg.name)

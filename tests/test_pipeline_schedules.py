@@ -1,7 +1,9 @@
 """gt.pipeline_value_and_grad (GPipe, 1F1B, interleaved) equals the unpipelined model's
 mean loss and stage-param gradients (single-device TF, relative 1e-5), partitioned over
-a stage axis (with data and model axes too); 1F1B's per-device peak memory is at most half of
-GPipe's at M=16, S=4; gt.pipeline_schedule's table has the formulas' bubbles."""
+a stage axis (with data and model axes too); 1F1B's per-device peak memory is at most
+half of GPipe's at M=16, S=4, and its stage s holds at most S - s microbatches;
+interleaved keeps stage buffers per step, not layers; gt.pipeline_schedule's table has
+the formulas' bubbles, and the HTML report shows it."""
 
 from fractions import Fraction
 
@@ -108,10 +110,24 @@ def test_1f1b_peak_memory_at_most_half_of_gpipe_at_16_microbatches_4_stages():
     assert peaks["1f1b"] * 2 <= peaks["gpipe"], peaks
 
 
+def test_interleaved_keeps_a_step_input_per_step_not_its_layers():
+    # S=2, V=2: 4 more microbatches are 8 more steps; a step's layer (w1, b1, w2 of one
+    # device) is 1088 bytes, a stage buffer [1, BATCH, D] 128
+    def peak(microbatches):
+        w1, b1, w2, x, targets = _args(6, 4, microbatches)
+        return gt.lower(pipelined("interleaved", _PAIR, virtual=2), _PAIR,
+                        (P("stage"),) * 3 + (P(),) * 2,
+                        args=(w1, b1, w2, x, targets)).memory().peak
+    inputs_bytes = 2 * (BATCH * D * 4)  # the microbatch and its target, replicated
+    per_step = (peak(8) - peak(4) - 4 * inputs_bytes) / 8
+    # the loops' lists of stage buffers, a few per step
+    assert 0 < per_step <= 5 * BATCH * D * 4, per_step
+
+
 @pytest.mark.parametrize("schedule,stages,microbatches,virtual,bubble", [
     ("gpipe", 4, 16, 1, Fraction(3, 19)), ("gpipe", 2, 3, 1, Fraction(1, 4)),
     ("interleaved", 4, 8, 2, Fraction(3, 19)), ("interleaved", 2, 4, 3, Fraction(1, 13)),
-    ("1f1b", 4, 16, 1, Fraction(6, 22))])
+    ("1f1b", 4, 16, 1, Fraction(3, 19)), ("1f1b", 2, 3, 1, Fraction(1, 4))])
 def test_schedule_table_bubble_matches_formula(schedule, stages, microbatches, virtual,
                                                bubble):
     table = gt.pipeline_schedule(schedule, stages, microbatches, virtual)
@@ -121,6 +137,32 @@ def test_schedule_table_bubble_matches_formula(schedule, stages, microbatches, v
         busy = [cell for cell in row if cell]
         assert len(busy) == len(set(busy)) == 2 * microbatches * virtual
     assert str(bubble) in table.text() and table.text().startswith("slot")
+
+
+@pytest.mark.parametrize("stages,microbatches", [(4, 16), (3, 2), (2, 5)])
+def test_1f1b_stage_holds_at_most_stages_minus_its_index_microbatches(stages,
+                                                                     microbatches):
+    table = gt.pipeline_schedule("1f1b", stages, microbatches)
+    for stage, row in enumerate(table.cells):
+        alive, most = set(), 0
+        for cell in row:
+            if cell.startswith("F"):
+                alive.add(cell[1:])
+            elif cell:
+                alive.remove(cell[1:])  # a backward follows its own forward
+            most = max(most, len(alive))
+        assert not alive and most == min(stages - stage, microbatches), (stage, row)
+
+
+def test_html_report_shows_the_schedule_grid_of_a_pipelined_program():
+    args = _args(5, 2, 3)
+    page = gt.lower(pipelined("1f1b", _PAIR), _PAIR, (P("stage"),) * 3 + (P(),) * 2,
+                    args=args).report(format="html")
+    table = gt.pipeline_schedule("1f1b", 2, 3)
+    assert "Pipeline schedule (1f1b)" in page and f"bubble {table.bubble}" in page
+    for stage, row in enumerate(table.cells):
+        cells = "".join(f'<td class="{c[0] if c else "idle"}">{c or "."}</td>' for c in row)
+        assert f"<tr><th>stage {stage}</th>{cells}</tr>" in page
 
 
 def test_bad_schedules_name_what_to_change():

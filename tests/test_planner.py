@@ -149,6 +149,12 @@ def test_emit_plan_gives_exactly_the_target_shards(case, seed):
     ((2, 4), (6, 5), L(("data",), (), partial=("model",), reduce_op="max"), L((), ())),
     ((2, 4), (7, 5), L((), (), partial=("data", "model")), L(("model",), ())),
     ((2, 2, 2), (5, 3), L((), ("z",), partial=("x", "y")), L(("y", "x"), ("z",))),
+    # several source and target dims in one all-to-all: even, crossed, uneven, three
+    ((2, 4), (4, 8, 6, 4), L(("data",), ("model",), (), ()), L((), (), ("data",), ("model",))),
+    ((2, 4), (4, 8, 4, 6), L(("data",), ("model",), (), ()), L((), (), ("model",), ("data",))),
+    ((2, 4), (3, 6, 5, 7), L(("data",), (), ("model",), ()), L((), ("model",), (), ("data",))),
+    ((2, 2, 2), (2, 3, 2, 4, 5, 2), L(("x",), ("y",), ("z",), (), (), ()),
+     L((), (), (), ("z",), ("x",), ("y",))),
 ])
 def test_exact_on_chosen_cases(mesh_shape, shape, src, dst, rng):
     value = np.random.default_rng(0).integers(-100, 100, shape).astype(np.float32)
@@ -183,6 +189,12 @@ XLA_RESHARDS = {
     "both_axes_move_right": ((8, 16, 32), L(("data",), ("model",), ()),
                              L((), ("data",), ("model",)),
                              [("all-to-all", 2048, 4), ("all-to-all", 2048, 2)]),
+    # XLA's all-to-all of several source and target dims at once
+    "two_dims_one_all_to_all": ((8, 16, 32, 8), L(("data",), ("model",), (), ()),
+                                L((), (), ("data",), ("model",)), [("all-to-all", 16384, 8)]),
+    "crossed_dims_one_all_to_all": ((8, 16, 32, 8), L(("data",), ("model",), (), ()),
+                                    L((), (), ("model",), ("data",)),
+                                    [("all-to-all", 16384, 8)]),
     # XLA warns "involuntary full rematerialization" and gathers the whole tensor
     "xla_rematerializes": ((8, 16, 32), L(("data", "model"), (), ()),
                            L((), ("data",), ("model",)), [("all-gather", 2048, 8)]),
@@ -212,7 +224,8 @@ def test_reshard_moves_no_more_than_xla(name):
 
 def test_reshard_collectives_match_xla():
     for name in ("two_axes_one_all_to_all", "uneven_all_to_all", "reorder_then_gather",
-                 "both_axes_move_right"):
+                 "both_axes_move_right", "two_dims_one_all_to_all",
+                 "crossed_dims_one_all_to_all"):
         shape, src, dst, xla = XLA_RESHARDS[name]
         steps = plan(src, dst, shape, tf.float32, XLA_MESH)
         assert collectives_of(steps) == [(kind, b) for kind, b, _ in xla], name
@@ -222,6 +235,16 @@ def test_two_axes_move_in_one_all_to_all():
     shape, src, dst, _ = XLA_RESHARDS["two_axes_one_all_to_all"]
     steps = plan(src, dst, shape, tf.float32, XLA_MESH)
     assert steps == (AllToAll(("data", "model"), 1, 2, bytes_in=2048, group=8),)
+
+
+def test_several_source_and_target_dims_move_in_one_all_to_all():
+    shape, src, dst, _ = XLA_RESHARDS["crossed_dims_one_all_to_all"]
+    steps = plan(src, dst, shape, tf.float32, XLA_MESH)
+    assert steps == (AllToAll(("data",), 0, 3, bytes_in=16384, group=8,
+                              also=((("model",), 1, 2),)),)
+    # one collective over both axes sends 7/8 of the tensor; two in turn would send
+    # 1/2 + 3/4 of it
+    assert cost(steps).bytes == 16384 * 7 // 8
 
 
 def test_uneven_tiled_to_tiled_is_one_all_to_all():

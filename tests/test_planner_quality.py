@@ -207,8 +207,12 @@ def test_splitting_reshape_reblocks_exactly(mesh_shape, axes, shape, spec, out_s
 
 def test_reblock_windows():
     # 6 rows of 8 split 4 ways (blocks of 16) to blocks of 12: every target but the
-    # first takes a window [4, 16) of its left neighbour's block; all keep some of their own
+    # first takes the end of its left neighbour's block; all but the last keep some of
+    # their own: (source, target, window in the source's block)
     windows = reblock_windows(48, 4, 16, 12)
-    assert windows[1] == (4, 16, ((0, 1), (1, 2), (2, 3)))
-    assert windows[0] == (0, 12, ((0, 0), (1, 1), (2, 2)))
+    assert windows[1] == ((0, 1, 12, 16), (1, 2, 8, 16), (2, 3, 4, 16))
+    assert windows[0] == ((0, 0, 0, 12), (1, 1, 0, 8), (2, 2, 0, 4))
     assert set(windows) == {0, 1}
+    # rows [4, 8) of 16 split 4 ways (blocks of 4) in blocks of 1: all from shard 1
+    assert reblock_windows(16, 4, 4, 1, first=4, last=8) == {
+        -1: ((1, 0, 0, 1),), 0: ((1, 1, 1, 2),), 1: ((1, 2, 2, 3),), 2: ((1, 3, 3, 4),)}

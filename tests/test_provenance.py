@@ -127,3 +127,20 @@ def test_gradient_collectives_point_at_the_forward_line():
     [reduce] = low.collectives()  # the weight gradient summed over the batch split
     assert reduce.op.startswith("gradient_tape/forward")
     assert reduce.source == _line_of(step, 'name="forward"')
+
+
+def two_scans(x):
+    return tf.cumsum(x, axis=0, name="running_sum"), tf.math.cumprod(x, axis=0,
+                                                                     name="running_product")
+
+
+def test_a_move_needed_by_two_ops_names_both_and_counts_its_bytes_once():
+    """Two ops that need the same tensor in the same layout share one all-gather (the
+    export pass lowers the move once); it names both ops, the later one as sharing it,
+    and the per-layer accounting counts its bytes once."""
+    lowered = gt.lower(two_scans, MESH, (P("model"),), args=(SPEC((8, 4)),))
+    [gather] = lowered.collectives()
+    assert gather.kind == "all-gather"
+    assert [o.op for o in gather.origins] == ["running_sum", "running_product"]
+    assert [o.bytes for o in gather.origins] == [gather.bytes, 0]
+    assert sum(layer.collective_bytes for layer in lowered.layers()) == gather.bytes

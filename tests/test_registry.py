@@ -197,20 +197,24 @@ def test_batch_gather_gradient(mesh, rng):
 
 def test_a_registered_op_declares_its_whole_contract(own_table):
     """register_op takes the rest of the contract the built-in entries declare (stateful,
-    multiply_adds, xla_numerics, traits), checks it, and an override keeps what the entry
-    declared of what it does not give."""
+    multiply_adds, bytes_touched, xla_numerics, traits), checks it, and an override keeps
+    what the entry declared of what it does not give."""
     count = lambda node, in_shapes: 7  # noqa: E731
     why = registry.on_floats("a custom kernel XLA rounds otherwise")
     gt.register_op("CumulativeLogsumexp", rule="ij->ij", replay=True, stateful=False,
-                   multiply_adds=count, xla_numerics=why, traits=[registry.DOT])
+                   multiply_adds=count, bytes_touched=registry.view, xla_numerics=why,
+                   traits=[registry.DOT])
     entry = registry.op_def("CumulativeLogsumexp")
-    assert (entry.stateful, entry.multiply_adds, entry.xla_numerics) == (False, count, why)
+    assert (entry.stateful, entry.multiply_adds, entry.bytes_touched, entry.xla_numerics) == (
+        False, count, registry.view, why)
     assert registry.has_trait("CumulativeLogsumexp", registry.DOT)
     matmul_count = registry.op_def("MatMul").multiply_adds
     gt.register_op("MatMul", rule="ik,kj->ij", replay=True, override=True)
     assert registry.op_def("MatMul").multiply_adds is matmul_count is not None
     with pytest.raises(gt.ShardingError, match="multiply_adds must be a callable"):
         gt.register_op("Dawsn", rule="ij->ij", replay=True, multiply_adds=3)
+    with pytest.raises(gt.ShardingError, match="bytes_touched must be a callable"):
+        gt.register_op("Dawsn", rule="ij->ij", replay=True, bytes_touched=16)
     with pytest.raises(gt.ShardingError, match="unknown traits"):
         gt.register_op("Dawsn", rule="ij->ij", replay=True, traits=["fast"])
     assert not registry.has_rule("Dawsn")  # nothing half-registered

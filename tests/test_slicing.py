@@ -116,6 +116,8 @@ XLA_WINDOWS = {
     "slice_shift": [("collective-permute", 128)],
     "slice_uneven": [("collective-permute", 128), ("collective-permute", 128)],
     "strided_slice": [],
+    "slice_one_block": [("collective-permute", 128)] * 3,
+    "slice_half": [("collective-permute", 256)] * 2,
 }
 
 

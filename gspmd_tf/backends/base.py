@@ -14,7 +14,6 @@ behind TF's bridge; capabilities.whole_program).
 from __future__ import annotations
 
 import abc
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -24,7 +23,7 @@ from gspmd_tf.cost_model import CostModel
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
 from gspmd_tf.graph.text import program_text
-from gspmd_tf.registry import CONVOLUTION, has_trait, multiply_adds
+from gspmd_tf.registry import CONVOLUTION, bytes_touched, dense_bytes, has_trait, multiply_adds
 
 INPUT = "gt.Input"
 SHARD_INDEX = "gt.ShardIndex"
@@ -115,15 +114,11 @@ class Backend(abc.ABC):
         """The largest all-reduce (operand bytes per device) the partitioner's combiner
         should merge with others (spmd/combine.py) in this backend's programs: at the
         top level, or inside control-flow bodies (`in_region`); 0 for none, None for
-        the combiner's default. 0 for the top-level all-reduces of a backend whose
-        collectives on this mesh are all copies (copy_collectives, every device a CPU
-        of this process): a copy all-reduce is one AddN with no fixed cost to amortise,
-        and combining only adds a flatten, a concat, a split and a reshape per member
-        (benchmarks/RESULTS.md §14.10). TF's collectives (bodies, other devices,
-        several workers) keep the combiner's default."""
-        if not in_region and collectives_are_copies(self.mesh,
-                                                    self.capabilities.copy_collectives):
-            return 0
+        the combiner's default. None here, on every backend: a program's all-reduces
+        are combined as XLA combines them whatever runs them, so a step's collectives
+        are the same on every backend (copy collectives included, where a combined
+        all-reduce costs a flatten, a concat, a split and a reshape per member more
+        than separate ones: benchmarks/RESULTS.md §14.10)."""
         return None
 
 
@@ -148,9 +143,9 @@ class Compiled(abc.ABC):
     def memory(self) -> dict:
         """Bytes one device's program holds for its arguments and results:
         {"argument_bytes", "output_bytes"}."""
-        return {"argument_bytes": sum(_bytes(node.out_shapes[0], node.out_dtypes[0])
+        return {"argument_bytes": sum(dense_bytes(node.out_shapes[0], node.out_dtypes[0])
                                       for node in program_inputs(self.program)),
-                "output_bytes": sum(_bytes(self.program.shape(ref), self.program.dtype(ref))
+                "output_bytes": sum(dense_bytes(self.program.shape(ref), self.program.dtype(ref))
                                     for ref in self.program.outputs)}
 
     def as_text(self) -> str:
@@ -196,7 +191,7 @@ def program_cost(program: Graph) -> dict:
         cost["multiply_adds"] += node_multiply_adds(graph, node)
         if node.op in COLLECTIVES:
             cost["collectives"] += 1
-            cost["collective_bytes"] += _bytes(graph.shape(node.inputs[0]),
+            cost["collective_bytes"] += dense_bytes(graph.shape(node.inputs[0]),
                                                graph.dtype(node.inputs[0]))
     return cost
 
@@ -220,30 +215,23 @@ def node_seconds(graph: Graph, node, model: CostModel) -> float:
     `model`: a collective's collective_seconds over its axes (a permute: its pairs, no
     axes); a program input or shard index nothing; any other op one kernel, its
     multiply-adds (registry.multiply_adds; a CONVOLUTION op at the convolution rate)
-    or, without any, the elements it produces."""
+    or, without any, the bytes it reads and writes (registry.bytes_touched)."""
     if node.op in COLLECTIVES:
         operand = node.inputs[0]
         return model.collective_seconds(
-            COLLECTIVE_KINDS[node.op], _bytes(graph.shape(operand), graph.dtype(operand)),
+            COLLECTIVE_KINDS[node.op], dense_bytes(graph.shape(operand), graph.dtype(operand)),
             tuple(node.params.get("axes", ())))
     if node.op in (INPUT, SHARD_INDEX):
         return 0.0
     count = node_multiply_adds(graph, node)
     if count:
         return model.compute_seconds(count, convolution=has_trait(node.op, CONVOLUTION))
-    return model.compute_seconds(0, elements=sum(
-        math.prod(shape) for shape in node.out_shapes
-        if shape is not None and None not in shape))
+    return model.compute_seconds(0, bytes_touched=bytes_touched(
+        node, [graph.shape(ref) for ref in node.inputs],
+        [graph.dtype(ref) for ref in node.inputs]))
 
 
 def program_seconds(program: Graph, model: CostModel) -> float:
     """Seconds one device spends on `program` by `model`: node_seconds summed over its
     nodes and its bodies' (each body once)."""
     return sum(node_seconds(graph, node, model) for graph, node in nodes_with_graphs(program))
-
-
-def _bytes(shape, dtype):
-    """Bytes of a tensor of `shape` and `dtype` (0 for unknown shapes, handles)."""
-    if shape is None or None in shape or dtype in (tf.resource, tf.variant, tf.string):
-        return 0
-    return math.prod(shape) * dtype.size

@@ -20,7 +20,9 @@ With virtual_stages=V > 1 (the circular, interleaved schedule of schedule.py) ea
 holds V layers; every iteration each device picks the layer of its current repeat (a
 masked sum over its V layers, local), device 0 takes a new microbatch only at repeat 0
 and otherwise the wrapped-round output of device S - 1, and a microbatch's output is the
-last device's buffer at the step its last layer ends.
+last device's buffer at the step its last layer ends. Each of its steps is rematerialised
+in the backward (recomputed from the step's input), so TF's gradient of the loop keeps
+one [S, b, ...] input per step rather than every step's picked layers and activations.
 """
 
 from __future__ import annotations
@@ -137,25 +139,48 @@ def padded_feed(microbatches, steps):
 def _circular_layers(run_stages, params, stages, virtual, num_microbatches, mesh,
                      stage_axis):
     """run(x, step) for the circular schedule: run_stages with each device's layer of its
-    current repeat, picked from its V layers ([S * V, ...] viewed [S, V, ...])."""
+    current repeat, picked from its V layers ([S * V, ...] viewed [S, V, ...]).
+
+    The step is rematerialised (a tf.custom_gradient recomputing it from its input in the
+    backward): TF's gradient of the loop would otherwise keep each step's picked layers,
+    V M + S - 1 copies of a device's weights; this way a step keeps only its input."""
     def by_device(p):
         viewed = tf.reshape(p, [stages, virtual] + p.shape[1:].as_list())
         if mesh is None:
             return viewed
         return mesh_split(viewed, mesh, P(stage_axis))
     layers = tf.nest.map_structure(by_device, params)
+    leaves = tf.nest.flatten(layers)
+
+    def forward(inputs, pick, leaves):
+        current = [pick_along_stages(leaf, pick) for leaf in leaves]
+        return run_stages(tf.nest.pack_sequence_as(layers, current), inputs)
+
+    @tf.custom_gradient
+    def rematerialised(inputs, pick, *leaves):
+        def gradient(output_gradient):
+            with tf.GradientTape() as tape:
+                tape.watch([inputs, *leaves])
+                outputs = forward(inputs, pick, leaves)
+            input_gradient, *leaf_gradients = tape.gradient(
+                outputs, [inputs, *leaves], output_gradients=output_gradient)
+            return [input_gradient, None, *leaf_gradients]
+        return forward(inputs, pick, leaves), gradient
 
     def run(inputs, step):
         _, repeat, _ = timing.circular_work(step, tf.range(stages), stages,
                                             num_microbatches, virtual)
-        pick = tf.one_hot(repeat, virtual)                                # [S, V]
-
-        def current(p):
-            mask = tf.reshape(tf.cast(pick, p.dtype),
-                              [stages, virtual] + [1] * (p.shape.rank - 2))
-            return tf.reduce_sum(p * mask, axis=1)
-        return run_stages(tf.nest.map_structure(current, layers), inputs)
+        return rematerialised(inputs, tf.one_hot(repeat, virtual, dtype=inputs.dtype),
+                              *leaves)
     return run
+
+
+def pick_along_stages(values, one_hot):
+    """[S, ...]: each stage's entry of dim 1 of `values` [S, n, ...], `one_hot` [S, n]
+    (a contraction over that dim: no product of values' size is made)."""
+    letters = "abcdefghij"[:values.shape.rank - 2]
+    return tf.einsum(f"sk{letters},sk->s{letters}", values,
+                     tf.cast(one_hot, values.dtype))
 
 
 def _iteration(run_stages, state, feed, first_stage, annotate):

@@ -12,20 +12,29 @@ is microbatch (u // (V S)) S + u % S at repeat (u % (V S)) // S. The forward tak
 V M + S - 1 steps of one layer each, V M of them busy: bubble (S - 1) / (V M + S - 1).
 GPipe is the case V = 1 (microbatch step - d).
 
-1F1B as one SPMD program: every step, every stage runs one forward (microbatch step - s)
-and one backward (microbatch step - 2 (S - 1) + s); the last stage runs a microbatch's
-backward in the step of its forward. M + 2 S - 2 steps; stage s keeps the inputs of the
-2 (S - 1 - s) + 1 microbatches between their forward and backward.
+1F1B as one SPMD program, in ticks: every tick every stage runs either a forward or a
+backward (stage s forwards when tick - s is even, else backwards), so a microbatch's
+forward moves one stage per tick, its backward one stage back per tick, and a stage
+alternates F and B in the steady state. Microbatch m: forward on stage s at tick 2m + s,
+backward at tick 2m + 2S - 1 - s, (S - 1 - s) * 2 + 1 ticks later; the last stage
+backwards right after its forward. 2M + 2S - 2 ticks, 2M busy on every stage: bubble
+(S - 1) / (M + S - 1), the classic 1F1B's; stage s holds the inputs of S - s
+microbatches (forwarded, not yet backwarded), S slots of a ring at most.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 
 from gspmd_tf.errors import ShardingError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# the name scope gt.pipeline_value_and_grad traces under: it tells a report (e.g. the
+# HTML one, which sees only the traced graph's op names) which schedule ran
+_SCOPE = re.compile(r"(?:^|/)pipeline_(gpipe|1f1b|interleaved)_S(\d+)_M(\d+)_V(\d+)"
+                    r"(?:_\d+)?/")
 
 
 def circular_steps(stages, microbatches, virtual=1):
@@ -48,23 +57,26 @@ def circular_exit_step(microbatch, stages, virtual=1):
     return stages - 1 + group * virtual * stages + (virtual - 1) * stages + index
 
 
-def one_f_one_b_steps(stages, microbatches):
-    """Steps of the 1F1B loop: M + 2 S - 2."""
-    return microbatches + 2 * stages - 2
+def one_f_one_b_ticks(stages, microbatches):
+    """Ticks of the 1F1B loop: 2 M + 2 S - 2."""
+    return 2 * microbatches + 2 * stages - 2
 
 
-def one_f_one_b_work(step, stage, stages, microbatches):
-    """((forward microbatch, busy), (backward microbatch, busy)) of `stage` at `step`."""
-    forward = step - stage
-    backward = step - 2 * (stages - 1) + stage
-    return ((forward, (forward >= 0) & (forward < microbatches)),
-            (backward, (backward >= 0) & (backward < microbatches)))
+def one_f_one_b_work(tick, stage, stages, microbatches):
+    """(microbatch, forward, busy) of `stage` at 1F1B tick `tick`: forward says whether
+    the stage runs a forward (else a backward), busy whether the microbatch exists."""
+    forward = (tick - stage) % 2 < 1
+    as_int = 1 - (tick - stage) % 2  # forward as 0/1, for ints and tensors alike
+    microbatch = (as_int * ((tick - stage) // 2)
+                  + (1 - as_int) * ((tick + stage + 1) // 2 - stages))
+    return microbatch, forward, (microbatch >= 0) & (microbatch < microbatches)
 
 
 def stash_slots(stages):
     """Stage inputs a 1F1B stage keeps between a microbatch's forward and backward: the
-    first stage's 2 (S - 1) + 1, the most of any stage (every stage gets as many)."""
-    return 2 * stages - 1
+    first stage's S, the most of any stage (every stage gets as many; microbatch m in
+    slot m % S)."""
+    return stages
 
 
 def check_schedule(schedule, stages, microbatches, virtual):
@@ -88,7 +100,7 @@ class PipelineSchedule:
     cells[d][j] is what device d does in slot j: "F3" (forward of microbatch 3), "B3"
     (its backward), with ".k" for repeat k in the interleaved schedule, or "" (idle).
     A slot is one forward or one backward of one layer group (a stage; a 1/V stage for
-    interleaved); a 1F1B step is two slots (its forward, then its backward).
+    interleaved); for 1F1B a slot is one tick of its loop.
     """
 
     schedule: str
@@ -124,8 +136,7 @@ def pipeline_schedule(schedule, stages, microbatches, virtual_stages=1) -> Pipel
     (devices of the stage axis), M microbatches and V virtual stages: which device runs
     which microbatch's forward or backward at which slot, as gt.pipeline_value_and_grad
     runs it. str() of the result is a text table; .bubble the idle fraction: (S-1)/(M+S-1)
-    for GPipe, (S-1)/(V M+S-1) interleaved, (2S-2)/(M+2S-2) for this 1F1B (every step
-    runs one forward and one backward on every stage)."""
+    for GPipe and 1F1B, (S-1)/(V M+S-1) interleaved."""
     check_schedule(schedule, stages, microbatches, virtual_stages)
     rows = [_one_f_one_b_row(d, stages, microbatches) if schedule == "1f1b"
             else _circular_row(d, stages, microbatches, virtual_stages)
@@ -147,12 +158,27 @@ def _circular_row(device, stages, microbatches, virtual):
 
 def _one_f_one_b_row(stage, stages, microbatches):
     row = []
-    for step in range(one_f_one_b_steps(stages, microbatches)):
-        (forward, forward_busy), (backward, backward_busy) = one_f_one_b_work(
-            step, stage, stages, microbatches)
-        row += [f"F{forward}" if forward_busy else "",
-                f"B{backward}" if backward_busy else ""]
+    for tick in range(one_f_one_b_ticks(stages, microbatches)):
+        microbatch, forward, busy = one_f_one_b_work(tick, stage, stages, microbatches)
+        row.append(f"{'F' if forward else 'B'}{microbatch}" if busy else "")
     return tuple(row)
+
+
+def scope_name(schedule, stages, microbatches, virtual):
+    """The name scope of a pipeline's ops, naming its schedule and sizes."""
+    return f"pipeline_{schedule}_S{stages}_M{microbatches}_V{virtual}"
+
+
+def schedules_in(names) -> list:
+    """The PipelineSchedule of each pipeline whose scope (scope_name) one of the op
+    `names` lies in, in order of first appearance, each once."""
+    found = {}
+    for name in names:
+        match = _SCOPE.search(name)
+        if match and match.groups() not in found:
+            schedule, *sizes = match.groups()
+            found[match.groups()] = pipeline_schedule(schedule, *map(int, sizes))
+    return list(found.values())
 
 
 def layer_order(stages, virtual_stages):

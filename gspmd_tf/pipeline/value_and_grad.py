@@ -2,8 +2,9 @@
 stage params, by the GPipe, interleaved (circular) or 1F1B schedule (schedule.py).
 
 GPipe and interleaved run forward.py's loop under a tape: TF's gradient of the loop is
-the backward pipeline, and it keeps the forward's activations of every step. 1F1B runs
-one_f_one_b.py's loop, which computes the gradients itself.
+the backward pipeline; it keeps the forward's activations of every step (GPipe) or every
+step's input (interleaved, whose steps are rematerialised). 1F1B runs one_f_one_b.py's
+loop, which computes the gradients itself.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ def pipeline_value_and_grad(stage_fn, loss_fn, stage_params, microbatches, targe
       microbatches: [M, b, ...]; targets: [M, ...], one row per microbatch.
       mesh, stage_axis, microbatch_spec: as gt.pipeline.
       schedule: "gpipe" (all forwards, then all backwards: keeps every step's
-        activations), "1f1b" (each step one forward and one backward per stage: keeps
-        2 S - 1 stage inputs per stage, recomputes the forward in the backward) or
+        activations), "1f1b" (each stage alternating forwards and backwards: keeps
+        at most S stage inputs per stage, recomputes the forward in the backward;
+        bubble (S-1)/(M+S-1)) or
         "interleaved" (GPipe's order over V virtual stages per device, the circular
-        schedule: bubble (S-1)/(V M+S-1); M a multiple of S).
+        schedule: bubble (S-1)/(V M+S-1); M a multiple of S; each step recomputed in
+        the backward, so only the steps' inputs are kept).
       virtual_stages: V, for "interleaved".
 
     Returns:
-      (the mean loss, a nest like `stage_params` of its gradients).
+      (the mean loss, a nest like `stage_params` of its gradients). Its ops lie in a
+      name scope naming the schedule, so the HTML report of the program shows it.
 
     Raises:
       gt.ShardingError: an unknown schedule, sizes it cannot run, or gt.pipeline's.
@@ -54,11 +58,19 @@ def pipeline_value_and_grad(stage_fn, loss_fn, stage_params, microbatches, targe
     if targets.shape.rank is None or targets.shape[:1] != microbatches.shape[:1]:
         raise ShardingError(f"pipeline_value_and_grad: targets {targets.shape} need one "
                             f"row per microbatch (microbatches {microbatches.shape})")
-    timing.check_schedule(schedule, num_stages(params) // max(virtual_stages, 1),
-                          microbatches.shape[0], virtual_stages)
+    stages = num_stages(params) // max(virtual_stages, 1)
+    timing.check_schedule(schedule, stages, microbatches.shape[0], virtual_stages)
+    with tf.name_scope(timing.scope_name(schedule, stages, microbatches.shape[0],
+                                         virtual_stages)):
+        return _run(schedule, stage_fn, loss_fn, params, microbatches, targets, mesh,
+                    stage_axis, virtual_stages, microbatch_spec)
+
+
+def _run(schedule, stage_fn, loss_fn, params, microbatches, targets, mesh, stage_axis,
+         virtual_stages, microbatch_spec):
+    """pipeline_value_and_grad's work, checked arguments given."""
     if schedule == "1f1b":
-        stages = num_stages(params)
-        annotate = annotator(mesh, stage_axis, microbatch_spec, stages,
+        annotate = annotator(mesh, stage_axis, microbatch_spec, num_stages(params),
                              microbatches.shape.rank)
         return one_f_one_b(vectorized(stage_fn), _vectorized_loss(loss_fn), params,
                            microbatches, targets, annotate, mesh=mesh,

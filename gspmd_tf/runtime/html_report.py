@@ -5,7 +5,9 @@ It holds the traced op graph drawn as columns (an op's column is one past its de
 input; only up to GRAPH_OPS_DRAWN ops, past which a drawing is unreadable), each op
 colored by the sharding of its first output; the collectives of the SPMD program with
 the ops that need them; a table per layer (name scope); the per-device memory with a
-timeline of the estimated live bytes over the program, collectives marked; the
+timeline of the estimated live bytes over the program, collectives marked; the time
+table of each gt.pipeline_value_and_grad schedule in the program (found by its name
+scope: which stage runs which microbatch's forward or backward at each slot); the
 auto-sharding search's decisions (when an entry is gt.AUTO); and every
 tensor's sharding, grouped by layer in collapsible sections (a layer whose ops need
 collectives is marked, and so is each such op), so that a 10,000-op train step stays
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import html
 
+from gspmd_tf.pipeline.schedule import schedules_in
 from gspmd_tf.runtime.layers import LayerOf, layer_table
 from gspmd_tf.runtime.memory import program_memory
 from gspmd_tf.spmd.program import COLLECTIVES
@@ -36,6 +39,9 @@ svg text{font-family:monospace;font-size:10px;pointer-events:none}
 .graph{overflow:auto;border:1px solid #ccc;max-height:700px}
 details{margin:2px 0 2px 14px}summary{cursor:pointer;font-family:monospace;font-size:12px}
 details.coll>summary,tr.coll td{background:#fde0dc}
+table.pipeline td{padding:2px 4px;text-align:center}
+table.pipeline td.F{background:#cfe3fb}table.pipeline td.B{background:#d6f0d0}
+table.pipeline td.idle{background:#f4f4f4;color:#aaa}
 """
 
 
@@ -215,6 +221,8 @@ def render_html(lowered, advice=None):
         _ops_by_layer(lowered, needs),
         ("<h2>Advice</h2><ul>" + "".join(f"<li>{html.escape(a.text())}</li>" for a in advice)
          + "</ul>" if advice else ""),
+        "".join(_schedule_section(table)
+                for table in schedules_in(node.name for node in lowered.graph.nodes)),
         "<h2>Per-device memory</h2><p>Every device runs the same program on equal (padded) "
         "local shapes. The peak is an estimate in program order; the line shows the live "
         "bytes over the program's ops (red ticks: collectives).</p>",
@@ -242,6 +250,26 @@ def render_html(lowered, advice=None):
          + html.escape(lowered.auto_report()) + "</pre>"
          if lowered.auto_plan is not None else ""),
         "</body></html>"])
+
+
+def _schedule_section(table):
+    """A pipeline's time table (gt.pipeline_schedule's, as its text() shows it): a row
+    per stage, a column per slot, "F3" the forward of microbatch 3, "B3" its backward,
+    idle slots marked."""
+    slots = len(table.cells[0])
+    rows = "".join(
+        f"<tr><th>stage {stage}</th>" + "".join(
+            f'<td class="{cell[0] if cell else "idle"}">{html.escape(cell or ".")}</td>'
+            for cell in row) + "</tr>"
+        for stage, row in enumerate(table.cells))
+    return (f"<h2>Pipeline schedule ({html.escape(table.schedule)})</h2>"
+            f"<p>S={table.stages} stages, M={table.microbatches} microbatches, "
+            f"V={table.virtual}: "
+            f"bubble {table.bubble} = {float(table.bubble):.3f} (idle slots, marked .). "
+            "Each slot is one forward (F) or backward (B) of a stage (of one of its V "
+            "layers, interleaved; .k: repeat k).</p>"
+            '<table class="pipeline"><tr><th>slot</th>'
+            + "".join(f"<th>{j}</th>" for j in range(slots)) + f"</tr>{rows}</table>")
 
 
 def _collapsible(summary, content, rows):

@@ -197,9 +197,13 @@ class Lowered:
                                for row in self.mesh.groups(node.params["axes"]))
             size = int(np.prod(shape, dtype=np.int64)) * dtype.size
             origins = self.program.origins.get(node.name, ())
+            # bytes per origin: a combined all-reduce's members their own operands'; one
+            # op's collective (later ops sharing it: 0) all of it
+            whole = sum(not o.shared for o in origins) == 1
             out.append(Collective(COLLECTIVE_KINDS[node.op], tuple(shape), dtype, size, groups,
                                   tuple(node.params.get("axes", ())),
-                                  tuple(self._origin(o, size if len(origins) == 1 else o.bytes)
+                                  tuple(self._origin(o, 0 if o.shared else
+                                                     size if whole else o.bytes)
                                         for o in origins)))
         return out
 

@@ -407,7 +407,8 @@ def restore_checkpoint(checkpoint, prefix):
     any trackables); returns its status. A checkpoint that does not fit raises a
     ShardingError naming the file, the entry and what to change, TF's error its cause:
     no files at `prefix`, a corrupt file, or an entry whose stored shape or dtype is not
-    its variable's.
+    its variable's. (tf.train.Checkpoint's own read and restore raise the same errors
+    where the checkpoint holds a gt.Variable, see _wrap_checkpoint_errors.)
 
     On one process a failed restore changes no variable: TF reads every entry of the
     checkpoint, checking each stored shape and dtype against the slice its variable
@@ -416,24 +417,62 @@ def restore_checkpoint(checkpoint, prefix):
     """
     try:
         return checkpoint.read(prefix)
-    except tf.errors.NotFoundError as error:
-        raise ShardingError(
+    except _CHECKPOINT_ERRORS as error:
+        raise checkpoint_error(error, prefix) from error
+
+
+# TF's errors for a checkpoint that does not fit its objects
+_CHECKPOINT_ERRORS = (tf.errors.NotFoundError, tf.errors.DataLossError,
+                      tf.errors.InvalidArgumentError)
+
+
+def checkpoint_error(error: tf.errors.OpError, prefix) -> ShardingError:
+    """The ShardingError saying what to change for TF's `error` (one of
+    _CHECKPOINT_ERRORS) restoring the checkpoint at `prefix`."""
+    if isinstance(error, tf.errors.NotFoundError):
+        return ShardingError(
             f"no checkpoint at {prefix!r} ({_first_line(error)}): give the prefix "
             "checkpoint.write (or gt.save_checkpoint) returned, e.g. "
-            "tf.train.latest_checkpoint(directory)") from error
-    except tf.errors.DataLossError as error:
-        raise ShardingError(
+            "tf.train.latest_checkpoint(directory)")
+    if isinstance(error, tf.errors.DataLossError):
+        return ShardingError(
             f"checkpoint {prefix!r} is corrupt ({_first_line(error)}): restore from an "
-            "intact copy, or save it again") from error
-    except tf.errors.InvalidArgumentError as error:
-        entry = re.search(r"tensor_name = ([^;\s]+)", error.message or "")
-        what = (f"its entry {entry.group(1).split('/.ATTRIBUTES/')[0]!r}" if entry
-                else "an entry")
-        raise ShardingError(
-            f"checkpoint {prefix!r}: {what} does not fit the variable restoring it "
-            f"({_first_line(error)}): restore into a variable of the saved shape and "
-            "dtype (create it with the shape the checkpoint holds, then reshard or "
-            "reshape it), or save the checkpoint again from these variables") from error
+            "intact copy, or save it again")
+    entry = re.search(r"tensor_name = ([^;\s]+)", error.message or "")
+    what = (f"its entry {entry.group(1).split('/.ATTRIBUTES/')[0]!r}" if entry
+            else "an entry")
+    return ShardingError(
+        f"checkpoint {prefix!r}: {what} does not fit the variable restoring it "
+        f"({_first_line(error)}): restore into a variable of the saved shape and "
+        "dtype (create it with the shape the checkpoint holds, then reshard or "
+        "reshape it), or save the checkpoint again from these variables")
+
+
+def _wrap_checkpoint_errors():
+    """Make TF's checkpoint restore (tf.train.Checkpoint.read and restore, and what
+    calls them) raise checkpoint_error's ShardingError, TF's error its cause, where the
+    checkpoint's objects include a gt.Variable; other checkpoints keep TF's errors.
+    TF gives no hook for this, so the method is wrapped once, when gspmd_tf is
+    imported. A failed restore has written no variable (restore_checkpoint)."""
+    from tensorflow.python.checkpoint import checkpoint as tf_checkpoint
+    from tensorflow.python.checkpoint import util as checkpoint_util
+    saver = tf_checkpoint.TrackableSaver
+    if getattr(saver.restore, "_gspmd_tf_wrapped", False):
+        return
+    original = saver.restore
+
+    def restore(self, save_path, options=None):
+        try:
+            return original(self, save_path, options)
+        except _CHECKPOINT_ERRORS as error:
+            objects = checkpoint_util.list_objects(self._graph_view)  # pylint: disable=protected-access
+            if not any(isinstance(o, Variable) for o in objects):
+                raise
+            prefix = save_path.numpy().decode() if hasattr(save_path, "numpy") else save_path
+            raise checkpoint_error(error, prefix) from error
+    restore.__doc__ = original.__doc__
+    restore._gspmd_tf_wrapped = True
+    saver.restore = restore
 
 
 def _first_line(error):
@@ -461,3 +500,6 @@ def _write_own_shards(checkpoint, part):
     if names:
         tf.io.gfile.makedirs(os.path.dirname(part))
         gen_io_ops.save_v2(part, names, slices, tensors)
+
+
+_wrap_checkpoint_errors()

@@ -218,7 +218,7 @@ class _Rebuilt:
         (reduced,) = self.add(stem, ALL_REDUCE, [concat], [(total,)], dtype,
                               params=dict(last.params))
         self.origins[self.graph.nodes[reduced.node].name] = tuple(
-            replace(origin, bytes=_operand_bytes(self.old, node))
+            replace(origin, bytes=0 if origin.shared else _operand_bytes(self.old, node))
             for node in nodes for origin in self.origins.get(node.name, ()))
         pieces = self.add(f"{stem}/split", "SplitV",
                           [reduced, self.const(sizes), self.const(0)],

@@ -7,7 +7,8 @@ insert-explicit-reshards does. This pass, like Shardy's reshard-to-collectives, 
 each gt.Reshard to the steps the planner plans for it (reshard.reshard: planner.plan,
 then reshard.emit's collectives and local pads and slices) and copies every other node,
 control-flow bodies included. gt.Reshards of one tensor to one layout (the same move
-needed by several ops) are lowered once, where the first is. Every node emitted for a
+needed by several ops) are lowered once, where the first is; its collectives carry
+every needing op's origin (the later ones `shared`). Every node emitted for a
 gt.Reshard is named `<its name>/...`, so a collective of the exported program leads back
 to the gt.Reshard it came from (and its `needed_by` and `reason`) in the explicit one. Collectives an op's own algorithm needs (halo
 exchanges, rotations, re-blocking, windowed einsum's permutes) are already in the
@@ -20,6 +21,7 @@ what the annotated graph for XLA's partitioner reads (runtime/annotated.py).
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Optional
 
 from gspmd_tf.cost_model import CostModel
@@ -44,6 +46,7 @@ def export(program: Graph, mesh: Mesh, cost_model: CostModel,
     new_ref = {}  # old node index -> its new Ref (a gt.Reshard's, one output)
     index = [-1] * len(program.nodes)  # old node index -> new node index (copies)
     lowered = {}  # (new operand Ref, source, target, shape) -> the new Ref
+    emitted = {}  # the same key -> names of the collectives lowering it emitted
 
     def ref(old):
         moved = new_ref.get(old.node)
@@ -54,13 +57,19 @@ def export(program: Graph, mesh: Mesh, cost_model: CostModel,
             p = node.params
             operand = ref(node.inputs[0])
             key = (operand, p["source"], p["target"], p["shape"])
+            origin = Origin(p["needed_by"], p["reason"], p.get("tensor") or "",
+                            p["source"], p["target"], shared=key in lowered)
             if key not in lowered:
                 b.prefix = f"{node.name}/"
-                b.origin = Origin(p["needed_by"], p["reason"], p.get("tensor") or "",
-                                  p["source"], p["target"])
+                b.origin = origin
+                known = len(b.origins)
                 source = Local(operand, p["source"], p["shape"], node.out_dtypes[0])
                 lowered[key] = reshard(b, source, p["target"]).ref
                 b.origin = None
+                emitted[key] = list(islice(reversed(b.origins), len(b.origins) - known))
+            else:
+                for name in emitted[key]:
+                    b.origins[name] += (origin,)
             new_ref[i] = lowered[key]
             continue
         index[i] = graph.add(_copy(node, [ref(r) for r in node.inputs],

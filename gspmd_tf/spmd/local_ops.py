@@ -19,6 +19,19 @@ def shard_offset(b, axes, shard_size):
     return b.op("Mul", [index, b.const(shard_size, tf.int32)], (), tf.int32, T=tf.int32)
 
 
+def per_shard(b, axes, table, useful=None):
+    """table[shard index along axes]: an int32 scalar for a 1-D table, an int32 vector
+    for a table of rows. A constant (python int for a scalar) when nothing is split or
+    the first `useful` entries agree: the other shards compute only padding."""
+    table = np.asarray(table, np.int64)
+    if not axes or np.all(table[:useful] == table[0]):
+        return int(table[0]) if table.ndim == 1 else b.const(table[0].astype(np.int32))
+    index = b.shard_index(axes)
+    return b.op("GatherV2", [b.const(table.astype(np.int32)), index, b.const(np.int32(0))],
+                table.shape[1:], tf.int32, Tparams=tf.int32, Tindices=tf.int32,
+                Taxis=tf.int32, batch_dims=0)
+
+
 # TF's CPU Slice and Pad kernels take at most 8 dims; a reshape's factor decomposition
 # can have more (tests/test_reshape.py), so ops along one dim of such a tensor run on a
 # view of three dims: the dims before `dim`, `dim`, the dims after.

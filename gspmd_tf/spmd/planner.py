@@ -11,7 +11,8 @@ candidate layouts cheaply.
 Search: Dijkstra over layouts, from `src` to `dst`, with moves that each keep every shard
 exact, uneven dims included (see `nests`): slice axes into a dim locally, gather a dim's
 minor axes, all-to-all a dim's minor axes onto another dim (one collective over several
-axes when they move together), collective-permute to a layout with the same shard counts,
+axes when they move together, and over several dims' when they move at once),
+collective-permute to a layout with the same shard counts,
 reduce-scatter or all-reduce pending partial sums. The cheapest sequence wins; among equal
 costs, fewer collectives, then fewer steps. Beside the search over whole mesh axes, one
 search per way of cutting an axis of the reshard in two (`_sub_axis_splits`) may find a
@@ -32,6 +33,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -46,6 +48,8 @@ from gspmd_tf.mesh import SubAxis
 # intra-process bandwidth) would rank plans by their count of collectives alone. 2^-8 of
 # it is 1 KiB: on one process's mesh, plans rank exactly as by bytes + 1 KiB each.
 LATENCY_WEIGHT = 2.0 ** -8
+# the most single-dim all-to-alls the search joins into one (each joined set is a move)
+_MAX_JOINED = 3
 
 
 def nests(n, k_outer, k_inner):
@@ -65,15 +69,20 @@ class _Step:
     kind = None
 
     @property
+    def group_axes(self):
+        """The mesh axes of the step's group."""
+        return self.axes
+
+    @property
     def link_axes(self):
         """The axes whose links the step runs over (its group's)."""
-        return self.axes
+        return self.group_axes
 
     def apply(self, layout):
         """The layout after this step. A step may name sub-axes (SubAxis): the layout's
         whole axes are cut into them first, and sub-axes that make up a whole axis again
         are merged back after, so layouts between plans name whole axes only."""
-        named = [a for a in self.axes if isinstance(a, SubAxis)]
+        named = [a for a in self.group_axes if isinstance(a, SubAxis)]
         if not named:
             return self.move(layout)
         return _merged(self.move(_cut(layout, named)))
@@ -112,8 +121,10 @@ class AllGather(_Step):
 
 @dataclass(frozen=True)
 class AllToAll(_Step):
-    """Move the minor `axes` of dim `concat_dim` to the end of dim `split_dim`: one
-    all-to-all over the group of `axes` (the split dim padded first when uneven)."""
+    """Move the minor `axes` of dim `concat_dim` to the end of dim `split_dim`, and each
+    (axes, concat_dim, split_dim) of `also` alike (all dims distinct): one all-to-all
+    over the group of all their axes (split dims padded first when uneven), as XLA's
+    all-to-all of several source and target dims at once."""
 
     kind = "all-to-all"
     axes: tuple
@@ -121,12 +132,26 @@ class AllToAll(_Step):
     split_dim: int
     bytes_in: int = 0
     group: int = 1
+    also: tuple = ()
+
+    @property
+    def moves(self):
+        """Every (axes, concat_dim, split_dim) the step moves, in group order."""
+        return ((self.axes, self.concat_dim, self.split_dim),) + self.also
+
+    @property
+    def group_axes(self):
+        """The mesh axes of the step's group: each move's, in order."""
+        return tuple(a for axes, _, _ in self.moves for a in axes)
 
     def move(self, layout):
         """The layout after this step, the axes it names taken as they are."""
-        cd = layout.dims[self.concat_dim]
-        return _set_dims(layout, {self.concat_dim: cd[:len(cd) - len(self.axes)],
-                                  self.split_dim: layout.dims[self.split_dim] + self.axes})
+        new = {}
+        for axes, d1, d2 in self.moves:
+            cd = layout.dims[d1]
+            new[d1] = cd[:len(cd) - len(axes)]
+            new[d2] = layout.dims[d2] + axes
+        return _set_dims(layout, new)
 
 
 @dataclass(frozen=True)
@@ -279,7 +304,7 @@ def step_cost(step):
     """Bytes one step moves per device (ring algorithms; `bytes_in` is its operand)."""
     if step.kind is None:
         return Cost((), 0, 1)
-    return Cost(((tuple(step.axes), ring_bytes(step.kind, step.bytes_in, step.group)),), 1, 1)
+    return Cost(((tuple(step.group_axes), ring_bytes(step.kind, step.bytes_in, step.group)),), 1, 1)
 
 
 def cost(steps):
@@ -374,6 +399,9 @@ def _whole_axes(step):
     """`step` naming whole axes where it names all parts of one, in order."""
     if isinstance(step, CollectivePermute):
         return replace(step, dims=tuple((d, _merged_axes(axes)) for d, axes in step.dims))
+    if isinstance(step, AllToAll):
+        step = replace(step, also=tuple((_merged_axes(axes), d1, d2)
+                                        for axes, d1, d2 in step.also))
     return replace(step, axes=_merged_axes(step.axes))
 
 
@@ -500,6 +528,24 @@ class _Space:
                     yield AllGather(d, cd[j:], self.nbytes(layout), self.k(cd[j:]))
 
     def _all_to_alls(self, layout):
+        singles = list(self._single_all_to_alls(layout))
+        yield from (step for step, _ in singles)
+        # moves between distinct dims in one collective over all their axes: it sends
+        # (1 - 1/(k1 k2)) of the tensor where one after the other send (1 - 1/k1) + (1 -
+        # 1/k2) of it (XLA's all-to-all of several source and target dims)
+        for n in range(2, min(len(singles), _MAX_JOINED) + 1):
+            for chosen in itertools.combinations(singles, n):
+                used = [d for step, _ in chosen for d in (step.concat_dim, step.split_dim)]
+                if len(set(used)) < len(used):
+                    continue
+                padded = {d: size for _, pad in chosen for d, size in pad.items()}
+                first = chosen[0][0]
+                yield replace(first, bytes_in=self.nbytes(layout, padded),
+                              group=math.prod(step.group for step, _ in chosen),
+                              also=tuple(step.moves[0] for step, _ in chosen[1:]))
+
+    def _single_all_to_alls(self, layout):
+        """(AllToAll of one source and one target dim, its padded split dim {dim: size})."""
         dims = layout.dims
         for d1, cd1 in enumerate(dims):
             for j in range(len(cd1)):
@@ -513,7 +559,7 @@ class _Space:
                         continue
                     k = self.k(moved)
                     padded = {d2: k * self.local(d2, c2 + moved)}
-                    yield AllToAll(moved, d1, d2, self.nbytes(layout, padded), k)
+                    yield AllToAll(moved, d1, d2, self.nbytes(layout, padded), k), padded
 
     def _wants(self, d, cd, added):
         """True when the target wants `added` appended to dim `d` (holding `cd`): its

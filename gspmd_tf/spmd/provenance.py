@@ -35,7 +35,10 @@ REASONS = {
 class Origin:
     """Why one collective exists: graph op `op` needs it, for `reason` (a REASONS code);
     for a reshard, graph tensor `tensor` goes from layout `source` to `target`. `bytes`:
-    for a member of a combined all-reduce, its own operand's bytes per device."""
+    for a member of a combined all-reduce, its own operand's bytes per device. `shared`:
+    an op that needs a move another op needed first (the same tensor to the same
+    layout), which the export pass lowered once: the collective's bytes count with the
+    first op's origin, this one's are 0."""
 
     op: str
     reason: str
@@ -43,6 +46,7 @@ class Origin:
     source: Optional[Layout] = None
     target: Optional[Layout] = None
     bytes: int = 0
+    shared: bool = False
 
 
 def reshard_reason(asked: str, annotated: bool, source: Layout, target: Layout,

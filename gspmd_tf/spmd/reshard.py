@@ -15,8 +15,8 @@ import tensorflow as tf
 
 from gspmd_tf.layout import ceil_div
 from gspmd_tf.spmd import planner
-from gspmd_tf.spmd.local_ops import (concat_dim, dynamic_slice_dim, pad_dim, replace_dim,
-                                     shard_offset, static_slice_dim)
+from gspmd_tf.spmd.local_ops import (concat_dim, dynamic_slice_dim, pad_dim, per_shard,
+                                     replace_dim, reshape, shard_offset, static_slice_dim)
 from gspmd_tf.spmd.program import Local
 
 _COLLECTIVE_DTYPE = {tf.bool: tf.int32}
@@ -83,6 +83,8 @@ def _all_gather(b, x, step, layout):
 
 
 def _all_to_all(b, x, step, layout):
+    if step.also:
+        return _joined_all_to_all(b, x, step, layout)
     d1, d2 = step.concat_dim, step.split_dim
     k = b.mesh.axes_size(step.axes)
     chunk = _shard_size(b, x, d2, layout.dims[d2])
@@ -92,6 +94,53 @@ def _all_to_all(b, x, step, layout):
     ref = _collective(b, "gt.AllToAll", ref, shape, axes=step.axes, split_dim=d2,
                       concat_dim=d1)
     return _unpad(b, ref, d1, x.shape[d1]) if not layout.dims[d1] else ref
+
+
+def _joined_all_to_all(b, x, step, layout):
+    """An all-to-all of several (axes, concat_dim, split_dim) moves at once: each split
+    dim cut into [k, chunk] and its k moved to the front, the k's flattened into one dim
+    in group order (a member's shard index over all the moves' axes), one all-to-all
+    on it, then each received k merged in front of its concat dim (major: the sender's
+    index along the move's axes is the minor part of the concat dim's split)."""
+    moves = step.moves
+    ks = [b.mesh.axes_size(axes) for axes, _, _ in moves]
+    ref = x.ref
+    for (_, _, d2), k in zip(moves, ks):
+        ref = _pad_to(b, ref, d2, _shard_size(b, x, d2, layout.dims[d2]) * k)
+    local = b.shape_of(ref)
+    cut, front = [], {}  # the shape with split dims cut; each split dim's k position
+    split_k = {d2: k for (_, _, d2), k in zip(moves, ks)}
+    for d, size in enumerate(local):
+        if d in split_k:
+            front[d] = len(cut)
+            cut += [split_k[d], size // split_k[d]]
+        else:
+            cut.append(size)
+    ks_first = [front[d2] for _, _, d2 in moves]
+    order = ks_first + [i for i in range(len(cut)) if i not in ks_first]
+    rest = [cut[i] for i in order[len(moves):]]  # the local dims, split dims as chunks
+    blocks = _transpose(b, reshape(b, ref, cut), order)
+    blocks = reshape(b, blocks, [int(np.prod(ks))] + rest)
+    blocks = _collective(b, "gt.AllToAll", blocks, b.shape_of(blocks),
+                         axes=step.group_axes, split_dim=0, concat_dim=0)
+    concat_k = {d1: i for i, (_, d1, _) in enumerate(moves)}
+    order = []
+    for d in range(len(rest)):
+        order += ([concat_k[d]] if d in concat_k else []) + [len(moves) + d]
+    merged = _transpose(b, reshape(b, blocks, ks + rest), order)
+    out = [size * (ks[concat_k[d]] if d in concat_k else 1) for d, size in enumerate(rest)]
+    ref = reshape(b, merged, out)
+    for _, d1, _ in moves:
+        if not layout.dims[d1]:
+            ref = _unpad(b, ref, d1, x.shape[d1])
+    return ref
+
+
+def _transpose(b, ref, order):
+    """`ref` with its dims in `order`."""
+    shape, dtype = b.shape_of(ref), b.graph.dtype(ref)
+    return b.op("Transpose", [ref, b.const(np.asarray(order, np.int32))],
+                tuple(shape[i] for i in order), dtype, T=dtype, Tperm=tf.int32)
 
 
 def _permute(b, x, step, layout):
@@ -171,64 +220,73 @@ def exchange_halo(b, ref, dim, axes, halo_lo, halo_hi):
 
 # ------------------------------------------------------------------------ re-blocking
 
-def reblock_windows(n, k, block_in, block_out):
+def reblock_windows(n, k, block_in, block_out, first=0, last=None):
     """How a dim of n elements split k ways in blocks of `block_in` (shard s holds
-    [s * block_in, (s + 1) * block_in), padding past n) becomes blocks of `block_out`:
-    {distance: (lo, hi, pairs)}, where target shard i takes from source shard i - distance
-    the elements it needs, all within the static window [lo, hi) of the source's block,
-    and `pairs` lists the (source, target) shard indices that need any. Empty blocks (a
-    dim of no elements) move nothing."""
+    [s * block_in, (s + 1) * block_in), padding past n) becomes blocks of `block_out`
+    of its range [first, last) (shard i holds [first + i * block_out, ...), padding past
+    last; last defaults to n): {distance: ((s, i, lo, hi), ...)}, where target shard i
+    takes the window [lo, hi) of source shard s = i - distance's block, for every pair
+    that needs any. Empty blocks (a dim of no elements) move nothing."""
+    last = n if last is None else last
     if not block_in:
         return {}
     windows = {}
     for i in range(k):
-        start, stop = i * block_out, min(n, (i + 1) * block_out)
+        start, stop = first + i * block_out, min(last, first + (i + 1) * block_out)
         for s in range(start // block_in, k):
             lo, hi = max(start, s * block_in), min(stop, (s + 1) * block_in)
             if lo >= hi:
                 break
-            w_lo, w_hi, pairs = windows.get(i - s, (block_in, 0, ()))
-            windows[i - s] = (min(w_lo, lo - s * block_in), max(w_hi, hi - s * block_in),
-                              pairs + ((s, i),))
-    return windows
+            windows.setdefault(i - s, []).append((s, i, lo - s * block_in,
+                                                  hi - s * block_in))
+    return {distance: tuple(pairs) for distance, pairs in windows.items()}
 
 
-def reblock(b, ref, dim, axes, n, block_out):
+def reblock(b, ref, dim, axes, n, block_out, first=0, last=None):
     """`ref`, a dim of n elements split over `axes` in blocks of its local size (shard s
     holding [s * size, (s + 1) * size), padding past n), returned in blocks of
-    `block_out` (shard i holding [i * block_out, ...)): per distance between source and
-    target shards, one collective-permute of the window of each block some target needs
-    (none for a device's own block), each window then placed at its offset in the new
-    block (this device's offset: linear in its shard index) and the places selected.
-    XLA's reshape of a merged unevenly split dim does the same exchange."""
+    `block_out` of its range [first, last) (shard i holding [first + i * block_out,
+    ...); last defaults to n): per distance between source and target shards, one
+    collective-permute of the window each source's target needs (as long as the longest
+    of them, each source's start from a per-shard table; none for a device's own block),
+    each window then placed at its offset in the new block and the places selected.
+    XLA's reshape of a merged unevenly split dim, and its slice of a split dim whose
+    blocks come from a few other devices, do the same exchange."""
     block_in = b.shape_of(ref)[dim]
     groups = b.mesh.groups(axes)
-    index = b.shard_index(axes)
+    k = groups.shape[1]
     out_shape = replace_dim(b.shape_of(ref), dim, block_out)
     dtype = b.graph.dtype(ref)
     out = b.const(np.zeros(out_shape, dtype.as_numpy_dtype), dtype)
-    for distance, (lo, hi, pairs) in sorted(reblock_windows(n, groups.shape[1], block_in,
-                                                            block_out).items()):
-        piece = static_slice_dim(b, ref, dim, lo, hi - lo)
+    for distance, moves in sorted(reblock_windows(n, k, block_in, block_out, first,
+                                                  last).items()):
+        length = max(hi - lo for _, _, lo, hi in moves)
+        send, shift, end = (np.zeros(k, np.int64) for _ in range(3))
+        send[:] = moves[0][2]  # shards sending nothing agree with the first
+        for s, i, lo, hi in moves:
+            send[s] = lo
+            shift[i] = s * block_in + lo - first - i * block_out
+            end[i] = shift[i] + hi - lo
+        source = _pad_to(b, ref, dim, int(send.max()) + length)
+        start = per_shard(b, axes, send)
+        piece = (static_slice_dim(b, source, dim, start, length) if isinstance(start, int)
+                 else dynamic_slice_dim(b, source, dim, start, length))
         if distance:
             piece = _collective(b, "gt.Permute", piece, b.shape_of(piece),
-                                pairs=tuple((int(g[s]), int(g[t])) for g in groups
-                                            for s, t in pairs))
-        # the window starts at `shift` in this device's new block (shard index i):
-        # (i - distance) * block_in + lo - i * block_out
-        shift = b.op("AddV2", [b.op("Mul", [index, b.const(block_in - block_out, tf.int32)],
-                                    (), tf.int32, T=tf.int32),
-                               b.const(lo - distance * block_in, tf.int32)],
-                     (), tf.int32, T=tf.int32)
-        out = _place(b, out, piece, dim, shift)
+                                pairs=tuple((int(g[s]), int(g[i])) for g in groups
+                                            for s, i, _, _ in moves))
+        out = _place(b, out, piece, dim, per_shard(b, axes, shift),
+                     per_shard(b, axes, end))
     return out
 
 
-def _place(b, out, piece, dim, shift):
-    """`out` with `piece` written at offset `shift` (an int32 scalar; parts outside `out`
-    dropped) along `dim`: the piece padded by out's size on both sides, the window of
-    out's size sliced at the (clamped) offset, then selected where it lands."""
+def _place(b, out, piece, dim, shift, end):
+    """`out` with `piece` written at offset `shift` along `dim`, its places [shift, end)
+    selected (int32 scalars or python ints; parts outside `out` dropped): the piece
+    padded by out's size on both sides, the window of out's size sliced at the
+    (clamped) offset, then selected where it lands."""
     size, length = b.shape_of(out)[dim], b.shape_of(piece)[dim]
+    shift, end = (b.const(v, tf.int32) if isinstance(v, int) else v for v in (shift, end))
     padded = pad_dim(b, pad_dim(b, piece, dim, size, at_start=True), dim, size)
     start = b.op("Sub", [b.const(size, tf.int32), shift], (), tf.int32, T=tf.int32)
     start = b.op("ClipByValue", [start, b.const(0, tf.int32), b.const(size + length, tf.int32)],
@@ -239,7 +297,6 @@ def _place(b, out, piece, dim, shift):
     bshape[dim] = size
     iota = b.const(np.arange(size, dtype=np.int32).reshape(bshape))
     after = b.op("GreaterEqual", [iota, shift], tuple(bshape), tf.bool, T=tf.int32)
-    end = b.op("AddV2", [shift, b.const(length, tf.int32)], (), tf.int32, T=tf.int32)
     before = b.op("Less", [iota, end], tuple(bshape), tf.bool, T=tf.int32)
     inside = b.op("LogicalAnd", [after, before], tuple(bshape), tf.bool)
     return b.op("SelectV2", [inside, aligned, out], b.shape_of(out), b.graph.dtype(out),

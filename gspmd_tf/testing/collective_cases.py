@@ -13,6 +13,10 @@ RESHARDS = {
     "both_axes_move_right": ((8, 16, 32), ("data", "model", None), (None, "data", "model")),
     "xla_rematerializes": ((8, 16, 32), (("data", "model"), None, None),
                            (None, "data", "model")),
+    "two_dims_one_all_to_all": ((8, 16, 32, 8), ("data", "model", None, None),
+                                (None, None, "data", "model")),
+    "crossed_dims_one_all_to_all": ((8, 16, 32, 8), ("data", "model", None, None),
+                                    (None, None, "model", "data")),
 }
 
 # name -> (einsum equation, operand shapes, operand specs); the result is unconstrained
@@ -38,6 +42,8 @@ WINDOWS = {
     "slice_shift": ((16, 32), ("model", None), ("slice", [(1, 15, 1), (0, 32, 1)])),
     "slice_uneven": ((13, 32), ("model", None), ("slice", [(2, 11, 1), (0, 32, 1)])),
     "strided_slice": ((16, 32), ("model", None), ("slice", [(1, 15, 2), (0, 32, 1)])),
+    "slice_one_block": ((16, 32), ("model", None), ("slice", [(4, 8, 1), (0, 32, 1)])),
+    "slice_half": ((16, 32), ("model", None), ("slice", [(8, 16, 1), (0, 32, 1)])),
 }
 
 

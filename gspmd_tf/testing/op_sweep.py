@@ -7,9 +7,11 @@ is enough: each tensor input of the first dtype its attr allows among float32, i
 int64, bool (a list input: two such tensors), shaped by the first of TEMPLATES that
 single-device TF accepts (floats [4, 6] with 6 uneven over 4 devices, integers alike
 or scalars, images [2, 6, 4, 3] with an integer pair, squares, vectors); attrs at their
-defaults, or ATTRS where an attr has none. Each flat input gets a random PartitionSpec of a 2x4 mesh
-(replicated, either dim split, both, one dim over both axes; the first input always
-split), drawn per op from the seed.
+defaults, or ATTRS where an attr has none. Ops the OpDef alone gives no valid inputs for
+(ranks, shape and index values, complex inputs, sparse tensors) take theirs from
+op_recipes.RECIPES. Each op runs on a mesh drawn from MESH_SHAPES (2x4 or 4x2 of "data", "model"),
+each flat input with a random PartitionSpec (replicated, either dim split, both, one dim
+over both axes; the first input always split), drawn per op from the seed.
 
 Outcomes (OUTCOMES):
   partitioned     values equal single-device TF, and the op ran on split operands or
@@ -30,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import inspect
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry, ops
@@ -38,9 +42,10 @@ import gspmd_tf as gt
 from gspmd_tf.graph.ir import Ref
 from gspmd_tf.runtime.annotated import explicit_reshards
 from gspmd_tf.testing.accuracy import TOLERANCE, Mismatch, check_values
+from gspmd_tf.testing.op_recipes import RECIPES, Recipe
 
 OUTCOMES = ("partitioned", "replicated", "refused", "wrong", "error", "not generated")
-MESH_SHAPE, AXES = (2, 4), ("data", "model")
+MESH_SHAPES, AXES = ((2, 4), (4, 2)), ("data", "model")
 SPECS = (gt.P(), gt.P("data"), gt.P(None, "model"), gt.P("model", "data"),
          gt.P(None, ("data", "model")))
 _DTYPES = (tf.float32, tf.int32, tf.int64, tf.bool)  # preference order
@@ -85,11 +90,13 @@ def generated_call(op_type: str, rng: np.random.Generator, template=TEMPLATES[0]
         raise NotGenerated("not in this TF build's raw ops")
     if op_def.is_stateful:
         raise NotGenerated("a stateful op")
+    if op_type in RECIPES:
+        return _recipe_call(op_def, RECIPES[op_type], rng)
     if op_type in UNDEFINED:
         raise NotGenerated(UNDEFINED[op_type])
     inferred = set()
     chosen = {}
-    names, counts, values, fixed = [], [], [], []
+    counts, values, fixed = [], [], []
     for arg in op_def.input_arg:
         if arg.type_list_attr or arg.is_ref:
             raise NotGenerated(f"input {arg.name} is a list of types or a ref")
@@ -99,7 +106,6 @@ def generated_call(op_type: str, rng: np.random.Generator, template=TEMPLATES[0]
         count = 2 if arg.number_attr else 1
         if arg.number_attr:
             inferred.add(arg.number_attr)
-        names.append(arg.name)
         counts.append(count if arg.number_attr else None)
         values += [_value(dtype, rng, template) for _ in range(count)]
         # a template's fixed integers (an axis, a size) are constants of the program,
@@ -112,7 +118,17 @@ def generated_call(op_type: str, rng: np.random.Generator, template=TEMPLATES[0]
     if unknown:
         raise NotGenerated(f"attrs without a default: {', '.join(unknown)}")
     attrs = {name: ATTRS[name] for name in missing}
+    return _call(op_type, counts, values, fixed, attrs)
+
+
+def _call(op_type, counts, values, fixed, attrs) -> tuple:
+    """generated_call's (fn, args) for tf.raw_ops.`op_type` of the flat input `values`
+    (those `fixed` constants of the program), grouped by `counts` (per OpDef input: the
+    length of a list input, None for a tensor)."""
     raw = getattr(tf.raw_ops, op_type)
+    # raw ops name some inputs otherwise than their OpDef (Sum's reduction_indices is
+    # axis): their parameters come in OpDef order
+    names = list(inspect.signature(raw).parameters)[:len(counts)]
 
     def fn(*arguments):
         given = iter(arguments)
@@ -124,6 +140,26 @@ def generated_call(op_type: str, rng: np.random.Generator, template=TEMPLATES[0]
             at += count or 1
         return raw(**kwargs)
     return fn, [v for v, constant in zip(values, fixed) if not constant]
+
+
+def _recipe_call(op_def, recipe: Recipe, rng) -> tuple:
+    """generated_call's (fn, args) for an op with a Recipe (op_recipes.py)."""
+    if len(recipe.inputs) != len(op_def.input_arg):
+        raise NotGenerated(f"its recipe gives {len(recipe.inputs)} of "
+                           f"{len(op_def.input_arg)} inputs")
+    counts, values, fixed = [], [], []
+    for given in recipe.inputs:
+        group = given if isinstance(given, list) else [given]
+        counts.append(len(group) if isinstance(given, list) else None)
+        values += [arg.array(rng) for arg in group]
+        fixed += [arg.kind == "constant" for arg in group]
+    attrs = {name: tf.as_dtype(v) if name in _TYPE_ATTRS else v
+             for name, v in recipe.attrs.items()}
+    return _call(op_def.name, counts, values, fixed, attrs)
+
+
+# attrs recipes give as dtype names
+_TYPE_ATTRS = ("DstT", "Tout")
 
 
 def _input_dtype(op_def, arg, chosen) -> Optional[tf.DType]:
@@ -156,12 +192,14 @@ def _value(dtype, rng, template):
     return rng.standard_normal(shape).astype(dtype.as_numpy_dtype)
 
 
-def sweep_op(op_type: str, mesh, seed: int = 0) -> Outcome:
-    """The Outcome of `op_type` on `mesh` (a 2x4 mesh of "data", "model"), inputs and
-    layouts drawn from `seed` and the op type."""
+def sweep_op(op_type: str, meshes, seed: int = 0) -> Outcome:
+    """The Outcome of `op_type` on one of `meshes` (sweep_meshes()), the mesh, inputs
+    and layouts drawn from `seed` and the op type."""
+    # a generator of its own: the inputs and layouts drawn do not depend on the meshes
+    mesh = meshes[np.random.default_rng([seed, 1, *op_type.encode()]).integers(len(meshes))]
     rng = np.random.default_rng([seed, *op_type.encode()])
     refusal = None
-    for template in TEMPLATES:
+    for template in TEMPLATES[:1] if op_type in RECIPES else TEMPLATES:
         try:
             fn, args = generated_call(op_type, rng, template)
         except NotGenerated as reason:
@@ -189,10 +227,13 @@ def sweep_op(op_type: str, mesh, seed: int = 0) -> Outcome:
         return Outcome(op_type, "error", f"{type(exc).__name__}: {_first_line(exc)}")
     try:
         for i, (g, w) in enumerate(zip(got, want)):
+            g = np.asarray(g)
+            if np.iscomplexobj(w):  # real and imaginary parts, each as floats
+                g, w = np.stack([g.real, g.imag]), np.stack([w.real, w.imag])
             name = str(w.dtype)
-            check_values(np.asarray(g), w, f"output {i}", name if name in TOLERANCE else None)
+            check_values(g, w, f"output {i}", name if name in TOLERANCE else None)
     except Mismatch as exc:
-        return Outcome(op_type, "wrong", f"{exc} (inputs {specs})")
+        return Outcome(op_type, "wrong", f"{exc} (mesh {mesh.shape}, inputs {specs})")
     return _classified(op_type, lowered)
 
 
@@ -236,12 +277,12 @@ def _first_line(exc) -> str:
     return line[:200]
 
 
-def sweep(op_types, mesh, seed: int = 0,
+def sweep(op_types, meshes, seed: int = 0,
           progress: Optional[Callable[[Outcome], None]] = None) -> list:
     """The Outcome of each of `op_types` (sweep_op); `progress` sees each as it comes."""
     outcomes = []
     for op_type in op_types:
-        outcome = sweep_op(op_type, mesh, seed)
+        outcome = sweep_op(op_type, meshes, seed)
         outcomes.append(outcome)
         if progress is not None:
             progress(outcome)
@@ -258,6 +299,6 @@ def table(outcomes) -> str:
     return "\n".join(lines)
 
 
-def mesh_2x4():
-    """The sweep's mesh: 2x4 of this process's first 8 devices."""
-    return gt.Mesh.create(MESH_SHAPE, AXES)
+def sweep_meshes() -> tuple:
+    """The sweep's meshes: each of MESH_SHAPES over this process's first 8 devices."""
+    return tuple(gt.Mesh.create(shape, AXES) for shape in MESH_SHAPES)

@@ -63,7 +63,8 @@ def replay(ctx, operands, layouts, attrs=None, refs=None):
 @op_family(["XlaSharding", "EnsureShape"], rules.elementwise)
 def as_identity(ctx, operands, layouts):
     """XlaSharding (only an annotation) and EnsureShape (the global shape is known and
-    checked when the graph is imported): locally an Identity."""
+    checked when the graph is imported): locally an Identity (so is a Squeeze of no
+    dims of size 1)."""
     dtype = ctx.node.out_dtypes[0]
     return [ctx.b.op("Identity", [operands[0].ref], local_shapes(ctx, layouts)[0], dtype,
                      name=ctx.node.name, T=dtype)]
@@ -88,6 +89,8 @@ def squeeze(ctx, operands, layouts):
     can be size 1 in a shard only (6 split over 8)."""
     shape = ctx.inputs[0].shape
     dims = ctx.node.attr("squeeze_dims") or [d for d, n in enumerate(shape) if n == 1]
+    if not dims:  # TF's Squeeze of no named dims squeezes every dim of size 1 in a shard
+        return as_identity(ctx, operands, layouts)
     return replay(ctx, operands, layouts,
                   attrs={"squeeze_dims": sorted(int(d) % len(shape) for d in dims)})
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import batched
 from gspmd_tf.registry import (ASSIGNS_VARIABLE, FOLD_SHAPE, FOLD_VALUES, INTEGER_DIVISION,
-                               NAN_ORDER, READS_VARIABLE, VALUE_SHAPED, declare, on_floats,
-                               on_integers)
+                               NAN_ORDER, READS_VARIABLE, VALUE_SHAPED, ZERO_GRADIENT, declare,
+                               on_floats, on_integers, read_result_bytes, view)
 
 UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
 Floor Identity Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike Reciprocal
@@ -108,14 +108,21 @@ declare("Pow", safe_padding={1: 0})
 declare("CheckNumerics", safe_padding={0: 0})
 
 # where XLA's kernels define other values than TF's (a backend compiling with XLA runs
-# these on TF's kernels): NaN against numbers in max and min, and XLA's EluGrad gives NaN
-# where TF's gives 0 (upstream gradient 0, ELU output NaN; RESULTS §14.11); an integer
-# divided by zero
-declare(["Max", "Min", "Maximum", "Minimum", "EluGrad"], xla_numerics=on_floats(NAN_ORDER))
+# these on TF's kernels): NaN against numbers in max and min; gradients of a zero or NaN
+# upstream gradient (tests/test_fuzz_xla_backend.py); an integer divided by zero
+declare(["Max", "Min", "Maximum", "Minimum"], xla_numerics=on_floats(NAN_ORDER))
+declare(["EluGrad", "SeluGrad", "SqrtGrad", "RsqrtGrad", "ReciprocalGrad", "ReluGrad",
+         "Relu6Grad"], xla_numerics=on_floats(ZERO_GRADIENT))
 declare(["Div", "FloorDiv", "TruncateDiv", "FloorMod", "TruncateMod", "Mod"],
         xla_numerics=on_integers(INTEGER_DIVISION))
 
 # ---------------------------------------------------------------- flags of ops in general
+# what ops touch in memory, for the cost model (others: every operand and result once):
+# TF's views share their operand's buffer; slices and gathers copy only what they keep
+declare(["Reshape", "Identity", "Squeeze", "ExpandDims", "StopGradient", "PreventGradient",
+         "EnsureShape", "IdentityN"], bytes_touched=view)
+declare(["Slice", "StridedSlice", "GatherV2", "GatherNd", "ResourceGather", "ResourceGatherNd",
+         "Split", "SplitV", "Unpack"], bytes_touched=read_result_bytes)
 # shape ops graph.fold turns into constants from their inputs' static shapes
 # (VariableShape: of the variable behind the handle, see fold._variable_shape)
 declare(["Shape", "ShapeN", "Size", "Rank", "VariableShape"], fold=FOLD_SHAPE)

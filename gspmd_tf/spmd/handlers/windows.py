@@ -21,7 +21,10 @@ each side (the halos). Per split dim (DimPlan, gspmd_tf._halo computes the sizes
 
 A halo longer than a neighbour's block takes one permute per block it spans; when that
 would take as many steps or move as much as gathering the dim, the dim is gathered
-whole instead and each device slices its windows from the padded whole dim. A dim whose
+whole instead and each device slices its windows from the padded whole dim. A plain
+slice (window 1, stride 1, no padding) whose blocks lie in other shards' blocks further
+away is re-blocked instead where that moves less (reshard.reblock: one permute per
+distance between a block and the blocks it reads, of only the part read). A dim whose
 input is not split (only the output is) is sliced the same way, with no collective.
 Everything here works per dim, so it serves any number of spatial dims.
 """
@@ -32,9 +35,10 @@ import numpy as np
 import tensorflow as tf
 
 from gspmd_tf import _halo
-from gspmd_tf.layout import Layout
+from gspmd_tf.layout import Layout, ceil_div
 from gspmd_tf.spmd.handlers.basic import masked_refs
-from gspmd_tf.spmd.reshard import exchange_halo
+from gspmd_tf.spmd.local_ops import per_shard
+from gspmd_tf.spmd.reshard import exchange_halo, reblock, reblock_windows
 
 
 def pad_dims(b, ref, amounts):
@@ -63,19 +67,6 @@ def halos_worth_it(plan, k):
         return True
     hops = plan["hops_lo"] + plan["hops_hi"]
     return hops < k - 1 and plan["halo_lo"] + plan["halo_hi"] < (k - 1) * plan["own"]
-
-
-def per_shard(b, axes, table, useful=None):
-    """table[shard index along axes]: an int32 scalar for a 1-D table, an int32 vector
-    for a table of rows. A constant (python int for a scalar) when nothing is split or
-    the first `useful` entries agree: the other shards compute only padding."""
-    table = np.asarray(table, np.int64)
-    if not axes or np.all(table[:useful] == table[0]):
-        return int(table[0]) if table.ndim == 1 else b.const(table[0].astype(np.int32))
-    index = b.shard_index(axes)
-    return b.op("GatherV2", [b.const(table.astype(np.int32)), index, b.const(np.int32(0))],
-                table.shape[1:], tf.int32, Tparams=tf.int32, Tindices=tf.int32,
-                Taxis=tf.int32, batch_dims=0)
 
 
 def slice_dims(b, ref, starts, sizes):
@@ -143,6 +134,15 @@ class DimPlan:
             # halos spanning many blocks: gather the dim whole instead
             self.whole = True
             self.plan = self._make(k, True)
+        # a plain slice whose blocks lie in a few other shards' blocks (e.g. a
+        # block-aligned half of the dim): each shard's block re-blocked from them by
+        # collective-permutes (reshard.reblock), as XLA does, where that moves fewer
+        # elements than the halos or the gather
+        self.reblocked = k > 1 and bool(input_axes) and _reblock_moves(spatial, k) < (
+            (k - 1) * ceil_div(spatial.n, k) if self.whole
+            else self.plan["halo_lo"] + self.plan["halo_hi"])
+        if self.reblocked:
+            self.whole = False
 
     def _make(self, k, whole):
         s = self.s
@@ -155,10 +155,24 @@ class DimPlan:
         return self.k > 1 and not self.whole
 
 
+def _reblock_moves(s, k):
+    """Elements a device receives when a plain slice (window 1, stride 1, no padding)
+    of spatial dim `s` split k ways is re-blocked (reshard.reblock): the longest window
+    of each distance but 0; infinite for any other windowed op."""
+    if (s.window, s.stride, s.dilation) != (1, 1, 1) or s.pad_lo > 0 or s.pad_hi > 0:
+        return float("inf")
+    out = s.n + s.pad_lo + s.pad_hi
+    windows = reblock_windows(s.n, k, ceil_div(s.n, k), ceil_div(out, k), -s.pad_lo,
+                              s.n + s.pad_hi)
+    return sum(max(hi - lo for _, _, lo, hi in moves)
+               for distance, moves in windows.items() if distance)
+
+
 def _plan_key(dp, d):
     p = dp.plan
-    return (d, dp.axes, dp.split, p["ext_lo"], p["ext_hi"], p["halo_lo"], p["halo_hi"],
-            p["span"], tuple(p["offset"].tolist()), p["useful"])
+    return (d, dp.axes, dp.split, getattr(dp, "reblocked", False), p["ext_lo"],
+            p["ext_hi"], p["halo_lo"], p["halo_hi"], p["span"], tuple(p["offset"].tolist()),
+            p["useful"])
 
 
 def extend_and_slice(b, ref, dims_plans, dim_of):
@@ -179,6 +193,10 @@ def _extend_and_slice_uncached(b, ref, dims_plans, dim_of):
     for dp in dims_plans:
         p = dp.plan
         d = dim_of(dp)
+        if getattr(dp, "reblocked", False):
+            s = dp.s
+            ref = reblock(b, ref, d, dp.axes, s.n, p["span"], -s.pad_lo, s.n + s.pad_hi)
+            continue
         pads[d] = (p["ext_lo"], p["ext_hi"])
         if dp.split:
             ref = exchange_halo(b, ref, d, dp.axes, p["halo_lo"], p["halo_hi"])

@@ -1,0 +1,238 @@
+"""Inputs for the op sweep (op_sweep.py) where an op's OpDef alone gives none that TF
+accepts: ranks the op needs (a rank-1 bias, NHWC images, 5-D volumes), shape and index
+tensors of valid values, attrs without defaults, complex inputs, sorted segment ids,
+sparse tensors. RECIPES maps an op type to its Recipe.
+
+Split inputs (Arg kinds "random" and "given") get the sweep's random layouts; constants
+(kind "constant": shapes, axes, windows, sparse indices) are fixed at trace time, as a
+model's are. Shapes are small and uneven over the 2x4 mesh (6 and 5 over 4 devices).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One input: `kind` "random" (normal floats, or integers in [0, high) when `high`
+    is given; complex dtypes get a normal imaginary part), "given" (`value`, split like a
+    random one) or "constant" (`value`, a constant of the program)."""
+
+    kind: str
+    dtype: str
+    shape: tuple = ()
+    value: Optional[object] = None
+    high: Optional[int] = None
+
+    def array(self, rng: np.random.Generator) -> np.ndarray:
+        """The input's value, drawn from `rng` for a random Arg."""
+        if self.kind != "random":
+            return np.asarray(self.value, dtype=self.dtype)
+        if self.high is not None:
+            return rng.integers(0, self.high, self.shape).astype(self.dtype)
+        value = rng.standard_normal(self.shape)
+        if np.dtype(self.dtype).kind == "c":
+            value = value + 1j * rng.standard_normal(self.shape)
+        return value.astype(self.dtype)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """An op's inputs in OpDef order (an Arg, or a list of Args for a list input) and
+    the attrs to pass."""
+
+    inputs: tuple
+    attrs: dict = field(default_factory=dict)
+
+
+def F(*shape, dtype="float32"):
+    """A random float (or complex) input of `shape`."""
+    return Arg("random", dtype, tuple(shape))
+
+
+def Int(shape, high, dtype="int32"):
+    """A random integer input of `shape`, values in [0, high)."""
+    return Arg("random", dtype, tuple(shape), high=high)
+
+
+def G(value, dtype="int32"):
+    """A given (split) input."""
+    return Arg("given", dtype, np.shape(value), value)
+
+
+def C(value, dtype="int32"):
+    """A constant of the program."""
+    return Arg("constant", dtype, np.shape(value), value)
+
+
+def _positive_definite(batch, n):
+    a = np.random.default_rng(0).standard_normal((batch, n, n))
+    return (a @ np.swapaxes(a, -1, -2) + n * np.eye(n)).astype(np.float32)
+
+
+C64 = "complex64"
+IMAGE, VOLUME = (2, 6, 5, 3), (2, 4, 6, 4, 3)
+WINDOW = {"strides": [1, 1, 1, 1], "padding": "SAME"}
+POOL = {"ksize": [1, 2, 2, 1], "strides": [1, 2, 2, 1], "padding": "VALID"}
+POOL3D = {"ksize": [1, 2, 2, 2, 1], "strides": [1, 2, 2, 2, 1], "padding": "VALID"}
+# a 4x6 sparse tensor of three entries (int64 indices, as tf.sparse has them)
+SPARSE = (C([[0, 1], [2, 3], [3, 0]], "int64"), F(3), C([4, 6], "int64"))
+SORTED_IDS = C([0, 0, 1, 1, 2, 3, 3])
+SCATTER = (F(4, 6), Int((3, 1), 4), F(3, 6))
+
+
+def _recipes() -> dict:
+    r = {}
+    for op in ("BiasAdd", "BiasAddV1"):
+        r[op] = Recipe((F(4, 6), F(6)))
+    r["BroadcastTo"] = Recipe((F(1, 6), C([4, 6])))
+    r["Fill"] = Recipe((C([4, 6]), F()))
+    r["Reshape"] = Recipe((F(4, 6), C([2, 12])))
+    r["Transpose"] = Recipe((F(4, 6, 2), C([1, 0, 2])))
+    r["ConjugateTranspose"] = Recipe((F(4, 6, dtype=C64), C([1, 0])))
+    r["Tile"] = Recipe((F(4, 6), C([2, 1])))
+    r["Slice"] = Recipe((F(4, 6), C([1, 2]), C([2, 3])))
+    r["Pad"] = Recipe((F(4, 6), C([[1, 0], [2, 1]])))
+    r["PadV2"] = Recipe((F(4, 6), C([[1, 0], [2, 1]]), F()))
+    r["MirrorPad"] = Recipe((F(4, 6), C([[1, 1], [2, 0]])), {"mode": "REFLECT"})
+    r["MirrorPadGrad"] = Recipe((F(6, 9), C([[1, 1], [2, 1]])), {"mode": "REFLECT"})
+    r["Reverse"] = Recipe((F(4, 6), C([False, True], "bool")))
+    r["ReverseV2"] = Recipe((F(4, 6), C([1])))
+    r["ReverseSequence"] = Recipe((F(4, 6), G([1, 3, 6, 2], "int64")),
+                                  {"seq_dim": 1, "batch_dim": 0})
+    r["SplitV"] = Recipe((F(4, 6), C([2, 4]), C(1)), {"num_split": 2})
+    r["StridedSliceGrad"] = Recipe((C([4, 6]), C([1, 0]), C([4, 6]), C([1, 2]), F(3, 3)))
+    r["Cast"] = Recipe((F(4, 6),), {"DstT": "int32"})
+    r["EnsureShape"] = Recipe((F(4, 6),), {"shape": [4, 6]})
+    r["PlaceholderWithDefault"] = Recipe((F(4, 6),), {"shape": [4, 6]})
+    r["DynamicPartition"] = Recipe((F(6, 4), Int((6,), 2)), {"num_partitions": 2})
+    r["ApproxTopK"] = Recipe((F(4, 6),), {"k": 3})
+    r["Einsum"] = Recipe(([F(4, 6), F(6, 5)],), {"equation": "ij,jk->ik"})
+    r["BatchMatMulV3"] = Recipe((F(2, 4, 6), F(2, 6, 5)), {"Tout": "float32"})
+    r["AccumulateNV2"] = Recipe(([F(4, 6), F(4, 6)],), {"shape": [4, 6]})
+    r["IdentityN"] = Recipe(([F(4, 6), Int((4, 6), 4)],))
+    r["InvertPermutation"] = Recipe((G([3, 0, 5, 1, 4, 2]),))
+    r["LinSpace"] = Recipe((F(), C(2.0, "float32"), C(7)))
+    # gathers and scatters
+    r["GatherNd"] = Recipe((F(4, 6), Int((5, 1), 4)))
+    r["ScatterNd"] = Recipe((Int((5, 1), 4), F(5, 6), C([4, 6])))
+    r["ScatterNdNonAliasingAdd"] = Recipe(SCATTER)
+    for op in ("TensorScatterAdd", "TensorScatterSub", "TensorScatterMax",
+               "TensorScatterMin"):
+        r[op] = Recipe(SCATTER)
+    # distinct indices: an update of one row twice keeps either value
+    r["TensorScatterUpdate"] = Recipe((F(4, 6), G([[2], [0], [3]]), F(3, 6)))
+    r["OneHot"] = Recipe((Int((4, 6), 5), C(5), C(1.0, "float32"), C(0.0, "float32")))
+    # segments
+    for op in ("Sum", "Max", "Min", "Prod"):
+        r["UnsortedSegment" + op] = Recipe((F(6, 5), Int((6,), 4), C(4)))
+    for op in ("Sum", "Mean", "SqrtN"):
+        r["SparseSegment" + op] = Recipe((F(5, 6), Int((7,), 5), SORTED_IDS))
+        r[f"SparseSegment{op}WithNumSegments"] = Recipe(
+            (F(5, 6), Int((7,), 5), SORTED_IDS, C(5)))
+    # images and volumes
+    r["Conv2D"] = Recipe((F(*IMAGE), F(3, 3, 3, 4)), WINDOW)
+    r["Conv2DBackpropInput"] = Recipe((C(IMAGE), F(3, 3, 3, 4), F(2, 6, 5, 4)), WINDOW)
+    r["Conv2DBackpropFilter"] = Recipe((F(*IMAGE), C([3, 3, 3, 4]), F(2, 6, 5, 4)), WINDOW)
+    r["DepthwiseConv2dNative"] = Recipe((F(*IMAGE), F(3, 3, 3, 2)), WINDOW)
+    r["DepthwiseConv2dNativeBackpropInput"] = Recipe(
+        (C(IMAGE), F(3, 3, 3, 2), F(2, 6, 5, 6)), WINDOW)
+    r["DepthwiseConv2dNativeBackpropFilter"] = Recipe(
+        (F(*IMAGE), C([3, 3, 3, 2]), F(2, 6, 5, 6)), WINDOW)
+    window3d = {"strides": [1] * 5, "padding": "SAME"}
+    r["Conv3D"] = Recipe((F(*VOLUME), F(2, 3, 3, 3, 4)), window3d)
+    r["Conv3DBackpropInputV2"] = Recipe((C(VOLUME), F(2, 3, 3, 3, 4), F(2, 4, 6, 4, 4)),
+                                        window3d)
+    r["Conv3DBackpropFilterV2"] = Recipe((F(*VOLUME), C([2, 3, 3, 3, 4]),
+                                          F(2, 4, 6, 4, 4)), window3d)
+    r["Dilation2D"] = Recipe((F(*IMAGE), F(2, 2, 3)),
+                             {"strides": [1, 1, 1, 1], "rates": [1, 1, 1, 1],
+                              "padding": "SAME"})
+    r["AvgPool3D"] = Recipe((F(*VOLUME),), POOL3D)
+    r["MaxPool3D"] = Recipe((F(*VOLUME),), POOL3D)
+    r["AvgPool3DGrad"] = Recipe((C(VOLUME), F(2, 2, 3, 2, 3)), POOL3D)
+    r["MaxPool3DGrad"] = Recipe((F(*VOLUME), F(2, 2, 3, 2, 3), F(2, 2, 3, 2, 3)), POOL3D)
+    r["MaxPool3DGradGrad"] = Recipe((F(*VOLUME), F(2, 2, 3, 2, 3), F(*VOLUME)), POOL3D)
+    r["AvgPoolGrad"] = Recipe((C([2, 6, 4, 3]), F(2, 3, 2, 3)), POOL)
+    r["MaxPoolV2"] = Recipe((F(2, 6, 4, 3), C([1, 2, 2, 1]), C([1, 2, 2, 1])),
+                            {"padding": "VALID"})
+    r["MaxPoolGradV2"] = Recipe((F(2, 6, 4, 3), F(2, 3, 2, 3), F(2, 3, 2, 3),
+                                 C([1, 2, 2, 1]), C([1, 2, 2, 1])), {"padding": "VALID"})
+    r["DepthToSpace"] = Recipe((F(2, 3, 5, 8),), {"block_size": 2})
+    r["SpaceToBatchND"] = Recipe((F(2, 4, 6, 3), C([2, 2]), C([[0, 0], [0, 0]])))
+    r["BatchToSpaceND"] = Recipe((F(8, 2, 3, 3), C([2, 2]), C([[0, 0], [0, 0]])))
+    r["SpaceToBatch"] = Recipe((F(2, 4, 6, 3), C([[0, 0], [0, 0]])), {"block_size": 2})
+    r["BatchToSpace"] = Recipe((F(8, 2, 3, 3), C([[0, 0], [0, 0]])), {"block_size": 2})
+    r["ExtractImagePatches"] = Recipe((F(*IMAGE),), {"ksizes": [1, 2, 2, 1],
+                                                      "strides": [1, 1, 1, 1],
+                                                      "rates": [1, 1, 1, 1],
+                                                      "padding": "VALID"})
+    r["ExtractVolumePatches"] = Recipe((F(*VOLUME),), {"ksizes": [1, 2, 2, 2, 1],
+                                                        "strides": [1] * 5,
+                                                        "padding": "VALID"})
+    r["CropAndResize"] = Recipe((F(*IMAGE), C([[0, 0, 1, 1], [0.1, 0.2, 0.8, 0.9]],
+                                              "float32"), C([0, 1]), C([3, 4])))
+    r["ScaleAndTranslate"] = Recipe((F(*IMAGE), C([8, 7]), C([1.3, 1.4], "float32"),
+                                     C([0.0, 0.0], "float32")))
+    # normalization
+    channels = (F(3), F(3))
+    r["FusedBatchNorm"] = Recipe((F(2, 4, 6, 3), *channels, F(0), F(0)))
+    for op in ("FusedBatchNormV2", "FusedBatchNormV3"):
+        r[op] = Recipe((F(2, 4, 6, 3), *channels, F(0), F(0)))
+    variance = G([0.5, 1.0, 2.0], "float32")
+    r["FusedBatchNormGrad"] = Recipe((F(2, 4, 6, 3), F(2, 4, 6, 3), F(3), F(3), variance))
+    r["FusedBatchNormGradV2"] = Recipe((F(2, 4, 6, 3), F(2, 4, 6, 3), F(3), F(3), variance))
+    # linear algebra
+    r["MatrixSetDiag"] = Recipe((F(4, 6), F(4)))
+    for op in ("MatrixSetDiagV2", "MatrixSetDiagV3"):
+        r[op] = Recipe((F(4, 6), F(4), C(0)))
+    for op in ("MatrixDiagPartV2", "MatrixDiagPartV3"):
+        r[op] = Recipe((F(3, 4, 6), C(0), C(0.0, "float32")))
+    for op in ("MatrixDiagV2", "MatrixDiagV3"):
+        r[op] = Recipe((F(4, 6), C(0), C(-1), C(-1), C(0.0, "float32")))
+    r["Cholesky"] = Recipe((G(_positive_definite(3, 4), "float32"),))
+    r["MatrixSolveLs"] = Recipe((F(4, 6, 3), F(4, 6, 2), C(0.1, "float64")))
+    r["TridiagonalMatMul"] = Recipe((F(4, 1, 6), F(4, 1, 6), F(4, 1, 6), F(4, 6, 3)))
+    # complex values and transforms
+    for op in ("Real", "Imag", "Angle", "Conj", "ComplexAbs", "FFT", "IFFT"):
+        r[op] = Recipe((F(4, 6, dtype=C64),))
+    for op in ("FFT2D", "IFFT2D"):
+        r[op] = Recipe((F(2, 4, 6, dtype=C64),))
+    for op in ("FFT3D", "IFFT3D"):
+        r[op] = Recipe((F(2, 3, 4, 6, dtype=C64),))
+    r["RFFT"] = Recipe((F(4, 6), C([6])))
+    r["RFFT2D"] = Recipe((F(2, 4, 6), C([4, 6])))
+    r["IRFFT"] = Recipe((F(4, 4, dtype=C64), C([6])))
+    r["IRFFT2D"] = Recipe((F(2, 4, 4, dtype=C64), C([4, 6])))
+    # quantization
+    limits = (C(-1.0, "float32"), C(1.0, "float32"))
+    r["FakeQuantWithMinMaxVars"] = Recipe((F(4, 6), *limits))
+    r["FakeQuantWithMinMaxVarsGradient"] = Recipe((F(4, 6), F(4, 6), *limits))
+    r["QuantizeAndDequantizeV2"] = Recipe((F(4, 6), *limits))
+    r["QuantizeAndDequantizeV3"] = Recipe((F(4, 6), *limits, C(8)))
+    r["QuantizeAndDequantizeV4"] = Recipe((F(4, 6), *limits))
+    r["QuantizeAndDequantizeV4Grad"] = Recipe((F(4, 6), F(4, 6), *limits))
+    # sparse tensors against dense ones
+    r["SparseTensorDenseMatMul"] = Recipe((*SPARSE, F(6, 5)))
+    r["SparseTensorDenseAdd"] = Recipe((*SPARSE, F(4, 6)))
+    for op in ("Add", "Mul", "Div"):
+        r["SparseDenseCwise" + op] = Recipe((*SPARSE, F(4, 6)))
+    r["SparseToDense"] = Recipe((C([[0, 1], [2, 3]]), C([4, 6]), F(2), F()))
+    r["SparseReduceSum"] = Recipe((*SPARSE, C([1])))
+    r["SparseSoftmax"] = Recipe(SPARSE)
+    r["SparseReorder"] = Recipe(SPARSE)
+    r["SparseFillEmptyRows"] = Recipe((*SPARSE, F()))
+    r["SparseAdd"] = Recipe((*SPARSE, *SPARSE, C(0.0, "float32")))
+    r["SparseSparseMaximum"] = Recipe((*SPARSE, *SPARSE))
+    r["SparseSparseMinimum"] = Recipe((*SPARSE, *SPARSE))
+    r["SparseSlice"] = Recipe((*SPARSE, C([0, 0], "int64"), C([2, 6], "int64")))
+    r["SparseAddGrad"] = Recipe((F(3), C([[0, 1], [2, 3]], "int64"), C([[1, 1]], "int64"),
+                                 C([[0, 1], [1, 1], [2, 3]], "int64")))
+    return r
+
+
+RECIPES = _recipes()
