@@ -85,7 +85,7 @@ def decide(model, mesh: Mesh, specs: dict, slots: dict, batch_specs: tuple, data
             new_slots += values
         return new_weights, frozen_values, metric_values, new_slots
 
-    probe.__name__ = f"{model.name}_auto_sharding_probe"
+    probe.__name__ = probe.__qualname__ = f"{model.name}_auto_sharding_probe"
     slot_variables = [s for own in slot_lists for s in own]
     weight_entries = [_entry(specs, v) for v in trainable]
     slot_entries = [e for v, e in zip(trainable, weight_entries) for _ in slots.get(id(v), ())
