@@ -16,6 +16,19 @@ Plans, on a data x model mesh, the activations' batch split over "data":
                  the way from the Megatron plan's peak to data parallel's (so data
                  parallelism does not fit and Megatron does)
 
+--model=moe: a GShard MoE layer's SGD step (gspmd_tf/moe.py, top-2 gating; x [G, S, M]
+split on G over the mesh's last axis, the gating weight and expert weights [E, M, H],
+[E, H, M]) on the same mesh: data parallel (weights replicated, no annotations), the
+hand expert plan (moe.MoeSpecs: experts split on E, GShard's annotations inside the
+layer) and auto (the weights gt.AUTO, no annotations), memory_limit as above.
+
+--model=gpt2: keras_hub's GPT-2 (GPT2CausalLM, --layers[0] layers, dropout 0, vocabulary
+--vocab) compiled with Adam, through gt.keras.shard_model on a 2x4 mesh of CPU devices
+(the figures are the train step's lowering; nothing runs): data parallel (no layout
+map), Megatron (gspmd_tf/testing/keras_layouts.py's map) and auto ({".*": gt.AUTO},
+memory_limit as above, between the two real steps' peaks; the search fits its probe of
+the step, gspmd_tf/keras_auto.py, in it).
+
 Reported per layer count: the ops of the step, the search's classes and variables, its
 seconds (all of it, and the HiGHS solver's share), then per plan the per-device peak
 (lowered.memory().peak) and the bytes of all collective operands per step
@@ -28,6 +41,7 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
@@ -39,7 +53,11 @@ flags.DEFINE_integer("heads", 8, "attention heads N")
 flags.DEFINE_integer("d_ff", 2048, "feed-forward dim H")
 flags.DEFINE_integer("seq", 128, "sequence length S")
 flags.DEFINE_integer("batch", 16, "global batch B")
-flags.DEFINE_string("mesh", "2x4", "data x model mesh shape")
+flags.DEFINE_string("mesh", "2x4", "mesh shape: data x model, or data x replica x model "
+                    "(the hand plans leave \"replica\" unused)")
+flags.DEFINE_enum("model", "transformer", ["transformer", "moe", "gpt2"], "the step to plan")
+flags.DEFINE_integer("vocab", 1024, "--model=gpt2: vocabulary size")
+flags.DEFINE_integer("experts", 8, "--model=moe: experts E (the groups G are as many)")
 flags.DEFINE_float("limit_between", 0.5, "memory_limit: this far from Megatron's peak "
                    "(0) to data parallel's (1)")
 
@@ -50,6 +68,102 @@ def lower(gt, mesh, config, plan, memory_limit=None):
                     args=config.specs(), memory_limit=memory_limit)
 
 
+def moe_step(gt, mesh, hand):
+    """The MoE layer's SGD step, annotated as GShard's expert plan when `hand`."""
+    import tensorflow as tf
+    from gspmd_tf import moe
+    axis = mesh.axis_names[-1]
+    specs = moe.MoeSpecs(groups=gt.P(axis), experts=gt.P(axis),
+                         expert_buffers=gt.P(axis)) if hand else None
+
+    def step(x, wg, w_in, w_out):
+        weights = (wg, w_in, w_out)
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            y, aux = moe.moe_layer(x, *weights, k=2, mesh=mesh if hand else None,
+                                   specs=specs)
+            loss = tf.reduce_mean(tf.square(y)) + 0.01 * aux
+        return [w - 0.01 * g for w, g in zip(weights, tape.gradient(loss, weights))]
+    return step
+
+
+def moe_rows(gt, mesh):
+    """Print the MoE rows: data parallel, the hand expert plan and auto."""
+    import tensorflow as tf
+    P = gt.P
+    e, m, h = FLAGS.experts, FLAGS.d_model, FLAGS.d_ff
+    shapes = [(e, FLAGS.seq, m), (m, e), (e, m, h), (e, h, m)]
+    args = [tf.TensorSpec(s) for s in shapes]
+    x = P(mesh.axis_names[-1])
+
+    def lower(plan, memory_limit=None):
+        entries = {"data": (x, P(), P(), P()), "hand": (x, P(), x, x),
+                   "auto": (x,) + (gt.AUTO,) * 3}[plan]
+        return gt.lower(moe_step(gt, mesh, plan == "hand"), mesh, entries, args=args,
+                        memory_limit=memory_limit)
+
+    data_plan, hand = lower("data"), lower("hand")
+    low, high = hand.memory().peak, data_plan.memory().peak
+    auto = lower("auto", int(low + FLAGS.limit_between * (high - low)))
+    plan = auto.auto_plan
+    print(f"MoE layer SGD step, G=E={e} S={FLAGS.seq} M={m} H={h}, top-2, mesh {FLAGS.mesh}")
+    print(f"ops {plan.num_nodes} classes {plan.num_classes} vars {plan.num_variables} "
+          f"search {plan.search_seconds:.2f} s (solver {plan.solve_seconds:.2f} s)")
+    for name, p in (("data", data_plan), ("expert (hand)", hand), ("auto", auto)):
+        print(f"  {name:14s} peak {p.memory().peak / 2 ** 20:8.2f} MiB  collectives "
+              f"{collective_bytes(p) / 2 ** 20:8.2f} MiB  in_shardings "
+              f"{[s.to_spec() if hasattr(s, 'to_spec') else s for s in p.program.input_layouts[1:]]}")
+    print(f"  auto/hand collective bytes {collective_bytes(auto) / collective_bytes(hand):.3f}"
+          f"; memory_limit {plan.memory_limit} bytes, auto peak {auto.memory().peak}")
+
+
+def gpt2_rows(gt, mesh):
+    """Print the GPT-2 rows: data parallel, Megatron and auto through gt.keras."""
+    import keras
+    import keras_hub
+    import numpy as np
+    P = gt.P
+    layers = int(FLAGS.layers[0])
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(0, FLAGS.vocab, (FLAGS.batch, FLAGS.seq)).astype(np.int32),
+         "padding_mask": np.ones((FLAGS.batch, FLAGS.seq), np.int32)}
+    batch = (x, rng.integers(0, FLAGS.vocab, (FLAGS.batch, FLAGS.seq)).astype(np.int32))
+    megatron = {".*self_attention/(query|key|value)/kernel": P(None, "model", None),
+                ".*self_attention/(query|key|value)/bias": P("model", None),
+                ".*attention_output/kernel": P("model", None, None),
+                ".*feedforward_intermediate_dense/kernel": P(None, "model"),
+                ".*feedforward_output_dense/kernel": P("model", None)}
+
+    def lowered(layout_map, memory_limit=None):
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=FLAGS.vocab, num_layers=layers, num_heads=FLAGS.heads,
+            hidden_dim=FLAGS.d_model, intermediate_dim=FLAGS.d_ff, dropout=0.0,
+            max_sequence_length=FLAGS.seq)
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        gt.keras.shard_model(model, mesh, layout_map, memory_limit=memory_limit)
+        return model, gt.keras.lowered(model, "train", batch)
+
+    _, data_plan = lowered({})
+    _, hand = lowered(megatron)
+    low, high = hand.memory().peak, data_plan.memory().peak
+    model, auto = lowered({".*": gt.AUTO}, int(low + FLAGS.limit_between * (high - low)))
+    probe = model._gt_keras.auto_lowered
+    plan = probe.auto_plan
+    print(f"keras_hub GPT-2 train step (Adam) through gt.keras, {layers} layers, "
+          f"M={FLAGS.d_model} N={FLAGS.heads} H={FLAGS.d_ff} S={FLAGS.seq} B={FLAGS.batch} "
+          f"vocab {FLAGS.vocab}, mesh {FLAGS.mesh}")
+    print(f"probe: ops {plan.num_nodes} classes {plan.num_classes} vars {plan.num_variables}"
+          f" search {plan.search_seconds:.2f} s (solver {plan.solve_seconds:.2f} s); "
+          f"memory_limit {plan.memory_limit} bytes, probe peak {probe.memory().peak}")
+    for name, p in (("data", data_plan), ("megatron", hand), ("auto", auto)):
+        print(f"  {name:9s} peak {p.memory().peak / 2 ** 20:8.2f} MiB  collectives "
+              f"{collective_bytes(p) / 2 ** 20:8.2f} MiB")
+    print(f"  auto/megatron collective bytes {collective_bytes(auto) / collective_bytes(hand):.3f}")
+    print("\n".join(gt.keras.auto_report(model).splitlines()[:12]))
+
+
 def collective_bytes(lowered):
     return sum(c.bytes for c in lowered.collectives())
 
@@ -58,11 +172,19 @@ def main(argv):
     del argv
     import logging
 
+    import numpy as np
+
     import gspmd_tf as gt
     from gspmd_tf.testing.transformer_step import Config
     logging.getLogger("gspmd_tf").setLevel(logging.WARNING)
-    data, model = (int(s) for s in FLAGS.mesh.split("x"))
-    mesh = gt.Mesh.abstract((data, model), ("data", "model"))
+    shape = tuple(int(s) for s in FLAGS.mesh.split("x"))
+    if FLAGS.model == "gpt2":  # gt.keras holds variables on devices: a real mesh
+        gt.configure_cpu_devices(int(np.prod(shape)))
+        return gpt2_rows(gt, gt.Mesh.create(shape, ("data", "model")))
+    names = {2: ("data", "model"), 3: ("data", "replica", "model")}[len(shape)]
+    mesh = gt.Mesh.abstract(shape, names)
+    if FLAGS.model == "moe":
+        return moe_rows(gt, mesh)
     print(f"Transformer train step (Adam), M={FLAGS.d_model} N={FLAGS.heads} "
           f"H={FLAGS.d_ff} S={FLAGS.seq} B={FLAGS.batch}, mesh {FLAGS.mesh}")
     print(f"{'layers':>6s} {'ops':>6s} {'classes':>7s} {'vars':>6s} {'search s':>9s} "

@@ -42,6 +42,13 @@ live-range estimate (Lowered.memory(), program order), scaled the same way.
 Reported per device: weight bytes (its shards of the weights), the estimated peak, and
 the bytes of all collective operands per step (Lowered.collectives(): each collective
 counts one device's operand), split by kind.
+
+--auto adds a row per configuration planned by the auto-sharding search: every weight
+gt.AUTO, no activation hints (--auto_hints: the hand plan's kept, so only the weights
+are searched), x split as in the hand plan, and memory_limit the hand
+plan's estimated peak of the same trace (so the plan must fit where the hand plan
+does); its row gives the search's seconds (both traces) and its collective bytes over
+the hand plan's.
 """
 
 from __future__ import annotations
@@ -72,6 +79,10 @@ CONFIG = flags.DEFINE_string("configs", "all", "comma-separated names, or 'all':
 TRACE_LAYERS = flags.DEFINE_integer("trace_layers", 1, "layers of the smaller trace (the "
                                     "larger has one more)")
 DETAIL = flags.DEFINE_bool("detail", False, "print each config's collectives per layer")
+AUTO = flags.DEFINE_bool("auto", False, "add an auto-sharded row per config (weights "
+                         "gt.AUTO within the hand plan's peak)")
+AUTO_HINTS = flags.DEFINE_bool("auto_hints", False, "the auto row keeps the hand plan's "
+                               "activation hints (the search decides the weights only)")
 
 
 def weight_shapes(m, h, n, k, gated):
@@ -82,12 +93,13 @@ def weight_shapes(m, h, n, k, gated):
             *ffn_in, ("wf", (h, m), ("y", "x"))]
 
 
-def make_step(tf, gt, mesh, layers, gated, lr=0.01):
-    """step(x, *weights) -> (loss, *new weights): one SGD step of the model."""
+def make_step(tf, gt, mesh, layers, gated, lr=0.01, hints=True):
+    """step(x, *weights) -> (loss, *new weights): one SGD step of the model; `hints`:
+    the hand plan's activation shardings (else none)."""
     P = gt.P
 
     def hint(t, *spec):
-        return gt.mesh_split(t, mesh, P(*spec))
+        return gt.mesh_split(t, mesh, P(*spec)) if hints else t
 
     def layer(x, wq, wk, wv, wo, *ffn):
         q = hint(tf.einsum("bsm,mnk->bsnk", x, wq), "x", None, "y", None)
@@ -119,22 +131,28 @@ def make_step(tf, gt, mesh, layers, gated, lr=0.01):
     return step
 
 
-def lower_step(gt, tf, config, layers):
-    """The training step of `config` with `layers` layers, lowered on its abstract mesh."""
+def lower_step(gt, tf, config, layers, memory_limit=None):
+    """The training step of `config` with `layers` layers, lowered on its abstract mesh:
+    the hand plan, or with a `memory_limit` the auto-sharding search's (weights
+    gt.AUTO, no activation hints)."""
     _, m, h, n, k, s, b, mesh_shape, gated = config
     mesh = gt.Mesh.abstract(mesh_shape, AXES)
     P = gt.P
     shapes = weight_shapes(m, h, n, k, gated) * layers
     specs = [tf.TensorSpec((b, s, m))] + [tf.TensorSpec(shape) for _, shape, _ in shapes]
-    in_shardings = (P("x", None, "y"),) + tuple(P(*spec) for _, _, spec in shapes)
-    return gt.lower(make_step(tf, gt, mesh, layers, gated), mesh, in_shardings, args=specs)
+    auto = memory_limit is not None
+    in_shardings = (P("x", None, "y"),) + tuple(gt.AUTO if auto else P(*spec)
+                                                for _, _, spec in shapes)
+    hints = not auto or AUTO_HINTS.value
+    return gt.lower(make_step(tf, gt, mesh, layers, gated, hints=hints), mesh,
+                    in_shardings, args=specs, memory_limit=memory_limit)
 
 
-def measure(gt, tf, config, layers):
-    """Figures of one lowering of `config` with `layers` layers: dict of per-device
-    bytes (weights, peak, collectives by kind) and the lowering time."""
+def measure(gt, tf, config, layers, memory_limit=None):
+    """Figures of one lowering of `config` with `layers` layers (lower_step): dict of
+    per-device bytes (weights, peak, collectives by kind) and the lowering time."""
     start = time.perf_counter()
-    lowered = lower_step(gt, tf, config, layers)
+    lowered = lower_step(gt, tf, config, layers, memory_limit)
     seconds = time.perf_counter() - start
     memory = lowered.memory()
     weights = sum(_local_bytes(lowered, i) for i in range(1, len(lowered.input_shardings)))
@@ -181,15 +199,30 @@ def main(argv):
         mesh_shape, gated = config[7:]
         f1, t1, _ = measure(gt, tf, config, small)
         f2, t2, lowered = measure(gt, tf, config, large)
-        full = {key: f1[key] + (layers - small) * (f2[key] - f1[key]) for key in f1}
         params = layers * sum(_count(shape) for _, shape, _ in weight_shapes(m, h, n, k, gated))
-        print(f"| {name} | {mesh_shape[0] * mesh_shape[1]} ({mesh_shape[0]} x "
-              f"{mesh_shape[1]}) | {params / 1e9:.1f}B | {fmt(full['weights'])} "
-              f"| {fmt(full['peak'])} | {fmt(full['collectives'])} | "
-              + " | ".join(fmt(full[kind]) if full[kind] else "0" for kind in KINDS)
-              + f" | {t1 + t2:.1f} |", flush=True)
+        hand = _row(name, mesh_shape, params, layers, small, f1, f2, f"{t1 + t2:.1f}")
         if DETAIL.value:
             print(lowered.report().split("\n\ncollective", 1)[1][:4000])
+        if AUTO.value:
+            a1, _, auto1 = measure(gt, tf, config, small, f1["peak"])
+            a2, _, auto2 = measure(gt, tf, config, large, f2["peak"])
+            search = auto1.auto_plan.search_seconds + auto2.auto_plan.search_seconds
+            auto = _row(f"{name} auto", mesh_shape, params, layers, small, a1, a2,
+                        f"search {search:.1f}")
+            print(f"  auto/hand: collective bytes {auto['collectives'] / hand['collectives']:.3f}"
+                  f", peak {auto['peak'] / hand['peak']:.3f}", flush=True)
+
+
+def _row(name, mesh_shape, params, layers, small, f1, f2, seconds):
+    """Print one table row, scaled to the full depth from the two traces' figures;
+    returns the scaled figures."""
+    full = {key: f1[key] + (layers - small) * (f2[key] - f1[key]) for key in f1}
+    print(f"| {name} | {mesh_shape[0] * mesh_shape[1]} ({mesh_shape[0]} x "
+          f"{mesh_shape[1]}) | {params / 1e9:.1f}B | {fmt(full['weights'])} "
+          f"| {fmt(full['peak'])} | {fmt(full['collectives'])} | "
+          + " | ".join(fmt(full[kind]) if full[kind] else "0" for kind in KINDS)
+          + f" | {seconds} |", flush=True)
+    return full
 
 
 def _count(shape):

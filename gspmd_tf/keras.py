@@ -32,15 +32,19 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from gspmd_tf.autoshard.spec import is_auto
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.keras_auto import auto_report, decide
 from gspmd_tf.layout import Layout
 from gspmd_tf.layout_map import LayoutRules
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime.function import function as _gt_function
+from gspmd_tf.runtime.lowering import AUTO_ATTEMPTS
+from gspmd_tf.runtime.options import check_memory_limit
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor
 from gspmd_tf.runtime.variables import Variable
 
-__all__ = ["shard_model", "layout_of", "lowered", "take_over"]
+__all__ = ["shard_model", "layout_of", "lowered", "take_over", "auto_report"]
 
 
 # --------------------------------------------------------------------------- meshes
@@ -152,11 +156,15 @@ def _build_optimizer(optimizer, trainable):
 class _MeshModel:
     """What shard_model attaches to a model (as `model._gt_keras`)."""
 
-    def __init__(self, model, mesh, rules, batch_spec):
+    def __init__(self, model, mesh, rules, batch_spec, memory_limit=None):
         self.model = model
         self.mesh = mesh
         self.rules = rules
         self.batch_spec = batch_spec
+        self.memory_limit = memory_limit
+        self.auto_specs = {}  # id(model variable) -> the spec the search chose for AUTO
+        self.auto_lowered = None  # the search's probe (keras_auto.py), once it ran
+        self.auto_arguments = []  # what each of the probe's arguments is
         self.functions = {}  # (kind, structure) -> gt.Function
         self.last_batch = {}  # kind -> (gt.Function, TensorSpecs) of its last step
         self.warned = False
@@ -184,6 +192,10 @@ class _MeshModel:
                 replicated.append(v.path)
             else:
                 matched.add(key)
+            if is_auto(spec):  # decided before the first step (_prepare); until then as is
+                spec = specs[id(v)] = self.auto_specs.get(id(v))
+                if spec is None:
+                    continue
             specs[id(v)] = spec
             plan.append((v, spec, f"variable {v.path!r} of shape {tuple(v.shape)}"
                          + (f" (layout_map key {key!r})" if key is not None else "")))
@@ -195,6 +207,8 @@ class _MeshModel:
                 spec = PartitionSpec()
                 if ref is not None and tuple(ref.shape) == tuple(v.shape):
                     spec = specs.get(id(ref), PartitionSpec())
+                    if spec is None:  # its weight's AUTO spec is not decided yet
+                        continue
                 plan.append((v, spec, f"optimizer variable {v.path!r} of shape "
                              f"{tuple(v.shape)}"))
 
@@ -258,7 +272,63 @@ class _MeshModel:
                     _build_optimizer(model.optimizer, list(model.trainable_variables))
                 if not _build_from_symbolic_outputs(model, data):
                     model._symbolic_build(data_batch=data)
+        self._decide_auto(kind, data)
         self.shard_variables()
+
+    def _within_limit(self, kind, data, leaves, make):
+        """The train step `make()` gives, its AUTO variables decided again with a
+        tighter budget while the step's lowered peak exceeds memory_limit: the search
+        fits the probe (keras_auto.py), whose peak is an estimate of the step's (as
+        lowering._lower_auto tightens its budget, AUTO_ATTEMPTS times)."""
+        fn = make()
+        if self.memory_limit is None or not self.auto_specs or kind != "train":
+            return fn
+        limit = budget = self.memory_limit
+        for _ in range(AUTO_ATTEMPTS):
+            peak = fn.lower(*leaves).memory().peak
+            if peak <= limit:
+                return fn
+            budget = min(budget - (peak - limit),
+                         limit - (peak - self.auto_lowered.memory().peak))
+            if budget <= 0:
+                break
+            self.auto_specs.clear()
+            self._decide_auto(kind, data, budget)
+            self.shard_variables()
+            fn = make()
+        raise ShardingError(
+            f"gt.keras: model {self.model.name!r}: the train step with the layout map's "
+            f"gt.AUTO variables decided needs {peak} bytes per device "
+            f"(gt.keras.lowered(model).memory().peak), over memory_limit={limit}, and "
+            "tightening the search's budget did not bring it under: raise memory_limit, "
+            "use a mesh with more devices, or give the large variables specs")
+
+    def _decide_auto(self, kind, data, budget=None):
+        """Choose the specs of the model variables the layout map gives gt.AUTO and
+        that have none yet, by the search on the step's probe (keras_auto.py) within
+        `budget` bytes per device (default memory_limit)."""
+        model = self.model
+        specs = {}
+        for v in model.variables:
+            spec = self.rules.lookup(v)[1]
+            specs[id(v)] = self.auto_specs.get(id(v), spec)
+        if not any(is_auto(spec) for spec in specs.values()):
+            return
+        optimizer = getattr(model, "optimizer", None)
+        train = kind == "train" and optimizer is not None and optimizer.built
+        slots = {}
+        if train:
+            trainable = list(model.trainable_variables)
+            refs = _slot_references(optimizer, trainable)
+            for var in optimizer.variables:
+                ref = refs.get(id(var))
+                if ref is not None and tuple(ref.shape) == tuple(var.shape):
+                    slots.setdefault(id(ref), []).append(var)
+        leaves = [leaf for leaf in tf.nest.flatten(data) if leaf is not None]
+        chosen, self.auto_lowered, self.auto_arguments = decide(
+            model, self.mesh, specs, slots, tuple(self._spec_for(leaf) for leaf in leaves),
+            data, train, self.memory_limit if budget is None else budget)
+        self.auto_specs.update(chosen)
 
     # ---------------------------------------------------------------- steps
     def _spec_for(self, leaf):
@@ -276,8 +346,9 @@ class _MeshModel:
         fn = self.functions.get(key)
         if fn is None:
             self._prepare(kind, data)
-            fn = self._make(kind, data, len(flat), present,
-                            tuple(self._spec_for(leaf) for leaf in leaves))
+            specs = tuple(self._spec_for(leaf) for leaf in leaves)
+            fn = self._within_limit(kind, data, leaves, lambda: self._make(
+                kind, data, len(flat), present, specs))
             self.functions[key] = fn
         return fn, leaves
 
@@ -484,7 +555,8 @@ def _values_now(variables):
     return pairs
 
 
-def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("data")):
+def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("data"),
+                memory_limit=None):
     """Run `model` (Keras 3, TensorFlow backend) partitioned over `mesh`; returns `model`.
 
     mesh: a gt.Mesh (or a keras.distribution.DeviceMesh of local devices; defaults to
@@ -497,6 +569,11 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
       a key matching no variable gives a warning listing the replicated variables.
     batch_spec: how every batch leaf (x, y, sample_weight) is split; a leaf of lower
       rank takes the spec's first entries (labels of rank 1 split their batch dim).
+    memory_limit: per-device bytes the auto-sharding search must fit the train step in
+      when a layout_map value is gt.AUTO (None: no limit). Before the first step (or
+      gt.keras.lowered(model, kind, data)) the search chooses a spec for every AUTO
+      variable on a functional copy of the step (gspmd_tf/keras_auto.py; an optimizer
+      slot takes its weight's spec); gt.keras.auto_report(model) shows the decisions.
 
     Afterwards every model variable, optimizer variable (the optimizer is built for the
     trainable variables if it is not yet; a slot variable takes the spec of its model
@@ -506,13 +583,16 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
     optimizer after re-compiling) are sharded before the first step that uses them.
     Calling shard_model again moves the model to another mesh or layout.
     """
-    return take_over(model, _as_mesh(mesh, layout_map), LayoutRules(layout_map), batch_spec)
+    return take_over(model, _as_mesh(mesh, layout_map), LayoutRules(layout_map), batch_spec,
+                     check_memory_limit(memory_limit))
 
 
-def take_over(model, mesh: Mesh, rules, batch_spec) -> "keras.Model":
+def take_over(model, mesh: Mesh, rules, batch_spec,
+              memory_limit: "int | None" = None) -> "keras.Model":
     """shard_model's work once the layout source is known: `rules.lookup(variable)`
     gives (what decided, PartitionSpec or None for replicated) of a model variable, and
-    `rules.items` the (key, spec) pairs to warn about when they match no variable."""
+    `rules.items` the (key, spec) pairs to warn about when they match no variable;
+    `memory_limit` the AUTO search's per-device bytes."""
     import keras  # the installed Keras 3
     if keras.backend.backend() != "tensorflow":
         raise ShardingError(f"gt.keras needs Keras' TensorFlow backend, but Keras runs on "
@@ -525,7 +605,7 @@ def take_over(model, mesh: Mesh, rules, batch_spec) -> "keras.Model":
     batch_spec = batch_spec if isinstance(batch_spec, PartitionSpec) \
         else PartitionSpec(*(batch_spec or ()))
     Layout.from_spec(mesh, batch_spec, len(batch_spec), "batch_spec")  # checks axis names
-    state = _MeshModel(model, mesh, rules, batch_spec)
+    state = _MeshModel(model, mesh, rules, batch_spec, memory_limit)
     state.shard_variables()
     object.__setattr__(model, "_gt_keras", state)
     for name, fn in (("make_train_function", _make_train_function),

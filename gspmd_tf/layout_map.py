@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import Optional, Tuple
 
+from gspmd_tf.autoshard.spec import AUTO, is_auto
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import PartitionSpec
 
@@ -25,8 +26,8 @@ def variable_path(variable) -> str:
 class LayoutRules:
     """layout_map as Keras' LayoutMap reads it: an exact key wins; otherwise every key is
     a regex tried with re.fullmatch on the variable path, and two matching keys are an
-    error. Values: PartitionSpec, tuple/list of axis names, keras TensorLayout or None
-    (replicated)."""
+    error. Values: PartitionSpec, tuple/list of axis names, keras TensorLayout, None
+    (replicated) or gt.AUTO (gt.keras.shard_model: the auto-sharding search chooses)."""
 
     def __init__(self, layout_map):
         self.items = []
@@ -66,7 +67,10 @@ class LayoutRules:
 
 
 def as_spec(key, value) -> PartitionSpec:
-    """A PartitionSpec from a layout_map value (`key` names it in errors)."""
+    """A PartitionSpec from a layout_map value (`key` names it in errors); gt.AUTO
+    stays gt.AUTO."""
+    if is_auto(value):
+        return AUTO
     if value is None:
         return PartitionSpec()
     if isinstance(value, PartitionSpec):
@@ -76,4 +80,4 @@ def as_spec(key, value) -> PartitionSpec:
     if isinstance(value, (tuple, list)):
         return PartitionSpec(*value)
     raise ShardingError(f"layout_map[{key!r}] = {value!r}: expected a PartitionSpec, a tuple "
-                        "of mesh axis names, a keras TensorLayout or None")
+                        "of mesh axis names, a keras TensorLayout, None or gt.AUTO")

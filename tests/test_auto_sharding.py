@@ -181,3 +181,91 @@ def test_auto_transformer_adam_step_values_equal_single_device(mesh):
     want = tf.function(make_step(config))(*values)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def adam_ffn_step(x, up, down, up_m, down_m, up_v, down_v):
+    """A 1-layer FFN's Adam step whose slots are named unlike their weights."""
+    weights = (up, down)
+    with tf.GradientTape() as tape:
+        tape.watch(weights)
+        h = x + tf.matmul(tf.nn.relu(tf.matmul(x, up)), down)
+        loss = tf.reduce_sum(h * h)
+    grads = tape.gradient(loss, weights)
+    out = []
+    with tf.name_scope("adam"):
+        for w, m, v, g in zip(weights, (up_m, down_m), (up_v, down_v), grads):
+            m = 0.9 * m + 0.1 * g
+            v = 0.999 * v + 0.001 * tf.square(g)
+            out += [w - 0.001 * m / (tf.sqrt(v) + 1e-7), m, v]
+    return out
+
+
+def test_adam_slots_take_their_weights_decision_and_the_update_sends_nothing():
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    specs = [tf.TensorSpec((BATCH, D_MODEL))] + [
+        tf.TensorSpec(s) for s in [(D_MODEL, D_FF), (D_FF, D_MODEL)] * 3]
+    low = gt.lower(adam_ffn_step, mesh, (P("data"),) + (gt.AUTO,) * 6, args=specs,
+                   memory_limit=3 * weight_bytes(1) // 2)
+    up, down, up_m, down_m, up_v, down_v = low.program.input_layouts[1:]
+    assert up == up_m == up_v and down == down_m == down_v
+    # one decision: changing the weight's layout changes its slots' too, priced together
+    decisions = low.auto_plan.decisions
+    assert decisions[0].alternatives == decisions[2].alternatives == decisions[4].alternatives
+    assert low.memory().peak <= 3 * weight_bytes(1) // 2
+    assert not [c for c in low.collectives()
+                if any(o.op.startswith("adam/") for o in c.origins)]
+
+
+def test_three_axis_mesh_candidates_are_those_of_two_runs_of_axes():
+    from gspmd_tf.autoshard.strategies import rule_strategies
+    from gspmd_tf.propagation.oprule import einsum_rule
+    mesh = gt.Mesh.abstract((2, 2, 2), ("data", "replica", "model"))
+    rule = einsum_rule("bsm,mnk->bsnk", [(8, 8, 8), (8, 8, 8)], (8, 8, 8, 8))
+    merged, full = rule_strategies(rule, mesh), rule_strategies(rule, mesh, merged=False)
+    assert len(full) == 6 ** 3 and len(merged) < len(full) // 3
+    assert set(merged) <= set(full)
+    # each candidate splits at most two factors, the axes of each a run in mesh order
+    for s in merged:
+        assert len({dims for dims in s.operands[0].dims + s.operands[1].dims if dims}) <= 2
+
+
+def test_auto_on_a_three_axis_mesh_fits_and_equals_single_device():
+    mesh = gt.Mesh.create((2, 2, 2), ("data", "replica", "model"))
+    x, weights = ffn_values(2)
+    step = gt.function(ffn_train_step(2), mesh=mesh,
+                       in_shardings=(P("data"),) + (gt.AUTO,) * 4, memory_limit=LIMIT)
+    assert step.lower(x, *weights).memory().peak <= LIMIT
+    got = step(x, *weights)
+    want = tf.function(ffn_train_step(2))(x, *weights)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def moe_sgd_step(x, wg, w_in, w_out):
+    """A GShard MoE layer's SGD step, unannotated (gspmd_tf/moe.py)."""
+    from gspmd_tf import moe
+    weights = (wg, w_in, w_out)
+    with tf.GradientTape() as tape:
+        tape.watch(weights)
+        y, aux = moe.moe_layer(x, *weights, k=2)
+        loss = tf.reduce_mean(tf.square(y)) + 0.01 * aux
+    return [w - 0.1 * g for w, g in zip(weights, tape.gradient(loss, weights))]
+
+
+@pytest.mark.long
+def test_auto_moe_step_splits_the_experts_within_the_limit_and_equals_single_device(mesh):
+    rng = np.random.default_rng(0)
+    experts, seq, m, h = 8, 16, 16, 32
+    values = [rng.normal(size=s).astype(np.float32) * 0.3
+              for s in [(experts, seq, m), (m, experts), (experts, m, h), (experts, h, m)]]
+    # replicated, the experts' weights and their updates alone take the whole limit
+    limit = 2 * sum(v.nbytes for v in values[2:])
+    step = gt.function(moe_sgd_step, mesh=mesh, in_shardings=(P("model"),) + (gt.AUTO,) * 3,
+                       memory_limit=limit)
+    low = step.lower(*values)
+    assert low.memory().peak <= limit
+    assert any(low.program.input_layouts[2].dims[0]), low.program.input_layouts[2]
+    got = step(*values)
+    want = tf.function(moe_sgd_step)(*values)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)

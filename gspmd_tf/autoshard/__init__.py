@@ -6,6 +6,8 @@ A stage between propagate and partition (runtime/lowering.py drives it):
     strategies.py  candidates of one op from its registry rule (which mesh axes split
                    which factor), and of an input tensor (which axes split which dim)
     clusters.py    nodes of repeated layers grouped into classes that share one decision
+    ties.py        AUTO inputs meeting in element-wise ops (a weight and its optimizer
+                   slots) share one decision
     follow.py      element-wise classes that take their operand's layout (no decision)
     problem.py     node costs, edge (reshard) costs and memory rows priced by the one
                    cost model (cost_model.CostModel, spmd/planner.plan_estimate)

@@ -1,6 +1,7 @@
 """choose(): the auto-sharding stage, between propagate and partition.
 
-    labels -> classes (clusters.py) -> candidates per class (strategies.py)
+    labels, AUTO inputs tied to their weight's (ties.py)
+      -> classes (clusters.py) -> candidates per class (strategies.py)
       -> followers (follow.py) -> costs and memory rows (problem.py)
       -> integer program (solve.py) -> AutoPlan
 
@@ -25,6 +26,7 @@ from gspmd_tf.autoshard.plan import AutoPlan, Pricer, decision, step_peak
 from gspmd_tf.autoshard.problem import build
 from gspmd_tf.autoshard.solve import Infeasible, solve
 from gspmd_tf.autoshard.strategies import fixed_strategy, rule_strategies, tensor_strategies
+from gspmd_tf.autoshard.ties import tied_inputs
 from gspmd_tf.cost_model import CostModel
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph, Ref
@@ -47,6 +49,10 @@ def choose(graph: Graph, mesh: Mesh, rules: Sequence, seeds: dict,
     factors = {}  # id(rule) -> rule.key(): propagation shares one OpRule per rule key
     labels = [_label(i, node, rules[i], factors, seeds, auto_refs, input_nodes)
               for i, node in enumerate(graph.nodes)]
+    # a slot (Adam's m, v) takes its weight's decision: the update then reshards neither
+    for slot, weight in tied_inputs(graph, rules, [graph.inputs[i].node
+                                                   for i in auto_inputs]).items():
+        labels[slot] = labels[weight]
     class_of = cluster(labels)
     strategies = {}
     for i, c in enumerate(class_of):
@@ -124,9 +130,11 @@ def _candidates(graph, mesh, i, rule, seeds, input_nodes) -> list:
         return tensor_strategies(node.out_shapes[0], mesh)
     if rule is None or node.regions:
         return []
-    found = rule_strategies(rule, mesh)
-    for k in range(len(node.out_shapes)):
-        seed = seeds.get(Ref(i, k))
-        if seed is not None:
-            found = [s for s in found if s.results[k] == seed]
+    given = [(k, seeds[Ref(i, k)]) for k in range(len(node.out_shapes))
+             if Ref(i, k) in seeds]
+    for merged in (True, False):  # a given layout only the full list may have
+        found = [s for s in rule_strategies(rule, mesh, merged)
+                 if all(s.results[k] == layout for k, layout in given)]
+        if found or not given:
+            return found
     return found

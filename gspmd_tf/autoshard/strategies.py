@@ -6,6 +6,15 @@ dim). From it follow every operand's and result's layout, the axes a contraction
 partial (an all-reduce) and how many ways the op's work is divided. Because candidates
 come from OpRules, any op with a rule (also a user's, gt.register_op) takes part in the
 search. A program input has no rule: its candidates are which axes split which dim.
+
+On a mesh of three or more axes, every axis choosing freely makes (factors + 1) ** axes
+strategies per op and the reshard costs between two ops grow with the square of that
+(a 2x2x2 mesh: 216 strategies per attention einsum, 810k variables for two layers). As
+XLA's auto-sharding solves an N-d mesh as 2-d ones, the candidates are those of the
+2-axis meshes made by cutting the axes in two runs (major and minor) that each split one
+thing: on (a, b, c), (a | b c) and (a b | c). A layout splitting three factors over
+three axes is left out; `merged=False` lists every strategy (a given layout that only
+the full list has).
 """
 
 from __future__ import annotations
@@ -52,15 +61,28 @@ def _dim_axes(factors: tuple, factor_axes: dict, sizes: Sequence[int],
     return axes
 
 
-def rule_strategies(rule: OpRule, mesh: Mesh) -> list[Strategy]:
-    """Every strategy of an op with `rule` on `mesh`, distinct by layouts: each mesh
+def _axis_choices(options: list, count: int, merged: bool):
+    """What each of `count` mesh axes splits (an entry of `options` per axis): every
+    combination, or with `merged` on 3+ axes only those of two runs of axes (module
+    doc). The all-first-option choice comes first."""
+    if not merged or count <= 2:
+        yield from itertools.product(options, repeat=count)
+        return
+    for cut in range(1, count):
+        for major, minor in itertools.product(options, repeat=2):
+            yield (major,) * cut + (minor,) * (count - cut)
+
+
+def rule_strategies(rule: OpRule, mesh: Mesh, merged: bool = True) -> list[Strategy]:
+    """The strategies of an op with `rule` on `mesh`, distinct by layouts: each mesh
     axis splits one factor that is not REPLICATE and whose size the axes on it divide
-    evenly, or none. The replicated strategy comes first."""
+    evenly, or none (on 3+ axes with `merged`, in two runs of axes: module doc). The
+    replicated strategy comes first."""
     axes = _split_axes(mesh)
     sizes = rule.factor_sizes
     splittable = [f for f, kind in enumerate(rule.factor_kinds) if kind != REPLICATE]
     found = {}
-    for choice in itertools.product([None] + splittable, repeat=len(axes)):
+    for choice in _axis_choices([None] + splittable, len(axes), merged):
         factor_axes = {}
         for axis, f in zip(axes, choice):
             if f is not None:
@@ -100,13 +122,14 @@ def _strategy(rule, factor_axes, mesh) -> Optional[Strategy]:
 
 
 def tensor_strategies(shape: Sequence[int], mesh: Mesh) -> list[Strategy]:
-    """Every even layout of a program input of `shape` (each mesh axis splits one dim
-    it divides, or none; several axes on one dim in mesh order), as Strategies with that
-    layout as their one result. The replicated layout comes first."""
+    """The even layouts of a program input of `shape` (each mesh axis splits one dim
+    it divides, or none; several axes on one dim in mesh order; on 3+ axes in two runs
+    of axes), as Strategies with that layout as their one result. The replicated layout
+    comes first."""
     axes = _split_axes(mesh)
     found = {}
     dims = [d for d, n in enumerate(shape) if n > 1]
-    for choice in itertools.product([None] + dims, repeat=len(axes)):
+    for choice in _axis_choices([None] + dims, len(axes), True):
         per_dim = [()] * len(shape)
         for axis, d in zip(axes, choice):
             if d is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from gspmd_tf.autoshard.spec import is_auto
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout_map import LayoutRules, variable_path
 from gspmd_tf.mesh import Mesh, PartitionSpec
@@ -39,6 +40,11 @@ def take_over_captured(concrete, mesh: Mesh, rules: LayoutRules) -> int:
     specs = [rules.lookup(v)[1] or PartitionSpec() for v in plain]
     for variable, spec in zip(plain, specs):
         what = f"variable {variable_path(variable)!r} of shape {tuple(variable.shape)}"
+        if is_auto(spec):
+            raise ShardingError(
+                f"layout_map gives {what} gt.AUTO: gt.function chooses layouts only for "
+                "arguments; pass the variable's value as an argument with gt.AUTO in "
+                "in_shardings, or use gt.keras.shard_model, whose layout maps take gt.AUTO")
         try:
             Variable.layout_for(mesh, spec, tuple(variable.shape), what)
         except ShardingError as e:
