@@ -61,12 +61,16 @@ VOCAB = flags.DEFINE_integer("vocab", 1024, "gpt2: vocabulary size")
 SEQ = flags.DEFINE_integer("seq", 128, "gpt2: sequence length")
 IMAGE = flags.DEFINE_integer("image", 64, "resnet50/mobilenetv2: image side in pixels")
 CLASSES = flags.DEFINE_integer("classes", 10, "resnet50/mobilenetv2: classes")
+FLOATX = flags.DEFINE_enum("floatx", "float32", ["float32", "float64"], "Keras' float type "
+                           "(float64: whether a difference is float32 rounding shows as "
+                           "a difference that shrinks by ~1e9)")
 RTOL = flags.DEFINE_float("rtol", 1e-4, "largest relative error of a weight after the first "
                           "fit step (float32; the steps differ in summation order)")
 
 
 def _model():
     import keras
+    keras.config.set_floatx(FLOATX.value)
     if MODEL.value == "gpt2":
         import keras_hub
         backbone = keras_hub.models.GPT2Backbone(
@@ -100,7 +104,7 @@ def _data(steps):
         x = {"token_ids": rng.integers(0, VOCAB.value, (n, SEQ.value)).astype(np.int32),
              "padding_mask": np.ones((n, SEQ.value), np.int32)}
         return x, rng.integers(0, VOCAB.value, (n, SEQ.value)).astype(np.int32)
-    x = rng.standard_normal((n, IMAGE.value, IMAGE.value, 3)).astype(np.float32)
+    x = rng.standard_normal((n, IMAGE.value, IMAGE.value, 3)).astype(FLOATX.value)
     return x, rng.integers(0, CLASSES.value, n).astype(np.int32)
 
 
