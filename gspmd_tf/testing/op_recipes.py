@@ -183,11 +183,6 @@ def _recipes() -> dict:
     r["FusedBatchNorm"] = Recipe((F(2, 4, 6, 3), *channels, F(0), F(0)))
     for op in ("FusedBatchNormV2", "FusedBatchNormV3"):
         r[op] = Recipe((F(2, 4, 6, 3), *channels, F(0), F(0)))
-    variance = G([0.5, 1.0, 2.0], "float32")
-    r["FusedBatchNormGrad"] = Recipe((F(2, 4, 6, 3), F(2, 4, 6, 3), F(3), F(3), variance))
-    r["FusedBatchNormGradV2"] = Recipe((F(2, 4, 6, 3), F(2, 4, 6, 3), F(3), F(3), variance))
-    r["FusedBatchNormGradV3"] = Recipe((F(2, 4, 6, 3), F(2, 4, 6, 3), F(3), F(3), variance,
-                                        F(0)))
     r["DrawBoundingBoxes"] = Recipe((F(*IMAGE), C([[[0.1, 0.1, 0.6, 0.7]],
                                                    [[0.2, 0.3, 0.9, 0.8]]], "float32")))
     r["ExtractGlimpse"] = Recipe((F(*IMAGE), C([3, 3]), C([[0, 0], [0.1, 0.2]], "float32")))
