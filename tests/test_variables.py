@@ -140,8 +140,9 @@ def test_failed_restore_writes_nothing(mesh, tmp_path, bad):
     b_before = b.numpy()
     message = r"b/\.ATTRIBUTES/VARIABLE_VALUE.*shape.*\[4,8\].*\[4,4\]" if bad == "shape" \
         else "(?i)dtype"
-    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+    with pytest.raises(gt.ShardingError, match=message) as caught:
         tf.train.Checkpoint(a=a, b=b).restore(path)
+    assert isinstance(caught.value.__cause__, tf.errors.InvalidArgumentError)
     np.testing.assert_array_equal(a.numpy(), a_old)
     np.testing.assert_array_equal(b.numpy(), b_before)
     for v in (a, b):

@@ -183,9 +183,32 @@ def _recipes() -> dict:
     r["FusedBatchNorm"] = Recipe((F(2, 4, 6, 3), *channels, F(0), F(0)))
     for op in ("FusedBatchNormV2", "FusedBatchNormV3"):
         r[op] = Recipe((F(2, 4, 6, 3), *channels, F(0), F(0)))
-    variance = G([0.5, 1.0, 2.0], "float32")
-    r["FusedBatchNormGrad"] = Recipe((F(2, 4, 6, 3), F(2, 4, 6, 3), F(3), F(3), variance))
-    r["FusedBatchNormGradV2"] = Recipe((F(2, 4, 6, 3), F(2, 4, 6, 3), F(3), F(3), variance))
+    r["DrawBoundingBoxes"] = Recipe((F(*IMAGE), C([[[0.1, 0.1, 0.6, 0.7]],
+                                                   [[0.2, 0.3, 0.9, 0.8]]], "float32")))
+    r["ExtractGlimpse"] = Recipe((F(*IMAGE), C([3, 3]), C([[0, 0], [0.1, 0.2]], "float32")))
+    transform = C([[1, 0, 0.5, 0, 1, 0.3, 0, 0]], "float32")
+    r["ImageProjectiveTransformV2"] = Recipe((F(*IMAGE), transform, C([6, 5])),
+                                             {"interpolation": "BILINEAR"})
+    r["ImageProjectiveTransformV3"] = Recipe((F(*IMAGE), transform, C([6, 5]),
+                                              C(0.0, "float32")), {"interpolation": "BILINEAR"})
+    # sequences: time 5, batch 2, 4 classes (CTC's blank the last), LSTM cells of 5
+    ctc = (F(5, 2, 4), C([[0, 0], [0, 1], [1, 0]], "int64"), C([1, 2, 1]), C([5, 4]))
+    r["CTCLoss"] = Recipe(ctc)
+    lstm = (C(3, "int64"), F(3, 2, 4), F(2, 5), F(2, 5), F(9, 20), F(5), F(5), F(5), F(20))
+    r["BlockLSTM"] = Recipe(lstm)
+    r["BlockLSTMV2"] = Recipe(lstm)
+    # stateless random numbers: the same seed gives the same numbers on every device
+    seed = C([1, 2], "int64")
+    r["StatelessMultinomial"] = Recipe((F(4, 6), C(3), seed))
+    r["StatelessRandomUniformInt"] = Recipe((C([4, 6]), seed, C(0), C(10)))
+    r["StatelessRandomGammaV2"] = Recipe((C([4, 6]), seed, G(np.full(6, 2.0), "float32")))
+    r["StatelessRandomPoisson"] = Recipe((C([4, 6]), seed, G(np.full(6, 3.0), "float32")),
+                                         {"dtype": "int32"})
+    r["StatelessRandomBinomial"] = Recipe((C([4, 6]), seed, G(np.full((4, 6), 5.0), "float32"),
+                                           G(np.full((4, 6), 0.3), "float32")))
+    r["StatelessParameterizedTruncatedNormal"] = Recipe(
+        (C([4, 6]), seed, F(6), G(np.ones(6), "float32"), G(np.full(6, -2.0), "float32"),
+         G(np.full(6, 2.0), "float32")))
     # linear algebra
     r["MatrixSetDiag"] = Recipe((F(4, 6), F(4)))
     for op in ("MatrixSetDiagV2", "MatrixSetDiagV3"):
@@ -196,6 +219,8 @@ def _recipes() -> dict:
         r[op] = Recipe((F(4, 6), C(0), C(-1), C(-1), C(0.0, "float32")))
     r["Cholesky"] = Recipe((G(_positive_definite(3, 4), "float32"),))
     r["MatrixSolveLs"] = Recipe((F(4, 6, 3), F(4, 6, 2), C(0.1, "float64")))
+    r["TridiagonalSolve"] = Recipe((F(4, 3, 6), F(4, 6, 2)))
+    r["Eig"] = Recipe((F(3, 4, 4),), {"Tout": C64})
     r["TridiagonalMatMul"] = Recipe((F(4, 1, 6), F(4, 1, 6), F(4, 1, 6), F(4, 6, 3)))
     # complex values and transforms
     for op in ("Real", "Imag", "Angle", "Conj", "ComplexAbs", "FFT", "IFFT"):

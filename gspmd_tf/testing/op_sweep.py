@@ -159,7 +159,7 @@ def _recipe_call(op_def, recipe: Recipe, rng) -> tuple:
 
 
 # attrs recipes give as dtype names
-_TYPE_ATTRS = ("DstT", "Tout")
+_TYPE_ATTRS = ("DstT", "Tout", "dtype")
 
 
 def _input_dtype(op_def, arg, chosen) -> Optional[tf.DType]:
