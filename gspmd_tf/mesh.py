@@ -17,7 +17,9 @@ class PartitionSpec(tuple):
 
     Each entry is None (not split), an axis name, or a tuple of axis names (split over
     their product, first name major). A spec shorter than the rank leaves the trailing
-    dims unsplit.
+    dims unsplit. A name may be part of an axis, a sub-axis, written as Shardy writes
+    one: "x:(2)2" is 2 devices of axis x with 2 devices in the parts before it (x of 8
+    devices is "x:(1)2", "x:(2)2", "x:(4)2", major to minor; see Mesh.parse_axis).
     """
 
     def __new__(cls, *entries):

@@ -123,3 +123,19 @@ def test_split_into_major_smaller_than_axis_values_equal_single_device(mesh_kind
         lambda t: (tf.reduce_sum(tf.square(tf.reshape(t * 2.0, (a, b))), axis=1),
                    tf.reshape(t, (a, b)) - 1.0), (x,), mesh, (spec,))
     assert not lowered.program.replicated_ops
+
+
+def test_annotation_on_parts_of_an_axis():
+    # a mesh_split inside the program names a part: the matmul's rows follow it, and the
+    # result's sharding (a tile assignment over parts) reads back as the part
+    mesh = Mesh.abstract((2, 4), ("data", "model"))
+
+    def fn(x, w):
+        h = gt.mesh_split(tf.nn.relu(x), mesh, gt.P(("data", "model:(2)2")))
+        return tf.matmul(h, w, name="y")
+
+    lowered = gt.lower(fn, mesh, (gt.P(), gt.P()), None,
+                       args=[tf.TensorSpec((16, 8)), tf.TensorSpec((8, 4))])
+    part = Layout.from_spec(mesh, gt.P(("data", "model:(2)2")), 2)
+    assert lowered.layout_of("y") == part
+    assert lowered.output_shardings[0].to_layout(mesh, 2) == part
