@@ -22,8 +22,8 @@ import numpy as np
 from gspmd_tf import _encode, _propagation
 from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.ir import Graph, Ref
-from gspmd_tf.layout import Layout, merged_axes, merged_layout
-from gspmd_tf.mesh import Mesh, SubAxis
+from gspmd_tf.layout import Layout, merged_axes, merged_layout, overlap
+from gspmd_tf.mesh import Mesh
 from gspmd_tf.propagation.oprule import OpRule
 from gspmd_tf.propagation.knobs import Knobs, barrier_slots, rounds, tie_groups
 from gspmd_tf.propagation.regions import TIE, RegionPropagation, flatten, tie_rule
@@ -332,18 +332,13 @@ class Origin:
 def _merged_origins(origins):
     """A dim's Origins with each run of sub-axes that merged_axes merges as one Origin
     (its first part's, naming the merged axis)."""
-    out = []
+    out, i = [], 0
     for axis in merged_axes(tuple(o.axis for o in origins)):
-        first, taken = origins[0], 1
-        while (taken < len(origins) and isinstance(origins[taken].axis, SubAxis)
-               and isinstance(origins[taken - 1].axis, SubAxis)
-               and origins[taken].axis.axis == first.axis.axis
-               and origins[taken].axis.pre == origins[taken - 1].axis.pre
-               * origins[taken - 1].axis.size):
-            taken += 1
+        first, i = origins[i], i + 1
+        while i < len(origins) and overlap(axis, origins[i].axis):  # its other parts
+            i += 1
         first.axis = axis
         out.append(first)
-        origins = origins[taken:]
     return out
 
 
