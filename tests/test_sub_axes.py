@@ -8,6 +8,8 @@ replicated) are RESULTS §7.3's split_into rows, measured with JAX 0.10.2 on 8 h
 devices by benchmarks/xla_planner_quality.py.
 """
 
+from math import gcd
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -48,6 +50,15 @@ def test_split_into_major_smaller_than_axis_moves_no_more_than_xla(case, consume
     found, want = collectives(lowered), XLA[case][consumer]
     assert moved(found) <= moved(want), (found, want)
     assert len(found) <= len(want), (found, want)
+
+
+@pytest.mark.parametrize("consumer", ["sum", "replicated"])
+@pytest.mark.parametrize("case", sorted(XLA))
+def test_split_into_major_smaller_than_axis_values_equal_single_device(case, consumer):
+    size, shape = case
+    x = np.linspace(-2.0, 2.0, size, dtype=np.float32)
+    check_partitioned(consumer_fn(shape, consumer), (x,), gt.Mesh.create((4,), ("x",)),
+                      (gt.P("x"),), None if consumer == "sum" else (gt.P(),))
 
 
 def test_reshape_result_is_split_over_parts_of_the_axis():
@@ -107,16 +118,19 @@ def test_bad_sub_axis_is_a_sharding_error(spec, message):
 
 @settings(max_examples=6, deadline=None)
 @given(st.sampled_from([(4, "x"), (8, "x"), (24, "ab")]), st.data())
-def test_split_into_major_smaller_than_axis_values_equal_single_device(mesh_kind, data):
-    """(n,) -> (a, b) with a < the axis's devices, a sharing a factor with it (uneven
-    n / devices included), summed and elementwise results equal one device's."""
+def test_split_into_dims_sharing_a_factor_with_the_axis_values_equal_single_device(
+        mesh_kind, data):
+    """(n,) -> (a, b) with a sharing a factor with the axis's devices that does not
+    split it whole ((48,) -> (6, 8) on 4, (8,) -> (2, 4); uneven n / devices included):
+    summed and elementwise results equal one device's."""
     devices, kind = mesh_kind
     if kind == "x":
         mesh, spec = gt.Mesh.create((devices,), ("x",)), gt.P("x")
     else:
         mesh, spec = gt.Mesh.create((2, 4), ("a", "b")), gt.P(("a", "b"))
         devices = 8
-    a = data.draw(st.sampled_from([d for d in (2, 4, 6) if d < devices]), label="a")
+    a = data.draw(st.sampled_from([d for d in (2, 4, 6, 10) if 1 < gcd(d, devices) < devices]),
+                  label="a")
     b = data.draw(st.integers(1, 7), label="b")
     x = np.random.default_rng(a * 10 + b).standard_normal(a * b).astype(np.float32)
     lowered = check_partitioned(
