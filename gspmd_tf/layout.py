@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.mesh import PartitionSpec
+from gspmd_tf.mesh import PartitionSpec, SubAxis
 
 
 def ceil_div(a, b):
@@ -17,6 +17,8 @@ def ceil_div(a, b):
 class Layout:
     """Per-dim mesh axes (major to minor), plus axes with a pending reduction.
 
+    An axis is a mesh axis name or a mesh.SubAxis, part of one ("x:(1)2"), in the form
+    merged_layout gives (a whole axis wherever all its parts are, in order, in one dim).
     Axes used neither in `dims` nor in `partial` are replicated. `partial` is only ever
     set inside the partitioner: the local values still need `reduce_op` over those axes.
     """
@@ -57,19 +59,20 @@ class Layout:
             raise ShardingError(
                 f"{what}: spec {spec!r} has {len(spec)} entries but the tensor has rank "
                 f"{rank}; give at most {rank} entries")
-        dims = tuple(spec.axes_of(d) for d in range(rank))
-        seen = set()
+        dims = tuple(tuple(mesh.parse_axis(name) for name in spec.axes_of(d))
+                     for d in range(rank))
+        seen = []
         for axes in dims:
             for name in axes:
-                mesh.axis_index(name)
-                if name in seen:
+                if any(overlap(name, other) for other in seen):
                     raise ShardingError(
-                        f"{what}: spec {spec!r} uses mesh axis {name!r} twice; a mesh axis "
-                        "can split at most one dim")
-                seen.add(name)
+                        f"{what}: spec {spec!r} uses mesh axis {str(name)!r} twice (or parts "
+                        "of it that overlap); a mesh axis can split at most one dim")
+                seen.append(name)
         # an axis of one device splits nothing; dropping it keeps handlers on their
         # unsplit paths
-        return cls(tuple(tuple(a for a in axes if mesh.axis_size(a) > 1) for axes in dims))
+        return merged_layout(cls(tuple(tuple(a for a in axes if mesh.axis_size(a) > 1)
+                                       for axes in dims)))
 
     @property
     def rank(self):
@@ -87,8 +90,10 @@ class Layout:
         return not self.partial and not any(self.dims)
 
     def to_spec(self):
-        """The PartitionSpec of the dims (trailing unsplit dims dropped)."""
-        entries = [None if not a else (a[0] if len(a) == 1 else a) for a in self.dims]
+        """The PartitionSpec of the dims (trailing unsplit dims dropped; a sub-axis
+        written "x:(2)2", as Mesh.parse_axis reads it)."""
+        entries = [None if not a else (str(a[0]) if len(a) == 1 else tuple(map(str, a)))
+                   for a in self.dims]
         while entries and entries[-1] is None:
             entries.pop()
         return PartitionSpec(*entries)
@@ -112,11 +117,79 @@ class Layout:
         return Layout(self.dims)
 
     def __str__(self):
-        if all(isinstance(a, str) for a in self.used_axes):
-            text = str(self.to_spec())
-        else:  # the sub-axes (mesh.SubAxis) of a layout inside a reshard plan
-            text = "P(" + ", ".join("(" + ", ".join(map(str, axes)) + ")"
-                                    for axes in self.dims) + ")"
+        text = str(self.to_spec())
         if self.partial:
-            text += f" partial-{self.reduce_op}{self.partial}"
+            text += f" partial-{self.reduce_op}{tuple(map(str, self.partial))}"
         return text
+
+
+# ------------------------------------------------------------------------ sub-axes
+
+def axis_parts(sub_axes):
+    """{axis: its parts, major first}: every whole axis some of `sub_axes` (SubAxis) cut,
+    cut at all their bounds."""
+    cuts = {}
+    for a in sub_axes:
+        cuts.setdefault((a.axis, a.whole), {1, a.whole}).update((a.pre, a.pre * a.size))
+    parts = {}
+    for (axis, whole), points in cuts.items():
+        points = sorted(points)
+        parts[axis] = tuple(SubAxis(axis, lo, hi // lo, whole)
+                            for lo, hi in zip(points, points[1:]))
+    return parts
+
+
+def cut_axes(layout, sub_axes):
+    """`layout` with every axis (whole, or a SubAxis) that the bounds of `sub_axes` cut
+    replaced by its parts, major first (in a dim, or pending)."""
+    parts = axis_parts(sub_axes)
+
+    def pieces(a):
+        if isinstance(a, SubAxis):
+            return tuple(p for p in parts.get(a.axis, (a,))
+                         if a.pre <= p.pre < a.pre * a.size) or (a,)
+        return parts.get(a, (a,))
+
+    def cut(axes):
+        return tuple(p for a in axes for p in pieces(a))
+
+    return Layout(tuple(cut(axes) for axes in layout.dims), cut(layout.partial),
+                  layout.reduce_op)
+
+
+def merged_axes(axes):
+    """`axes` with each run of sub-axes that chain, major to minor, merged: into the
+    whole axis where they make it up, else into one larger sub-axis."""
+    out = []
+    for a in axes:
+        last = out[-1] if out else None
+        if (isinstance(a, SubAxis) and isinstance(last, SubAxis) and last.axis == a.axis
+                and last.pre * last.size == a.pre):
+            a = SubAxis(a.axis, last.pre, last.size * a.size, a.whole)
+            out.pop()
+        out.append(a.axis if isinstance(a, SubAxis) and a.size == a.whole else a)
+    return tuple(out)
+
+
+def merged_layout(layout):
+    """`layout` in its one form: sub-axes that chain merged (merged_axes), so a layout
+    names a whole axis wherever it holds all of it in order, in one dim or pending."""
+    if all(type(a) is str for a in layout.used_axes):  # the common case: no sub-axis
+        return layout
+    return Layout(tuple(merged_axes(axes) for axes in layout.dims),
+                  merged_axes(layout.partial), layout.reduce_op)
+
+
+def sub_axes_of(layout):
+    """The SubAxis entries among the layout's axes."""
+    return [a for a in layout.used_axes if isinstance(a, SubAxis)]
+
+
+def overlap(a, b):
+    """True when mesh axes (names or SubAxis) `a` and `b` share devices' coordinates:
+    the same axis, and their ranges of it meet."""
+    if getattr(a, "axis", a) != getattr(b, "axis", b):
+        return False
+    if not (isinstance(a, SubAxis) and isinstance(b, SubAxis)):
+        return True
+    return a.pre < b.pre * b.size and b.pre < a.pre * a.size

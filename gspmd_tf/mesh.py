@@ -17,7 +17,9 @@ class PartitionSpec(tuple):
 
     Each entry is None (not split), an axis name, or a tuple of axis names (split over
     their product, first name major). A spec shorter than the rank leaves the trailing
-    dims unsplit.
+    dims unsplit. A name may be part of an axis, a sub-axis, written as Shardy writes
+    one: "x:(2)2" is 2 devices of axis x with 2 devices in the parts before it (x of 8
+    devices is "x:(1)2", "x:(2)2", "x:(4)2", major to minor; see Mesh.parse_axis).
     """
 
     def __new__(cls, *entries):
@@ -93,10 +95,13 @@ class SubAxis(NamedTuple):
     axis's coordinate cut into major-to-minor factors, this one of `size` devices with
     `pre` devices in the factors more major than it.
 
-    Only the reshard planner makes them, for the steps between two layouts of one plan
-    (spmd/planner.py, "Sub-axis steps" in docs/DESIGN_LOG.md); Mesh.groups, shard_index and
-    arrange accept them wherever they accept an axis name. (A named tuple: the planner
-    hashes layouts holding them in its search.)"""
+    A Layout may hold them beside axis names (in the one form layout.merged_layout
+    gives: parts making up an axis are the axis); specs write them "x:(2)2"
+    (Mesh.parse_axis). Propagation cuts axes into them where a Reshape needs it
+    (propagation/sub_axes.py), the reshard planner inside its plans (spmd/planner.py,
+    "Sub-axis steps" in docs/DESIGN_LOG.md); Mesh.groups, shard_index and arrange accept
+    them wherever they accept an axis name. (A named tuple: the planner hashes layouts
+    holding them in its search.)"""
 
     axis: str
     pre: int
@@ -105,6 +110,13 @@ class SubAxis(NamedTuple):
 
     def __str__(self):
         return f"{self.axis}:({self.pre}){self.size}"
+
+    def __repr__(self):  # as specs write it (Mesh.parse_axis), in messages beside names
+        return repr(str(self))
+
+
+# a sub-axis as specs write it, Shardy's spelling: "x:(2)4"
+_SUB_AXIS = re.compile(r"(.+):\((\d+)\)(\d+)")
 
 
 class Mesh:
@@ -227,6 +239,23 @@ class Mesh:
         except ValueError:
             raise ShardingError(
                 f"unknown mesh axis {name!r}: this mesh has axes {self.axis_names}") from None
+
+    def parse_axis(self, name):
+        """Axis name `name` as layouts hold it: a mesh axis name as it is; a sub-axis
+        written as Shardy writes one, "x:(2)2" (2 devices of axis x, with 2 in the parts
+        more major), as a SubAxis (the name of the axis when it is all of it).
+        ShardingError for an unknown axis or a part that does not cut its axis."""
+        if name in self.axis_names:
+            return name
+        match = _SUB_AXIS.fullmatch(name) if isinstance(name, str) else None
+        if match is None:
+            self.axis_index(name)  # raises, naming the mesh's axes
+        axis, pre, size = match.group(1), int(match.group(2)), int(match.group(3))
+        sub = SubAxis(axis, pre, size, self.axis_size(axis))
+        if pre < 1 or size < 1:
+            raise ShardingError(f"sub-axis {name!r}: pre-size and size must be at least 1")
+        self._check_sub_axis(sub)
+        return axis if size == sub.whole else sub
 
     def axis_size(self, name):
         """Number of devices along axis `name` (a name or a SubAxis)."""

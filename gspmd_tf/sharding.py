@@ -19,8 +19,8 @@ from google.protobuf import message, text_format
 from tensorflow.compiler.xla import xla_data_pb2
 
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.layout import Layout
-from gspmd_tf.mesh import MAX_DEVICES, check_count, check_num_devices
+from gspmd_tf.layout import Layout, merged_layout
+from gspmd_tf.mesh import MAX_DEVICES, SubAxis, check_count, check_num_devices
 
 _OpSharding = xla_data_pb2.OpSharding
 
@@ -351,7 +351,8 @@ class Sharding:
 
         Accepts any tile assignment that is a transpose and reshape of mesh.device_ids:
         each tile dim is a run of consecutive axes of some order of the mesh axes, the
-        remaining axes form the replication dim. Size-1 mesh axes are never used. The axis
+        remaining axes form the replication dim; failing that, of the mesh axes cut into
+        parts (sub-axes, mesh.SubAxis, as Shardy's "x":(2)2). Size-1 mesh axes are never used. The axis
         order is computed directly (linear in the devices), not searched.
         A maximal sharding gives a replicated layout: gspmd-tf computes such a value on
         every device. Raises ShardingError, naming `what`, when the sharding is manual, does
@@ -375,11 +376,13 @@ class Sharding:
             raise ShardingError(
                 f"{where}: it must use every device id of the mesh (0..{mesh.size - 1}) "
                 "exactly once; give a tile assignment over the mesh's devices")
-        layout = _layout_of_tiles(self, mesh)
+        layout = _layout_of_tiles(self, mesh, mesh.axis_names, mesh.shape)
+        if layout is None:  # perhaps over parts of axes (sub-axes, as Shardy's)
+            layout = _layout_of_tiles(self, mesh, *_prime_parts(mesh))
         if layout is None:
             raise ShardingError(
                 f"{where}: its device order is not a transpose of the mesh axes "
-                f"{mesh.axis_names} (over the mesh's device_ids); build the annotation from "
+                f"{mesh.axis_names} or of parts of them (over the mesh's device_ids); build the annotation from "
                 "the mesh (gt.mesh_split, Sharding.from_layout) or create a mesh whose "
                 "device array gives this order, e.g. gt.Mesh(devices, names) with the "
                 "devices placed as in the tile assignment")
@@ -399,8 +402,25 @@ class Sharding:
         return hash(self._key())
 
 
-def _layout_of_tiles(sharding, mesh):
-    """The Layout of `mesh` whose sharding is tiled `sharding`, or None when none is.
+def _prime_parts(mesh):
+    """The mesh's axes cut into parts of prime sizes (SubAxis), major first: (their
+    names, their sizes)."""
+    names, sizes = [], []
+    for name, size in zip(mesh.axis_names, mesh.shape):
+        pre, left, p = 1, size, 2
+        while left > 1:
+            while left % p:
+                p += 1
+            names.append(SubAxis(name, pre, p, size))
+            sizes.append(p)
+            pre, left = pre * p, left // p
+    return tuple(names), tuple(sizes)
+
+
+def _layout_of_tiles(sharding, mesh, axis_names, shape):
+    """The Layout of `mesh` whose sharding is tiled `sharding`, or None when none is,
+    over axes `axis_names` of sizes `shape` (the mesh's axes, or parts of them cut
+    row-major; parts a layout holds in order merged back).
 
     Computed from where each mesh axis varies, in time linear in the devices: an axis
     splitting a tensor dim is constant within every replication group and changes along
@@ -409,11 +429,11 @@ def _layout_of_tiles(sharding, mesh):
     """
     tile_shape = tuple(sharding.tile_shape)
     groups = sharding.tile_assignment.reshape(int(np.prod(tile_shape)), -1)
-    coords = np.stack(np.unravel_index(mesh.positions(), mesh.shape), axis=-1)[groups]
+    coords = np.stack(np.unravel_index(mesh.positions(), shape), axis=-1)[groups]
     constant = (coords == coords[:, :1]).all(axis=(0, 1))
-    tile_coords = coords[:, 0].reshape(tile_shape + (len(mesh.shape),))
+    tile_coords = coords[:, 0].reshape(tile_shape + (len(shape),))
     dims = [[] for _ in tile_shape]
-    for axis, size in enumerate(mesh.shape):
+    for axis, size in enumerate(shape):
         if size == 1 or not constant[axis]:
             continue  # never used, or a replication axis
         along = [d for d in range(len(tile_shape))
@@ -423,8 +443,9 @@ def _layout_of_tiles(sharding, mesh):
         d = along[0]
         line = np.moveaxis(tile_coords[..., axis], d, 0).reshape(tile_shape[d], -1)[:, 0]
         steps = int(np.argmax(line != line[0]))  # > 0: the axis changes along d
-        dims[d].append((-steps, mesh.axis_names[axis]))
-    layout = Layout(tuple(tuple(name for _, name in sorted(run)) for run in dims))
+        dims[d].append((-steps, axis, axis_names[axis]))
+    layout = merged_layout(Layout(tuple(tuple(name for *_, name in sorted(run))
+                                        for run in dims)))
     return layout if Sharding.from_layout(mesh, layout) == sharding else None
 
 

@@ -138,13 +138,14 @@ def test_split_does_not_flow_backward_into_a_free_operand():
     assert lowered.collectives() == []
 
 
-def test_reverse_reshape_keeps_gathering():
+def test_reverse_reshape_splits_over_part_of_the_axis():
     """The reverse, a split dim reshaped so that the new major dim would be split
-    unevenly, is not given that split when its result is free: its padded blocks cost more
-    to gather later than the even operand (docs/DESIGN_LOG.md)."""
+    unevenly, is not given that split when its result is free (its padded blocks cost more
+    to gather later than the even operand, docs/DESIGN_LOG.md), but, as XLA's, a split
+    over the major half of the axis, x:(1)2 (tests/test_sub_axes.py)."""
     lowered = gt.lower(lambda x: tf.reshape(x * 2.0, (6, 8)) * 3.0, MESHES["line"],
                        (gt.P("x"),), None, args=[tf.TensorSpec((48,))])
-    assert str(lowered.output_shardings[0]) == "{replicated}"
+    assert str(lowered.output_shardings[0]) == "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"
 
 
 @pytest.mark.parametrize("mesh_shape, axes, shape, spec, out_shape", [

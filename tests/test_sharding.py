@@ -13,7 +13,7 @@ from tensorflow.python.compiler.xla.experimental import xla_sharding
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
-from gspmd_tf.mesh import MAX_DEVICES, Mesh, P
+from gspmd_tf.mesh import MAX_DEVICES, Mesh, P, SubAxis
 from gspmd_tf.sharding import Sharding
 
 OpSharding = xla_data_pb2.OpSharding
@@ -273,8 +273,11 @@ def test_to_layout_of_an_explicit_device_list():
     mesh = Mesh.abstract((2, 4), ("data", "model"), device_ids=[[0, 2, 4, 6], [1, 3, 5, 7]])
     sharding = Sharding.parse("{devices=[2,4]0,2,4,6,1,3,5,7}")
     assert sharding.to_layout(mesh, 2) == Layout((("data",), ("model",)))
+    # the row-major mesh expresses it over parts of "model" (sub-axes, as Shardy's)
+    assert sharding.to_layout(MESH, 2) == Layout(
+        ((SubAxis("model", 2, 2, 4),), ("data", SubAxis("model", 1, 2, 4))))
     with pytest.raises(ShardingError, match="not a transpose of the mesh axes"):
-        sharding.to_layout(MESH, 2)  # the row-major mesh cannot express it
+        Sharding.parse("{devices=[8]1,0,2,3,4,5,6,7}").to_layout(MESH, 1)  # nor parts
     shuffled = Mesh.abstract((2, 4), ("data", "model"), device_ids=[[3, 1, 0, 2], [7, 5, 4, 6]])
     assert Sharding.parse("{devices=[1,8]3,7,1,5,0,4,2,6}").to_layout(shuffled, 2) == \
         Layout(((), ("model", "data")))
@@ -300,7 +303,7 @@ def test_size_one_axes_are_dropped():
 
 @pytest.mark.parametrize("text, rank, message", [
     ("{devices=[8]0,2,1,3,4,5,6,7}", 1, "not a transpose of the mesh axes"),
-    ("{devices=[2,2,2]<=[8]}", 3, "not a transpose of the mesh axes"),
+    ("{devices=[2,2,2]0,2,1,3,4,5,6,7}", 3, "not a transpose of the mesh axes"),
     ("{devices=[2,1,4]0,1,2,4,3,5,6,7 last_tile_dim_replicate}", 2,
      "not a transpose of the mesh axes"),
     ("{devices=[4]0,1,2,3}", 1, "every device id of the mesh"),
@@ -310,6 +313,7 @@ def test_size_one_axes_are_dropped():
     ("{maximal device=99}", 2, "the mesh has no device 99"),
 ])
 def test_to_layout_rejects(text, rank, message):
+    # ({devices=[2,2,2]<=[8]} is P(data, model:(1)2, model:(2)2): tests/test_sub_axes.py)
     sharding = Sharding.parse(text)
     with pytest.raises(ShardingError, match=message) as info:
         sharding.to_layout(MESH, rank, what="input x")

@@ -22,11 +22,12 @@ import numpy as np
 from gspmd_tf import _encode, _propagation
 from gspmd_tf.gc_pause import gc_paused
 from gspmd_tf.graph.ir import Graph, Ref
-from gspmd_tf.layout import Layout
+from gspmd_tf.layout import Layout, merged_axes, merged_layout, overlap
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.propagation.oprule import OpRule
 from gspmd_tf.propagation.knobs import Knobs, barrier_slots, rounds, tie_groups
 from gspmd_tf.propagation.regions import TIE, RegionPropagation, flatten, tie_rule
+from gspmd_tf.propagation.sub_axes import AxisView, axis_view
 from gspmd_tf.registry import has_rule, rule_for
 from gspmd_tf.sharding import Sharding
 
@@ -70,9 +71,9 @@ class _LazyLayouts:
                 layout = interned.get(key)
                 if layout is None:
                     names = self._names
-                    layout = interned[key] = Layout(tuple(
+                    layout = interned[key] = merged_layout(Layout(tuple(
                         tuple(names[a] for a in axes[r][:naxes[r]]) if naxes[r] else ()
-                        for r in range(start, stop)))
+                        for r in range(start, stop))))
                 outs.append(layout)
             self._cache[index] = outs
         return self._cache[index]
@@ -134,15 +135,17 @@ def propagate(graph: Graph, mesh: Mesh, seeds: dict[Ref, Layout],
                 seeds[ref] = _annotation_layout(flat, mesh, ref, proto)
     knobs = knobs or Knobs()
     flat = tie_groups(flat, knobs.groups)
+    view = axis_view(flat, mesh, seeds, MAX_AXES)
     encoded, sweeps = None, 0
     for round_seeds in rounds(seeds, knobs.priorities) or [seeds]:
-        before, encoded = encoded, encode(flat, mesh, round_seeds, layered, knobs.open_dims)
+        round_seeds = {ref: view.cut(layout) for ref, layout in round_seeds.items()}
+        before, encoded = encoded, encode(flat, view, round_seeds, layered, knobs.open_dims)
         if before is not None:
             _carry(before, encoded)
         encoded.no_write = barrier_slots(encoded.op_node, encoded.core_args[6],
                                          knobs.barriers)
         sweeps += run(encoded)
-    return decode(flat, mesh, encoded, sweeps)
+    return decode(flat, view, encoded, sweeps)
 
 
 def _carry(before, encoded):
@@ -192,9 +195,10 @@ class Encoded:
         self.seeded = None  # per tensor: a seed
 
 
-def encode(graph, mesh, seeds, layered=True, open_dims=None):
+def encode(graph, mesh: Mesh | AxisView, seeds, layered=True, open_dims=None):
     """Encode `graph`, its rules and the fixed `seeds` for the core (one layer for all
-    ops unless `layered`). A seed with `open_dims` ({Ref: dims}) is not fixed: its
+    ops unless `layered`), on the axes of `mesh` (a Mesh, or an AxisView whose axes the
+    seeds name). A seed with `open_dims` ({Ref: dims}) is not fixed: its
     other dims are closed (never extended), its open ones start from its axes (their
     origin marked -1: the seed's own) and may take more (propagation/knobs.py)."""
     with gc_paused():  # the encoder allocates a few objects per op
@@ -264,9 +268,9 @@ def run(encoded):
                                          closed=encoded.closed)
 
 
-def decode(graph, mesh, encoded, sweeps):
+def decode(graph, mesh: Mesh | AxisView, encoded, sweeps):
     """The Propagation of an encoded graph after `run` (layouts and origins decoded
-    lazily)."""
+    lazily, sub-axes that make up an axis merged back into it)."""
     layouts = _LazyLayouts(graph, mesh.axis_names, encoded.tensor_base, encoded.dim_start,
                            encoded.axes, encoded.naxes)
     return Propagation(layouts, encoded.rules, sweeps, _Origins(graph, mesh, encoded),
@@ -325,6 +329,19 @@ class Origin:
         return f"<Origin {self}>"
 
 
+def _merged_origins(origins):
+    """A dim's Origins with each run of sub-axes that merged_axes merges as one Origin
+    (its first part's, naming the merged axis)."""
+    out, i = [], 0
+    for axis in merged_axes(tuple(o.axis for o in origins)):
+        first, i = origins[i], i + 1
+        while i < len(origins) and overlap(axis, origins[i].axis):  # its other parts
+            i += 1
+        first.axis = axis
+        out.append(first)
+    return out
+
+
 class _Origins:
     """Decodes the core's origin arrays on demand (nothing is done for tensors nobody
     asks about)."""
@@ -342,9 +359,9 @@ class _Origins:
         ref = self._graph.ref(tensor) if isinstance(tensor, str) else tensor
         t = int(self._base[ref.node]) + ref.out
         start = self._dim_start[t]
-        return tuple(self._trace(t, int(self._axes[row, k]))
-                     for row in range(start, start + self._rank[t])
-                     for k in range(self._naxes[row]))
+        return tuple(o for row in range(start, start + self._rank[t])
+                     for o in _merged_origins([self._trace(t, int(self._axes[row, k]))
+                                               for k in range(self._naxes[row])]))
 
     def _trace(self, t, axis):
         """The Origin of mesh axis `axis` of tensor t."""

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import difflib
 
-import numpy as np
-
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Ref
+from gspmd_tf.layout import overlap
 from gspmd_tf.propagation.propagate import LAYERS
 from gspmd_tf.propagation.rules import REPLICATE
 from gspmd_tf.runtime.variables import variable_of_handle
@@ -178,7 +177,6 @@ def _missing_axes(lowered, ref, d, axes, origins, sources):
     """Lines on why dim d of `ref` (holding `axes`) is not split further: a REPLICATE
     factor, or axes a neighbour holds on a factor of dim d that dim d lacks."""
     graph, propagation, mesh = lowered.graph, lowered.propagation, lowered.mesh
-    sizes = dict(zip(mesh.axis_names, mesh.shape))
     lines, seen = [], set(axes)
     for i, rule, own, others in _neighbours(lowered, ref):
         node = graph.nodes[i]
@@ -188,16 +186,16 @@ def _missing_axes(lowered, ref, d, axes, origins, sources):
             continue
         for other, offered in _offers(propagation, own[d], others):
             for axis in offered:
-                if axis in seen:
+                if any(overlap(axis, held) for held in seen):  # held, or part of one held
                     continue
                 seen.add(axis)
                 where = (f"{graph.tensor_name(other)!r} holds {axis!r} on the dim "
                          f"{node.op} {node.name!r} maps to this one")
                 if axis in origins:
                     lines.append(_conflict(lowered, d, axis, origins[axis], other, offered,
-                                           node, sizes, sources, where))
+                                           node, mesh, sources, where))
                 else:
-                    why = _not_carried(axes, offered, own[d], rule, origins, node, sizes)
+                    why = _not_carried(axes, offered, own[d], rule, origins, node, mesh)
                     lines.append(f"- dim {d} lacks {axis!r}: {where}, but {why}.")
     return lines
 
@@ -212,14 +210,14 @@ def _offers(propagation, factors, others):
                     yield other, propagation.layout(other).dims[d2]
 
 
-def _not_carried(axes, offered, factors, rule, origins, node, sizes):
+def _not_carried(axes, offered, factors, rule, origins, node, mesh):
     """Why a free axis a neighbour offered (`offered`, on a shared factor) did not extend
     a dim that holds `axes` (made of `factors` of `rule` at op `node`)."""
     if tuple(offered[:len(axes)]) != tuple(axes):
         text = f"this dim is split over {tuple(axes)}, which that split does not extend"
         last = origins[axes[0]].hops[-1] if origins[axes[0]].num_hops else None
         if last is not None and last.op == node.name:
-            held, other = _ways(axes, sizes), _ways(offered, sizes)
+            held, other = _ways(axes, mesh), _ways(offered, mesh)
             rule_text = ("the larger split wins" if held != other else
                          "on a tie the earlier tensor of the op wins")
             return (f"{text}: {node.op} {node.name!r} chose {tuple(axes)} ({held} ways, "
@@ -233,12 +231,12 @@ def _not_carried(axes, offered, factors, rule, origins, node, sizes):
     return f"propagation did not carry it across this op (its rule: {rule})"
 
 
-def _ways(axes, sizes):
-    """How many ways mesh axes `axes` split a dim."""
-    return int(np.prod([sizes[a] for a in axes]))
+def _ways(axes, mesh):
+    """How many ways mesh axes `axes` (names or SubAxis) split a dim."""
+    return mesh.axes_size(axes)
 
 
-def _conflict(lowered, d, axis, winner, loser_tensor, loser_axes, node, sizes, sources,
+def _conflict(lowered, d, axis, winner, loser_tensor, loser_axes, node, mesh, sources,
               where):
     """Why `axis` went to another dim (`winner`, its Origin) rather than dim d."""
     graph, propagation = lowered.graph, lowered.propagation
@@ -252,7 +250,7 @@ def _conflict(lowered, d, axis, winner, loser_tensor, loser_axes, node, sizes, s
     if last is not None and last.op == node.name:
         won = propagation.layout(graph.ref(last.source)).dims
         won_axes = next(a for a in won if axis in a)
-        won_size, lost_size = _ways(won_axes, sizes), _ways(loser_axes, sizes)
+        won_size, lost_size = _ways(won_axes, mesh), _ways(loser_axes, mesh)
         if won_size != lost_size:
             why = (f"the larger split wins ({won_size} ways, {tuple(won_axes)} on "
                    f"{last.source!r}, against {lost_size} ways)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gspmd_tf.layout import Layout
+from gspmd_tf.layout import Layout, merged_layout, overlap
 from gspmd_tf.propagation.rules import REDUCE, REPLICATE
 from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.program import UNMOVABLE
@@ -98,7 +98,7 @@ def _assign(mesh, rule, sources, kinds=None, start=None, pinned=()):
             if (chosen[f] or not axes or kind == REPLICATE or f in pinned
                     or (kinds and kind not in kinds)):
                 continue
-            if taken[group[f]].isdisjoint(axes):
+            if not any(overlap(a, b) for a in axes for b in taken[group[f]]):
                 chosen[f] = tuple(axes)
                 taken[group[f]].update(axes)
     _keep_sub_factors_exact(mesh, rule, chosen)
@@ -109,8 +109,8 @@ def _reshard_cost(mesh, model, rule, chosen, inputs, targets, node):
     """planner.seconds of a choice on `model`: every operand resharded to its factors' axes,
     every result (partial over the split REDUCE factors) resharded to its target."""
     def layout_of(dims, partial=()):
-        return Layout(tuple(tuple(a for f in fs for a in chosen[f]) for fs in dims), partial,
-                      rule.reduce_op)
+        return merged_layout(Layout(tuple(tuple(a for f in fs for a in chosen[f])
+                                          for fs in dims), partial, rule.reduce_op))
 
     total = 0.0
     for dims, x in zip(rule.operands, inputs):

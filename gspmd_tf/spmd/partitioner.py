@@ -20,7 +20,7 @@ import tensorflow as tf
 from gspmd_tf.cost_model import CostModel
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph, Ref
-from gspmd_tf.layout import Layout
+from gspmd_tf.layout import Layout, merged_layout
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.propagation.propagate import Propagation
 from gspmd_tf.propagation.rules import REDUCE
@@ -84,8 +84,9 @@ class OpContext:
 
     def dims_layout(self, dims_factors, partial=()):
         """The layout whose dims are split over the chosen axes of their factors."""
-        return Layout(tuple(tuple(a for f in fs for a in self.factor_axes[f])
-                            for fs in dims_factors), partial, self.rule.reduce_op)
+        return merged_layout(Layout(tuple(tuple(a for f in fs for a in self.factor_axes[f])
+                                          for fs in dims_factors), partial,
+                                    self.rule.reduce_op))
 
     def split_reduce_axes(self):
         """Axes of the REDUCE factors that are split (the results are partial over them)."""

@@ -16,8 +16,9 @@ collective-permute to a layout with the same shard counts,
 reduce-scatter or all-reduce pending partial sums. The cheapest sequence wins; among equal
 costs, fewer collectives, then fewer steps. Beside the search over whole mesh axes, one
 search per way of cutting an axis of the reshard in two (`_sub_axis_splits`) may find a
-cheaper plan whose steps run over part of an axis (mesh.SubAxis), as XLA's do; layouts
-between plans still name whole axes (docs/DESIGN_LOG.md, "Sub-axis steps"). Shrinking
+cheaper plan whose steps run over part of an axis (mesh.SubAxis), as XLA's do
+(docs/DESIGN_LOG.md, "Sub-axis steps"); where `src` or `dst` names sub-axes, every
+search runs on layouts with those axes cut into parts. Shrinking
 moves cost nothing, so the search slices before it gathers (the order of Shardy's
 collective inserter: slice, permute, all-to-all, all-gather), which also keeps the
 gathered tensors small. On a mesh whose axes run over different links (one spanning
@@ -39,7 +40,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from gspmd_tf.cost_model import CostModel, ring_bytes
-from gspmd_tf.layout import Layout, ceil_div
+from gspmd_tf.layout import (Layout, axis_parts, ceil_div, cut_axes, merged_axes,
+                             merged_layout, sub_axes_of)
 from gspmd_tf.mesh import SubAxis
 
 # The share of a collective's latency the planner counts: a tie-breaker among plans moving
@@ -85,7 +87,7 @@ class _Step:
         named = [a for a in self.group_axes if isinstance(a, SubAxis)]
         if not named:
             return self.move(layout)
-        return _merged(self.move(_cut(layout, named)))
+        return merged_layout(self.move(cut_axes(layout, named)))
 
 
 @dataclass(frozen=True)
@@ -221,60 +223,6 @@ def _set_dims(layout, new):
     return Layout(dims, layout.partial, layout.reduce_op)
 
 
-# ------------------------------------------------------------------------ sub-axes
-
-def _parts(sub_axes):
-    """{axis: its sub-axes, major first}: every whole axis some of `sub_axes` cut, cut at
-    their bounds."""
-    cuts = {}
-    for a in sub_axes:
-        cuts.setdefault((a.axis, a.whole), {1, a.whole}).update((a.pre, a.pre * a.size))
-    parts = {}
-    for (axis, whole), points in cuts.items():
-        points = sorted(points)
-        parts[axis] = tuple(SubAxis(axis, lo, hi // lo, whole)
-                            for lo, hi in zip(points, points[1:]))
-    return parts
-
-
-def _cut(layout, sub_axes):
-    """`layout` with each whole axis that one of `sub_axes` is part of replaced by its
-    parts (in a dim, or pending)."""
-    parts = _parts(sub_axes)
-
-    def cut(axes):
-        return tuple(p for a in axes for p in parts.get(a, (a,)))
-
-    return Layout(tuple(cut(axes) for axes in layout.dims), cut(layout.partial),
-                  layout.reduce_op)
-
-
-def _merged_axes(axes):
-    """`axes` with each run of sub-axes that makes up a whole axis, major to minor,
-    replaced by the axis."""
-    out = []
-    for a in axes:
-        out.append(a)
-        if not isinstance(a, SubAxis) or a.pre * a.size != a.whole:
-            continue
-        # a ends its axis: walk back over the parts before it while they chain
-        start = len(out) - 1
-        while out[start].pre > 1 and start and isinstance(out[start - 1], SubAxis) and \
-                out[start - 1].axis == a.axis and \
-                out[start - 1].pre * out[start - 1].size == out[start].pre:
-            start -= 1
-        if out[start].pre == 1:
-            out[start:] = [a.axis]
-    return tuple(out)
-
-
-def _merged(layout):
-    """`layout` with whole axes for the sub-axes that make them up, in order, in one dim
-    or pending (`_cut` keeps an axis's parts together in that order)."""
-    return Layout(tuple(_merged_axes(axes) for axes in layout.dims),
-                  _merged_axes(layout.partial), layout.reduce_op)
-
-
 # ------------------------------------------------------------------------ cost
 
 @dataclass(frozen=True)
@@ -360,22 +308,32 @@ def _plan(src, dst, shape, itemsize, model):
 
 
 def _candidates(src, dst, shape, itemsize, model):
-    """[(key, steps)]: the cheapest plan over whole mesh axes, then each plan with one of
-    `_sub_axis_splits` that is cheaper than the ones before it (its steps name the whole
-    axis where they take all of it; the last is the cheapest: a tie keeps the earlier);
-    `model` prices the steps and gives the axes' sizes."""
-    sizes = model.axis_sizes
+    """[(key, steps)]: the cheapest plan over the axes the layouts name (whole mesh axes,
+    and sub-axes where a layout names some: then every layout of the search holds that
+    axis cut into parts at their bounds), then each plan with one of `_sub_axis_splits`
+    that is cheaper than the ones before it (its steps name the whole axis where they
+    take all of it; the last is the cheapest: a tie keeps the earlier); `model` prices
+    the steps and gives the axes' sizes."""
+    given = sub_axes_of(src) + sub_axes_of(dst)
+    src, dst = cut_axes(src, given), cut_axes(dst, given)
+    sizes = _cut_sizes(model.axis_sizes, given)
     found = [_search(src, dst, _Space(shape, itemsize, sizes, dst), model)]
     for parts in _sub_axis_splits(src, dst, sizes):
-        cut_sizes = {a: n for a, n in sizes.items() if a != parts[0].axis}
-        cut_sizes.update((p, p.size) for p in parts)
-        cut_dst = _cut(dst, parts)
-        cheaper = _search(_cut(src, parts), cut_dst,
-                          _Space(shape, itemsize, cut_sizes, cut_dst), model,
+        cut_dst = cut_axes(dst, parts)
+        cheaper = _search(cut_axes(src, parts), cut_dst,
+                          _Space(shape, itemsize, _cut_sizes(sizes, parts), cut_dst), model,
                           bound=found[-1][0])
         if cheaper is not None:
-            found.append((cheaper[0], tuple(_whole_axes(step) for step in cheaper[1])))
-    return found
+            found.append(cheaper)
+    return [(key, tuple(_whole_axes(step) for step in steps)) for key, steps in found]
+
+
+def _cut_sizes(sizes, sub_axes):
+    """{axis: devices} with each axis `sub_axes` cut replaced by its parts."""
+    parts = axis_parts(sub_axes)
+    out = {a: n for a, n in sizes.items() if a not in parts}
+    out.update((p, p.size) for axis in parts.values() for p in axis)
+    return out
 
 
 def _sub_axis_splits(src, dst, sizes):
@@ -385,7 +343,7 @@ def _sub_axis_splits(src, dst, sizes):
     places with that axis in a permute, and the minor part move or be gathered alone, as
     XLA does (P(data, model) -> P(model, data) on 2x4: an all-to-all over model's minor
     half, then a permute trading data and model's major half)."""
-    used = sorted(set(src.used_axes) | set(dst.used_axes))
+    used = sorted({a for a in src.used_axes + dst.used_axes if isinstance(a, str)})
     seen = set()
     for x in used:
         for y in used:
@@ -398,11 +356,11 @@ def _sub_axis_splits(src, dst, sizes):
 def _whole_axes(step):
     """`step` naming whole axes where it names all parts of one, in order."""
     if isinstance(step, CollectivePermute):
-        return replace(step, dims=tuple((d, _merged_axes(axes)) for d, axes in step.dims))
+        return replace(step, dims=tuple((d, merged_axes(axes)) for d, axes in step.dims))
     if isinstance(step, AllToAll):
-        step = replace(step, also=tuple((_merged_axes(axes), d1, d2)
+        step = replace(step, also=tuple((merged_axes(axes), d1, d2)
                                         for axes, d1, d2 in step.also))
-    return replace(step, axes=_merged_axes(step.axes))
+    return replace(step, axes=merged_axes(step.axes))
 
 
 def _search(src, dst, space, model, bound=None):
