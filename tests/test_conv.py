@@ -398,7 +398,15 @@ def test_random_windowed_with_gradients(op, kernel, stride, padding, h, w, spec,
             tape.watch([x, f])
             loss = tf.reduce_sum(tf.square(forward(x, f)))
         return tape.gradient(loss, [x, f])
-    low = check_partitioned(fn, (x, f), mesh, (spec, None))
+    def in_float64(x, f):
+        # the reference: TF's oneDNN float32 kernels inside a tf.function give a wrong
+        # filter gradient for a 1x1 convolution of stride 2 (94 off where float64 and
+        # eager TF agree to 2e-5: TF_ENABLE_ONEDNN_OPTS=1, TF 2.21), so one device runs
+        # in float64 (Eigen's kernels), as the partitioned float32 program must match
+        return [tf.cast(t, tf.float32) for t in tf.nest.flatten(
+            fn(tf.cast(x, tf.float64), tf.cast(f, tf.float64)))]
+    low = check_partitioned(fn, (x, f), mesh, (spec, None),
+                            reference=in_float64 if op == "conv" else None)
     assert low.program.replicated_ops == []
 
 
