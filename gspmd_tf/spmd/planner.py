@@ -12,12 +12,11 @@ Search: Dijkstra over layouts, from `src` to `dst`, with moves that each keep ev
 exact, uneven dims included (see `nests`): slice axes into a dim locally, gather a dim's
 minor axes, all-to-all a dim's minor axes onto another dim (one collective over several
 axes when they move together, and over several dims' when they move at once),
-collective-permute to a layout with the same shard counts,
-reduce-scatter or all-reduce pending partial sums. The cheapest sequence wins; among equal
-costs, fewer collectives, then fewer steps. Beside the search over whole mesh axes, one
-search per way of cutting an axis of the reshard in two (`_sub_axis_splits`) may find a
-cheaper plan whose steps run over part of an axis (mesh.SubAxis), as XLA's do
-(docs/DESIGN_LOG.md, "Sub-axis steps"); where `src` or `dst` names sub-axes, every
+collective-permute to a layout with the same shard counts, reduce-scatter or all-reduce
+pending partial sums. The cheapest sequence wins; among equal costs, fewer collectives,
+then fewer steps. One more search per way of cutting an axis of the reshard in two
+(`_sub_axis_splits`) may find a cheaper plan over parts of an axis (mesh.SubAxis), as
+XLA's (docs/DESIGN_LOG.md, "Sub-axis steps"); where `src` or `dst` names sub-axes, every
 search runs on layouts with those axes cut into parts. Shrinking
 moves cost nothing, so the search slices before it gathers (the order of Shardy's
 collective inserter: slice, permute, all-to-all, all-gather), which also keeps the
