@@ -2,6 +2,10 @@
 their three spatial dims: halo exchange (collective-permutes) gives single-device
 values, as for the 2-D ops (test_conv.py)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import tensorflow as tf
 
@@ -9,6 +13,7 @@ import gspmd_tf as gt
 from util import check_partitioned, randn
 
 P = gt.P
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +146,33 @@ def test_pool3d_one_dim_split_over_eight(mesh8, rng):
     x, w = randn(rng, 1, 4, 19, 4, 2), randn(rng, 2)
     check_partitioned(_grads(_pool("max", [2, 3, 2], [1, 2, 1], "SAME")), (x, w), mesh8,
                       (P(None, None, "s"), None))
+
+
+_LOWEST_PAD_CHECK = """
+import numpy as np, tensorflow as tf
+import gspmd_tf as gt
+gt.configure_cpu_devices(2)
+x = np.ones((1, 5, 1, 1, 3), np.float32)
+x[0, 1, 0, 0, 2], x[0, 2, 0, 0, 2], x[0, 3, 0, 0, 1] = -np.inf, np.nan, np.inf
+fn = lambda x: tf.nn.max_pool3d(x, [1, 2, 2], 1, "SAME")
+want = fn(x).numpy()
+assert (want == np.finfo(np.float32).min).sum() == 2, want
+got = gt.function(fn, mesh=gt.Mesh.create((2,), ("a",)), in_shardings=(gt.P(None, "a"),))
+np.testing.assert_array_equal(got(x).numpy(), want)
+"""
+
+
+def test_max_pool3d_pads_windows_with_lowest_float_as_tf_eigen_kernel():
+    """TF's Eigen MaxPool3D pads SAME windows with the lowest finite float, not -inf: a
+    window of -inf (or NaN) and padding gives -3.4e38 where the window alone gives -inf
+    (fuzzer seed 58 #2085, #3699). The windows a split dim pads equal it. Run with
+    TF_ENABLE_ONEDNN_OPTS=0 in a fresh process: the suite's oneDNN kernel gives -3.4e38
+    for a VALID window of -inf too, so it cannot tell the padding values apart."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-c", _LOWEST_PAD_CHECK], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("user_pad", [False, True])

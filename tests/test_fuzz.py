@@ -71,6 +71,19 @@ def test_mismatch_of_tf_kernel_choice_is_checked_against_eigen_kernels():
     assert result["status"] == "pass" and "Eigen kernels" in result["detail"]
 
 
+@pytest.mark.long
+def test_mismatch_only_with_eigen_conv3d_filter_gradient_passes_on_onednn_kernels(
+        monkeypatch):
+    """Seed 58 #1953: Eigen's Conv3DBackpropFilter gives NaN from an Inf in input rows the
+    stride skips (0 * Inf), oneDNN's and gspmd-tf's windows (which never read them) finite
+    values. With Eigen's kernels as the workers' default (as on AMD EPYC; the suite asks
+    for oneDNN's) the driver passes it as equal to single-device TF with oneDNN's."""
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")  # the workers inherit it
+    result = run_programs({1953: generate(58, 1953)}, jobs=1, batch=1, timeout=120,
+                          collective_timeout=30)[1953]
+    assert result["status"] == "pass" and "oneDNN kernels" in result["detail"], result
+
+
 def test_reference_values_survive_encoding():
     import numpy as np
     import tensorflow as tf

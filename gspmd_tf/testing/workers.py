@@ -185,25 +185,32 @@ def blame_reference(program, timeout, collective_timeout, runs=BLAME_RUNS):
     return reference["detail"]
 
 
-# TF's CPU kernels without oneDNN (Eigen's): TF's documented switch, read at import.
+# TF's CPU kernels without oneDNN (Eigen's) and with them: TF's documented switch, read
+# at import (its default depends on the CPU: off on AMD EPYC).
 EIGEN_KERNELS = {"TF_ENABLE_ONEDNN_OPTS": "0"}
+KERNEL_SETS = {"Eigen": EIGEN_KERNELS, "oneDNN": {"TF_ENABLE_ONEDNN_OPTS": "1"}}
 
 
-def equals_eigen_reference(program, worker):
-    """Whether gspmd-tf's program (run by `worker`, TF's default kernels) equals
-    single-device TF run with its Eigen kernels. Then single-device TF's own result
-    depends on its kernel choice, and a mismatch says nothing about gspmd-tf: seed 27
-    #9392, float32 lowest * 1.03 + 2.7e38 in one matmul, is -1.26e38 with oneDNN's fused
-    multiply-adds but -Inf with Eigen's kernels, and with any split of the contraction
-    (XLA's GSPMD gives -Inf too; benchmarks/RESULTS.md §6)."""
-    eigen = Worker(worker.timeout, worker.collective_timeout, env=EIGEN_KERNELS)
-    try:
-        values = eigen.run(program, part="reference_values")
-    finally:
-        eigen.stop()
-    if values["status"] != "pass":
-        return False
-    return worker.run(program, reference=values["detail"])["status"] == "pass"
+def equal_kernel_reference(program, worker):
+    """The name of a CPU kernel set (KERNEL_SETS) with which single-device TF's values
+    equal gspmd-tf's program's (run by `worker`, TF's default kernels), or None. Then
+    single-device TF's own result depends on its kernel choice, and a mismatch says
+    nothing about gspmd-tf: seed 27 #9392, float32 lowest * 1.03 + 2.7e38 in one matmul,
+    is -1.26e38 with oneDNN's fused multiply-adds but -Inf with Eigen's kernels, and with
+    any split of the contraction (XLA's GSPMD gives -Inf too; benchmarks/RESULTS.md §6);
+    seed 58 #1953, Eigen's Conv3DBackpropFilter multiplies an Inf in input rows a stride
+    skips by 0 (NaN in the filter gradient) where oneDNN's, XLA's and the same gradient
+    with those rows zeroed or cut give finite values."""
+    for name, env in KERNEL_SETS.items():
+        other = Worker(worker.timeout, worker.collective_timeout, env=env)
+        try:
+            values = other.run(program, part="reference_values")
+        finally:
+            other.stop()
+        if (values["status"] == "pass"
+                and worker.run(program, reference=values["detail"])["status"] == "pass"):
+            return name
+    return None
 
 
 def run_batch(programs, timeout, collective_timeout, report):
@@ -226,10 +233,12 @@ def run_batch(programs, timeout, collective_timeout, report):
                         f"{BLAME_RUNS} runs of its reference; gspmd-tf's program alone "
                         f"does not): " + result["detail"]))
                 ran = [] if crashed else ran + [(index, program)]
-            elif result["status"] == "mismatch" and equals_eigen_reference(program, worker):
+            elif result["status"] == "mismatch" and (
+                    kernels := equal_kernel_reference(program, worker)):
                 result = dict(result, status="pass", detail=(
-                    "equals single-device TF with its Eigen kernels (TF_ENABLE_ONEDNN_OPTS=0; "
-                    "its oneDNN kernels differ): " + result["detail"]))
+                    f"equals single-device TF with its {kernels} kernels "
+                    f"({KERNEL_SETS[kernels]}; its default kernels differ): "
+                    + result["detail"]))
                 ran.append((index, program))
             elif result["status"] == "hang":
                 again = run_fresh([program], 2 * timeout, collective_timeout)

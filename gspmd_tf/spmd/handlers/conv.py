@@ -5,7 +5,8 @@ ReshardAsWindowedInput): a spatial dim of the input x split over mesh axes A giv
 result dim split over A, shard i computing the W = ceil(windows / k) windows
 [i*W, (i+1)*W); the range of x they read comes in through halo exchanges with the
 neighbours (windows.py: extend_and_slice), its elements outside [0, n) set to the op's
-padding value (0 for convolutions, -inf for max pooling; windows.mask_edges).
+padding value (0 for convolutions, the lowest finite float for max pooling as TF;
+windows.mask_edges).
 The local op then runs with VALID padding on the window and yields exactly its W
 results. Dims that are not split keep the op's own padding (EXPLICIT padding with those
 dims' amounts) where the op takes explicit padding, else go through the same steps with
@@ -148,8 +149,7 @@ def windowed_forward(ctx, operands, layouts):
     x, plans = prepare_input(ctx, operands, 0, geo, lambda s: y_layout.dims[s.y_dim])
     plans, attrs = _local_padding(params.explicit_padding, plans)
     refs = masked_refs(ctx, [x] + list(operands[1:]))  # split in-channels -> zeros
-    reduce = "max" if params.pooling == "max" else "sum"  # its identity pads the window
-    fill = identity_of(reduce, x.dtype)
+    fill = _pool_fill(params.pooling, x.dtype)
     window = mask_edges(b, extend_and_slice(b, refs[0], plans, lambda dp: dp.s.x_dim),
                         plans, fill)
     window, attrs = _one_window_unstrided(ctx, geo, window, attrs, layouts)
@@ -157,6 +157,20 @@ def windowed_forward(ctx, operands, layouts):
     if params.pooling == "avg":
         out = [_avg_counts(ctx, out[0], plans)]
     return out
+
+
+def _pool_fill(pooling, dtype):
+    """The value a forward windowed op's window is padded with: TF's own padding value,
+    0 for convolutions and average pools, the lowest finite float for float max pools
+    (TF's SAME MaxPool3D pads with it, not -inf: a window of -inf and padding gives
+    -3.4e38 in float32 where VALID gives -inf, fuzzer seed 58 #2085 and #3699; its
+    MaxPool gives at least that value everywhere). Integer max pools pad with the
+    dtype's minimum."""
+    if pooling != "max":
+        return identity_of("sum", dtype)
+    if dtype.is_floating:
+        return dtype.as_numpy_dtype(dtype.min)
+    return identity_of("max", dtype)
 
 
 def _one_window_unstrided(ctx, geo, ref, attrs, layouts):
