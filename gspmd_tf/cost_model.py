@@ -67,10 +67,11 @@ CROSS_WORKER = Link(latency=2.5e-3, bandwidth=2.0 ** 26)
 MULTIPLY_ADDS_PER_SECOND = 1.1e10
 KERNEL_SECONDS = 1.1e-5
 # Bytes an op without multiply-adds (elementwise, data movement) reads and writes per
-# second (registry.bytes_touched): an elementwise add of 16 MiB vectors moved 1.27x as
-# many bytes per second as a 1024^3 matmul did multiply-adds, in one run of
-# benchmarks/kernel_rates.py (RESULTS §17.1; a transpose 0.12x, a copied slice more).
-MEMORY_BYTES_PER_SECOND = 1.27 * MULTIPLY_ADDS_PER_SECOND
+# second (registry.bytes_touched): an elementwise add of 16 MiB vectors moved 0.31x and
+# 0.39x as many bytes per second as a 1024^3 matmul did multiply-adds, in two runs of
+# benchmarks/kernel_rates.py at load ~2 (RESULTS §17.1; a transpose 0.07x, a copied
+# slice 0.6x: one memory rate is a simplification).
+MEMORY_BYTES_PER_SECOND = 0.35 * MULTIPLY_ADDS_PER_SECOND
 # XLA:CPU's compiled segments, against TF's oneDNN kernels on the same devices (RESULTS
 # §14.9, §14.11): the FFN train steps, whose time is their dots, ran 1.4-1.67x slower
 # under XLA at widths 64-256 (2.1x at 512): dots at 1/1.5 of TF's rate; the ResNet50 step
