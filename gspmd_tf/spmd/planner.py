@@ -43,11 +43,9 @@ from gspmd_tf.layout import (Layout, axis_parts, ceil_div, cut_axes, merged_axes
                              merged_layout, sub_axes_of)
 from gspmd_tf.mesh import SubAxis
 
-# The share of a collective's latency the planner counts: a tie-breaker among plans moving
-# about the same bytes. XLA picks reshards by bytes, and its choices are the reference
-# (tests/test_xla_match.py) at shapes of a few KiB, where the whole latency (256 KiB of
-# intra-process bandwidth) would rank plans by their count of collectives alone. 2^-8 of
-# it is 1 KiB: on one process's mesh, plans rank exactly as by bytes + 1 KiB each.
+# The share of a collective's latency the planner counts, a tie-breaker: XLA ranks
+# reshards by bytes (its choices, tests/test_xla_match.py, are at a few KiB, where the whole
+# latency would rank plans by their count alone); 2^-8 of it is 1 KiB per collective.
 LATENCY_WEIGHT = 2.0 ** -8
 # the most single-dim all-to-alls the search joins into one (each joined set is a move)
 _MAX_JOINED = 3
