@@ -17,12 +17,10 @@ pending partial sums. The cheapest sequence wins; among equal costs, fewer colle
 then fewer steps. One more search per way of cutting an axis of the reshard in two
 (`_sub_axis_splits`) may find a cheaper plan over parts of an axis (mesh.SubAxis), as
 XLA's (docs/DESIGN_LOG.md, "Sub-axis steps"); where `src` or `dst` names sub-axes, every
-search runs on layouts with those axes cut into parts. Shrinking
-moves cost nothing, so the search slices before it gathers (the order of Shardy's
-collective inserter: slice, permute, all-to-all, all-gather), which also keeps the
-gathered tensors small. On a mesh whose axes run over different links (one spanning
-workers), the same bytes cost more on the slower axis, so plans keep traffic on the fast
-axes where they can.
+search runs on layouts with those axes cut into parts. Shrinking moves cost nothing, so
+the search slices before it gathers (Shardy's order: slice, permute, all-to-all,
+all-gather), keeping gathered tensors small. Where axes run over different links (one
+spanning workers), the same bytes cost more on the slower one: plans keep to fast axes.
 
 Uneven dims: a dim of n split k ways has shards of ceil(n / k) elements, shard i holding
 [i * ceil(n/k), (i + 1) * ceil(n/k)) of the global dim and arbitrary padding past n.
