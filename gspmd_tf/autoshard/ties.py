@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from gspmd_tf.disjoint_sets import DisjointSets
 from gspmd_tf.graph.ir import Graph
 from gspmd_tf.propagation.oprule import PASS
 
@@ -20,14 +21,7 @@ from gspmd_tf.propagation.oprule import PASS
 def tied_inputs(graph: Graph, rules: Sequence, auto_nodes: Sequence[int]) -> dict:
     """{AUTO input node: the first AUTO input node (in `auto_nodes` order) of its
     element-wise component} for every AUTO input tied to an earlier one."""
-    parent = list(range(len(graph.nodes)))
-
-    def find(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    sets = DisjointSets()
     for i, node in enumerate(graph.nodes):
         rule = rules[i]
         if rule is None or node.regions or len(node.out_shapes) != 1 or \
@@ -36,12 +30,10 @@ def tied_inputs(graph: Graph, rules: Sequence, auto_nodes: Sequence[int]) -> dic
         shape = tuple(node.out_shapes[0])
         for ref in node.inputs:
             if tuple(graph.shape(ref)) == shape and graph.dtype(ref) == node.out_dtypes[0]:
-                a, b = find(ref.node), find(i)
-                if a != b:
-                    parent[a] = b
+                sets.union(i, ref.node)
     first, ties = {}, {}
     for i in auto_nodes:
-        leader = first.setdefault(find(i), i)
+        leader = first.setdefault(sets.find(i), i)
         if leader != i:
             ties[i] = leader
     return ties

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from gspmd_tf.disjoint_sets import DisjointSets
 from gspmd_tf.graph.ir import Ref, walk
 
 _VARIANT = frozenset({tf.variant})
@@ -61,33 +62,13 @@ def _made_with(graph, node, index):
     return None
 
 
-class _Families:
-    """Union-find over (graph id, Ref) of variant tensors."""
-
-    def __init__(self):
-        self.parent = {}
-
-    def find(self, key):
-        root = key
-        while self.parent.get(root, root) != root:
-            root = self.parent[root]
-        while key != root:  # path compression
-            self.parent[key], key = root, self.parent.get(key, key)
-        return root
-
-    def union(self, a, b):
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[rb] = ra
-
-
 def infer_element_shapes(graph):
     """Give every TensorList tensor of `graph` and its regions its element shape (see
     the module); returns `graph`."""
     # most programs have no lists: one quick scan (set look-ups, not DType.__eq__)
     if all(_VARIANT.isdisjoint(node.out_dtypes) for node in walk(graph)):
         return graph
-    families, evidence, tensors = _Families(), [], []
+    families, evidence, tensors = DisjointSets(), [], []
     _collect(graph, families, evidence, tensors)
     shapes = {}
     for key, shape in evidence:

@@ -19,6 +19,8 @@ import string
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from gspmd_tf.disjoint_sets import DisjointSets
+
 if TYPE_CHECKING:  # (importing gspmd_tf.graph runs the importer, which reads the registry)
     from gspmd_tf.graph.ir import Graph, Node
 
@@ -66,18 +68,12 @@ class OpRule:
         factors is one group (its results are all partial over them)."""
         if REDUCE in self.factor_kinds or not self.factor_sizes:
             return None
-        group = list(range(len(self.factor_sizes)))
-
-        def root(f):
-            while group[f] != f:
-                group[f] = group[group[f]]
-                f = group[f]
-            return f
+        sets = DisjointSets()
         for dims in list(self.operands) + list(self.results):
             held = [f for fs in dims or () for f in fs]
             for f in held[1:]:
-                group[root(f)] = root(held[0])
-        roots = [root(f) for f in range(len(group))]
+                sets.union(held[0], f)
+        roots = [sets.find(f) for f in range(len(self.factor_sizes))]
         return roots if len(set(roots)) > 1 else None
 
     def add_factor(self, size: int, kind: int = PASS) -> int:
