@@ -27,8 +27,8 @@ no stage keeps an op-type list of its own):
                      convolutions; 0 for ops without one: see multiply_adds)
   bytes_touched      cost(node, in_shapes, in_dtypes) -> the bytes the op reads and
                      writes in memory; None (the default): every operand and result once
-                     (see bytes_touched). A view (Reshape, Identity) touches none, a slice
-                     or gather what it copies (read_result_bytes)
+                     (see bytes_touched); a VIEW op none, a slice or gather what it
+                     copies (read_result_bytes)
   xla_numerics       differs(node, operand_dtype) -> why XLA computes other values than
                      TF's kernel for this instance (NaN ordering, integer division by
                      zero, other random numbers, a kernel XLA:CPU gets wrong), or None:
@@ -39,7 +39,9 @@ no stage keeps an op-type list of its own):
                      READS_VARIABLE (reads only the variable behind its resource input),
                      ASSIGNS_VARIABLE (sets the variable of its first input to a value
                      computed from its other operands), VALUE_SHAPED (its output shape
-                     depends on its input values: the importer defers it to graph.fold)
+                     depends on its input values: the importer defers it to graph.fold),
+                     VIEW (its result is its first operand's value, at most reshaped: it
+                     moves no data, and a backend need not run it where the shapes agree)
 What one runtime's kernels need of an op (a layout, a sliced input) is that backend's
 legalization table, keyed by op type (gspmd_tf/backends/tf_kernels.py), not the entry.
 
@@ -81,7 +83,8 @@ CONVOLUTION = "convolution"
 READS_VARIABLE = "reads_variable"
 ASSIGNS_VARIABLE = "assigns_variable"
 VALUE_SHAPED = "value_shaped"
-TRAITS = frozenset({DOT, CONVOLUTION, READS_VARIABLE, ASSIGNS_VARIABLE, VALUE_SHAPED})
+VIEW = "view"
+TRAITS = frozenset({DOT, CONVOLUTION, READS_VARIABLE, ASSIGNS_VARIABLE, VALUE_SHAPED, VIEW})
 
 
 @dataclass(frozen=True)
@@ -316,17 +319,14 @@ def dense_bytes(shape, dtype) -> int:
 
 def bytes_touched(node, in_shapes: Sequence, in_dtypes: Sequence) -> int:
     """The bytes `node` reads and writes in memory: its entry's cost function when it
-    declares one, else every operand and result once."""
-    cost = op_def(node.op).bytes_touched
-    if cost is not None:
-        return int(cost(node, in_shapes, in_dtypes))
+    declares one, none for a VIEW op, else every operand and result once."""
+    entry = op_def(node.op)
+    if entry.bytes_touched is not None:
+        return int(entry.bytes_touched(node, in_shapes, in_dtypes))
+    if VIEW in entry.traits:
+        return 0
     return (sum(dense_bytes(s, d) for s, d in zip(in_shapes, in_dtypes))
             + sum(dense_bytes(s, d) for s, d in zip(node.out_shapes, node.out_dtypes)))
-
-
-def view(node, in_shapes, in_dtypes) -> int:
-    """A bytes_touched function: none (the result shares its operand's buffer)."""
-    return 0
 
 
 def read_result_bytes(node, in_shapes, in_dtypes) -> int:

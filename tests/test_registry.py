@@ -202,11 +202,11 @@ def test_a_registered_op_declares_its_whole_contract(own_table):
     count = lambda node, in_shapes: 7  # noqa: E731
     why = registry.on_floats("a custom kernel XLA rounds otherwise")
     gt.register_op("CumulativeLogsumexp", rule="ij->ij", replay=True, stateful=False,
-                   multiply_adds=count, bytes_touched=registry.view, xla_numerics=why,
-                   traits=[registry.DOT])
+                   multiply_adds=count, bytes_touched=registry.read_result_bytes,
+                   xla_numerics=why, traits=[registry.DOT])
     entry = registry.op_def("CumulativeLogsumexp")
     assert (entry.stateful, entry.multiply_adds, entry.bytes_touched, entry.xla_numerics) == (
-        False, count, registry.view, why)
+        False, count, registry.read_result_bytes, why)
     assert registry.has_trait("CumulativeLogsumexp", registry.DOT)
     matmul_count = registry.op_def("MatMul").multiply_adds
     gt.register_op("MatMul", rule="ik,kj->ij", replay=True, override=True)

@@ -21,6 +21,7 @@ from gspmd_tf.backends import base, collective_emitters, collectives, ordering, 
     region_emitter, replicas, schedule
 from gspmd_tf.backends.tf_kernels import identity, on_cpu, set_shapes, tf_op_emitter
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.registry import VIEW, has_trait
 
 
 def cpu_replica_classes(program, mesh):
@@ -218,18 +219,18 @@ class DeviceEmitter:
 
     def _passes_through(self, program, index):
         """Whether node `index` may be left out, its consumers reading its first input:
-        an Identity-like op or a Reshape to the local shape its input has, of a dense
+        a VIEW op (registry) of one result with its input's local shape, of a dense
         value (not a handle, whose identities ordering.py resolves), that waits for
         nothing and that nothing waits for (orders_state: the program says which)."""
         node = program.nodes[index]
-        if node.op not in _PASS_THROUGH or self.ordering is None or node.control_inputs \
+        if not has_trait(node.op, VIEW) or len(node.out_shapes) != 1 or not node.inputs \
+                or self.ordering is None or node.control_inputs \
                 or index in self.controlling or index in self.ordering.must_run:
             return False
         source = node.inputs[0]
         if program.dtype(source) in (tf.resource, tf.variant):
             return False
-        return node.op != "Reshape" or \
-            tuple(program.shape(source)) == tuple(node.out_shapes[0])
+        return tuple(program.shape(source)) == tuple(node.out_shapes[0])
 
     def _sources(self, node, index):
         """sources[d]: the device whose copy of `node` (node `index` of the program)
@@ -272,10 +273,6 @@ class DeviceEmitter:
         if node.regions:
             return region_emitter.region_op(self, node)
         return tf_op_emitter(node, self.devices)
-
-
-# ops whose output is their first input (a Reshape: when the local shapes agree)
-_PASS_THROUGH = frozenset({"Identity", "StopGradient", "Snapshot", "Reshape"})
 
 
 def _const_key(node):

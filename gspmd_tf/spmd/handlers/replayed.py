@@ -13,8 +13,8 @@ from __future__ import annotations
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import batched
 from gspmd_tf.registry import (ASSIGNS_VARIABLE, FOLD_SHAPE, FOLD_VALUES, INTEGER_DIVISION,
-                               NAN_ORDER, READS_VARIABLE, VALUE_SHAPED, ZERO_GRADIENT, declare,
-                               on_floats, on_integers, read_result_bytes, view)
+                               NAN_ORDER, READS_VARIABLE, VALUE_SHAPED, VIEW, ZERO_GRADIENT,
+                               declare, on_floats, on_integers, read_result_bytes)
 
 UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
 Floor Identity Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike Reciprocal
@@ -117,10 +117,11 @@ declare(["Div", "FloorDiv", "TruncateDiv", "FloorMod", "TruncateMod", "Mod"],
         xla_numerics=on_integers(INTEGER_DIVISION))
 
 # ---------------------------------------------------------------- flags of ops in general
-# what ops touch in memory, for the cost model (others: every operand and result once):
-# TF's views share their operand's buffer; slices and gathers copy only what they keep
+# ops whose result is their first operand's value (VIEW: no data moves, so the cost model
+# counts no bytes and a backend need not run one whose local shape is its operand's);
+# slices and gathers copy only what they keep (others: every operand and result once)
 declare(["Reshape", "Identity", "Squeeze", "ExpandDims", "StopGradient", "PreventGradient",
-         "EnsureShape", "IdentityN"], bytes_touched=view)
+         "Snapshot", "EnsureShape", "IdentityN"], traits=[VIEW])
 declare(["Slice", "StridedSlice", "GatherV2", "GatherNd", "ResourceGather", "ResourceGatherNd",
          "Split", "SplitV", "Unpack"], bytes_touched=read_result_bytes)
 # shape ops graph.fold turns into constants from their inputs' static shapes
