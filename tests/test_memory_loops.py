@@ -46,3 +46,19 @@ def test_loop_body_intermediates_count_while_it_runs():
         return tf.while_loop(lambda i, x: i < 3, body, (0, x))[1]
     x = np.ones((ROWS, COLS), np.float32)
     assert _peak(f, x, specs=(P("data"),)) >= 64 * (ROWS // 4) * COLS * 4
+
+
+def test_loop_results_are_its_last_iteration_values_not_counted_twice():
+    # While the loop runs, its carried value lives once as the operand (or the previous
+    # iteration's result) and once as the value the iteration makes; the loop's results
+    # are that last value, not a third buffer beside them.
+    def f(x):
+        carried = tf.tile(x, [1, 8])  # per device [4, 256] float32: 4,096 bytes
+        result = tf.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * 2.0),
+                               (0, carried))[1]
+        return tf.reduce_sum(result, axis=1)
+    x = np.ones((ROWS, COLS), np.float32)
+    memory = gt.lower(f, _MESH, (P("data"),), args=(x,)).memory()
+    carried = (ROWS // 4) * COLS * 8 * 4
+    assert 2 * carried <= memory.peak - memory.arguments - memory.outputs < 3 * carried, \
+        memory

@@ -18,6 +18,7 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 from gspmd_tf.graph.tensor_lists import LIST_IN_OUT
+from gspmd_tf.registry import VIEW, has_trait
 from gspmd_tf.runtime.variables import variable_of_handle
 
 _WHILE_OPS = ("While", "StatelessWhile")
@@ -136,28 +137,50 @@ def _list_capacity(graph, ref):
 def _intermediates_peak(graph, pinned):
     """(peak, timeline): the peak bytes of the values `graph` makes, and the live bytes
     while each of its nodes runs, the values live from their op to their last consumer
-    in program order; a control-flow op adds its largest region's own peak while it runs
-    (a loop body's intermediates of one iteration; what iterations keep for later is in
-    the loop's list results). pinned: the graph's inputs and outputs are counted by the
-    caller (a region's parameters are its op's operands, counted in the parent)."""
-    skip = {r.node for r in graph.inputs} | ({r.node for r in graph.outputs} if pinned
-                                             else set())
+    in program order. A view (registry VIEW: Identity, Reshape, ...) is its operand's
+    buffer, as TF forwards it: it holds no bytes of its own and keeps its operand alive
+    as long as it is read. A control-flow op adds its largest region's own peak while it
+    runs (a loop body's intermediates of one iteration; what iterations keep for later
+    is in the loop's list results); its dense results are its regions' last values, so
+    they count only once it has run, its lists (filled as it runs) throughout. pinned:
+    the graph's inputs and outputs are counted by the caller (a region's parameters are
+    its op's operands, counted in the parent)."""
+    buffer = list(range(len(graph.nodes)))  # the node whose buffer each node's value is
+    for i, node in enumerate(graph.nodes):
+        if _is_view(graph, node):
+            buffer[i] = buffer[node.inputs[0].node]
+    skip = {r.node for r in graph.inputs}
+    if pinned:
+        skip |= {buffer[r.node] for r in graph.outputs} | {r.node for r in graph.outputs}
     last_use = {}
     for i, node in enumerate(graph.nodes):
         for ref in node.inputs:
-            last_use[ref.node] = i
+            last_use[buffer[ref.node]] = i
     frees = {}
     for i in range(len(graph.nodes)):  # a value nothing reads is freed where it is made
-        frees.setdefault(last_use.get(i, i), []).append(i)
-    sizes = [0 if i in skip else sum(_value_bytes(graph, node, k)
-                                     for k in range(len(node.out_shapes)))
+        frees.setdefault(max(last_use.get(i, i), i), []).append(i)
+    sizes = [0 if i in skip or buffer[i] != i else
+             sum(_value_bytes(graph, node, k) for k in range(len(node.out_shapes)))
              for i, node in enumerate(graph.nodes)]
     live, timeline = 0, []
     for i, node in enumerate(graph.nodes):
-        live += sizes[i]
         running = max((_intermediates_peak(region, pinned=False)[0]
                        for region in node.regions), default=0)
-        timeline.append(live + running)
+        filled = sum(_value_bytes(graph, node, k) for k, dtype in enumerate(node.out_dtypes)
+                     if dtype == tf.variant) if running and sizes[i] else 0
+        timeline.append(max(live + sizes[i], live + filled + running))
+        live += sizes[i]
         for producer in frees.get(i, ()):
             live -= sizes[producer]
     return max(timeline, default=0), timeline
+
+
+def _is_view(graph, node):
+    """Whether `node` is a VIEW op whose one dense result has its first operand's bytes
+    (TF hands the operand's buffer on)."""
+    if not has_trait(node.op, VIEW) or len(node.out_shapes) != 1 or not node.inputs:
+        return False
+    source = node.inputs[0]
+    dtype = node.out_dtypes[0]
+    return dtype not in (tf.resource, tf.variant) and graph.dtype(source) == dtype and \
+        _bytes(graph.shape(source), dtype) == _bytes(node.out_shapes[0], dtype)
