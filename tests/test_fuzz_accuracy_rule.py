@@ -75,6 +75,20 @@ def test_overflow_rule_excuses_only_disputed_non_finite_kinds():
                          exact=exact if exact is None else np.array(exact))
 
 
+def test_a_finite_value_of_the_float64_program_passes_where_tf_overflowed():
+    """Seed 80 #401: TF's float16 product of 72 exp values overflows to +Inf in its own
+    order; the float64 program and ours (multiplied in float64, rounded once) give
+    8.3e-7. A finite value off the float64 program's, or one where the float64
+    program overflows too, is still a mismatch."""
+    inf = np.inf
+    exact = np.array([8.344650268554688e-07])
+    check_values(np.float16(exact), np.float16([inf]), "prod", "float16", exact=exact)
+    for ours, exact in (([1e-6], [8.344650268554688e-07]), ([1.0], [inf])):
+        with pytest.raises(Mismatch):
+            check_values(np.float16(ours), np.float16([inf]), "prod", "float16",
+                         exact=np.array(exact))
+
+
 def test_exp_rounding_rule_scales_with_its_argument():
     """Seed 29 #8498: exp of about 79 turns 1.3 and 3 units of float32 rounding of the
     argument into relative errors 1.24e-5 (TF) and 2.76e-5 (gspmd-tf) against the float64
