@@ -39,9 +39,12 @@ as f(1) + (layers - 1) x (f(2) - f(1)). Collective bytes and the weight, argumen
 output bytes are linear in the layers, so that is exact for them; the peak is gspmd-tf's
 live-range estimate (Lowered.memory(), program order), scaled the same way.
 
-Reported per device: weight bytes (its shards of the weights), the estimated peak, and
-the bytes of all collective operands per step (Lowered.collectives(): each collective
-counts one device's operand), split by kind.
+Reported per device: weight bytes (its shards of the weights), the estimated peak, the
+bytes of all collective operands per step (Lowered.collectives(): each collective
+counts one device's operand), split by kind, and the bytes each device sends for them
+("sent": CostModel.wire_bytes of the mesh's model, the figure the auto-sharding search
+and the partitioner price; an all-gather over k devices sends k - 1 times its operand,
+an all-reduce 2 (k - 1) / k times, so operand bytes undercount gathers).
 
 --auto adds a row per configuration planned by the auto-sharding search: every weight
 gt.AUTO, no activation hints (--auto_hints: the hand plan's kept, so only the weights
@@ -160,6 +163,10 @@ def measure(gt, tf, config, layers, memory_limit=None):
     for kind in KINDS:
         figures[kind] = sum(c.bytes for c in lowered.collectives() if c.kind == kind)
     figures["collectives"] = sum(figures[kind] for kind in KINDS)
+    from gspmd_tf.cost_model import CostModel
+    model = CostModel.for_mesh(lowered.mesh)
+    figures["sent"] = sum(model.wire_bytes(c.kind, c.bytes, c.axes)
+                          for c in lowered.collectives())
     return figures, seconds, lowered
 
 
@@ -190,9 +197,9 @@ def main(argv):
     print(f"# dense Transformer training step, per device, on abstract meshes "
           f"(traced with {small} and {large} layers, scaled to the full depth)\n")
     print("| config | devices (X x Y) | params | weights/device | peak/device (est.) "
-          "| collective bytes/device/step | all-gather | all-reduce | reduce-scatter "
+          "| collective bytes/device/step | sent/device/step | all-gather | all-reduce | reduce-scatter "
           "| all-to-all | permute | lowering s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
         config = CONFIGS[name]
         layers, m, h, n, k = config[:5]
@@ -210,6 +217,7 @@ def main(argv):
             auto = _row(f"{name} auto", mesh_shape, params, layers, small, a1, a2,
                         f"search {search:.1f}")
             print(f"  auto/hand: collective bytes {auto['collectives'] / hand['collectives']:.3f}"
+                  f", sent {auto['sent'] / hand['sent']:.3f}"
                   f", peak {auto['peak'] / hand['peak']:.3f}", flush=True)
 
 
@@ -219,7 +227,7 @@ def _row(name, mesh_shape, params, layers, small, f1, f2, seconds):
     full = {key: f1[key] + (layers - small) * (f2[key] - f1[key]) for key in f1}
     print(f"| {name} | {mesh_shape[0] * mesh_shape[1]} ({mesh_shape[0]} x "
           f"{mesh_shape[1]}) | {params / 1e9:.1f}B | {fmt(full['weights'])} "
-          f"| {fmt(full['peak'])} | {fmt(full['collectives'])} | "
+          f"| {fmt(full['peak'])} | {fmt(full['collectives'])} | {fmt(full['sent'])} | "
           + " | ".join(fmt(full[kind]) if full[kind] else "0" for kind in KINDS)
           + f" | {seconds} |", flush=True)
     return full

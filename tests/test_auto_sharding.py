@@ -222,11 +222,28 @@ def test_three_axis_mesh_candidates_are_those_of_two_runs_of_axes():
     mesh = gt.Mesh.abstract((2, 2, 2), ("data", "replica", "model"))
     rule = einsum_rule("bsm,mnk->bsnk", [(8, 8, 8), (8, 8, 8)], (8, 8, 8, 8))
     merged, full = rule_strategies(rule, mesh), rule_strategies(rule, mesh, merged=False)
-    assert len(full) == 6 ** 3 and len(merged) < len(full) // 3
+    plain = [s for s in full if not s.scattered]  # reduce-scatter forms come on top
+    assert len(plain) == 6 ** 3 and len(merged) < len(full) // 3
     assert set(merged) <= set(full)
     # each candidate splits at most two factors, the axes of each a run in mesh order
     for s in merged:
         assert len({dims for dims in s.operands[0].dims + s.operands[1].dims if dims}) <= 2
+
+
+def test_contraction_candidates_include_reduce_scattering_the_partial_sum():
+    from gspmd_tf.autoshard.strategies import rule_strategies
+    from gspmd_tf.layout import Layout
+    from gspmd_tf.propagation.oprule import einsum_rule
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    rule = einsum_rule("bh,hm->bm", [(16, 32), (32, 8)], (16, 8))
+    # the row-parallel form: x split (data, model), w split on its input dim
+    row = [s for s in rule_strategies(rule, mesh)
+           if s.operands == (Layout((("data",), ("model",))), Layout((("model",), ())))]
+    assert all(s.partial == ("model",) for s in row)
+    assert {(s.results[0], s.scattered) for s in row} == {
+        (Layout((("data",), ())), False),                # all-reduce
+        (Layout((("data", "model"), ())), True),         # reduce-scatter into b
+        (Layout((("data",), ("model",))), True)}         # reduce-scatter into m
 
 
 def test_auto_on_a_three_axis_mesh_fits_and_equals_single_device():
@@ -269,3 +286,19 @@ def test_auto_moe_step_splits_the_experts_within_the_limit_and_equals_single_dev
     want = tf.function(moe_sgd_step)(*values)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_search_prices_a_reshard_as_the_backends_price_the_program_it_emits():
+    from gspmd_tf.autoshard.problem import reshard_seconds
+    from gspmd_tf.cost_model import CostModel
+    from gspmd_tf.layout import Layout
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    model = CostModel.for_mesh(mesh)
+    shape, replicated = (64, 128), Layout(((), ()))
+    split = Layout(((), ("model",)))
+    # a local slice is a kernel reading the tensor, not free
+    assert reshard_seconds(replicated, split, shape, tf.float32, mesh, model) == \
+        model.compute_seconds(0, bytes_touched=64 * 128 * 4)
+    # a gather pays its collective's whole latency, as base.node_seconds counts it
+    assert reshard_seconds(split, replicated, shape, tf.float32, mesh, model) == \
+        model.collective_seconds("all-gather", 64 * 32 * 4, ("model",))

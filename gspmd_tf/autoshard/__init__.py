@@ -10,7 +10,7 @@ A stage between propagate and partition (runtime/lowering.py drives it):
                    slots) share one decision
     follow.py      element-wise classes that take their operand's layout (no decision)
     problem.py     node costs, edge (reshard) costs and memory rows priced by the one
-                   cost model (cost_model.CostModel, spmd/planner.plan_estimate)
+                   cost model (cost_model.CostModel, spmd/planner.plan)
     solve.py       the integer program (scipy.optimize.milp, HiGHS)
     search.py      choose(): all of it, giving an AutoPlan (plan.py: decisions, report)
 

@@ -2,10 +2,12 @@
 
 - node cost of a strategy: its compute per device (multiply-adds divided over the axes
   that split the op, plus one unit per result element a device writes) and the
-  all-reduce of a result its contraction leaves partial;
+  all-reduce (for a scattered strategy: reduce-scatter) of a result its contraction
+  leaves partial, with the collective's whole latency;
 - edge cost between a producer's and a consumer's strategies: the seconds of the reshard
-  plan (spmd/planner.plan_estimate) from the layout the producer makes to the one the
-  consumer needs, priced per pair of distinct layouts;
+  plan (spmd/planner.plan) from the layout the producer makes to the one the consumer
+  needs as the backends price the program (reshard_seconds: whole latencies, slices as
+  kernels), per pair of distinct layouts;
 - memory rows: per-device bytes live at a few points of the program, counted as
   runtime/memory.py counts the lowered program (arguments and outputs live throughout, an
   intermediate from its op to its last reader), as a linear function of the strategies.
@@ -27,7 +29,7 @@ from gspmd_tf.graph.ir import Graph
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh
 from gspmd_tf.registry import multiply_adds
-from gspmd_tf.spmd.planner import LATENCY_WEIGHT, plan_estimate
+from gspmd_tf.spmd.planner import plan
 
 # Memory is checked at the points where the most bytes are live, replicated and split
 # as far as each tensor can be: as many of each.
@@ -117,6 +119,9 @@ def build(graph: Graph, mesh: Mesh, model: CostModel, class_of: list, strategies
 
 
 def _node_costs(graph, mesh, model, cls) -> np.ndarray:
+    """Seconds of one member of `cls` per strategy: its multiply-adds over the devices
+    that split them plus one unit per result element a device writes, and the
+    reduction of a partial result (all-reduce, or reduce-scatter when scattered)."""
     node = graph.nodes[cls.members[0]]
     work = multiply_adds(node, [graph.shape(r) for r in node.inputs])
     costs = []
@@ -128,11 +133,29 @@ def _node_costs(graph, mesh, model, cls) -> np.ndarray:
                 continue
             local = tensor_bytes(shape, dtype, layout, mesh)
             written += int(np.prod(layout.local_shape(mesh, shape), dtype=np.int64))
-            if s.partial:
-                seconds += model.collective_seconds("all-reduce", local, s.partial,
-                                                    LATENCY_WEIGHT)
+            if s.scattered:  # the sum reduced is k times the scattered result
+                seconds += model.collective_seconds(
+                    "reduce-scatter", local * mesh.axes_size(s.partial), s.partial)
+            elif s.partial:
+                seconds += model.collective_seconds("all-reduce", local, s.partial)
         costs.append(seconds + model.compute_seconds(work / s.divisor + written))
     return np.asarray(costs)
+
+
+def reshard_seconds(src: Layout, dst: Layout, shape, dtype, mesh: Mesh,
+                    model: CostModel) -> float:
+    """Seconds of the partitioner's reshard from `src` to `dst` (planner.plan) as the
+    backends price the program it emits (base.node_seconds): each collective with its
+    whole latency (the planner ranks plans with a fraction of it), each local slice a
+    kernel reading the tensor."""
+    total = 0.0
+    for step in plan(src, dst, shape, dtype, mesh, model) if src != dst else ():
+        if step.kind is None:
+            total += model.compute_seconds(0, bytes_touched=tensor_bytes(shape, dtype, src,
+                                                                         mesh))
+        else:
+            total += model.collective_seconds(step.kind, step.bytes_in, step.link_axes)
+    return total
 
 
 def _distinct(layouts) -> tuple:
@@ -163,8 +186,8 @@ def _edge_groups(graph, mesh, model, classes, node_class) -> list:
         shape, dtype = graph.shape(ref), graph.dtype(ref)
         if dtype in (tf.resource, tf.variant):
             continue
-        cost = np.asarray([[plan_estimate(a, b, shape, dtype, mesh, model) for b in targets]
-                           for a in sources])
+        cost = np.asarray([[reshard_seconds(a, b, shape, dtype, mesh, model)
+                            for b in targets] for a in sources])
         if cost.any():
             groups.append(EdgeGroup(cu, out, cv, pos, count, cost, source, target))
     return groups

@@ -3,7 +3,11 @@
 A strategy of an op is which mesh axes split which of its rule's factors (each axis
 splits one factor or none, as XLA's auto-sharding enumerates a dot's strategies per mesh
 dim). From it follow every operand's and result's layout, the axes a contraction leaves
-partial (an all-reduce) and how many ways the op's work is divided. Because candidates
+partial (an all-reduce) and how many ways the op's work is divided. A strategy leaving
+its one result partial comes also in reduce-scatter forms (the partial axes split one
+more result dim): without them the search could not see the partitioner's cheapest
+row-parallel plan (reduce-scatter into a split activation) and priced a gather instead,
+which the partitioner then did not emit. Because candidates
 come from OpRules, any op with a rule (also a user's, gt.register_op) takes part in the
 search. A program input has no rule: its candidates are which axes split which dim.
 
@@ -32,12 +36,15 @@ from gspmd_tf.propagation.oprule import REDUCE, REPLICATE, OpRule
 class Strategy:
     """One candidate of a node: the layout of each data operand (None for an input that
     is not data), of each result, the mesh axes its contraction leaves partial, and the
-    number of devices its work is divided over."""
+    number of devices its work is divided over. `scattered`: the partial sum is
+    reduce-scattered into the result's layout (which splits a dim over the partial axes)
+    rather than all-reduced."""
 
     operands: tuple
     results: tuple
     partial: tuple
     divisor: int
+    scattered: bool = False
 
 
 def _split_axes(mesh: Mesh) -> tuple:
@@ -91,9 +98,30 @@ def rule_strategies(rule: OpRule, mesh: Mesh, merged: bool = True) -> list[Strat
             continue
         strategy = _strategy(rule, factor_axes, mesh)
         if strategy is not None:
-            key = (strategy.operands, strategy.results, strategy.partial)
-            found.setdefault(key, strategy)
+            for s in (strategy, *_scattered(strategy, rule, mesh)):
+                found.setdefault((s.operands, s.results, s.partial), s)
     return list(found.values())
+
+
+def _scattered(strategy: Strategy, rule: OpRule, mesh: Mesh) -> list[Strategy]:
+    """The reduce-scatter forms of a strategy whose one result is left partial: the
+    partial axes split one more result dim (minor to the axes it has), where they divide
+    it. XLA's auto-sharding lists these beside the all-reduce form of a dot: the sum then
+    moves as much as an all-reduce's would (less with a native reduce-scatter) and the
+    result takes 1/k of the memory, the layout the Megatron plan's row-parallel
+    projections produce."""
+    if not strategy.partial or len(strategy.results) != 1 or strategy.results[0] is None:
+        return []
+    result = strategy.results[0]
+    k = mesh.axes_size(strategy.partial)
+    shape = [rule.factor_sizes[fs[0]] if len(fs) == 1 else None for fs in rule.results[0]]
+    out = []
+    for d, axes in enumerate(result.dims):
+        if shape[d] is None or shape[d] % (mesh.axes_size(axes) * k):
+            continue
+        out.append(Strategy(strategy.operands, (result.with_dim(d, axes + strategy.partial),),
+                            strategy.partial, strategy.divisor, scattered=True))
+    return out
 
 
 def _strategy(rule, factor_axes, mesh) -> Optional[Strategy]:
