@@ -13,6 +13,14 @@ their local extent; no padding on them) and does the rest: dims it does not chan
 dims that are not split. When the halos would span more blocks than gathering the dim
 costs, the dim is gathered whole and each device slices its block from it.
 
+A slice reading one element of a split dim (x[i], x[i:i+1]: a pipeline taking the last
+stage's element out of a stage-split buffer) picks it (rules/slices.py `picks`): the
+element's owner reads it, the other devices give zeros, and the result is a partial sum
+over the dim's axes, so only the element's bytes move (one all-reduce where the result
+is needed whole), never the dim gathered. XLA keeps such a result split on its size-1
+dim (a collective-permute to device 0); gspmd-tf's rules carry no split on a size-1 dim,
+so the partial sum is its form of "only the owner holds it".
+
 MirrorPad is no window (its padding repeats elements near the edges), but each result
 block still reads one contiguous range of x, mirrored where the block meets a global
 edge: that range comes in the same way (gspmd_tf._halo.range_plan), and a gather with a
