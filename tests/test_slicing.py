@@ -174,7 +174,8 @@ PICKS = {
     "last_stage_shrunk": (lambda x: x[3], (4, 32), P("model")),
     "inside_a_block": (lambda x: x[5:6], (8, 32), P("model")),
     "uneven": (lambda x: x[-1], (6, 32), P("model")),
-    "tf_slice": (lambda x: tf.slice(x, [2, 0, 0], [1, 8, 16]), (4, 8, 16), P("model", "data")),
+    "tf_slice": (lambda x: tf.slice(x, [2, 0, 0], [1, 8, 16]), (4, 8, 16),
+                 P("model", "data")),
     "two_dims": (lambda x: x[3, :, 6], (4, 5, 8), P("model", None, "data")),
 }
 

@@ -86,10 +86,10 @@ def _sliced_factors(rule, x, y, kept, spec, strides, lows=None, pick=False):
     spatial dims are (split x -> split y; the handler exchanges the halos each result
     block needs with its neighbours); its SpatialDim is returned in `windows`. With
     `pick` (a forward slice), a dim of x > 1 from which one element is read (y's dim has
-    size 1, or is shrunk away), with a positive stride, is a REDUCE factor of x only: split,
-    the element's owner reads it and the other devices zeros (a partial sum, as a gather
-    from a split table): only one element's worth moves, never the dim gathered. Its
-    (x dim, element) is returned in `picks`. Other dims (shrunk, negative strides,
+    size 1, or is shrunk away), with a positive stride, is a REDUCE factor of x only:
+    split, the element's owner reads it and the other devices zeros (a partial sum, as a
+    gather from a split table): only one element's worth moves, never the dim gathered.
+    Its (x dim, element) is returned in `picks`. Other dims (shrunk, negative strides,
     size 1) stay whole.
     Returns (dims of x, dims of y, windows, picks)."""
     at = {d: j for j, d in enumerate(kept) if d is not None}
