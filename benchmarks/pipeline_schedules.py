@@ -15,8 +15,10 @@ S stage inputs, the stash, whatever M; interleaved: the input of each of its V M
 steps, each step rematerialised in the backward), and the per-device peak of
 gt.pipeline_value_and_grad's program as Lowered.memory() estimates it (lowered on an
 abstract mesh of S devices: nothing runs, so any S fits), also as a ratio to GPipe's
-on the same model. The peak includes the weights, their gradients, the microbatches
-and targets (replicated): with a small b they, not the activations, dominate.
+on the same model, and the operand bytes per device of its collectives
+(Lowered.collectives(), a loop body's once). The peak includes the weights, their
+gradients, the microbatches and targets (replicated): with a small b they, not the
+activations, dominate.
 
 --time_steps=N also runs every step on S logical CPU devices (they share the host's
 cores: the shape of the schedule's cost, not a speed-up) and prints the median time of
@@ -99,12 +101,14 @@ def program(gt, tf, schedule, stages, microbatches, virtual, batch, mesh):
     return step, specs, (P("stage"), P("stage"), P(), P())
 
 
-def peak_bytes(gt, tf, schedule, stages, microbatches, virtual, batch):
-    """Per-device peak of the step's program, lowered on an abstract stage mesh."""
+def lowered_figures(gt, tf, schedule, stages, microbatches, virtual, batch):
+    """(per-device peak, collective operand bytes per device, loop bodies once) of the
+    step's program, lowered on an abstract stage mesh."""
     mesh = gt.Mesh.abstract((stages,), ("stage",))
     step, specs, shardings = program(gt, tf, schedule, stages, microbatches, virtual,
                                      batch, mesh)
-    return gt.lower(step, mesh, shardings, args=specs).memory().peak
+    lowered = gt.lower(step, mesh, shardings, args=specs)
+    return lowered.memory().peak, sum(c.bytes for c in lowered.collectives())
 
 
 def step_times(gt, tf, schedules, stages, microbatches, virtual, batch):
@@ -138,7 +142,8 @@ def main(argv):
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
     timed = TIME_STEPS.value > 0
     print(f"{'schedule':12s} {'S':>3s} {'M':>4s} {'V':>3s} {'b':>4s} {'bubble':>8s} "
-          f"{'formula':>8s} {'kept per device':>24s} {'peak B/device':>14s} {'/gpipe':>7s}"
+          f"{'formula':>8s} {'kept per device':>24s} {'peak B/device':>14s} "
+          f"{'/gpipe':>7s} {'coll. B/device':>14s}"
           + (f" {'step s':>8s} {'/gpipe':>7s}" if timed else ""))
     for batch in map(int, MICROBATCH_SIZE.value):
         for stages in map(int, STAGES.value):
@@ -149,9 +154,10 @@ def main(argv):
                         else [])
                     times = (step_times(gt, tf, runs, stages, microbatches, virtual, batch)
                              if timed else [None] * len(runs))
-                    peaks = [peak_bytes(gt, tf, schedule, stages, microbatches, virtual,
-                                        batch) for schedule in runs]
-                    for schedule, peak, seconds in zip(runs, peaks, times):
+                    figures = [lowered_figures(gt, tf, schedule, stages, microbatches,
+                                               virtual, batch) for schedule in runs]
+                    peaks = [peak for peak, _ in figures]
+                    for schedule, (peak, moved), seconds in zip(runs, figures, times):
                         table = gt.pipeline_schedule(
                             schedule, stages, microbatches,
                             virtual if schedule == "interleaved" else 1)
@@ -159,7 +165,7 @@ def main(argv):
                         print(f"{schedule:12s} {stages:3d} {microbatches:4d} {virtual:3d} "
                               f"{batch:4d} {float(table.bubble):8.4f} {float(want):8.4f} "
                               f"{kept(schedule, stages, microbatches, virtual):>24s} "
-                              f"{peak:14d} {peak / peaks[0]:7.3f}"
+                              f"{peak:14d} {peak / peaks[0]:7.3f} {moved:14d}"
                               + (f" {seconds:8.4f} {seconds / times[0]:7.3f}" if timed
                                  else ""), flush=True)
 

@@ -507,13 +507,13 @@ ROWS = (UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_
      "([i, j], [i, k], _)->([i, l]) {i=4, j=6, k=2, l=8} need_replication={j, k, l}"),
     # a sliced or padded dim (positive stride) is a window of one element: one factor of
     # the larger size shared by operand and result, split alike (halo exchange); a
-    # shrunk dim stays whole
+    # shrunk dim is a pick: REDUCE (its owner reads the element, the others zeros)
     ("Slice", lambda x: tf.slice(x, [0, 1], [4, 3]), [f32(4, 6)],
      "([i, j], _, _)->([i, j]) {i=4, j=6}"),
     ("StridedSlice", lambda x: x[:, 1:4], [f32(4, 6)],
      "([i, j], _, _, _)->([i, j]) {i=4, j=6}"),
     ("StridedSlice", lambda x: x[::2, 2], [f32(4, 6)],
-     "([i, j], _, _, _)->([i]) {i=4, j=6} need_replication={j}"),
+     "([i, j], _, _, _)->([i]) {i=4, j=6} reduction={j}"),
     ("StridedSlice", lambda x: x[::-1], [f32(4, 6)],
      "([i, j], _, _, _)->([k, j]) {i=4, j=6, k=4} need_replication={i, k}"),
     ("Pad", lambda x: tf.pad(x, [[0, 0], [1, 2]]), [f32(4, 6)],
@@ -580,7 +580,7 @@ ROWS = (UNARY_ROWS + BINARY_ROWS + GRAD_ROWS + VARIABLE_ROWS + CONV_ROWS + POOL_
     ("StridedSlice", lambda x: x[:, None, ..., 1:3], [f32(4, 5, 6)],
      "([i, j, k], _, _, _)->([i, 1, j, k]) {i=4, j=5, k=6}"),
     ("StridedSlice", lambda x: x[..., 2], [f32(4, 5, 6)],
-     "([i, j, k], _, _, _)->([i, j]) {i=4, j=5, k=6} need_replication={k}"),
+     "([i, j, k], _, _, _)->([i, j]) {i=4, j=5, k=6} reduction={k}"),
     # index batch dims pass (gather) or add up (scatter); the indexed dims are a masked
     # lookup (gather) or whole (scatter)
     ("GatherNd", lambda p, i: tf.gather_nd(p, i), [f32(4, 5, 6), i32(3, 7, 2)],

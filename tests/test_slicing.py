@@ -5,7 +5,7 @@ as XLA does, instead of gathering the dim."""
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gspmd_tf as gt
@@ -162,3 +162,68 @@ def test_both_dims_split(mesh, rng):
     low = check_partitioned(fn, (randn(rng, 7, 10),), mesh, (P("data", "model"),))
     assert set(kinds(low)) == {"collective-permute"}, low.report()
     assert low.output_shardings[0] == gt.Sharding.from_spec(mesh, P("data", "model"), 2)
+
+
+# One element picked out of a split dim (a pipeline taking the last stage's element out of
+# a stage-split buffer): only that element's worth moves (the owner's element, zeros
+# elsewhere, summed), never the dim gathered. XLA (JAX 0.10.2, the 2x4 mesh, result left
+# replicated) sends a collective-permute to device 0 and then all-reduces it: for
+# x[3:4] of (4, 32) on P(model) a permute of 128 B and an all-reduce of 128 B.
+PICKS = {
+    "last_stage": (lambda x: x[3:4], (4, 32), P("model")),
+    "last_stage_shrunk": (lambda x: x[3], (4, 32), P("model")),
+    "inside_a_block": (lambda x: x[5:6], (8, 32), P("model")),
+    "uneven": (lambda x: x[-1], (6, 32), P("model")),
+    "tf_slice": (lambda x: tf.slice(x, [2, 0, 0], [1, 8, 16]), (4, 8, 16),
+                 P("model", "data")),
+    "two_dims": (lambda x: x[3, :, 6], (4, 5, 8), P("model", None, "data")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PICKS))
+def test_picked_element_moves_only_its_bytes(name, mesh, rng):
+    fn, shape, spec = PICKS[name]
+    x = randn(rng, *shape)
+    low = check_partitioned(fn, (x,), mesh, (spec,))
+    moved = [(c.kind, c.bytes) for c in low.collectives()]
+    # the result is left to propagation (replicated): one all-reduce of the result, no
+    # more bytes than XLA's permute + all-reduce of it
+    assert [kind for kind, _ in moved] == ["all-reduce"], low.report()
+    assert moved[0][1] <= np.asarray(fn(tf.constant(x))).nbytes, low.report()
+
+
+def test_last_stage_of_a_stage_buffer_feeds_a_loss_and_its_gradient(rng):
+    stage_mesh = gt.Mesh.create((4, 2), ("stage", "data"))
+
+    def step(buffer, target):
+        with tf.GradientTape() as tape:
+            tape.watch(buffer)
+            loss = tf.reduce_mean(tf.square(buffer[-1] - target))
+        return loss, tape.gradient(loss, buffer)
+    low = check_partitioned(step, (randn(rng, 4, 8, 16), randn(rng, 8, 16)), stage_mesh,
+                            (P("stage", "data"), P("data")))
+    assert "all-gather" not in kinds(low), low.report()
+
+
+@settings(max_examples=10)
+@given(st.integers(2, 13),                                     # n
+       st.integers(-13, 12),                                   # element
+       st.booleans(),                                          # shrink (x[i]) or x[i:i+1]
+       st.sampled_from([("x",), ("model",), ("data", "model")]),
+       st.booleans())                                          # gradient too
+def test_random_picks(n, element, shrink, axes, grad):
+    element = element % n
+    fn = (lambda x: x[element]) if shrink else (lambda x: x[element:element + 1])
+    m = _LINE if axes == ("x",) else _MESH
+    x = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32)
+    if grad:
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = fn(x)
+                loss = tf.reduce_sum(y * y * y)
+            return y, tape.gradient(loss, x)
+        low = check_partitioned(step, (x,), m, (P(axes),))
+    else:
+        low = check_partitioned(fn, (x,), m, (P(axes),))
+    assert "all-gather" not in kinds(low), low.report()

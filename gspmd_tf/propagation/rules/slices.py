@@ -10,8 +10,8 @@ from typing import Optional
 import numpy as np
 
 from gspmd_tf.graph.strided_slice import first_read, slice_masks
-from gspmd_tf.propagation.oprule import (REPLICATE, OpRule, RuleContext, SpatialDim,
-                                        per_dim, spread_operands)
+from gspmd_tf.propagation.oprule import (REDUCE, REPLICATE, OpRule, RuleContext,
+                                        SpatialDim, per_dim, spread_operands)
 
 
 def concat(ctx: RuleContext) -> Optional[OpRule]:
@@ -53,8 +53,10 @@ def pad_or_slice(ctx: RuleContext, kind) -> Optional[OpRule]:
     bounds = np.asarray(bounds, np.int64).reshape(len(x), -1)
     lows = -bounds[:, 0] if kind == "slice" else bounds[:, 0]
     rule = OpRule()
-    dims_x, dims_y, windows = _sliced_factors(rule, x, y, dims, dims, [1] * len(x), lows)
-    rule.params = SliceParams(dims, dims, windows)
+    pick = kind == "slice" and ctx.const(2) is not None
+    dims_x, dims_y, windows, picks = _sliced_factors(rule, x, y, dims, dims, [1] * len(x),
+                                                     lows, pick)
+    rule.params = SliceParams(dims, dims, windows, picks)
     rule.operands = spread_operands([dims_x], (0,), len(ctx.in_shapes))
     rule.results = [dims_y]
     return rule
@@ -69,9 +71,10 @@ class SliceParams:
     kept: tuple
     spec: tuple
     windows: tuple = ()  # oprule.SpatialDim of each dim that may stay split (halos)
+    picks: tuple = ()  # (x dim, the one element read) of each dim the slice picks from
 
 
-def _sliced_factors(rule, x, y, kept, spec, strides, lows=None):
+def _sliced_factors(rule, x, y, kept, spec, strides, lows=None, pick=False):
     """Dims of a tensor x and of its slice (or padding) y: y dim j is x dim kept[j], or a
     new axis where that is None; x dim d has entry spec[d] (None: taken whole) in
     `strides` and `lows` (its first element read, negated: the low padding; None when
@@ -81,11 +84,16 @@ def _sliced_factors(rule, x, y, kept, spec, strides, lows=None):
     with a positive stride and both sizes above 1, is a window of one element (stride,
     padding from lows): one factor shared by x and y, PASS-like as a convolution's
     spatial dims are (split x -> split y; the handler exchanges the halos each result
-    block needs with its neighbours); its SpatialDim is returned in `windows`. Other
-    dims (shrunk, negative strides, size 1) stay whole.
-    Returns (dims of x, dims of y, windows)."""
+    block needs with its neighbours); its SpatialDim is returned in `windows`. With
+    `pick` (a forward slice), a dim of x > 1 from which one element is read (y's dim has
+    size 1, or is shrunk away), with a positive stride, is a REDUCE factor of x only:
+    split, the element's owner reads it and the other devices zeros (a partial sum, as a
+    gather from a split table): only one element's worth moves, never the dim gathered.
+    Its (x dim, element) is returned in `picks`. Other dims (shrunk, negative strides,
+    size 1) stay whole.
+    Returns (dims of x, dims of y, windows, picks)."""
     at = {d: j for j, d in enumerate(kept) if d is not None}
-    dims_x, dims_y, windows = [], [()] * len(y), []
+    dims_x, dims_y, windows, picks = [], [()] * len(y), [], []
     for d, n in enumerate(x):
         j = at.get(d)
         stride = 1 if spec[d] is None else int(strides[spec[d]])
@@ -98,12 +106,16 @@ def _sliced_factors(rule, x, y, kept, spec, strides, lows=None):
             dims_x.append((rule.add_factor(max(n, y[j])),))
             dims_y[j] = dims_x[d]
             windows.append(SpatialDim(d, j, int(n), int(y[j]), 1, stride, 1, lo, hi))
+        elif (pick and lows is not None and spec[d] is not None and stride > 0 and n > 1
+              and (j is None or y[j] == 1)):
+            dims_x.append((rule.add_factor(n, REDUCE),))
+            picks.append((d, -int(lows[spec[d]])))
         else:
             dims_x.append((rule.add_factor(n, REPLICATE),) if n > 1 else ())
     for j, n in enumerate(y):
         if n > 1 and not dims_y[j]:
             dims_y[j] = (rule.add_factor(n, REPLICATE),)
-    return tuple(dims_x), tuple(dims_y), tuple(windows)
+    return tuple(dims_x), tuple(dims_y), tuple(windows), tuple(picks)
 
 
 def strided_slice(ctx: RuleContext) -> Optional[OpRule]:
@@ -118,9 +130,10 @@ def strided_slice(ctx: RuleContext) -> Optional[OpRule]:
     begin = ctx.const(1)
     lows = None if begin is None else -first_read(ctx.node, x, masks, begin, strides)
     rule = OpRule()
-    dims_x, dims_y, windows = _sliced_factors(rule, x, ctx.out_shapes[0], masks.kept,
-                                              masks.spec, strides, lows)
-    rule.params = SliceParams(masks.kept, masks.spec, windows)
+    dims_x, dims_y, windows, picks = _sliced_factors(
+        rule, x, ctx.out_shapes[0], masks.kept, masks.spec, strides, lows,
+        pick=ctx.const(2) is not None)
+    rule.params = SliceParams(masks.kept, masks.spec, windows, picks)
     rule.operands = [dims_x, None, None, None]
     rule.results = [dims_y]
     return rule
@@ -140,8 +153,8 @@ def strided_slice_grad(ctx: RuleContext) -> Optional[OpRule]:
     unit = np.where(strides == 1, 1, 0)  # other strides: whole (not windows of dy)
     lows = -first_read(ctx.node, x, masks, begin, unit)
     rule = OpRule()
-    dims_x, dims_dy, windows = _sliced_factors(rule, x, ctx.in_shapes[4], masks.kept,
-                                               masks.spec, unit, lows)
+    dims_x, dims_dy, windows, _ = _sliced_factors(rule, x, ctx.in_shapes[4], masks.kept,
+                                                  masks.spec, unit, lows)
     windows = tuple(SpatialDim(w.y_dim, w.x_dim, w.out, w.n, 1, 1, 1, -w.pad_lo, -w.pad_hi)
                     for w in windows)
     rule.params = SliceParams(masks.kept, masks.spec, windows)

@@ -63,7 +63,7 @@ def reblock_merged(ctx):
         ((out_shape, target), (x.shape, x.layout))
     found = merged_uneven_split(wide[0], narrow[0], wide[1], narrow[1], mesh)
     if found is None:
-        return None
+        return _reblock_regrouped(ctx)
     dim, axes = found
     narrow_local = narrow[1].local_shape(mesh, narrow[0])
     wide_local = wide[1].local_shape(mesh, wide[0])
@@ -76,6 +76,50 @@ def reblock_merged(ctx):
         ref = reblock(b, x.ref, dim, axes, x.shape[dim], block)
         ref = _local_reshape(b, ref, wide_local, x.dtype)
     return [Local(ref, target, out_shape, x.dtype)]
+
+
+def regrouped_split(x_shape, y_shape, x_layout, y_layout, mesh):
+    """(x dim, y dim, axes) when x_layout and y_layout each split one dim, over the same
+    axes, nothing partial, and the dims before them hold as many elements in both shapes:
+    then each shard holds one contiguous range of the same flat suffix in both, and a
+    re-block of that suffix makes the result; None when not so, or when both split
+    evenly in blocks of the same elements (the factor rule keeps the split there)."""
+    if x_layout.partial or y_layout.partial:
+        return None
+    x_split = [d for d, axes in enumerate(x_layout.dims) if axes]
+    y_split = [d for d, axes in enumerate(y_layout.dims) if axes]
+    if len(x_split) != 1 or len(y_split) != 1:
+        return None
+    d, e = x_split[0], y_split[0]
+    axes = x_layout.dims[d]
+    if y_layout.dims[e] != axes or np.prod(x_shape[:d]) != np.prod(y_shape[:e]):
+        return None
+    k = mesh.axes_size(axes)
+    x_block = -(-x_shape[d] // k) * int(np.prod(x_shape[d + 1:]))
+    y_block = -(-y_shape[e] // k) * int(np.prod(y_shape[e + 1:]))
+    if x_shape[d] % k == 0 and y_shape[e] % k == 0 and x_block == y_block:
+        return None
+    return d, e, axes
+
+
+def _reblock_regrouped(ctx):
+    """The Reshape's result by a re-block of the flat suffix when regrouped_split finds
+    the pattern (XLA's reshape with a halo exchange: (2,3,7,10) split on its 7 into
+    (3,2,1,14,5) split on its 14 sends one permute of half a row of 10 per (2,3) entry);
+    else None."""
+    x, b, mesh = ctx.inputs[0], ctx.b, ctx.mesh
+    target, out_shape = ctx.targets[0], ctx.node.out_shapes[0]
+    found = regrouped_split(x.shape, out_shape, x.layout, target, mesh)
+    if found is None:
+        return None
+    d, e, axes = found
+    x_local = x.layout.local_shape(mesh, x.shape)
+    y_local = target.local_shape(mesh, out_shape)
+    prefix, x_rows = int(np.prod(x.shape[:d])), int(np.prod(x.shape[d + 1:]))
+    y_rows = int(np.prod(out_shape[e + 1:]))
+    ref = _local_reshape(b, x.ref, (prefix, x_local[d] * x_rows), x.dtype)
+    ref = reblock(b, ref, 1, axes, x.shape[d] * x_rows, y_local[e] * y_rows)
+    return [Local(_local_reshape(b, ref, y_local, x.dtype), target, out_shape, x.dtype)]
 
 
 def _local_reshape(b, ref, shape, dtype):

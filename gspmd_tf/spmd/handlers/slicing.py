@@ -13,6 +13,14 @@ their local extent; no padding on them) and does the rest: dims it does not chan
 dims that are not split. When the halos would span more blocks than gathering the dim
 costs, the dim is gathered whole and each device slices its block from it.
 
+A slice reading one element of a split dim (x[i], x[i:i+1]: a pipeline taking the last
+stage's element out of a stage-split buffer) picks it (rules/slices.py `picks`): the
+element's owner reads it, the other devices give zeros, and the result is a partial sum
+over the dim's axes, so only the element's bytes move (one all-reduce where the result
+is needed whole), never the dim gathered. XLA keeps such a result split on its size-1
+dim (a collective-permute to device 0); gspmd-tf's rules carry no split on a size-1 dim,
+so the partial sum is its form of "only the owner holds it".
+
 MirrorPad is no window (its padding repeats elements near the edges), but each result
 block still reads one contiguous range of x, mirrored where the block meets a global
 edge: that range comes in the same way (gspmd_tf._halo.range_plan), and a gather with a
@@ -34,6 +42,7 @@ from gspmd_tf.spmd.handlers.grads import index_dtype
 from gspmd_tf.spmd.handlers.windows import (affine_start, extend_and_slice, mask_edges,
                                             operand_window, pad_dims, per_shard,
                                             prepare_input, range_plan, slice_dims)
+from gspmd_tf.spmd.local_ops import dynamic_slice_dim, select
 
 
 def _windowed_input(ctx, operands, layouts, fill, index=0):
@@ -58,21 +67,29 @@ def _windowed_input(ctx, operands, layouts, fill, index=0):
 @op_family({"Slice": "slice"}, rules.pad_or_slice)
 @op_family("StridedSlice", rules.strided_slice)
 def slicing(ctx, operands, layouts):
-    """Slice/StridedSlice: windowed split dims read through halos; on every split dim
-    the local op takes its whole local extent (begin 0, size -1 / end = extent)."""
+    """Slice/StridedSlice: windowed split dims read through halos, the element picked
+    from a split dim read by its owner (zeros elsewhere: a partial result); on every
+    split dim the local op takes its whole local extent (begin 0, size -1 / end =
+    extent)."""
     node = ctx.node
     window, _ = _windowed_input(ctx, operands, layouts, 0)
     refs = masked_refs(ctx, operands)
     if window is not None:
         refs[0] = window
     params = ctx.rule.params
+    x_dims = operands[0].layout.dims
+    picks = [(d, element) for d, element in params.picks if x_dims[d]]
+    if picks:
+        refs[0] = _picked(ctx, refs[0], operands[0], picks)
     split = [params.kept[j] for j, axes in enumerate(layouts[0].dims) if axes]
+    split += [d for d, _ in picks]
     if not split:
         return replay(ctx, operands, layouts, refs=refs)
-    # A split dim is taken whole (the rule splits only dims the op leaves as they are),
-    # so a begin computed at run time is 0 there in every program TF runs (a
-    # StridedSlice's begin and end are clamped to the local extent anyway): constant
-    # bounds are rewritten to the local extent, run-time ones kept.
+    # A split dim is taken whole (the rule splits only dims the op leaves as they are,
+    # and a picked dim has one element left), so a begin computed at run time is 0 there
+    # in every program TF runs (a StridedSlice's begin and end are clamped to the local
+    # extent anyway): constant bounds are rewritten to the local extent, run-time ones
+    # kept.
     local = ctx.b.shape_of(refs[0])
     begin = _constant(ctx, 1)
     if node.op == "Slice":
@@ -94,6 +111,33 @@ def slicing(ctx, operands, layouts):
     if begin is not None:
         refs[1] = ctx.b.const(begin)
     return replay(ctx, operands, layouts, refs=refs)
+
+
+def _picked(ctx, ref, x, picks):
+    """x's local block `ref` cut to the one element read on each picked split dim
+    ((dim, global element) pairs): the owner's element, zeros on the other devices (a
+    select, so a NaN elsewhere in the block never reaches the sum)."""
+    b = ctx.b
+    block = x.layout.local_shape(ctx.mesh, x.shape)
+    owner = None
+    for d, element in picks:
+        axes = x.layout.dims[d]
+        k = ctx.mesh.axes_size(axes)
+        at = element - block[d] * np.arange(k)  # the element's index in each block
+        inside = (at >= 0) & (at < block[d])
+        ref = dynamic_slice_dim(b, ref, d, _as_ref(b, per_shard(b, axes, np.where(
+            inside, at, 0))), 1)
+        mine = per_shard(b, axes, inside.astype(np.int64))
+        mine = b.op("NotEqual", [_as_ref(b, mine), b.const(np.int32(0))], (), tf.bool,
+                    T=tf.int32, incompatible_shape_error=True)
+        owner = mine if owner is None else b.op("LogicalAnd", [owner, mine], (), tf.bool)
+    dtype = b.graph.dtype(ref)
+    return select(b, owner, ref, b.const(np.zeros((), dtype.as_numpy_dtype)), dtype)
+
+
+def _as_ref(b, value):
+    """A per_shard result as an int32 Ref (it is a python int when every shard agrees)."""
+    return b.const(np.int32(value)) if isinstance(value, int) else value
 
 
 def _constant(ctx, i):
