@@ -180,8 +180,8 @@ def declare(op_types: Union[str, list, dict], rule: Optional[Callable] = None, *
     """Declare built-in op types: `op_types` is a name, a list of names, or a dict
     {name: rule parameters} (a tuple, or one value) when they differ per op. Flags
     (silent_replicated, safe_padding as a dict, fold, stateful, multiply_adds,
-    bytes_touched, xla_numerics, xla_form, traits) without a rule give a flag-only entry; flags merge into an
-    entry declared elsewhere. Checked when the module is imported."""
+    bytes_touched, xla_numerics, xla_form, traits) without a rule give a flag-only
+    entry; flags merge into an entry declared elsewhere. Checked when the module is imported."""
     if "safe_padding" in flags:
         flags["safe_padding"] = tuple(sorted(flags["safe_padding"].items()))
     if isinstance(op_types, str):
