@@ -33,7 +33,11 @@ no stage keeps an op-type list of its own):
                      TF's kernel for this instance (NaN ordering, integer division by
                      zero, other random numbers, a kernel XLA:CPU gets wrong), or None:
                      a backend that compiles with XLA runs such an op on TF's kernel
-                     (xla_numerics_differ)
+                     (xla_numerics_differ), unless it has an xla_form
+  xla_form           form(node, inputs) -> the op's result built of TF ops whose XLA
+                     values are TF's kernel's where xla_numerics says XLA's differ (a
+                     select where the kernel selects): what a backend compiling with XLA
+                     emits in place of such an op, so it needs no op-by-op barrier
   traits             names of what the op is, read where an op kind matters: DOT (its
                      local form on blocks is a dot: windowed einsum), CONVOLUTION,
                      READS_VARIABLE (reads only the variable behind its resource input),
@@ -104,6 +108,7 @@ class OpDef:
     multiply_adds: Optional[Callable] = None
     bytes_touched: Optional[Callable] = None
     xla_numerics: Optional[Callable] = None
+    xla_form: Optional[Callable] = None
     traits: frozenset = frozenset()
 
     def build_rule(self, graph: Graph, node: Node) -> Optional[OpRule]:
@@ -133,7 +138,7 @@ def _check(entry):
             f"op type {op!r} has a rule but no emitter: pass emit=<handler> or, when "
             "running the TF op on each device's local shards gives exactly the local "
             "part of its result, replay=True")
-    for name in ("multiply_adds", "bytes_touched", "xla_numerics"):
+    for name in ("multiply_adds", "bytes_touched", "xla_numerics", "xla_form"):
         value = getattr(entry, name)
         if value is not None and not callable(value):
             raise ShardingError(f"op type {op!r}: {name} must be a callable (see the "
@@ -175,8 +180,8 @@ def declare(op_types: Union[str, list, dict], rule: Optional[Callable] = None, *
     """Declare built-in op types: `op_types` is a name, a list of names, or a dict
     {name: rule parameters} (a tuple, or one value) when they differ per op. Flags
     (silent_replicated, safe_padding as a dict, fold, stateful, multiply_adds,
-    bytes_touched, xla_numerics, traits) without a rule give a flag-only entry; flags merge into an
-    entry declared elsewhere. Checked when the module is imported."""
+    bytes_touched, xla_numerics, xla_form, traits) without a rule give a flag-only
+    entry; flags merge into an entry declared elsewhere. Checked when the module is imported."""
     if "safe_padding" in flags:
         flags["safe_padding"] = tuple(sorted(flags["safe_padding"].items()))
     if isinstance(op_types, str):
@@ -358,6 +363,14 @@ def xla_numerics_differ(node, operand_dtype) -> Optional[str]:
     (None for an op whose entry declares none)."""
     differs = op_def(node.op).xla_numerics
     return None if differs is None else differs(node, operand_dtype)
+
+
+def xla_form(node, operand_dtype) -> Optional[Callable]:
+    """The entry's xla_form when XLA's values of `node` differ from TF's kernel's
+    (xla_numerics_differ) and the entry gives a form that computes TF's in XLA; else
+    None (where they do not differ, the op itself compiles)."""
+    form = op_def(node.op).xla_form
+    return form if form is not None and xla_numerics_differ(node, operand_dtype) else None
 
 
 def on_floats(reason):

@@ -51,7 +51,8 @@ _GRADIENTS = {"SqrtGrad": ("y", "dy"), "RsqrtGrad": ("y", "dy"),
 def test_the_xla_backend_gives_tf_gradients_of_zero_and_nan_upstream_gradients(op_type):
     """Seed 60 #36 (shrunk: the gradient of rsqrt(x) before a minimum with x negative):
     TF's kernel gives 0 for a zero upstream gradient where the forward output is NaN,
-    XLA's NaN; ReluGrad the other way round. The XLA backend runs them on TF's kernel."""
+    XLA's NaN; ReluGrad the other way round. The XLA backend compiles them in their
+    xla_form (TF's kernel as TF ops) and gives TF's values."""
     mesh = gt.Mesh.create((2,), ("x",))
     first, second = _GRADIENTS[op_type]
     raw = getattr(tf.raw_ops, op_type)
@@ -64,3 +65,19 @@ def test_the_xla_backend_gives_tf_gradients_of_zero_and_nan_upstream_gradients(o
     assert not np.array_equal(compiled, want, equal_nan=True)  # why the contract says so
     got = gt.function(f, mesh=mesh, in_shardings=(P("x"), P("x")), backend="xla")(y, dy)
     np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("op_type", sorted(_GRADIENTS))
+def test_the_xla_backend_compiles_gradient_kernels_whose_xla_values_differ(op_type):
+    """No segment barrier at these gradients (the LM's backward step was cut into 11
+    segments at its RsqrtGrad and ReluGrad ops): their xla_form compiles."""
+    from gspmd_tf.backends import segments
+    mesh = gt.Mesh.create((2,), ("x",))
+    first, second = _GRADIENTS[op_type]
+    raw = getattr(tf.raw_ops, op_type)
+    spec = tf.TensorSpec((8,), tf.float32)
+    lowered = gt.function(lambda y, dy: raw(**{first: y, second: dy}), mesh=mesh,
+                          in_shardings=(P("x"), P("x")), backend="xla").lower(spec, spec)
+    program = lowered.program.graph
+    (node,) = [n for n in program.nodes if n.op == op_type]
+    assert segments.why_not_compiled(program, node) is None

@@ -25,7 +25,7 @@ from tensorflow.python.framework import op_def_registry
 
 from gspmd_tf.backends import base
 from gspmd_tf.registry import (ASSIGNS_VARIABLE, has_trait, is_stateful, op_def,
-                               xla_numerics_differ)
+                               xla_form, xla_numerics_differ)
 
 # gt.* nodes a segment reads but never holds: emitted first, once per device
 SOURCES = (base.INPUT, base.SHARD_INDEX)
@@ -69,7 +69,7 @@ def why_not_compiled(program, node):
         return "it reaches its variable through another op than the program's input"
     operand = program.dtype(node.inputs[0]) if node.inputs else None
     numerics = xla_numerics_differ(node, operand)
-    if numerics is not None:
+    if numerics is not None and xla_form(node, operand) is None:
         return numerics
     if any(s is None or any(x is None or x < 0 for x in s) for s in node.out_shapes):
         return "its output shape depends on the data"

@@ -44,7 +44,7 @@ from gspmd_tf.cost_model import (XLA_CPU_CONVOLUTION_MULTIPLY_ADDS_PER_SECOND,
                                  XLA_CPU_MULTIPLY_ADDS_PER_SECOND, XLA_SEGMENT_KERNEL_SECONDS,
                                  CostModel)
 from gspmd_tf.errors import ShardingError
-from gspmd_tf.registry import ASSIGNS_VARIABLE, READS_VARIABLE, has_trait
+from gspmd_tf.registry import ASSIGNS_VARIABLE, READS_VARIABLE, has_trait, xla_form
 from gspmd_tf.graph.ir import Graph, Ref
 
 log = logging.getLogger("gspmd_tf")
@@ -257,8 +257,11 @@ class _SegmentFunction:
             for k, i in enumerate(segment.nodes):
                 node = program.nodes[i]
                 control = [op_of[c] for c in node.control_inputs if c in op_of]
+                form = xla_form(node, program.dtype(node.inputs[0]) if node.inputs else None)
                 with tf.control_dependencies(control):
-                    result = tf_op_emitter(node, [device])(0, [[values[r]] for r in node.inputs])
+                    result = tf_op_emitter(node, [device])(
+                        0, [[values[r]] for r in node.inputs]) if form is None else \
+                        form(node, [values[r] for r in node.inputs])
                 op = result if isinstance(result, ops.Operation) else result.op
                 outs = op.outputs if isinstance(result, ops.Operation) else [result]
                 set_shapes(node, outs)

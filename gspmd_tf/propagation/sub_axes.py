@@ -19,6 +19,7 @@ only a gather over the minor part x:(2)2, as XLA's plans (issue 24, item 3).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import gcd
 
 from gspmd_tf.layout import Layout, axis_parts, cut_axes, sub_axes_of
@@ -71,21 +72,31 @@ def _reshape_cuts(graph, mesh):
     """SubAxis parts (major) cutting an axis of s devices at g = gcd(a, s), 1 < g < s,
     for each Reshape dim made of several factors whose major factor a the whole axis
     does not divide."""
-    cuts = set()
+    if all(_is_prime_or_one(s) for s in mesh.shape):
+        return []  # no axis has a g with 1 < g < s: nothing to look for (exact)
+    majors = set()
     for node in graph.nodes:
         if node.op not in _RESHAPES or not node.inputs:
             continue
-        rule = OpRule()
         in_shape, out_shape = graph.shape(node.inputs[0]), node.out_shapes[0]
         if None in in_shape or None in out_shape:
             continue
-        for dims in reshape_factors(rule, in_shape, out_shape):
-            for fs in dims:
-                if len(fs) < 2:
-                    continue
-                major = rule.factor_sizes[fs[0]]
-                for name, s in zip(mesh.axis_names, mesh.shape):
-                    g = gcd(major, s)
-                    if 1 < g < s:
-                        cuts.add(SubAxis(name, 1, g, s))
-    return sorted(cuts)
+        majors.update(_split_majors(tuple(in_shape), tuple(out_shape)))
+    return sorted({SubAxis(name, 1, g, s) for major in majors
+                   for name, s in zip(mesh.axis_names, mesh.shape)
+                   for g in (gcd(major, s),) if 1 < g < s})
+
+
+@lru_cache(maxsize=4096)
+def _split_majors(in_shape, out_shape):
+    """The major factor sizes of the dims of a reshape `in_shape` -> `out_shape` made of
+    several factors (per distinct pair of shapes: a stack of layers repeats a few)."""
+    rule = OpRule()
+    return frozenset(rule.factor_sizes[fs[0]]
+                     for dims in reshape_factors(rule, in_shape, out_shape)
+                     for fs in dims if len(fs) > 1)
+
+
+def _is_prime_or_one(n):
+    """Whether `n` has no divisor g with 1 < g < n."""
+    return all(n % g for g in range(2, int(n ** 0.5) + 1))

@@ -10,6 +10,8 @@ linalg.py, py_functions.py).
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import batched
 from gspmd_tf.registry import (ASSIGNS_VARIABLE, FOLD_SHAPE, FOLD_VALUES, INTEGER_DIVISION,
@@ -111,8 +113,23 @@ declare("CheckNumerics", safe_padding={0: 0})
 # these on TF's kernels): NaN against numbers in max and min; gradients of a zero or NaN
 # upstream gradient (tests/test_fuzz_xla_backend.py); an integer divided by zero
 declare(["Max", "Min", "Maximum", "Minimum"], xla_numerics=on_floats(NAN_ORDER))
-declare(["EluGrad", "SeluGrad", "SqrtGrad", "RsqrtGrad", "ReciprocalGrad", "ReluGrad",
-         "Relu6Grad"], xla_numerics=on_floats(ZERO_GRADIENT))
+# Each with an xla_form: TF's CPU kernel written as TF ops whose XLA values are the
+# kernel's (up to the sign of a zero), so the XLA backend compiles them instead of
+# cutting its segments there (the LM's backward step was cut into 11 segments at its
+# RsqrtGrad and ReluGrad ops).
+declare(["SqrtGrad", "RsqrtGrad", "ReciprocalGrad"], xla_numerics=on_floats(ZERO_GRADIENT),
+        xla_form=lambda node, inputs: _zero_where_no_gradient(node, *inputs))
+declare("EluGrad", xla_numerics=on_floats(ZERO_GRADIENT),
+        xla_form=lambda node, inputs: _elu_grad(*inputs, 1.0, 1.0))
+# SELU's scale and scale * alpha as TF's kernel rounds them (relu_op_functor.h)
+declare("SeluGrad", xla_numerics=on_floats(ZERO_GRADIENT),
+        xla_form=lambda node, inputs: _elu_grad(*inputs, 1.0507009873554804934193349852946,
+                                                1.7580993408473768599402175208123))
+declare("ReluGrad", xla_numerics=on_floats(ZERO_GRADIENT),
+        xla_form=lambda node, inputs: _masked_gradient(*inputs, None))
+declare("Relu6Grad", xla_numerics=on_floats(ZERO_GRADIENT),
+        xla_form=lambda node, inputs: _masked_gradient(*inputs, 6.0))
+
 declare(["Div", "FloorDiv", "TruncateDiv", "FloorMod", "TruncateMod", "Mod"],
         xla_numerics=on_integers(INTEGER_DIVISION))
 
@@ -151,3 +168,32 @@ declare(["Shape", "Size", "Rank", "NoOp", "Range"], silent_replicated=True)
 declare(["StatelessRandomGetKeyCounter", "StatelessRandomGetAlg",
          "StatelessRandomGetKeyCounterAlg", "StatelessSampleDistortedBoundingBox"],
         silent_replicated=True)
+
+
+def _zero_where_no_gradient(node, y, dy):
+    """Sqrt/Rsqrt/ReciprocalGrad as TF's kernels: 0 where dy is 0, whatever y."""
+    op = getattr(tf.raw_ops, node.op)(y=y, dy=dy)
+    return tf.where(tf.equal(dy, 0), tf.zeros_like(op), op)
+
+
+def _elu_grad(gradients, outputs, scale, scale_alpha):
+    """Elu/SeluGrad as TF's kernels: outputs < 0 selects gradients * (outputs +
+    scale_alpha), else gradients * scale (ELU: both 1)."""
+    dtype = gradients.dtype
+    negative = gradients * (outputs + tf.constant(scale_alpha, dtype))
+    positive = gradients if scale == 1 else gradients * tf.constant(scale, dtype)
+    return tf.where(outputs < tf.constant(0, dtype), negative, positive)
+
+
+def _masked_gradient(gradients, features, upper):
+    """Relu/Relu6Grad as TF's kernels: gradients times (features > 0 [and < upper]) as
+    a number, so a masked NaN or Inf gradient is NaN (0 * Inf), not 0 (a masked finite
+    one +0, where TF's product may give -0). Written as selects: XLA turns a product
+    with a converted mask into a select of 0."""
+    dtype = gradients.dtype
+    mask = features > tf.constant(0, dtype)
+    if upper is not None:
+        mask = tf.logical_and(mask, features < tf.constant(upper, dtype))
+    masked = tf.where(tf.math.is_finite(gradients), tf.zeros_like(gradients),
+                      tf.fill(tf.shape(gradients), tf.constant(float("nan"), dtype)))
+    return tf.where(mask, gradients, masked)
