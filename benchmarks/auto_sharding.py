@@ -161,6 +161,12 @@ def gpt2_rows(gt, mesh):
         print(f"  {name:9s} peak {p.memory().peak / 2 ** 20:8.2f} MiB  collectives "
               f"{collective_bytes(p) / 2 ** 20:8.2f} MiB")
     print(f"  auto/megatron collective bytes {collective_bytes(auto) / collective_bytes(hand):.3f}")
+    # The probe's plan fits the real step only where the probe's figures track the step's
+    # (the last search's probe beside the step partitioned with its plan).
+    for name, p in (("probe", probe), ("auto step", auto)):
+        m = p.memory()
+        print(f"  {name:9s} arguments {m.arguments} variables {m.variables} "
+              f"outputs {m.outputs} peak {m.peak} bytes per device")
     print("\n".join(gt.keras.auto_report(model).splitlines()[:12]))
 
 
