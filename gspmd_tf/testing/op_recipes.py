@@ -275,6 +275,7 @@ def _recipes() -> dict:
     r.update(_strings())
     r.update(_tensor_lists())
     r.update(_csr_matrices())
+    r.update(_hash_tables())
     r.update(_images_and_sequences())
     return r
 
@@ -354,6 +355,42 @@ def _tensor_lists() -> dict:
          "TensorListSplit": Recipe((F(4, 6), C([-1, 6]), C([2, 2], "int64")),
                                    finish=_stacked(2, (2, 6)))}
     return r
+
+
+def _static_table(_):
+    """A HashTableV2 of four int64 keys (a Keras IntegerLookup's vocabulary),
+    initialized before it is read."""
+    handle = tf.raw_ops.HashTableV2(key_dtype=tf.int64, value_dtype=tf.float32)
+    init = tf.raw_ops.InitializeTableV2(
+        table_handle=handle, keys=tf.constant([0, 1, 2, 5], tf.int64),
+        values=tf.constant([0.5, 1.5, 2.5, 5.5]))
+    with tf.control_dependencies([init]):
+        return tf.identity(handle)
+
+
+def _mutable_table(_):
+    """A MutableHashTableV2 holding the same four keys, inserted before it is read."""
+    handle = tf.raw_ops.MutableHashTableV2(key_dtype=tf.int64, value_dtype=tf.float32)
+    insert = tf.raw_ops.LookupTableInsertV2(
+        table_handle=handle, keys=tf.constant([0, 1, 2, 5], tf.int64),
+        values=tf.constant([0.5, 1.5, 2.5, 5.5]))
+    with tf.control_dependencies([insert]):
+        return tf.identity(handle)
+
+
+def _as_keys(values):
+    """A lookup's values given the keys' shape, as tf.lookup's tables give them (the
+    raw op's shape inference does not know the table's value shape)."""
+    values.set_shape([4, 6])
+    return values
+
+
+def _hash_tables() -> dict:
+    """Lookups of split keys in tables the program builds (Keras' lookup layers)."""
+    static, mutable = Made(C(0), _static_table), Made(C(0), _mutable_table)
+    keys, default = Int((4, 6), 7, "int64"), C(-1.0, "float32")
+    return {"LookupTableFindV2": Recipe((static, keys, default), finish=_as_keys),
+            "LookupTableSizeV2": Recipe((mutable,))}
 
 
 def _csr(t):

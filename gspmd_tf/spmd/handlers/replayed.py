@@ -38,7 +38,10 @@ Igammac IgammaGradA Polygamma Zeta NextAfter Mod Complex Betainc BesselI0 Bessel
 BesselJ1 BesselK0 BesselK0e BesselK1 BesselK1e BesselY0 BesselY1 Expint FresnelCos
 FresnelSin Spence InvGrad ApproximateEqual DebugGradientIdentity FakeQuantWithMinMaxArgs
 FakeQuantWithMinMaxArgsGradient""".split()
-STRINGS = "AsString StringLength StringToHashBucketFast ShardedFilename".split()
+STRINGS = """AsString StringLength StringToHashBucketFast StringToHashBucket
+StringToHashBucketStrong StringToNumber EncodeBase64 DecodeBase64 RegexReplace
+StaticRegexReplace StringJoin StringLower StringUpper StringStrip
+ShardedFilename""".split()
 
 VARIABLE_OPS = """ReadVariableOp AssignVariableOp AssignAddVariableOp AssignSubVariableOp
 ResourceApplyGradientDescent ResourceApplyMomentum ResourceApplyKerasMomentum
@@ -106,6 +109,7 @@ declare(["Div", "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod", "Mod"],
         safe_padding={1: 1})
 declare("Pow", safe_padding={1: 0})
 declare("CheckNumerics", safe_padding={0: 0})
+declare("StringToNumber", safe_padding={0: "0"})  # padding strings need not be numbers
 
 # where XLA's kernels define other values than TF's (a backend compiling with XLA runs
 # these on TF's kernels): NaN against numbers in max and min; gradients of a zero or NaN
