@@ -276,6 +276,7 @@ def _recipes() -> dict:
     r.update(_tensor_lists())
     r.update(_csr_matrices())
     r.update(_hash_tables())
+    r.update(_tensor_arrays())
     r.update(_images_and_sequences())
     return r
 
@@ -391,6 +392,28 @@ def _hash_tables() -> dict:
     keys, default = Int((4, 6), 7, "int64"), C(-1.0, "float32")
     return {"LookupTableFindV2": Recipe((static, keys, default), finish=_as_keys),
             "LookupTableSizeV2": Recipe((mutable,))}
+
+
+def _tensor_array(t):
+    """The handle of a TensorArrayV3 (tf.TensorArray in graphs of TF1 style) holding
+    t's four rows, scattered before the handle is read."""
+    handle, flow = tf.raw_ops.TensorArrayV3(size=4, dtype=tf.float32,
+                                             element_shape=tf.TensorShape([6]))
+    flow = tf.raw_ops.TensorArrayScatterV3(handle=handle, indices=tf.range(4), value=t,
+                                           flow_in=flow)
+    with tf.control_dependencies([flow]):
+        return tf.identity(handle)
+
+
+def _tensor_arrays() -> dict:
+    """Reads of a TensorArrayV3 of a split tensor's rows. The flow passed is a constant:
+    the reads come after the scatter as TF orders stateful ops (in program order)."""
+    array, flow = Made(F(4, 6), _tensor_array), C(0.0, "float32")
+    dtype = {"dtype": "float32"}
+    return {"TensorArrayReadV3": Recipe((array, C(2), flow), dtype),
+            "TensorArrayGatherV3": Recipe((array, C([3, 0]), flow),
+                                          dict(dtype, element_shape=[6])),
+            "TensorArraySizeV3": Recipe((array, flow))}
 
 
 def _csr(t):
