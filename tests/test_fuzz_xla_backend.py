@@ -136,3 +136,16 @@ def test_a_partitioning_bug_is_a_mismatch_though_xla_segments_are_references(
     status, detail = differential.run_program(_SUM_PROGRAM, tf, gt)
     assert status == "mismatch", detail
     assert "relative error" in detail
+
+
+def test_the_xla_backend_gives_tf_relu6_of_nan_in_one_element_shards():
+    """Seed 64 #50 under --backend=auto (shrunk: relu6 of a (4,) tensor holding NaN split
+    over 8 devices): XLA:CPU's Relu6 of a one-element tensor gives 0 for NaN, of a
+    longer one NaN as TF, so single-device TF under XLA (the whole tensor) cannot tell
+    it; Relu6's contract says XLA's values differ and it runs on TF's kernel."""
+    x = np.array([np.nan, np.inf, 1.0, np.nan], np.float32)
+    one = tf.function(tf.nn.relu6, jit_compile=True)(tf.constant(x[:1])).numpy()
+    assert one[0] == 0.0  # why the contract says so
+    mesh = gt.Mesh.create((8,), ("x",))
+    got = gt.function(tf.nn.relu6, mesh=mesh, in_shardings=(P("x"),), backend="xla")(x)
+    np.testing.assert_array_equal(got.numpy(), tf.nn.relu6(x).numpy())
