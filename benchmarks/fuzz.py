@@ -75,7 +75,9 @@ BACKEND = flags.DEFINE_enum("backend", "local", ["local", "xla", "auto", "defaul
                             "workers and the reproducers; default: the package's, by "
                             "platform, the local one on CPUs; auto picks one of local and "
                             "xla per program); with xla or auto a value equal to "
-                            "single-device TF's under jit_compile passes")
+                            "single-device TF's running the XLA backend's segments under "
+                            "jit_compile passes (testing/differential.py "
+                            "one_device_segments)")
 SHRINK = flags.DEFINE_integer("shrink", 20, "failures to shrink (distinct kinds first); 0: "
                               "none")
 SHRINK_BUDGET = flags.DEFINE_integer("shrink_budget", 150, "candidate runs per shrink")

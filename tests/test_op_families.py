@@ -104,6 +104,20 @@ CASES = [
     ("StringToHashBucketFast",
      lambda x: tf.strings.to_hash_bucket_fast(tf.strings.as_string(x), 97),
      (ints(6, 5),), SPLIT_BOTH),
+    # strings of each element: a number read back (the padding of the uneven split
+    # made a number first, so the local op does not fail on it), hashes, joins,
+    # rewrites, base64 both ways
+    ("StringToNumber", lambda x: tf.strings.to_number(tf.strings.as_string(x)),
+     (ints(6, 5),), SPLIT_BOTH),
+    ("StringToHashBucketStrong", lambda x: tf.strings.to_hash_bucket_strong(
+        tf.strings.as_string(x), 97, [3, 5]), (ints(6, 5),), SPLIT_BOTH),
+    ("StringJoin", lambda x: tf.strings.length(tf.strings.join(
+        [tf.strings.as_string(x), "-", tf.strings.as_string(x * 2)])), (ints(6, 5),),
+     SPLIT_BOTH),
+    ("RegexReplace", lambda x: tf.strings.to_hash_bucket_fast(tf.strings.regex_replace(
+        tf.strings.as_string(x), tf.constant("[13]"), "x"), 97), (ints(6, 5),), SPLIT_BOTH),
+    ("DecodeBase64", lambda x: tf.strings.length(tf.io.decode_base64(tf.io.encode_base64(
+        tf.strings.as_string(x)))), (ints(6, 5),), SPLIT_BOTH),
     ("DiagPart", lambda x: tf.linalg.tensor_diag_part(x * 2.0), (randn(RNG, 5, 5),),
      SPLIT_BOTH),
     ("InvertPermutation", lambda x: tf.math.invert_permutation(tf.argsort(x)),

@@ -13,7 +13,13 @@ NAMED = {"Relu": "partitioned", "MatMul": "partitioned", "BesselY1": "partitione
          # inputs from op_recipes (ranks, constants, complex values) and raw ops whose
          # parameters are named otherwise than their OpDef's inputs (Sum's axis)
          "BiasAdd": "partitioned", "Conv2DBackpropInput": "partitioned",
-         "FFT": "partitioned", "UnsortedSegmentSum": "partitioned", "Sum": "partitioned"}
+         "FFT": "partitioned", "UnsortedSegmentSum": "partitioned", "Sum": "partitioned",
+         # inputs made in the program (strings of split numbers, a TensorList of a split
+         # tensor's rows, a CSR matrix), results finished into numbers (a list stacked)
+         "StringToHashBucketFast": "partitioned", "TensorListSetItem": "partitioned",
+         "DenseToCSRSparseMatrix": "replicated",
+         # TF's shape inference contradicts its kernel: refused, never cut short
+         "FractionalMaxPool": "refused"}
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +38,11 @@ def test_the_slice_has_no_wrong_value_and_no_error(outcomes):
 def test_ops_are_classified_by_what_ran(outcomes, op_type):
     """Split inputs partitioned (Relu, MatMul, the Bessel functions, a resize, ops of
     recipe inputs: a bias, a convolution's input gradient, an FFT of complex values,
-    segment sums, a sum over a constant axis); an op
-    without a rule replicated, saying so; a result shape decided by values (segment
-    ids) refused; an op of string inputs not generated."""
+    segment sums, a sum over a constant axis, hashes of strings, a TensorList's item
+    set); an op without a rule replicated, saying so (a CSR matrix made of a dense
+    one); a result shape decided by values (segment ids) refused, and one TF's shape
+    inference gets wrong (a fractional pool's sequences); an op of string inputs
+    without a recipe not generated."""
     outcome = outcomes[op_type]
     assert outcome.kind == NAMED[op_type], outcome
     if outcome.kind == "replicated":
@@ -61,3 +69,22 @@ def test_every_recipe_gives_each_input_of_its_op():
         for given, arg in zip(recipe.inputs, op_def.input_arg):
             is_list = bool(arg.number_attr or arg.type_list_attr)
             assert isinstance(given, list) == is_list, (op_type, arg.name)
+
+
+def test_a_fractional_pool_is_refused_rather_than_its_sequences_cut_short():
+    """TF's shape inference makes FractionalMaxPool's pooling sequences one shorter than
+    its kernel returns; gspmd-tf placed them at the inferred size and dropped the last
+    boundary (op sweep: (4,) where single-device TF gives (5,)). It now refuses."""
+    import numpy as np
+    import tensorflow as tf
+
+    import gspmd_tf as gt
+
+    def pool(x):
+        return tf.raw_ops.FractionalMaxPool(value=x, pooling_ratio=[1.0, 1.5, 1.25, 1.0],
+                                            seed=1, seed2=2, deterministic=True)
+    x = np.zeros((2, 6, 5, 3), np.float32)
+    assert [t.shape for t in pool(tf.constant(x))][1:] == [(5,), (5,)]  # TF's kernel
+    mesh = gt.Mesh.create((2,), ("data",))
+    with pytest.raises(gt.ShardingError, match="FractionalMaxPool.*pooling sequences"):
+        gt.function(pool, mesh=mesh, in_shardings=(gt.P("data"),))(x)

@@ -6,27 +6,35 @@ sparse tensors. RECIPES maps an op type to its Recipe.
 Split inputs (Arg kinds "random" and "given") get the sweep's random layouts; constants
 (kind "constant": shapes, axes, windows, sparse indices) are fixed at trace time, as a
 model's are. Shapes are small and uneven over the 2x4 mesh (6 and 5 over 4 devices).
+An input TF cannot take as an argument of numbers (a TensorList, a CSR sparse matrix,
+strings) is `made` inside the program from a numeric one (Made: tf.strings.as_string of
+split floats, TensorListFromTensor of a split tensor), and an op whose result is such
+a value is `finish`ed into numbers (TensorListStack, CSRSparseMatrixToDense), as the
+models holding these ops read them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
 
 import numpy as np
+import tensorflow as tf
 
 
 @dataclass(frozen=True)
 class Arg:
     """One input: `kind` "random" (normal floats, or integers in [0, high) when `high`
     is given; complex dtypes get a normal imaginary part), "given" (`value`, split like a
-    random one) or "constant" (`value`, a constant of the program)."""
+    random one) or "constant" (`value`, a constant of the program); `make`, when set,
+    builds the op's input from this one inside the program (see Made)."""
 
     kind: str
     dtype: str
     shape: tuple = ()
     value: Optional[object] = None
     high: Optional[int] = None
+    make: Optional[Callable] = None
 
     def array(self, rng: np.random.Generator) -> np.ndarray:
         """The input's value, drawn from `rng` for a random Arg."""
@@ -47,6 +55,7 @@ class Recipe:
 
     inputs: tuple
     attrs: dict = field(default_factory=dict)
+    finish: Optional[Callable] = None  # the op's outputs -> the program's (numbers)
 
 
 def F(*shape, dtype="float32"):
@@ -67,6 +76,11 @@ def G(value, dtype="int32"):
 def C(value, dtype="int32"):
     """A constant of the program."""
     return Arg("constant", dtype, np.shape(value), value)
+
+
+def Made(arg: Arg, make: Callable) -> Arg:
+    """`arg` turned into the op's input by `make(tensor)` inside the program."""
+    return replace(arg, make=make)
 
 
 def _positive_definite(batch, n):
@@ -257,7 +271,214 @@ def _recipes() -> dict:
     r["SparseSlice"] = Recipe((*SPARSE, C([0, 0], "int64"), C([2, 6], "int64")))
     r["SparseAddGrad"] = Recipe((F(3), C([[0, 1], [2, 3]], "int64"), C([[1, 1]], "int64"),
                                  C([[0, 1], [1, 1], [2, 3]], "int64")))
+    r.update(_stateless_random())
+    r.update(_strings())
+    r.update(_tensor_lists())
+    r.update(_csr_matrices())
+    r.update(_hash_tables())
+    r.update(_tensor_arrays())
+    r.update(_images_and_sequences())
     return r
+
+
+def _stateless_random() -> dict:
+    """Stateless random numbers of a (key, counter, algorithm): the same on every device."""
+    key, counter, philox = C([7], "uint64"), C([0, 3], "uint64"), C(1)
+    r = {op: Recipe((C([4, 6]), key, counter, philox))
+         for op in ("StatelessRandomUniformV2", "StatelessRandomNormalV2",
+                    "StatelessTruncatedNormalV2", "StatelessRandomUniformFullIntV2")}
+    r["StatelessRandomUniformIntV2"] = Recipe((C([4, 6]), key, counter, philox, C(0), C(10)))
+    r["StatelessRandomGammaV3"] = Recipe((C([4, 6]), key, counter, philox,
+                                          G(np.full(6, 2.0), "float32")))
+    r["RandomIndexShuffle"] = Recipe((G(np.arange(6) * 7, "int64"), C([1, 2, 3], "int64"),
+                                      C(99, "int64")))
+    return r
+
+
+def _as_string(t):
+    return tf.strings.as_string(t, precision=3)
+
+
+def _strings() -> dict:
+    """String ops on strings made from split numbers (tf.strings.as_string)."""
+    text = Made(F(4, 6), _as_string)
+    r = {op: Recipe((text,), {"num_buckets": 10})
+         for op in ("StringToHashBucketFast", "StringToHashBucket")}
+    r["StringToHashBucketStrong"] = Recipe((text,), {"num_buckets": 10, "key": [1, 2]})
+    r["StringToNumber"] = Recipe((text,))
+    r["StringJoin"] = Recipe(([text, Made(F(4, 6), _as_string)],), {"separator": "+"})
+    r["RegexReplace"] = Recipe((text, C(r"\.", "object"), C("_", "object")))
+    r["EncodeBase64"] = Recipe((text,))
+    r["DecodeBase64"] = Recipe((Made(F(4, 6), lambda t: tf.io.encode_base64(
+        _as_string(t))),))
+    r["ReduceJoin"] = Recipe((text, C(1)))
+    r["StringSplit"] = Recipe((Made(F(6), _as_string), C(".", "object")))
+    return r
+
+
+def _list_of(t):
+    """A TensorList of t's rows."""
+    return tf.raw_ops.TensorListFromTensor(tensor=t, element_shape=tf.constant([6]))
+
+
+def _stacked(count, shape=(6,)):
+    """The function stacking a float32 TensorList of `count` elements of `shape` (the
+    count given, as TF's shape inference does not know a list's length)."""
+    def stack(handle):
+        return tf.raw_ops.TensorListStack(
+            input_handle=handle, element_shape=tf.constant(list(shape)),
+            element_dtype=tf.float32, num_elements=count)
+    return stack
+
+
+def _tensor_lists() -> dict:
+    """TensorList ops (tf.while_loop's accumulators) on lists of a split tensor's rows,
+    lists returned stacked."""
+    listed, element = Made(F(4, 6), _list_of), C([6])
+    dtype = {"element_dtype": "float32"}
+    r = {"TensorListFromTensor": Recipe((F(4, 6), element), finish=_stacked(4)),
+         "TensorListStack": Recipe((listed, element), dict(dtype, num_elements=4)),
+         "TensorListGetItem": Recipe((listed, C(2), element), dtype),
+         "TensorListSetItem": Recipe((listed, C(1), F(6)), finish=_stacked(4)),
+         "TensorListGather": Recipe((listed, C([3, 0]), element), dtype),
+         "TensorListScatter": Recipe((F(3, 6), C([2, 0, 1]), element),
+                                     finish=_stacked(3)),
+         "TensorListScatterV2": Recipe((F(3, 6), C([2, 0, 1]), element, C(3)),
+                                       finish=_stacked(3)),
+         "TensorListScatterIntoExistingList": Recipe((listed, F(2, 6), C([3, 1])),
+                                                     finish=_stacked(4)),
+         "TensorListLength": Recipe((listed,)),
+         "TensorListElementShape": Recipe((listed,), {"shape_type": "int32"}),
+         "TensorListPushBack": Recipe((listed, F(6)), finish=_stacked(5)),
+         "TensorListPopBack": Recipe((listed, element), dtype,
+                                     finish=lambda outs: (_stacked(3)(outs[0]), outs[1])),
+         "TensorListResize": Recipe((listed, C(3)), finish=_stacked(3)),
+         "TensorListSplit": Recipe((F(4, 6), C([-1, 6]), C([2, 2], "int64")),
+                                   finish=_stacked(2, (2, 6)))}
+    return r
+
+
+def _static_table(_):
+    """A HashTableV2 of four int64 keys (a Keras IntegerLookup's vocabulary),
+    initialized before it is read."""
+    handle = tf.raw_ops.HashTableV2(key_dtype=tf.int64, value_dtype=tf.float32)
+    init = tf.raw_ops.InitializeTableV2(
+        table_handle=handle, keys=tf.constant([0, 1, 2, 5], tf.int64),
+        values=tf.constant([0.5, 1.5, 2.5, 5.5]))
+    with tf.control_dependencies([init]):
+        return tf.identity(handle)
+
+
+def _mutable_table(_):
+    """A MutableHashTableV2 holding the same four keys, inserted before it is read."""
+    handle = tf.raw_ops.MutableHashTableV2(key_dtype=tf.int64, value_dtype=tf.float32)
+    insert = tf.raw_ops.LookupTableInsertV2(
+        table_handle=handle, keys=tf.constant([0, 1, 2, 5], tf.int64),
+        values=tf.constant([0.5, 1.5, 2.5, 5.5]))
+    with tf.control_dependencies([insert]):
+        return tf.identity(handle)
+
+
+def _as_keys(values):
+    """A lookup's values given the keys' shape, as tf.lookup's tables give them (the
+    raw op's shape inference does not know the table's value shape)."""
+    values.set_shape([4, 6])
+    return values
+
+
+def _hash_tables() -> dict:
+    """Lookups of split keys in tables the program builds (Keras' lookup layers)."""
+    static, mutable = Made(C(0), _static_table), Made(C(0), _mutable_table)
+    keys, default = Int((4, 6), 7, "int64"), C(-1.0, "float32")
+    return {"LookupTableFindV2": Recipe((static, keys, default), finish=_as_keys),
+            "LookupTableSizeV2": Recipe((mutable,))}
+
+
+def _tensor_array(t):
+    """The handle of a TensorArrayV3 (tf.TensorArray in graphs of TF1 style) holding
+    t's four rows, scattered before the handle is read."""
+    handle, flow = tf.raw_ops.TensorArrayV3(size=4, dtype=tf.float32,
+                                             element_shape=tf.TensorShape([6]))
+    flow = tf.raw_ops.TensorArrayScatterV3(handle=handle, indices=tf.range(4), value=t,
+                                           flow_in=flow)
+    with tf.control_dependencies([flow]):
+        return tf.identity(handle)
+
+
+def _tensor_arrays() -> dict:
+    """Reads of a TensorArrayV3 of a split tensor's rows. The flow passed is a constant:
+    the reads come after the scatter as TF orders stateful ops (in program order)."""
+    array, flow = Made(F(4, 6), _tensor_array), C(0.0, "float32")
+    dtype = {"dtype": "float32"}
+    return {"TensorArrayReadV3": Recipe((array, C(2), flow), dtype),
+            "TensorArrayGatherV3": Recipe((array, C([3, 0]), flow),
+                                          dict(dtype, element_shape=[6])),
+            "TensorArraySizeV3": Recipe((array, flow))}
+
+
+def _csr(t):
+    """A CSR sparse matrix of t's (4, 6) entries at three fixed positions."""
+    return tf.raw_ops.DenseToCSRSparseMatrix(
+        dense_input=t, indices=tf.constant([[0, 1], [2, 3], [3, 0]], tf.int64))
+
+
+def _dense(matrix):
+    """A float32 CSR sparse matrix's dense value."""
+    return tf.raw_ops.CSRSparseMatrixToDense(sparse_input=matrix, type=tf.float32)
+
+
+def _csr_matrices() -> dict:
+    """CSR sparse matrix ops (tf.linalg.sparse) on matrices made of split dense ones."""
+    csr = Made(F(4, 6), _csr)
+    f32 = {"type": "float32"}
+    return {
+        "DenseToCSRSparseMatrix": Recipe((F(4, 6), C([[0, 1], [2, 3], [3, 0]], "int64")),
+                                         finish=_dense),
+        "SparseTensorToCSRSparseMatrix": Recipe(SPARSE, finish=_dense),
+        "CSRSparseMatrixToDense": Recipe((csr,), f32),
+        "CSRSparseMatrixToSparseTensor": Recipe((csr,), f32),
+        "SparseMatrixNNZ": Recipe((csr,)),
+        "SparseMatrixTranspose": Recipe((csr,), f32, finish=_dense),
+        "SparseMatrixMatMul": Recipe((csr, F(6, 5))),
+        "SparseMatrixSparseMatMul": Recipe((csr, Made(F(6, 4), _csr_of_transposed)), f32,
+                                           finish=_dense)}
+
+
+def _csr_of_transposed(t):
+    """A CSR sparse matrix of t's (6, 4) transposed entries: the (4, 6) positions of _csr
+    transposed."""
+    return tf.raw_ops.DenseToCSRSparseMatrix(
+        dense_input=t, indices=tf.constant([[1, 0], [3, 2], [0, 3]], tf.int64))
+
+
+def _images_and_sequences() -> dict:
+    """Image ops of boxes and scores, fractional pools, the batch-norm gradients, CTC
+    decoding and edit distance."""
+    boxes, scores = G(np.array([[0, 0, 1, 1], [0, 0.1, 1, 1.1], [0, -0.1, 1, 0.9],
+                                [0, 10, 1, 11], [0, 10.1, 1, 11.1], [0, 100, 1, 101]],
+                               np.float32), "float32"), F(6)
+    r = {"NonMaxSuppression": Recipe((boxes, scores, C(3))),
+         "NonMaxSuppressionV2": Recipe((boxes, scores, C(3), C(0.5, "float32"))),
+         "NonMaxSuppressionWithOverlaps": Recipe(
+             (F(6, 6), scores, C(3), C(0.5, "float32"), C(-10.0, "float32"))),
+         "FractionalMaxPool": Recipe((F(*IMAGE),), _FRACTIONAL),
+         "FractionalAvgPool": Recipe((F(*IMAGE),), _FRACTIONAL),
+         "CTCGreedyDecoder": Recipe((F(5, 2, 4), C([5, 4]))),
+         "EditDistance": Recipe((C([[0, 0], [0, 1], [1, 0]], "int64"), G([1, 2, 1]),
+                                 C([2, 2], "int64"), C([[0, 0], [1, 0], [1, 1]], "int64"),
+                                 G([1, 3, 1]), C([2, 2], "int64"))),
+         "Range": Recipe((C(0), C(10), C(3)))}
+    variance = G(np.array([0.5, 1.5, 2.0]), "float32")
+    for op in ("FusedBatchNormGrad", "FusedBatchNormGradV2"):
+        r[op] = Recipe((F(2, 4, 6, 3), F(2, 4, 6, 3), F(3), F(3), variance))
+    r["FusedBatchNormGradV3"] = Recipe((F(2, 4, 6, 3), F(2, 4, 6, 3), F(3), F(3), variance,
+                                        F(0)))
+    return r
+
+
+# pooling_ratio per dim and fixed seeds: deterministic pooling regions
+_FRACTIONAL = {"pooling_ratio": [1.0, 1.5, 1.25, 1.0], "seed": 1, "seed2": 2,
+               "deterministic": True}
 
 
 RECIPES = _recipes()
