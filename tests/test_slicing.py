@@ -131,6 +131,23 @@ def test_moves_no_more_than_xla(name, mesh, rng):
     assert sum(b for _, b in ours) <= sum(b for _, b in XLA_WINDOWS[name]), ours
 
 
+def _check_rows(fn, n, axes, grad):
+    """check_partitioned of `fn` (and, with `grad`, the gradient of a cubic loss of its
+    result) on an (n, 3) input whose rows split over `axes`; the lowered program."""
+    m = _LINE if axes == ("x",) else _MESH
+    x = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32)
+    if not grad:
+        return check_partitioned(fn, (x,), m, (P(axes),))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = fn(x)
+            loss = tf.reduce_sum(y * y * y)
+        return y, tape.gradient(loss, x)
+    return check_partitioned(step, (x,), m, (P(axes),))
+
+
 @given(st.integers(1, 20),                                     # n
        st.sampled_from(["pad", "slice"]),
        st.integers(0, 6), st.integers(0, 6),                   # pad lo/hi, slice bounds
@@ -142,18 +159,7 @@ def test_random_pads_and_slices(n, kind, a, c, stride, axes, grad):
         fn = lambda x: tf.pad(x, [[a, c], [0, 0]], constant_values=0.5)  # noqa: E731
     else:
         fn = lambda x: x[min(a, n - 1):max(n - c, min(a, n - 1) + 1):stride]  # noqa: E731
-    m = _LINE if axes == ("x",) else _MESH
-    x = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32)
-    if grad:
-        def step(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = fn(x)
-                loss = tf.reduce_sum(y * y * y)
-            return y, tape.gradient(loss, x)
-        check_partitioned(step, (x,), m, (P(axes),))
-    else:
-        check_partitioned(fn, (x,), m, (P(axes),))
+    _check_rows(fn, n, axes, grad)
 
 
 def test_both_dims_split(mesh, rng):
@@ -214,16 +220,5 @@ def test_last_stage_of_a_stage_buffer_feeds_a_loss_and_its_gradient(rng):
 def test_random_picks(n, element, shrink, axes, grad):
     element = element % n
     fn = (lambda x: x[element]) if shrink else (lambda x: x[element:element + 1])
-    m = _LINE if axes == ("x",) else _MESH
-    x = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32)
-    if grad:
-        def step(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                y = fn(x)
-                loss = tf.reduce_sum(y * y * y)
-            return y, tape.gradient(loss, x)
-        low = check_partitioned(step, (x,), m, (P(axes),))
-    else:
-        low = check_partitioned(fn, (x,), m, (P(axes),))
+    low = _check_rows(fn, n, axes, grad)
     assert "all-gather" not in kinds(low), low.report()

@@ -358,25 +358,17 @@ def _tensor_lists() -> dict:
     return r
 
 
-def _static_table(_):
-    """A HashTableV2 of four int64 keys (a Keras IntegerLookup's vocabulary),
-    initialized before it is read."""
-    handle = tf.raw_ops.HashTableV2(key_dtype=tf.int64, value_dtype=tf.float32)
-    init = tf.raw_ops.InitializeTableV2(
-        table_handle=handle, keys=tf.constant([0, 1, 2, 5], tf.int64),
-        values=tf.constant([0.5, 1.5, 2.5, 5.5]))
-    with tf.control_dependencies([init]):
-        return tf.identity(handle)
-
-
-def _mutable_table(_):
-    """A MutableHashTableV2 holding the same four keys, inserted before it is read."""
-    handle = tf.raw_ops.MutableHashTableV2(key_dtype=tf.int64, value_dtype=tf.float32)
-    insert = tf.raw_ops.LookupTableInsertV2(
-        table_handle=handle, keys=tf.constant([0, 1, 2, 5], tf.int64),
-        values=tf.constant([0.5, 1.5, 2.5, 5.5]))
-    with tf.control_dependencies([insert]):
-        return tf.identity(handle)
+def _four_key_table(make, fill):
+    """A maker of a table (`make`: HashTableV2 or MutableHashTableV2) holding four int64
+    keys (a Keras IntegerLookup's vocabulary), filled by `fill` (InitializeTableV2 or
+    LookupTableInsertV2) before it is read."""
+    def table(_):
+        handle = make(key_dtype=tf.int64, value_dtype=tf.float32)
+        filled = fill(table_handle=handle, keys=tf.constant([0, 1, 2, 5], tf.int64),
+                      values=tf.constant([0.5, 1.5, 2.5, 5.5]))
+        with tf.control_dependencies([filled]):
+            return tf.identity(handle)
+    return table
 
 
 def _as_keys(values):
@@ -388,7 +380,9 @@ def _as_keys(values):
 
 def _hash_tables() -> dict:
     """Lookups of split keys in tables the program builds (Keras' lookup layers)."""
-    static, mutable = Made(C(0), _static_table), Made(C(0), _mutable_table)
+    static = Made(C(0), _four_key_table(tf.raw_ops.HashTableV2, tf.raw_ops.InitializeTableV2))
+    mutable = Made(C(0), _four_key_table(tf.raw_ops.MutableHashTableV2,
+                                         tf.raw_ops.LookupTableInsertV2))
     keys, default = Int((4, 6), 7, "int64"), C(-1.0, "float32")
     return {"LookupTableFindV2": Recipe((static, keys, default), finish=_as_keys),
             "LookupTableSizeV2": Recipe((mutable,))}
