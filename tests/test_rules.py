@@ -336,6 +336,16 @@ FAMILY_ROWS = [
     ("StringLength", raw("StringLength"), [text(4, 6)], SAME_2D),
     ("StringToHashBucketFast", raw("StringToHashBucketFast", num_buckets=7), [text(4, 6)],
      SAME_2D),
+    *[(op, raw(op, **attrs), [text(4, 6)], SAME_2D) for op, attrs in [
+        ("StringToHashBucket", {"num_buckets": 7}),
+        ("StringToHashBucketStrong", {"num_buckets": 7, "key": [1, 2]}),
+        ("StringToNumber", {}), ("EncodeBase64", {}), ("DecodeBase64", {}),
+        ("StringLower", {}), ("StringUpper", {}), ("StringStrip", {}),
+        ("StaticRegexReplace", {"pattern": "a", "rewrite": "b"})]],
+    ("RegexReplace", raw("RegexReplace"), [text(4, 6), text(), text()],
+     "([i, j], [], [])->([i, j]) {i=4, j=6}"),
+    ("StringJoin", lambda a, b: tf.raw_ops.StringJoin(inputs=[a, b]), [text(4, 6), text(4, 6)],
+     "([i, j], [i, j])->([i, j]) {i=4, j=6}"),
     ("ShardedFilename", raw("ShardedFilename"), [text(), i32(), i32()], "([], [], [])->([]) {}"),
     # every dim summed: partial sums
     ("L2Loss", tf.nn.l2_loss, [f32(4, 6)], "([i, j])->([]) {i=4, j=6} reduction={i, j}"),
