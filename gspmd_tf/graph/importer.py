@@ -60,7 +60,17 @@ _REFUSED_OPS = {
     "TensorSummary": "writes its node's name into its value, and every device's copy of "
                      "an op has a name of its own, so no partitioned value equals it; "
                      "write summaries with tf.summary (v2) outside the gt.function, or "
-                     "use TensorSummaryV2, whose tag is an input"}
+                     "use TensorSummaryV2, whose tag is an input",
+    # the kernel returns output_rows + 1 (and output_cols + 1) region boundaries, TF's
+    # shape inference one fewer (op sweep: FractionalMaxPool of a (2, 6, 5, 3) image,
+    # ratios 1.5 and 1.25: inference (4,), the kernel (5,)); read at the inferred size a
+    # sequence would lose its last boundary, and TF's graph cannot be told the kernel's
+    # shape (set_shape refuses it)
+    **dict.fromkeys(("FractionalMaxPool", "FractionalAvgPool"),
+                    "has pooling sequences (outputs 1 and 2) whose shape TF's shape "
+                    "inference gives one element shorter than its kernel returns, so "
+                    "gspmd-tf cannot place them; run it outside gt.function (on the "
+                    "gathered value) or use a max or average pool with a fixed window")}
 
 
 def import_graph(fn, inputs: Optional[Sequence[tf.Tensor]] = None,
@@ -159,8 +169,6 @@ class _Importer:
                     regions = self.regions(op, name, inputs)
                 unknown = self.ir.unknown_shapes
                 shapes = [_known_shape(t) for t in outs]
-                if op_type in _POOLING_SEQUENCES:
-                    _refuse_pooling_sequences(name, op_type, shapes)
                 if None not in shapes:  # the common case
                     pending = ()
                 else:
@@ -440,24 +448,6 @@ _SCRATCH_OUTPUTS = frozenset({("FusedBatchNormV3", 5)})
 # ops whose one output has the shape of their first input (the gradient tape's zeros for
 # an unused scratch output)
 _SHAPE_OF_INPUT = frozenset({"ZerosLike", "OnesLike", "Identity"})
-
-# Ops whose row and column pooling sequences (outputs 1 and 2) TF's shape inference
-# makes one shorter than its kernel does: the kernel returns the output_rows + 1 (and
-# output_cols + 1) region boundaries (op sweep: FractionalMaxPool of a (2, 6, 5, 3)
-# image, ratios 1.5 and 1.25: inference (4,), the kernel (5,)). Read at the inferred
-# size, a sequence would lose its last boundary, and TF's graph cannot be told the
-# kernel's shape (set_shape refuses it), so gspmd-tf refuses the op.
-_POOLING_SEQUENCES = frozenset({"FractionalMaxPool", "FractionalAvgPool"})
-
-
-def _refuse_pooling_sequences(name, op_type, shapes):
-    """Raise the ShardingError refusing op `name` of `op_type` (_POOLING_SEQUENCES)."""
-    raise ShardingError(
-        f"op '{name}' ({op_type}): TF's shape inference gives its pooling sequences "
-        f"the shapes {shapes[1:]}, one shorter than its kernel returns, so gspmd-tf "
-        f"cannot place them; run {op_type} outside gt.function (on the gathered value) "
-        "or use a max or average pool with a fixed window")
-
 
 def _known_shape(tensor):
     """The shape of `tensor` as a tuple of ints; None when TF left any of it unknown."""
