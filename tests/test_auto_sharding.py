@@ -321,16 +321,42 @@ def conv_limit(mesh):
             + conv_lowered(mesh, "data").memory().peak) // 2
 
 
-def test_auto_conv_step_fits_where_data_parallel_does_not_and_sends_no_more_than_spatial():
+@pytest.fixture(scope="module")
+def conv_plans():
+    """(data parallel, hand spatial, auto) Lowered of CONV on an abstract 2x4 mesh, and
+    the memory_limit auto had."""
     mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
     data, spatial = conv_lowered(mesh, "data"), conv_lowered(mesh, "spatial")
     limit = (spatial.memory().peak + data.memory().peak) // 2
-    auto = conv_lowered(mesh, "auto", limit)
-    assert data.memory().peak > limit >= auto.memory().peak
+    return data, spatial, conv_lowered(mesh, "auto", limit), limit
 
-    def sent(low):
-        return sum(c.bytes for c in low.collectives())
-    assert sent(auto) <= 1.10 * sent(spatial)
+
+def collective_bytes(low):
+    return sum(c.bytes for c in low.collectives())
+
+
+def test_auto_conv_step_fits_where_data_parallel_does_not_and_sends_no_more_than_spatial(
+        conv_plans):
+    data, spatial, auto, limit = conv_plans
+    assert data.memory().peak > limit >= auto.memory().peak
+    assert collective_bytes(auto) <= 1.10 * collective_bytes(spatial)
+
+
+def test_auto_report_pins_in_shardings_and_activations_that_reproduce_the_plan(conv_plans):
+    # pinning the in_shardings alone gives data parallelism again (the images' spatial
+    # split is an activation's layout); with the listed activations it is the plan
+    from gspmd_tf.autoshard.pinning import activation_hints
+    from gspmd_tf.runtime.lowering import lower_seeded
+    _, _, auto, _ = conv_plans
+    seeds = {ref: auto.propagation.layout(ref) for ref in auto.graph.inputs[:auto.num_args]}
+    hints, left = activation_hints(auto.graph, auto.mesh, auto.auto_plan.layouts, seeds, None)
+    assert left == 0 and hints
+    pinned = lower_seeded(auto.graph, {**seeds, **hints}, auto.num_args, auto.options)
+    assert (pinned.memory().peak, collective_bytes(pinned)) == \
+        (auto.memory().peak, collective_bytes(auto))
+    text = auto.auto_report()
+    for ref, layout in hints.items():
+        assert f"  {auto.graph.tensor_name(ref)}: {layout.to_spec()}" in text
 
 
 @pytest.mark.long
