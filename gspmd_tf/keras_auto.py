@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from gspmd_tf.autoshard import AUTO, is_auto
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.layout_map import variable_path
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime.function import function as _gt_function
 
@@ -128,9 +129,9 @@ def _batch_spec(lowered, leaf_specs, batch_specs) -> Optional[PartitionSpec]:
 def auto_report(model) -> str:
     """The auto-sharding search's report for a shard_model model whose layout map has
     gt.AUTO values: the spec chosen for each AUTO variable (and the batch_spec, where
-    AUTO), then the search's own report
-    on the step's probe (gspmd_tf/keras_auto.py: each decision's cost and alternatives)
-    with what each of the probe's arguments is."""
+    AUTO), the shard_model call that pins them, then the search's own report on the
+    step's probe (gspmd_tf/keras_auto.py: each decision's cost and alternatives) with
+    what each of the probe's arguments is."""
     state = getattr(model, "_gt_keras", None)
     if state is None or state.auto_lowered is None:
         raise ShardingError(f"model {getattr(model, 'name', model)!r} has no auto-sharding "
@@ -143,6 +144,15 @@ def auto_report(model) -> str:
               if k in by_id]
     if state.batch_auto:
         lines.append(f"  batch_spec (every batch leaf, cut to its rank): {state.batch_spec}")
+    # the steps are partitioned from the variables' and the batch's specs alone, so
+    # these reproduce them (slots take their variable's spec)
+    pinned = {}
+    for v in model.variables:
+        spec = state.auto_specs.get(id(v)) or state.rules.lookup(v)[1]
+        if spec and not is_auto(spec):
+            pinned[variable_path(v)] = spec
+    lines += ["", f"pin the plan with gt.keras.shard_model(model, mesh, layout_map="
+              f"{pinned!r}, batch_spec={state.batch_spec!r})"]
     lines += ["", "the probe's arguments: " + ", ".join(
         f"{k} {what}" for k, what in enumerate(state.auto_arguments)), "",
         state.auto_lowered.auto_report()]

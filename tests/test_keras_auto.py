@@ -111,6 +111,10 @@ def test_auto_report_names_each_auto_variable_and_its_spec(auto_run):
         assert f"  {path}: {gt.keras.layout_of(model.get_layer(path.split('/')[1]).kernel)}" \
             in text, text
     assert "pin the plan with in_shardings=" in text
+    state = model._gt_keras
+    assert "pin the plan with gt.keras.shard_model(model, mesh, layout_map=" + repr(
+        {v.path: gt.keras.layout_of(v) for v in model.variables
+         if v.path.endswith("kernel")}) + f", batch_spec={state.batch_spec!r})" in text, text
 
 
 def test_auto_report_without_auto_is_a_sharding_error(mesh):
