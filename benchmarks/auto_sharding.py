@@ -27,7 +27,8 @@ layer) and auto (the weights gt.AUTO, no annotations), memory_limit as above.
 (the figures are the train step's lowering; nothing runs): data parallel (no layout
 map), Megatron (gspmd_tf/testing/keras_layouts.py's map) and auto ({".*": gt.AUTO},
 memory_limit as above, between the two real steps' peaks; the search fits its probe of
-the step, gspmd_tf/keras_auto.py, in it).
+the step, gspmd_tf/keras_auto.py, in it, choosing the batch_spec too: shard_model's
+default with gt.AUTO in the layout map).
 
 --model=resnet: gspmd_tf/testing/conv_step.py's ResNet-like SGD step (--layers residual
 blocks of two 3x3 convolutions, --width channels, --image x --image images, --batch
