@@ -27,7 +27,16 @@ layer) and auto (the weights gt.AUTO, no annotations), memory_limit as above.
 (the figures are the train step's lowering; nothing runs): data parallel (no layout
 map), Megatron (gspmd_tf/testing/keras_layouts.py's map) and auto ({".*": gt.AUTO},
 memory_limit as above, between the two real steps' peaks; the search fits its probe of
-the step, gspmd_tf/keras_auto.py, in it).
+the step, gspmd_tf/keras_auto.py, in it, choosing the batch_spec too: shard_model's
+default with gt.AUTO in the layout map).
+
+--model=resnet: gspmd_tf/testing/conv_step.py's ResNet-like SGD step (--layers residual
+blocks of two 3x3 convolutions, --width channels, --image x --image images, --batch
+of them: give --batch smaller than the mesh, e.g. 2, so that data parallelism can use
+only "data") on the same mesh: data parallel (images split over "data" on the batch,
+weights replicated), the hand spatial plan (the images also split on their height over
+"model": halo exchanges) and auto (images as data parallel's, every weight gt.AUTO),
+memory_limit as above (between the spatial plan's peak and data parallel's).
 
 Reported per layer count: the ops of the step, the search's classes and variables, its
 seconds (all of it, and the HiGHS solver's share), then per plan the per-device peak
@@ -55,7 +64,10 @@ flags.DEFINE_integer("seq", 128, "sequence length S")
 flags.DEFINE_integer("batch", 16, "global batch B")
 flags.DEFINE_string("mesh", "2x4", "mesh shape: data x model, or data x replica x model "
                     "(the hand plans leave \"replica\" unused)")
-flags.DEFINE_enum("model", "transformer", ["transformer", "moe", "gpt2"], "the step to plan")
+flags.DEFINE_enum("model", "transformer", ["transformer", "moe", "gpt2", "resnet"],
+                  "the step to plan")
+flags.DEFINE_integer("image", 56, "--model=resnet: image height and width")
+flags.DEFINE_integer("width", 64, "--model=resnet: channels of the residual blocks")
 flags.DEFINE_integer("vocab", 1024, "--model=gpt2: vocabulary size")
 flags.DEFINE_integer("experts", 8, "--model=moe: experts E (the groups G are as many)")
 flags.DEFINE_float("limit_between", 0.5, "memory_limit: this far from Megatron's peak "
@@ -167,7 +179,39 @@ def gpt2_rows(gt, mesh):
         m = p.memory()
         print(f"  {name:9s} arguments {m.arguments} variables {m.variables} "
               f"outputs {m.outputs} peak {m.peak} bytes per device")
+    state = model._gt_keras
+    print(f"  batch_spec {state.batch_spec} ({'chosen by the search' if state.batch_auto else 'given'})")
     print("\n".join(gt.keras.auto_report(model).splitlines()[:12]))
+
+
+def resnet_rows(gt, mesh):
+    """Print the ResNet-like rows: data parallel, the hand spatial plan and auto, per
+    block count."""
+    from gspmd_tf.testing.conv_step import ConvConfig, make_conv_step
+    print(f"ResNet-like SGD step, width {FLAGS.width}, image {FLAGS.image}, batch "
+          f"{FLAGS.batch}, mesh {FLAGS.mesh}")
+    print(f"{'blocks':>6s} {'ops':>5s} {'search s':>9s} | {'peak MiB':>26s} | "
+          f"{'collective MiB':>26s} | auto/spatial | auto's images, first weights")
+    print(f"{'':22s} | {'data':>8s} {'spatial':>8s} {'auto':>8s} | {'data':>8s} "
+          f"{'spatial':>8s} {'auto':>8s} |")
+    for blocks in (int(b) for b in FLAGS.layers):
+        config = ConvConfig(blocks, FLAGS.width, 10, FLAGS.image, FLAGS.batch)
+
+        def lower(plan, memory_limit=None):
+            return gt.lower(make_conv_step(config), mesh, config.in_shardings(plan, gt.AUTO),
+                            args=config.specs(), memory_limit=memory_limit)
+        data_plan, spatial = lower("data"), lower("spatial")
+        low, high = spatial.memory().peak, data_plan.memory().peak
+        limit = int(low + FLAGS.limit_between * (high - low))
+        auto = lower("auto", limit)
+        plans = (data_plan, spatial, auto)
+        peaks = [p.memory().peak / 2 ** 20 for p in plans]
+        sent = [collective_bytes(p) / 2 ** 20 for p in plans]
+        specs = [layout.to_spec() for layout in auto.program.input_layouts[:3]]
+        print(f"{blocks:6d} {auto.auto_plan.num_nodes:5d} {auto.auto_plan.search_seconds:9.2f} "
+              f"| {peaks[0]:8.2f} {peaks[1]:8.2f} {peaks[2]:8.2f} | {sent[0]:8.3f} "
+              f"{sent[1]:8.3f} {sent[2]:8.3f} | {sent[2] / sent[1]:.3f} | {specs}"
+              f"{'' if auto.memory().peak <= limit else '  (over the limit)'}")
 
 
 def collective_bytes(lowered):
@@ -191,6 +235,8 @@ def main(argv):
     mesh = gt.Mesh.abstract(shape, names)
     if FLAGS.model == "moe":
         return moe_rows(gt, mesh)
+    if FLAGS.model == "resnet":
+        return resnet_rows(gt, mesh)
     print(f"Transformer train step (Adam), M={FLAGS.d_model} N={FLAGS.heads} "
           f"H={FLAGS.d_ff} S={FLAGS.seq} B={FLAGS.batch}, mesh {FLAGS.mesh}")
     print(f"{'layers':>6s} {'ops':>6s} {'classes':>7s} {'vars':>6s} {'search s':>9s} "

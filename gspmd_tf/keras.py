@@ -32,7 +32,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from gspmd_tf.autoshard.spec import is_auto
+from gspmd_tf.autoshard.spec import AUTO, is_auto
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.keras_auto import auto_report, decide
 from gspmd_tf.keras_weights import load_weights as _load_weights
@@ -161,7 +161,8 @@ class _MeshModel:
         self.model = model
         self.mesh = mesh
         self.rules = rules
-        self.batch_spec = batch_spec
+        self.batch_spec = batch_spec  # AUTO until the search decides it (keras_auto.py)
+        self.batch_auto = is_auto(batch_spec)
         self.memory_limit = memory_limit
         self.auto_specs = {}  # id(model variable) -> the spec the search chose for AUTO
         self.auto_lowered = None  # the search's probe (keras_auto.py), once it ran
@@ -282,7 +283,8 @@ class _MeshModel:
         fits the probe (keras_auto.py), whose peak is an estimate of the step's (as
         lowering._lower_auto tightens its budget, AUTO_ATTEMPTS times)."""
         fn = make()
-        if self.memory_limit is None or not self.auto_specs or kind != "train":
+        if self.memory_limit is None or kind != "train" or not (
+                self.auto_specs or self.batch_auto):
             return fn
         limit = budget = self.memory_limit
         for _ in range(AUTO_ATTEMPTS):
@@ -294,6 +296,8 @@ class _MeshModel:
             if budget <= 0:
                 break
             self.auto_specs.clear()
+            if self.batch_auto:
+                self.batch_spec = AUTO
             self._decide_auto(kind, data, budget)
             self.shard_variables()
             fn = make()
@@ -313,7 +317,7 @@ class _MeshModel:
         for v in model.variables:
             spec = self.rules.lookup(v)[1]
             specs[id(v)] = self.auto_specs.get(id(v), spec)
-        if not any(is_auto(spec) for spec in specs.values()):
+        if not (is_auto(self.batch_spec) or any(is_auto(spec) for spec in specs.values())):
             return
         optimizer = getattr(model, "optimizer", None)
         train = kind == "train" and optimizer is not None and optimizer.built
@@ -326,14 +330,19 @@ class _MeshModel:
                 if ref is not None and tuple(ref.shape) == tuple(var.shape):
                     slots.setdefault(id(ref), []).append(var)
         leaves = [leaf for leaf in tf.nest.flatten(data) if leaf is not None]
-        chosen, self.auto_lowered, self.auto_arguments = decide(
+        chosen, batch_spec, self.auto_lowered, self.auto_arguments = decide(
             model, self.mesh, specs, slots, tuple(self._spec_for(leaf) for leaf in leaves),
             data, train, self.memory_limit if budget is None else budget)
         self.auto_specs.update(chosen)
+        if batch_spec is not None:
+            self.batch_spec = batch_spec
 
     # ---------------------------------------------------------------- steps
     def _spec_for(self, leaf):
-        """batch_spec cut to the leaf's rank: labels of rank 1 split their batch dim."""
+        """batch_spec cut to the leaf's rank: labels of rank 1 split their batch dim
+        (AUTO while the search has not decided it)."""
+        if is_auto(self.batch_spec):
+            return AUTO
         rank = len(getattr(leaf, "shape", np.shape(leaf)))
         return PartitionSpec(*self.batch_spec[:rank])
 
@@ -347,9 +356,9 @@ class _MeshModel:
         fn = self.functions.get(key)
         if fn is None:
             self._prepare(kind, data)
-            specs = tuple(self._spec_for(leaf) for leaf in leaves)
+            # the specs are read at each make: a search again may choose another batch_spec
             fn = self._within_limit(kind, data, leaves, lambda: self._make(
-                kind, data, len(flat), present, specs))
+                kind, data, len(flat), present, tuple(self._spec_for(leaf) for leaf in leaves)))
             self.functions[key] = fn
         return fn, leaves
 
@@ -514,8 +523,7 @@ def _make_predict_function(self, force=False):
     return self.predict_function
 
 
-def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("data"),
-                memory_limit=None):
+def shard_model(model, mesh=None, layout_map=None, batch_spec=None, memory_limit=None):
     """Run `model` (Keras 3, TensorFlow backend) partitioned over `mesh`; returns `model`.
 
     mesh: a gt.Mesh (or a keras.distribution.DeviceMesh of local devices; defaults to
@@ -528,6 +536,10 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
       a key matching no variable gives a warning listing the replicated variables.
     batch_spec: how every batch leaf (x, y, sample_weight) is split; a leaf of lower
       rank takes the spec's first entries (labels of rank 1 split their batch dim).
+      gt.AUTO: the auto-sharding search chooses it with the AUTO variables (from the
+      largest batch leaf's split in the step's probe). Default: gt.AUTO when a
+      layout_map value is gt.AUTO (the step then starts from the batch split whose
+      activations the search fitted in memory_limit), else P("data").
     memory_limit: per-device bytes the auto-sharding search must fit the train step in
       when a layout_map value is gt.AUTO (None: no limit). Before the first step (or
       gt.keras.lowered(model, kind, data)) the search chooses a spec for every AUTO
@@ -542,7 +554,11 @@ def shard_model(model, mesh=None, layout_map=None, batch_spec=PartitionSpec("dat
     optimizer after re-compiling) are sharded before the first step that uses them.
     Calling shard_model again moves the model to another mesh or layout.
     """
-    return take_over(model, _as_mesh(mesh, layout_map), LayoutRules(layout_map), batch_spec,
+    rules = LayoutRules(layout_map)
+    if batch_spec is None:
+        batch_spec = AUTO if any(is_auto(spec) for _, spec in rules.items) \
+            else PartitionSpec("data")
+    return take_over(model, _as_mesh(mesh, layout_map), rules, batch_spec,
                      check_memory_limit(memory_limit))
 
 
@@ -561,9 +577,10 @@ def take_over(model, mesh: Mesh, rules, batch_spec,
             f"shard_model takes a keras.Model, not {type(model).__name__} {model!r:.80}; "
             "wrap a layer in one (keras.Sequential([layer])), or for a plain function "
             "use gt.function with gt.Variables")
-    batch_spec = batch_spec if isinstance(batch_spec, PartitionSpec) \
-        else PartitionSpec(*(batch_spec or ()))
-    Layout.from_spec(mesh, batch_spec, len(batch_spec), "batch_spec")  # checks axis names
+    if not is_auto(batch_spec):
+        batch_spec = batch_spec if isinstance(batch_spec, PartitionSpec) \
+            else PartitionSpec(*(batch_spec or ()))
+        Layout.from_spec(mesh, batch_spec, len(batch_spec), "batch_spec")  # checks axes
     state = _MeshModel(model, mesh, rules, batch_spec, memory_limit)
     state.shard_variables()
     object.__setattr__(model, "_gt_keras", state)

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from gspmd_tf.autoshard import AUTO, is_auto
 from gspmd_tf.errors import ShardingError
+from gspmd_tf.layout_map import variable_path
 from gspmd_tf.mesh import Mesh, PartitionSpec
 from gspmd_tf.runtime.function import function as _gt_function
 
@@ -35,13 +36,14 @@ _DECAY, _STEP, _EPSILON = 0.9, 1e-3, 1e-7
 
 def decide(model, mesh: Mesh, specs: dict, slots: dict, batch_specs: tuple, data,
            train: bool, memory_limit: Optional[int]):
-    """(the chosen PartitionSpec by id() of every AUTO variable, the probe's
-    gt.Lowered, what each probe argument is: "batch leaf 0" or a variable path).
+    """(the chosen PartitionSpec by id() of every AUTO variable, the batch spec chosen
+    (None unless the batch leaves are AUTO), the probe's gt.Lowered, what each probe
+    argument is: "batch leaf 0" or a variable path).
     `specs` maps id(variable) of each model variable to its layout map
     spec (AUTO or a PartitionSpec); `slots` id(model variable) -> its optimizer slot
-    variables; `batch_specs` the batch leaves' specs; `data` a batch (its present leaves
-    in tf.nest order); `train`: a train step (forward, gradients, update) else forward
-    only."""
+    variables; `batch_specs` the batch leaves' specs (PartitionSpecs, or AUTO each);
+    `data` a batch (its present leaves in tf.nest order); `train`: a train step
+    (forward, gradients, update) else forward only."""
     import keras
     trainable = list(model.trainable_variables)
     frozen = list(model.non_trainable_variables)
@@ -105,14 +107,31 @@ def decide(model, mesh: Mesh, specs: dict, slots: dict, batch_specs: tuple, data
             chosen[id(v)] = layouts[k].to_spec()
     arguments = [f"batch leaf {i}" for i in present] + [
         v.path for v in trainable + frozen + metrics + slot_variables]
-    return chosen, lowered, arguments
+    return chosen, _batch_spec(lowered, arg_specs[:len(present)], batch_specs), lowered, \
+        arguments
+
+
+def _batch_spec(lowered, leaf_specs, batch_specs) -> Optional[PartitionSpec]:
+    """The one batch_spec the model's steps take from the search's choice for the AUTO
+    batch leaves: the spec of the leaf of most elements (the first of equals), which
+    the search split for the activations it feeds. gt.keras gives every leaf one spec
+    cut to its rank, so the steps of other kinds (test, predict) and batch structures
+    use it too; the step the probe stands for then starts from the split whose memory
+    the search counted (its intermediates are not carried over: the real step's
+    propagation derives them from the batch and the variables)."""
+    auto = [k for k, spec in enumerate(batch_specs) if is_auto(spec)]
+    if not auto:
+        return None
+    k = max(auto, key=lambda k: (leaf_specs[k].shape.num_elements() or 0, -k))
+    return lowered.program.input_layouts[k].to_spec()
 
 
 def auto_report(model) -> str:
     """The auto-sharding search's report for a shard_model model whose layout map has
-    gt.AUTO values: the spec chosen for each AUTO variable, then the search's own report
-    on the step's probe (gspmd_tf/keras_auto.py: each decision's cost and alternatives)
-    with what each of the probe's arguments is."""
+    gt.AUTO values: the spec chosen for each AUTO variable (and the batch_spec, where
+    AUTO), the shard_model call that pins them, then the search's own report on the
+    step's probe (gspmd_tf/keras_auto.py: each decision's cost and alternatives) with
+    what each of the probe's arguments is."""
     state = getattr(model, "_gt_keras", None)
     if state is None or state.auto_lowered is None:
         raise ShardingError(f"model {getattr(model, 'name', model)!r} has no auto-sharding "
@@ -123,6 +142,17 @@ def auto_report(model) -> str:
              "variables (optimizer slots take their variable's)"]
     lines += [f"  {by_id[k].path}: {spec}" for k, spec in state.auto_specs.items()
               if k in by_id]
+    if state.batch_auto:
+        lines.append(f"  batch_spec (every batch leaf, cut to its rank): {state.batch_spec}")
+    # the steps are partitioned from the variables' and the batch's specs alone, so
+    # these reproduce them (slots take their variable's spec)
+    pinned = {}
+    for v in model.variables:
+        spec = state.auto_specs.get(id(v)) or state.rules.lookup(v)[1]
+        if spec and not is_auto(spec):
+            pinned[variable_path(v)] = spec
+    lines += ["", f"pin the plan with gt.keras.shard_model(model, mesh, layout_map="
+              f"{pinned!r}, batch_spec={state.batch_spec!r})"]
     lines += ["", "the probe's arguments: " + ", ".join(
         f"{k} {what}" for k, what in enumerate(state.auto_arguments)), "",
         state.auto_lowered.auto_report()]

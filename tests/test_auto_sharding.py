@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
+from gspmd_tf.testing.conv_step import ConvConfig, make_conv_step
 from gspmd_tf.testing.transformer_step import Config, make_step
 
 P = gt.P
@@ -302,3 +303,67 @@ def test_search_prices_a_reshard_as_the_backends_price_the_program_it_emits():
     # a gather pays its collective's whole latency, as base.node_seconds counts it
     assert reshard_seconds(split, replicated, shape, tf.float32, mesh, model) == \
         model.collective_seconds("all-gather", 64 * 32 * 4, ("model",))
+
+
+# batch 2 on a 2x4 mesh: data parallelism can split only over "data"; the search must split
+# the activations further (spatially, with halos) to fit
+CONV = ConvConfig(blocks=1, width=8, classes=4, image=8, batch=2)
+
+
+def conv_lowered(mesh, plan, memory_limit=None):
+    return gt.lower(make_conv_step(CONV), mesh, CONV.in_shardings(plan, gt.AUTO),
+                    args=CONV.specs(), memory_limit=memory_limit)
+
+
+def conv_limit(mesh):
+    """Halfway between the hand spatial plan's peak and data parallel's."""
+    return (conv_lowered(mesh, "spatial").memory().peak
+            + conv_lowered(mesh, "data").memory().peak) // 2
+
+
+@pytest.fixture(scope="module")
+def conv_plans():
+    """(data parallel, hand spatial, auto) Lowered of CONV on an abstract 2x4 mesh, and
+    the memory_limit auto had."""
+    mesh = gt.Mesh.abstract((2, 4), ("data", "model"))
+    data, spatial = conv_lowered(mesh, "data"), conv_lowered(mesh, "spatial")
+    limit = (spatial.memory().peak + data.memory().peak) // 2
+    return data, spatial, conv_lowered(mesh, "auto", limit), limit
+
+
+def collective_bytes(low):
+    return sum(c.bytes for c in low.collectives())
+
+
+def test_auto_conv_step_fits_where_data_parallel_does_not_and_sends_no_more_than_spatial(
+        conv_plans):
+    data, spatial, auto, limit = conv_plans
+    assert data.memory().peak > limit >= auto.memory().peak
+    assert collective_bytes(auto) <= 1.10 * collective_bytes(spatial)
+
+
+def test_auto_report_pins_in_shardings_and_activations_that_reproduce_the_plan(conv_plans):
+    # pinning the in_shardings alone gives data parallelism again (the images' spatial
+    # split is an activation's layout); with the listed activations it is the plan
+    from gspmd_tf.autoshard.pinning import activation_hints
+    from gspmd_tf.runtime.lowering import lower_seeded
+    _, _, auto, _ = conv_plans
+    seeds = {ref: auto.propagation.layout(ref) for ref in auto.graph.inputs[:auto.num_args]}
+    hints, left = activation_hints(auto.graph, auto.mesh, auto.auto_plan.layouts, seeds, None)
+    assert left == 0 and hints
+    pinned = lower_seeded(auto.graph, {**seeds, **hints}, auto.num_args, auto.options)
+    assert (pinned.memory().peak, collective_bytes(pinned)) == \
+        (auto.memory().peak, collective_bytes(auto))
+    text = auto.auto_report()
+    for ref, layout in hints.items():
+        assert f"  {auto.graph.tensor_name(ref)}: {layout.to_spec()}" in text
+
+
+@pytest.mark.long
+def test_auto_conv_step_values_equal_single_device(mesh):
+    values = CONV.values()
+    got = gt.function(make_conv_step(CONV), mesh=mesh, memory_limit=conv_limit(mesh),
+                      in_shardings=CONV.in_shardings("auto", gt.AUTO))(*values)
+    want = tf.function(make_conv_step(CONV))(*values)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)

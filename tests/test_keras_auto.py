@@ -81,6 +81,20 @@ def test_adam_slots_take_their_kernels_chosen_spec(auto_run):
         assert gt.keras.layout_of(slot) == specs[weight], slot.path
 
 
+def test_default_batch_spec_is_searched_and_the_step_fits_at_the_first_search(auto_run):
+    # the step starts from the batch split the probe's plan was fitted with, so the
+    # real step's peak is within the limit without a second, tighter search
+    _, model, _, _ = auto_run
+    state = model._gt_keras
+    assert state.batch_auto and isinstance(state.batch_spec, P), state.batch_spec
+    assert state.auto_lowered.auto_plan.memory_limit == LIMIT
+    step = gt.keras.lowered(model)
+    assert step.memory().peak <= LIMIT
+    assert step.input_shardings[0] == gt.Sharding.from_spec(state.mesh, state.batch_spec, 2)
+    assert f"batch_spec (every batch leaf, cut to its rank): {state.batch_spec}" in \
+        gt.keras.auto_report(model)
+
+
 def test_fit_with_auto_kernels_equals_single_device(auto_run):
     ref, model, want, got = auto_run
     _close(got, want, "loss")
@@ -97,6 +111,10 @@ def test_auto_report_names_each_auto_variable_and_its_spec(auto_run):
         assert f"  {path}: {gt.keras.layout_of(model.get_layer(path.split('/')[1]).kernel)}" \
             in text, text
     assert "pin the plan with in_shardings=" in text
+    state = model._gt_keras
+    assert "pin the plan with gt.keras.shard_model(model, mesh, layout_map=" + repr(
+        {v.path: gt.keras.layout_of(v) for v in model.variables
+         if v.path.endswith("kernel")}) + f", batch_spec={state.batch_spec!r})" in text, text
 
 
 def test_auto_report_without_auto_is_a_sharding_error(mesh):

@@ -7,12 +7,14 @@ from typing import Optional
 
 import numpy as np
 
+from gspmd_tf.autoshard.pinning import ROUNDS, activation_hints, hint_lines
 from gspmd_tf.backends.base import COLLECTIVE_KINDS
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
 from gspmd_tf.graph.text import program_text
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import PartitionSpec
+from gspmd_tf.propagation.knobs import traced_knobs
 from gspmd_tf.propagation.propagate import Propagation
 from gspmd_tf.runtime.advice import advise
 from gspmd_tf.runtime.explain import explain
@@ -322,13 +324,33 @@ class Lowered:
 
     def auto_report(self) -> str:
         """What the auto-sharding search chose for each gt.AUTO entry, with its modelled
-        cost and every alternative's, cheapest first, then the in_shardings that pin the
-        plan. Returns the text (print it)."""
-        if self.auto_plan is None:
+        cost and every alternative's, cheapest first, then what pins the plan: the
+        in_shardings (and out_shardings), and the activations to annotate with
+        gt.mesh_split where propagation from those would lay them out otherwise
+        (autoshard/pinning.py). Returns the text (print it)."""
+        plan = self.auto_plan
+        if plan is None:
             raise ShardingError(f"{self.name} has no gt.AUTO entry: auto_report() shows "
                                 "the plan the search chose for AUTO in/out_shardings")
         pinned = tuple(l.to_spec() for l in self.program.input_layouts[:self.num_args])
-        return f"{self.auto_plan.text()}\n\npin the plan with in_shardings={pinned!r}"
+        lines = [plan.text(), "", f"pin the plan with in_shardings={pinned!r}"]
+        if plan.output_layouts:
+            lines.append("and out_shardings=" + repr(tuple(
+                l.to_spec() for l in self.program.output_layouts)))
+        outputs = {self.graph.outputs[j] for j in plan.output_layouts}  # not seeds
+        seeds = {ref: self.propagation.layout(ref) for ref in self._annotated
+                 if ref not in outputs or ref in self.graph.inputs}
+        hints, left = activation_hints(self.graph, self.mesh, plan.layouts, seeds,
+                                       traced_knobs(self.source_graph, self.graph))
+        if hints:
+            lines += ["and these activations with gt.mesh_split(tensor, mesh, spec) where "
+                      "the function makes them (propagation from the shardings above lays "
+                      "them out otherwise):"]
+            lines += hint_lines(self.graph, hints, self.source_line)
+        if left:
+            lines.append(f"({left} more tensors of the plan differ after {ROUNDS} rounds of "
+                         "annotations: the pinned program may move other bytes)")
+        return "\n".join(lines)
 
     def compile(self):
         """The runnable program (built once): run(inputs[i][d]) -> outputs[j][d]."""
