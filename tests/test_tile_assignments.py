@@ -68,8 +68,9 @@ def test_out_shardings_in_a_device_order_of_their_own_end_with_one_permute(mesh,
         assert tf.DeviceSpec.from_string(shard.backing_device).device_index == device
         row = tile_of(sharding, device)[0]
         np.testing.assert_array_equal(shard.numpy(), 2.0 * x[row * rows:(row + 1) * rows])
-    # such a ShardedTensor enters another program with its sharding: one permute in
-    g = gt.function(lambda v: tf.reduce_sum(v, axis=1), mesh=mesh)
+    # such a ShardedTensor enters another program (here on another mesh of the same
+    # devices) with its sharding: one permute in
+    g = gt.function(lambda v: tf.reduce_sum(v, axis=1), mesh=gt.Mesh.create((8,), ("x",)))
     np.testing.assert_allclose(g(y).numpy(), (2.0 * x).sum(axis=1), rtol=1e-5)
     low = g.lower(y)
     assert low.input_shardings[0] == sharding

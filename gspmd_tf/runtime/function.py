@@ -306,8 +306,8 @@ class Function:
                     handles[device] = copies[-1].handle
             return handles
         if isinstance(value, ShardedTensor):
-            if (value.layout == layout and value.mesh == placed) or \
-                    value.sharding == Sharding.from_layout(placed, layout):
+            same = value.layout == layout and (value.mesh is placed or value.mesh == placed)
+            if same or value.sharding == Sharding.from_layout(placed, layout):
                 return value.shards
             value = value.numpy()
         elif getattr(value, "dtype", None) == tf.resource:
