@@ -447,12 +447,17 @@ def _prime_parts(mesh):
     return tuple(names), tuple(sizes)
 
 
+# partial layouts _nearest_layout keeps per digit: enough to try every one on meshes of
+# up to 5 prime parts (32 devices of 2s); larger meshes keep the best so far
+NEAREST_BEAM = 120
+
+
 def _nearest_layout(sharding, mesh):
     """The Layout of `mesh` with `sharding`'s tiles per dim that puts the tile a device
-    holds where `sharding` puts it on as many devices as a greedy choice finds: each
-    dim's tile index is read digit by digit, major first, each digit from the unused
-    prime part of the mesh axes (in mesh order on a tie) that keeps the most devices
-    agreeing with `sharding` on every digit so far. Unused parts replicate."""
+    holds where `sharding` puts it on the most devices: each dim's tile index is read
+    digit by digit, major first, each digit from an unused prime part of the mesh axes;
+    a beam search over those choices, counting the devices agreeing on every digit so
+    far (ties: mesh order). Unused parts replicate."""
     names, sizes = _prime_parts(mesh)
     coords = np.stack(np.unravel_index(mesh.positions(), sizes), axis=-1)  # [id, part]
     tile_shape = tuple(sharding.tile_shape)
@@ -460,24 +465,26 @@ def _nearest_layout(sharding, mesh):
     want = np.empty((mesh.size, len(tile_shape)), np.int64)  # [id, dim]: its tile
     for d, index in enumerate(np.indices(tiles.shape)[:len(tile_shape)]):
         want[tiles.ravel(), d] = index.ravel()
-    agree = np.ones(mesh.size, bool)
-    free = list(range(len(sizes)))
-    dims = []
+    states = [(np.ones(mesh.size, bool), ())]  # (devices agreeing, runs of parts per dim)
     for d, count in enumerate(tile_shape):
-        run, left = [], count
-        while left > 1:
-            best = None
-            for part in (p for p in free if left % sizes[p] == 0):
-                digit = want[:, d] // (left // sizes[part]) % sizes[part]
-                kept = agree & (coords[:, part] == digit)
-                if best is None or kept.sum() > best[1].sum():
-                    best = (part, kept)
-            part, agree = best
-            free.remove(part)
-            run.append(names[part])
-            left //= sizes[part]
-        dims.append(tuple(run))
-    return merged_layout(Layout(tuple(dims)))
+        states = [(agree, runs + ((),)) for agree, runs in states]
+        while True:
+            grown = []
+            for agree, runs in states:
+                used = {p for run in runs for p in run}
+                left = count // int(np.prod([sizes[p] for p in runs[-1]], dtype=np.int64))
+                for part in range(len(sizes)):
+                    if part in used or left % sizes[part]:
+                        continue
+                    digit = want[:, d] // (left // sizes[part]) % sizes[part]
+                    grown.append((agree & (coords[:, part] == digit),
+                                  runs[:-1] + (runs[-1] + (part,),)))
+            if not grown:  # every digit of dim d read
+                break
+            grown.sort(key=lambda state: -int(state[0].sum()))  # stable: mesh order
+            states = grown[:NEAREST_BEAM]
+    runs = states[0][1]
+    return merged_layout(Layout(tuple(tuple(names[p] for p in run) for run in runs)))
 
 
 def _layout_of_tiles(sharding, mesh, axis_names, shape):

@@ -3,12 +3,16 @@ inside a program an annotation is the layout with its tiles per dim; at the prog
 boundary (in/out_shardings, a ShardedTensor argument) the shards are on the devices the
 tile assignment names, moved there by one collective-permute (Sharding.placement)."""
 
+import itertools
+
 import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 import gspmd_tf as gt
+from gspmd_tf.layout import Layout
+from gspmd_tf.mesh import SubAxis
 from gspmd_tf.spmd.planner import permute_pairs
 from util import check_partitioned, randn
 
@@ -107,3 +111,23 @@ def test_annotations_in_a_device_order_of_their_own_take_the_layout_of_their_til
     assert notes[0] in low.report()
     # x enters split 8 ways (the annotation seeds it); h gathers its model split only
     assert [c.kind for c in low.collectives()] == ["all-gather"]
+
+
+@pytest.mark.parametrize("tile_shape", [(8,), (2, 4), (4, 1, 2)])
+def test_placement_moves_the_fewest_shards_any_layout_of_those_tiles_would(tile_shape):
+    parts = ["data", SubAxis("model", 1, 2, 4), SubAxis("model", 2, 2, 4)]
+    cuts = np.cumsum([0] + [int(np.log2(t)) for t in tile_shape])
+    rng = np.random.default_rng(3)
+    for _ in range(6):
+        sharding = gt.Sharding.tile(rng.permutation(8).reshape(tile_shape))
+
+        def moved(layout):
+            placed = MESH.with_arrangement([a for axes in layout.dims for a in axes],
+                                           sharding.tile_assignment)
+            return sum(s != t for s, t in permute_pairs(MESH, layout, layout, placed, MESH))
+
+        fewest = min(moved(Layout(tuple(tuple(order[a:b]) for a, b in zip(cuts, cuts[1:]))))
+                     for order in itertools.permutations(parts))
+        layout, placed = sharding.placement(MESH, len(tile_shape))
+        assert gt.Sharding.from_layout(placed, layout) == sharding
+        assert moved(layout) == fewest
