@@ -383,12 +383,12 @@ class Sharding:
         """Where this sharding puts a tensor of rank `rank`: a Placement(layout, mesh).
 
         `layout` is a Layout over `mesh`'s axes (or parts of them) with this sharding's
-        number of tiles along every dim. `placed` is `mesh` itself when that layout puts
+        number of tiles along every dim. Its `mesh` is `mesh` itself when that layout puts
         every tile on the devices this sharding names (to_layout's case), else a mesh of
         the same devices in another order (Mesh.with_arrangement) on which it does: any
         tile assignment XLA accepts. The layout then is the one whose tiles are where
-        this sharding puts them on the most devices (greedily, digit by digit of each
-        dim's tile index), so the fewest shards move between the two placements.
+        this sharding puts them on the most devices (a beam search, _nearest_layout), so
+        the fewest shards move between the two placements.
         Raises ShardingError, naming `what`, as to_layout, save for the device order.
         """
         where = f"{what}: sharding {_short(str(self))} on {mesh!r}"

@@ -77,9 +77,9 @@ def _lower_traced(traced, options, entries, committed):
     for i, ref in enumerate(graph.inputs[:count]):
         if is_auto(entries[i]):
             continue
-        # a ShardedTensor of another mesh over the same devices enters with its sharding
-        entry = entries[i] if entries[i] is not None or isinstance(committed[i], Layout) \
-            else committed[i]
+        entry = entries[i]
+        if entry is None and isinstance(committed[i], Sharding):
+            entry = committed[i]  # a ShardedTensor of another mesh of the same devices
         placement = spec_layouts(entry, len(graph.shape(ref)),
                                  lambda: f"argument {i} ({graph.tensor_name(ref)})")
         if placement is not None:
