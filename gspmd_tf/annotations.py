@@ -13,7 +13,8 @@ from gspmd_tf.sharding import Sharding
 
 
 def mesh_split(tensor, mesh, spec, priority=None, open_dims=None):
-    """Ask for `tensor` to be split over `mesh` as PartitionSpec `spec` says.
+    """Ask for `tensor` to be split over `mesh` as PartitionSpec `spec` says (or a
+    gt.Sharding: any tile assignment of the mesh's device ids, Sharding.placement).
 
     A hint that may appear anywhere in code that gspmd-tf traces: propagation treats it
     as a user annotation and spreads it to the surrounding tensors. In a graph it adds an
@@ -40,7 +41,11 @@ def mesh_split(tensor, mesh, spec, priority=None, open_dims=None):
         raise ShardingError(
             f"mesh_split: {what} has unknown rank; give it a static rank first "
             "(e.g. tf.ensure_shape) so the spec can be checked against it")
-    sharding = Sharding.from_spec(mesh, spec, rank, what)
+    if isinstance(spec, Sharding):
+        spec.placement(mesh, rank, what)  # checked: rank, the mesh's device ids
+        sharding = spec
+    else:
+        sharding = Sharding.from_spec(mesh, spec, rank, what)
     if eager:
         return tensor
     out = xla_sharding.Sharding(proto=sharding.to_proto()).apply_to_tensor(

@@ -327,6 +327,29 @@ class Mesh:
         ids = self.device_ids.reshape(sizes).transpose(order + rest)
         return ids.reshape([self.axis_size(a) for a in axes] + [-1])
 
+    def with_arrangement(self, axes, ids):
+        """The mesh of the same devices, axes and workers whose arrange(axes) is `ids`
+        (an array of device ids in arrange's shape, [size of axes[0], ..., rest]): the
+        mesh on which a tile assignment no order of this mesh's axes gives is a layout
+        (Sharding.placement)."""
+        axes = tuple(axes)
+        sizes, factors_of = self._factors(axes)
+        order = [f for a in axes for f in factors_of(a)]
+        order += [f for f in range(len(sizes)) if f not in order]
+        device_ids = np.asarray(ids, np.int64).reshape([sizes[f] for f in order]) \
+            .transpose(np.argsort(order)).reshape(self.shape)
+        mesh = Mesh.__new__(Mesh)
+        mesh._init(self.shape, self.axis_names, device_ids.copy(), self.devices,
+                   self.workers.copy())
+        return mesh
+
+    def same_devices(self, other):
+        """True when `other` is a mesh over the same devices with the same ids (perhaps
+        in another shape or order), so a device id means one device on both."""
+        return (isinstance(other, Mesh) and self.size == other.size
+                and self.devices == other.devices
+                and np.array_equal(self.workers, other.workers))
+
     def _factors(self, axes):
         """Every mesh axis cut at the bounds of the sub-axes among `axes`: (the factor
         sizes, mesh-major, and a function from an axis name or SubAxis to its factors)."""

@@ -13,6 +13,7 @@ A sharding is one of
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import numpy as np
 from google.protobuf import message, text_format
@@ -20,7 +21,7 @@ from tensorflow.compiler.xla import xla_data_pb2
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout, merged_layout
-from gspmd_tf.mesh import MAX_DEVICES, SubAxis, check_count, check_num_devices
+from gspmd_tf.mesh import MAX_DEVICES, Mesh, SubAxis, check_count, check_num_devices
 
 _OpSharding = xla_data_pb2.OpSharding
 
@@ -103,6 +104,15 @@ def _from_tiles(dims, devices, replicate, subgroups):
         tiles = tiles.reshape(tiles.shape[:tiles.ndim - len(subgroups)] + (-1,))
         replicate = True
     return Sharding.tile(tiles, last_tile_dim_replicate=replicate)
+
+
+class Placement(NamedTuple):
+    """Where a sharding puts a tensor: `layout` over the axes of the mesh asked about,
+    and `mesh`, that mesh or the same devices in the order the sharding names
+    (Sharding.placement)."""
+
+    layout: Layout
+    mesh: Mesh
 
 
 class Sharding:
@@ -356,7 +366,30 @@ class Sharding:
         order is computed directly (linear in the devices), not searched.
         A maximal sharding gives a replicated layout: gspmd-tf computes such a value on
         every device. Raises ShardingError, naming `what`, when the sharding is manual, does
-        not fit `rank`, or uses a device order or device set that the mesh cannot express.
+        not fit `rank`, or uses a device set the mesh lacks, or a device order no layout
+        of the mesh gives (`placement` gives the layout and a mesh of that order).
+        """
+        layout, placed = self.placement(mesh, rank, what)
+        if placed is not mesh:
+            raise ShardingError(
+                f"{what}: sharding {_short(str(self))} on {mesh!r}: its device order is "
+                f"not a transpose of the mesh axes {mesh.axis_names} or of parts of them "
+                "(over the mesh's device_ids), so no layout of the mesh places its tiles; "
+                "Sharding.placement gives the layout with its tiles and the mesh of its "
+                "device order (gt.function takes it in in/out_shardings and annotations)")
+        return layout
+
+    def placement(self, mesh, rank, what="tensor") -> "Placement":
+        """Where this sharding puts a tensor of rank `rank`: a Placement(layout, mesh).
+
+        `layout` is a Layout over `mesh`'s axes (or parts of them) with this sharding's
+        number of tiles along every dim. Its `mesh` is `mesh` itself when that layout puts
+        every tile on the devices this sharding names (to_layout's case), else a mesh of
+        the same devices in another order (Mesh.with_arrangement) on which it does: any
+        tile assignment XLA accepts. The layout then is the one whose tiles are where
+        this sharding puts them on the most devices (a beam search, _nearest_layout), so
+        the fewest shards move between the two placements.
+        Raises ShardingError, naming `what`, as to_layout, save for the device order.
         """
         where = f"{what}: sharding {_short(str(self))} on {mesh!r}"
         if self.kind == MAXIMAL and self.device >= mesh.size:
@@ -364,7 +397,7 @@ class Sharding:
                 f"{where}: the mesh has no device {self.device} (its ids are "
                 f"0..{mesh.size - 1}); name one of them")
         if self.kind in (REPLICATED, MAXIMAL):
-            return Layout.replicated(rank)
+            return Placement(Layout.replicated(rank), mesh)
         if self.kind == MANUAL:
             raise ShardingError(f"{where}: manual shardings are not supported yet; annotate "
                                 "the tensor with a mesh sharding instead")
@@ -379,14 +412,11 @@ class Sharding:
         layout = _layout_of_tiles(self, mesh, mesh.axis_names, mesh.shape)
         if layout is None:  # perhaps over parts of axes (sub-axes, as Shardy's)
             layout = _layout_of_tiles(self, mesh, *_prime_parts(mesh))
-        if layout is None:
-            raise ShardingError(
-                f"{where}: its device order is not a transpose of the mesh axes "
-                f"{mesh.axis_names} or of parts of them (over the mesh's device_ids); build the annotation from "
-                "the mesh (gt.mesh_split, Sharding.from_layout) or create a mesh whose "
-                "device array gives this order, e.g. gt.Mesh(devices, names) with the "
-                "devices placed as in the tile assignment")
-        return layout
+        if layout is not None:
+            return Placement(layout, mesh)
+        layout = _nearest_layout(self, mesh)
+        split = [name for axes in layout.dims for name in axes]
+        return Placement(layout, mesh.with_arrangement(split, self.tile_assignment))
 
     # ---- equality
 
@@ -415,6 +445,46 @@ def _prime_parts(mesh):
             sizes.append(p)
             pre, left = pre * p, left // p
     return tuple(names), tuple(sizes)
+
+
+# partial layouts _nearest_layout keeps per digit: enough to try every one on meshes of
+# up to 5 prime parts (32 devices of 2s); larger meshes keep the best so far
+NEAREST_BEAM = 120
+
+
+def _nearest_layout(sharding, mesh):
+    """The Layout of `mesh` with `sharding`'s tiles per dim that puts the tile a device
+    holds where `sharding` puts it on the most devices: each dim's tile index is read
+    digit by digit, major first, each digit from an unused prime part of the mesh axes;
+    a beam search over those choices, counting the devices agreeing on every digit so
+    far (ties: mesh order). Unused parts replicate."""
+    names, sizes = _prime_parts(mesh)
+    coords = np.stack(np.unravel_index(mesh.positions(), sizes), axis=-1)  # [id, part]
+    tile_shape = tuple(sharding.tile_shape)
+    tiles = sharding.tile_assignment.reshape(tile_shape + (-1,))
+    want = np.empty((mesh.size, len(tile_shape)), np.int64)  # [id, dim]: its tile
+    for d, index in enumerate(np.indices(tiles.shape)[:len(tile_shape)]):
+        want[tiles.ravel(), d] = index.ravel()
+    states = [(np.ones(mesh.size, bool), ())]  # (devices agreeing, runs of parts per dim)
+    for d, count in enumerate(tile_shape):
+        states = [(agree, runs + ((),)) for agree, runs in states]
+        while True:
+            grown = []
+            for agree, runs in states:
+                used = {p for run in runs for p in run}
+                left = count // int(np.prod([sizes[p] for p in runs[-1]], dtype=np.int64))
+                for part in range(len(sizes)):
+                    if part in used or left % sizes[part]:
+                        continue
+                    digit = want[:, d] // (left // sizes[part]) % sizes[part]
+                    grown.append((agree & (coords[:, part] == digit),
+                                  runs[:-1] + (runs[-1] + (part,),)))
+            if not grown:  # every digit of dim d read
+                break
+            grown.sort(key=lambda state: -int(state[0].sum()))  # stable: mesh order
+            states = grown[:NEAREST_BEAM]
+    runs = states[0][1]
+    return merged_layout(Layout(tuple(tuple(names[p] for p in run) for run in runs)))
 
 
 def _layout_of_tiles(sharding, mesh, axis_names, shape):

@@ -113,10 +113,13 @@ def test_xla_annotation_with_an_explicit_device_list(mesh, rng):
     assert low.input_shardings[0] == gt.Sharding.from_proto(proto)
     # x @ w contracts the dim split over "model": one all-reduce, no reshard of x
     assert [c.kind for c in low.collectives()] == ["all-reduce"]
-    # the same annotation on the row-major mesh cannot be expressed
-    with pytest.raises(gt.ShardingError, match="not a transpose of the mesh axes"):
-        gt.function(annotated(ORDER), mesh=gt.Mesh.create((2, 4), ("data", "model"))).lower(
-            x, w)
+    # on the row-major mesh no layout places its tiles so: it is the layout with its
+    # tiles per dim (an intermediate's placement is not observable), and the report says so
+    row_major = gt.Mesh.create((2, 4), ("data", "model"))
+    low = check_partitioned(annotated(ORDER), (x, w), row_major, (None, None))
+    assert low.input_shardings[0] == gt.Sharding.from_spec(row_major, P("data", "model"), 2)
+    (note,) = low.placement_notes()
+    assert "{devices=[2,4]3,1,0,2,7,5,4,6} taken as P('data', 'model')" in note
 
 
 def test_xla_annotation_that_is_an_iota_transpose_of_another_device_array(rng):

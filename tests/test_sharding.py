@@ -302,7 +302,9 @@ def test_size_one_axes_are_dropped():
 
 
 @pytest.mark.parametrize("text, rank, message", [
-    ("{devices=[8]0,2,1,3,4,5,6,7}", 1, "not a transpose of the mesh axes"),
+    # no layout of MESH places these tiles: Sharding.placement gives a mesh that does
+    # (gt.function takes them: tests/test_tile_assignments.py)
+    ("{devices=[8]0,2,1,3,4,5,6,7}", 1, "not a transpose of the mesh axes.*placement"),
     ("{devices=[2,2,2]0,2,1,3,4,5,6,7}", 3, "not a transpose of the mesh axes"),
     ("{devices=[2,1,4]0,1,2,4,3,5,6,7 last_tile_dim_replicate}", 2,
      "not a transpose of the mesh axes"),

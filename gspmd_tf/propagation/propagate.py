@@ -160,10 +160,12 @@ def _carry(before, encoded):
 
 
 def _annotation_layout(graph, mesh, ref, proto):
-    """The Layout of a gt.mesh_split / xla_sharding annotation on tensor `ref`."""
+    """The Layout of a gt.mesh_split / xla_sharding annotation on tensor `ref` (with its
+    tiles, where no layout of the mesh places them in its device order: see
+    lowering.seed_annotations)."""
     tensor = graph.tensor_name(ref)
-    return Sharding.from_proto(proto).to_layout(mesh, len(graph.shape(ref)),
-                                                f"tensor {tensor!r}")
+    return Sharding.from_proto(proto).placement(mesh, len(graph.shape(ref)),
+                                                f"tensor {tensor!r}").layout
 
 
 def _has_rule(op_type):

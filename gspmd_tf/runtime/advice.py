@@ -150,7 +150,9 @@ def _relower(lowered, seeds) -> tuple:
                             knobs=traced_knobs(lowered.source_graph, graph))
     program = partition(graph, mesh, propagation,
                         [propagation.layout(r) for r in graph.outputs],
-                        options.windowed_einsum, annotated=frozenset(seeds))
+                        options.windowed_einsum, annotated=frozenset(seeds),
+                        input_placements=lowered.program.input_placements,
+                        output_placements=lowered.program.output_placements)
     again = type(lowered)(options, graph, propagation, program,
                           num_args=lowered.num_args, annotated=frozenset(seeds), stage_seconds={},
                           source_graph=lowered.source_graph)

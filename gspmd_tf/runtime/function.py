@@ -25,6 +25,7 @@ from gspmd_tf.runtime.options import LowerOptions, check_entries, check_memory_l
 from gspmd_tf.runtime.sharded_tensor import ShardedTensor, place_value
 from gspmd_tf.runtime.trace import Call, Tracer
 from gspmd_tf.runtime.variables import variable_of_handle
+from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd.windowed_einsum import threshold_of
 from gspmd_tf.timeouts import check_timeout
 
@@ -248,15 +249,19 @@ class Function:
         program = lowered.program
         graph = lowered.graph
         copies = []  # read-only copies of variables of other meshes, alive for the run
-        inputs = [self._shards(value, layout, graph.dtype(ref), copies)
-                  for value, layout, ref in zip(list(call.flat) + list(graph.captures),
-                                                program.input_layouts, graph.inputs)]
+        inputs = [self._shards(value, layout, graph.dtype(ref), copies,
+                               program.input_placements.get(i, self.mesh))
+                  for i, (value, layout, ref) in enumerate(zip(
+                      list(call.flat) + list(graph.captures), program.input_layouts,
+                      graph.inputs))]
         outs = run(inputs)
         del copies
-        results = [ShardedTensor(self.mesh, layout, lowered.graph.shape(ref),
-                                 lowered.graph.dtype(ref), shards)
-                   for ref, layout, shards in zip(lowered.graph.outputs,
-                                                  program.output_layouts, outs)]
+        # an output whose out_shardings entry orders the devices otherwise is on a mesh
+        # of that order (Sharding.placement)
+        results = [ShardedTensor(program.output_placements.get(j, self.mesh), layout,
+                                 graph.shape(ref), graph.dtype(ref), shards)
+                   for j, (ref, layout, shards) in enumerate(zip(
+                       graph.outputs, program.output_layouts, outs))]
         return tf.nest.pack_sequence_as(lowered.structured_outputs, results,
                                         expand_composites=True)
 
@@ -282,9 +287,10 @@ class Function:
             "(open the tape in it and return or apply the gradients, as a training step "
             "does), or call it outside the tape")
 
-    def _shards(self, value, layout, dtype, copies):
-        """Per-device shards of one program input of `dtype` in `layout`, split on the
-        devices (sharded_tensor.place_value); variables: the
+    def _shards(self, value, layout, dtype, copies, placed):
+        """Per-device shards of one program input of `dtype` in `layout` placed as on
+        mesh `placed` (this mesh, or its devices in the order an in_shardings entry
+        names), split on the devices (sharded_tensor.place_value); variables: the
         handles of their shard variables; a variable of another mesh: of copies of its
         value resharded onto this mesh, appended to `copies`."""
         variable = variable_of_handle(value)
@@ -300,7 +306,8 @@ class Function:
                     handles[device] = copies[-1].handle
             return handles
         if isinstance(value, ShardedTensor):
-            if value.layout == layout:
+            same = value.layout == layout and (value.mesh is placed or value.mesh == placed)
+            if same or value.sharding == Sharding.from_layout(placed, layout):
                 return value.shards
             value = value.numpy()
         elif getattr(value, "dtype", None) == tf.resource:
@@ -310,7 +317,7 @@ class Function:
                 "re-running a notebook cell); its cached program cannot read the new one: "
                 "create the gt.function again after the variables it reads, or keep the "
                 "old variable alive")
-        return place_value(value, self.mesh, layout, dtype)
+        return place_value(value, placed, layout, dtype)
 
 
 _REPLICATE = {}  # mesh -> the gt.function copying a tensor of that mesh to every device

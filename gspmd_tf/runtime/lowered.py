@@ -25,6 +25,7 @@ from gspmd_tf.runtime.options import LowerOptions
 from gspmd_tf.runtime.sources import SourceLines
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd.partitioner import SpmdProgram
+from gspmd_tf.spmd.planner import permute_pairs
 from gspmd_tf.spmd.program import COLLECTIVES
 
 
@@ -147,13 +148,18 @@ class Lowered:
 
     @property
     def input_shardings(self):
-        """gt.Sharding of every flat argument, in order."""
-        return [self._sharding(l) for l in self.program.input_layouts[:self.num_args]]
+        """gt.Sharding of every flat argument, in order (as placed on the devices: an
+        in_shardings entry's own device order, see Sharding.placement)."""
+        placed = self.program.input_placements
+        return [Sharding.from_layout(placed.get(i, self.mesh), l)
+                for i, l in enumerate(self.program.input_layouts[:self.num_args])]
 
     @property
     def output_shardings(self):
-        """gt.Sharding of every flat output, in order."""
-        return [self._sharding(l) for l in self.program.output_layouts]
+        """gt.Sharding of every flat output, in order (as placed, like input_shardings)."""
+        placed = self.program.output_placements
+        return [Sharding.from_layout(placed.get(j, self.mesh), l)
+                for j, l in enumerate(self.program.output_layouts)]
 
     def sharding_of(self, name):
         """gt.Sharding chosen for tensor `name` ("op" or "op:k") of the traced graph."""
@@ -172,10 +178,36 @@ class Lowered:
         why (the axis splits another dim: which annotation won and by which priority; or
         the op's rule keeps the dim whole). Returns the text (print it)."""
         text = explain(self, name)
+        tensor = self.graph.tensor_name(self.graph.ref(name))
+        text += "".join(f"\n{note}" for note in self.placement_notes()
+                        if note.startswith(f"{tensor}: "))
         if self.auto_plan is not None and self.graph.ref(name) in self.auto_plan.layouts:
             text += ("\nThe auto-sharding search chose this layout for the gt.AUTO entries' "
                      "plan (auto_report() lists the decisions and their costs).")
         return text
+
+    def placement_notes(self) -> list:
+        """One line per annotation inside the program whose device order no layout of
+        the mesh gives: the layout with its tiles per dim it was taken as
+        (Sharding.placement) and how many devices hold another tile than it names.
+        Values do not change: where an intermediate's tiles sit is not observable."""
+        notes = []
+        for graph in _graphs(self.graph):
+            for ref, proto in graph.annotations.items():
+                sharding = Sharding.from_proto(proto)
+                if not sharding.is_tiled:
+                    continue
+                layout, placed = sharding.placement(self.mesh, len(graph.shape(ref)))
+                if placed is self.mesh:
+                    continue
+                moved = sum(s != t for s, t in permute_pairs(self.mesh, layout, layout,
+                                                               placed, self.mesh))
+                notes.append(
+                    f"{graph.tensor_name(ref)}: annotation {sharding} taken as "
+                    f"{layout.to_spec()!r}, its tiles on the mesh's axes; {moved} of "
+                    f"{self.mesh.size} devices hold another tile than it names (an "
+                    "intermediate's placement is not observable; its values are the same)")
+        return notes
 
     def layout_of(self, name):
         """The Layout (mesh-axis form) chosen for tensor `name`."""
@@ -320,6 +352,7 @@ class Lowered:
                   for layer, ops, count, moved, held in rows]
         if self.program.replicated_ops:
             lines.append("ran replicated (no rule): " + ", ".join(self.program.replicated_ops))
+        lines += [f"placed on the mesh's axes: {note}" for note in self.placement_notes()]
         return "\n".join(lines)
 
     def auto_report(self) -> str:
@@ -361,6 +394,14 @@ class Lowered:
             self._run = self.options.backend_factory(self.mesh).compile(self.program.graph,
                                                                         name=self.name)
         return self._run
+
+
+def _graphs(graph):
+    """`graph` and every region graph inside it."""
+    yield graph
+    for node in graph.nodes:
+        for region in node.regions:
+            yield from _graphs(region)
 
 
 def _with_graphs(graph):

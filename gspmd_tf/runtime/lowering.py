@@ -33,7 +33,7 @@ from gspmd_tf.runtime.lowered import Lowered
 from gspmd_tf.runtime.options import LowerOptions, check_entries
 from gspmd_tf.runtime.strict import check_strict
 from gspmd_tf.runtime.variables import variable_of_handle
-from gspmd_tf.sharding import Sharding
+from gspmd_tf.sharding import Placement, Sharding
 from gspmd_tf.spmd.partitioner import partition
 
 log = logging.getLogger("gspmd_tf")
@@ -71,22 +71,31 @@ def _lower_traced(traced, options, entries, committed):
         raise ShardingError(f"{options.program_name}: the program has {count} inputs but "
                             f"in_shardings has {len(entries)} entries: give one per flat "
                             "input (None to infer)")
-    seeds = {}
+    seeds, placed_inputs = {}, {}
     spec_layouts = _SpecLayouts(mesh)
     auto_args = [i for i in range(count) if is_auto(entries[i])]
     for i, ref in enumerate(graph.inputs[:count]):
         if is_auto(entries[i]):
             continue
-        layout = spec_layouts(entries[i], len(graph.shape(ref)),
-                         lambda: f"argument {i} ({graph.tensor_name(ref)})") or committed[i]
-        if layout is not None:
-            seeds[ref] = layout
+        entry = entries[i]
+        if entry is None and isinstance(committed[i], Sharding):
+            entry = committed[i]  # a ShardedTensor of another mesh of the same devices
+        placement = spec_layouts(entry, len(graph.shape(ref)),
+                                 lambda: f"argument {i} ({graph.tensor_name(ref)})")
+        if placement is not None:
+            seeds[ref] = placement.layout
+            if placement.mesh is not mesh:
+                placed_inputs[i] = placement.mesh
+        elif committed[i] is not None:
+            seeds[ref] = committed[i]
     for ref, value in zip(graph.inputs[count:], graph.captures):
         if graph.dtype(ref) == tf.resource:
             variable = _captured_variable(graph, ref, value)
             seeds[ref] = _variable_layout(mesh, graph, ref, variable, name)
     seed_annotations(mesh, graph, seeds)
-    out_layouts = _seed_outputs(spec_layouts, graph, seeds, options.out_shardings, name)
+    out_layouts, placed_outputs = _seed_outputs(spec_layouts, graph, seeds,
+                                                options.out_shardings, name)
+    placements = placed_inputs, placed_outputs
     auto_outputs = [j for j, entry in enumerate(options.out_shardings or ())
                     if is_auto(entry)]
 
@@ -109,9 +118,9 @@ def _lower_traced(traced, options, entries, committed):
 
     if auto_args or auto_outputs:
         return _lower_auto(graph, seeds, out_layouts, auto_args, auto_outputs, options,
-                           lowered, knobs)
-    return lowered(*_propagate_and_partition(graph, seeds, out_layouts, options, knobs),
-                   seeds)
+                           lowered, knobs, placements)
+    return lowered(*_propagate_and_partition(graph, seeds, out_layouts, options, knobs,
+                                             placements), seeds)
 
 
 # How many times the search may tighten its budget when the lowered program's peak
@@ -121,7 +130,7 @@ AUTO_ATTEMPTS = 3
 
 
 def _lower_auto(graph, seeds, out_layouts, auto_args, auto_outputs, options, lowered,
-                knobs):
+                knobs, placements):
     """Lower with the AUTO entries chosen by the search (gspmd_tf/autoshard) within
     options.memory_limit as lowered.memory() counts it: when the lowered peak exceeds
     the limit, search again with the budget lowered by the estimate's shortfall."""
@@ -137,7 +146,7 @@ def _lower_auto(graph, seeds, out_layouts, auto_args, auto_outputs, options, low
         for j, layout in plan.output_layouts.items():
             layouts[j] = layout
         propagation, program, seconds = _propagate_and_partition(graph, chosen, layouts,
-                                                                 options, knobs)
+                                                                 options, knobs, placements)
         decided = [graph.inputs[i] for i in plan.input_layouts] + [
             graph.outputs[j] for j in plan.output_layouts]
         result = lowered(propagation, program, {"auto": plan.search_seconds, **seconds},
@@ -187,10 +196,13 @@ def lower_seeded(graph: Graph, seeds: dict, num_args: int, options: LowerOptions
                    named_inputs=named_inputs)
 
 
-def _propagate_and_partition(graph, seeds, out_layouts, options, knobs=None):
+def _propagate_and_partition(graph, seeds, out_layouts, options, knobs=None,
+                             placements=({}, {})):
     """The propagate and partition stages: (Propagation, SpmdProgram, their seconds).
     `out_layouts` holds a Layout or None (propagation decides) per output; `knobs` the
-    user priorities, sharding groups and barriers (knobs.traced_knobs)."""
+    user priorities, sharding groups and barriers (knobs.traced_knobs); `placements`
+    ({input index: mesh}, {output index: mesh}) the boundaries a sharding places in
+    another order of the mesh's devices (Sharding.placement)."""
     mesh, name = options.mesh, options.program_name
     start = time.perf_counter()
     propagation = propagate(graph, mesh, seeds, knobs=knobs)
@@ -203,7 +215,8 @@ def _propagate_and_partition(graph, seeds, out_layouts, options, knobs=None):
     backend = None if mesh.is_abstract else options.backend_factory(mesh)
     program = partition(graph, mesh, propagation, out_layouts, options.windowed_einsum,
                         backend and backend.all_reduce_combine_bytes,
-                        backend and backend.cost_model, annotated=frozenset(seeds))
+                        backend and backend.cost_model, annotated=frozenset(seeds),
+                        input_placements=placements[0], output_placements=placements[1])
     partitioned = time.perf_counter()
     log.info("gspmd_tf: %s partitioned: %d ops in the SPMD program (%.1f s)", name,
              len(program.graph.nodes), partitioned - propagated)
@@ -211,19 +224,21 @@ def _propagate_and_partition(graph, seeds, out_layouts, options, knobs=None):
                                   "partition": partitioned - propagated}
 
 
-def _spec_layout(mesh, entry, rank, what):
-    """An in/out sharding entry as a Layout (None stays None)."""
+def _spec_placement(mesh, entry, rank, what):
+    """An in/out sharding entry as a Placement (None stays None): its Layout, and the
+    mesh it places the tiles as on (`mesh`, or for a gt.Sharding whose device order no
+    layout of `mesh` gives, those devices in its order)."""
     if entry is None:
         return None
     if isinstance(entry, Sharding):
-        return entry.to_layout(mesh, rank, what)
+        return entry.placement(mesh, rank, what)
     if isinstance(entry, (PartitionSpec, tuple, list)):
-        return Layout.from_spec(mesh, PartitionSpec(*entry), rank, what)
+        return Placement(Layout.from_spec(mesh, PartitionSpec(*entry), rank, what), mesh)
     raise ShardingError(f"{what}: expected a PartitionSpec, gt.Sharding or None, got {entry!r}")
 
 
 class _SpecLayouts:
-    """_spec_layout memoised by (entry, rank): a stack of layers repeats a few specs
+    """_spec_placement memoised by (entry, rank): a stack of layers repeats a few specs
     thousands of times. `what()` names the tensor, for errors."""
 
     def __init__(self, mesh):
@@ -235,10 +250,10 @@ class _SpecLayouts:
             key = (entry, rank)
             return self._memo[key]
         except KeyError:
-            layout = self._memo[key] = _spec_layout(self.mesh, entry, rank, what())
-            return layout
+            placement = self._memo[key] = _spec_placement(self.mesh, entry, rank, what())
+            return placement
         except TypeError:  # an unhashable entry (a list)
-            return _spec_layout(self.mesh, entry, rank, what())
+            return _spec_placement(self.mesh, entry, rank, what())
 
 
 def _variable_layout(mesh, graph, ref, variable, name):
@@ -264,32 +279,40 @@ def _variable_layout(mesh, graph, ref, variable, name):
 
 def seed_annotations(mesh: Mesh, graph: Graph, seeds: dict) -> None:
     """Add the sharding annotations inside `graph` (XlaSharding ops and attrs) to `seeds`
-    ({Ref: Layout}); a tensor annotated two different ways is a ShardingError."""
+    ({Ref: Layout}); a tensor annotated two different ways is a ShardingError. A device
+    order no layout of the mesh gives is taken as the layout with its tiles
+    (Sharding.placement): an intermediate's placement is not observable
+    (Lowered.placement_notes says which)."""
     for ref, proto in graph.annotations.items():
         tensor = graph.tensor_name(ref)
-        layout = Sharding.from_proto(proto).to_layout(
-            mesh, len(graph.shape(ref)), f"tensor {tensor!r}")
+        layout = Sharding.from_proto(proto).placement(
+            mesh, len(graph.shape(ref)), f"tensor {tensor!r}").layout
         _add_seed(graph, seeds, ref, layout, f"annotation on {tensor!r}")
 
 
 def _seed_outputs(spec_layouts, graph, seeds, out_shardings, name):
+    """The layout out_shardings asks of each output (None: propagation decides), each
+    seeded, and {output index: mesh} of those placed in another order of the devices."""
     if out_shardings is None:
-        return [None] * len(graph.outputs)
+        return [None] * len(graph.outputs), {}
     check_entries("out_shardings", out_shardings, "flat output")
     if len(out_shardings) != len(graph.outputs):
         raise ShardingError(
             f"{name} has {len(graph.outputs)} outputs but out_shardings has "
             f"{len(out_shardings)} entries: give one per flat output")
-    layouts = []
+    layouts, placed = [], {}
     for i, (ref, entry) in enumerate(zip(graph.outputs, out_shardings)):
         if is_auto(entry):  # chosen by the auto-sharding search
             layouts.append(None)
             continue
-        layout = spec_layouts(entry, len(graph.shape(ref)), lambda: f"output {i}")
+        placement = spec_layouts(entry, len(graph.shape(ref)), lambda: f"output {i}")
+        layout = None if placement is None else placement.layout
         if layout is not None:
             _add_seed(graph, seeds, ref, layout, f"out_shardings[{i}]")
+            if placement.mesh is not spec_layouts.mesh:
+                placed[i] = placement.mesh
         layouts.append(layout)
-    return layouts
+    return layouts, placed
 
 
 # Keras keeps a layer's weights in plain tf.Variables, which _captured_variable refuses

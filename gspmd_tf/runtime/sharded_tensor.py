@@ -114,7 +114,10 @@ class ShardedTensor:
 
     `shards[d]` is the tensor device d holds (padded to equal size along uneven dims;
     None for devices of other workers on a multi-worker mesh: see addressable_shards);
-    `numpy()` assembles the global value; `sharding` is the gt.Sharding.
+    `numpy()` assembles the global value; `sharding` is the gt.Sharding. A program's
+    output whose out_shardings entry orders the devices in a way no layout of the
+    program's mesh does lives on a mesh of the same devices in that order
+    (Sharding.placement); any program on those devices takes it with its sharding.
     """
 
     def __init__(self, mesh, layout, shape, dtype, shards):

@@ -28,7 +28,8 @@ class Call:
     flat       the tensor leaves (values, ShardedTensors or tf.TensorSpecs)
     specs      their tf.TensorSpecs (what is traced)
     entries    their in_shardings entries (None: inferred)
-    committed  a ShardedTensor's own layout (used where its entry is None), else None
+    committed  a ShardedTensor's own layout (used where its entry is None), its
+               gt.Sharding when it lives on another mesh of the same devices, else None
     key        what decides the trace and the lowering: calls with equal keys share both
     """
 
@@ -38,6 +39,14 @@ class Call:
     entries: tuple
     committed: tuple[Optional[Layout], ...]
     key: tuple
+
+
+def _committed(leaf, mesh):
+    """What a ShardedTensor argument commits its input to: its layout on `mesh`; on
+    another mesh of the same devices, its sharding (device ids mean the same devices)."""
+    if not isinstance(leaf, ShardedTensor):
+        return None
+    return leaf.layout if leaf.mesh == mesh else leaf.sharding
 
 
 class Tracer:
@@ -66,8 +75,7 @@ class Tracer:
         flat = tuple(leaf for _, leaf in tensors)
         specs = tuple(self._spec_of(arguments, i, leaf) for i, leaf in tensors)
         entries = tuple(self._entry(i) for i, _ in tensors)
-        committed = tuple(leaf.layout if isinstance(leaf, ShardedTensor) else None
-                          for leaf in flat)
+        committed = tuple(_committed(leaf, self.mesh) for leaf in flat)
         # an argument's own layout matters only where in_shardings leaves it open
         key = (arguments.structure_key(),) + tuple(
             (tuple(s.shape), s.dtype, str(e) if e is not None else c)
@@ -126,9 +134,9 @@ class Tracer:
 
     def _spec_of(self, arguments, index, leaf):
         if isinstance(leaf, ShardedTensor):
-            if leaf.mesh != self.mesh:
-                raise ShardingError(f"argument {leaf!r} lives on another mesh; move it to "
-                                    f"{self.mesh!r} first")
+            if not self.mesh.same_devices(leaf.mesh):
+                raise ShardingError(f"argument {leaf!r} lives on another mesh, of other "
+                                    f"devices; move it to {self.mesh!r} first")
             return tf.TensorSpec(leaf.shape, leaf.dtype)
         if isinstance(leaf, tf.TensorSpec):
             if leaf.shape.rank is None:

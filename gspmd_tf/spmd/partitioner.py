@@ -34,6 +34,7 @@ from gspmd_tf.spmd.factor_axes import choose_factor_axes
 from gspmd_tf.spmd.export import export
 from gspmd_tf.spmd.program import UNMOVABLE, Local, ProgramBuilder
 from gspmd_tf.spmd.provenance import Origin, reshard_reason
+from gspmd_tf.spmd.reshard import place
 from gspmd_tf.spmd.windowed_einsum import windowed_dot
 
 log = logging.getLogger("gspmd_tf")
@@ -57,6 +58,10 @@ class SpmdProgram:
     explicit: Optional[Graph] = None
     # collective node name -> its provenance.Origins (a combined all-reduce: its members')
     origins: dict[str, tuple] = field(default_factory=dict)
+    # input / output index -> the mesh (the devices in another order) whose placement of
+    # its layout it has at the boundary, where a sharding asked for one (Sharding.placement)
+    input_placements: dict[int, Mesh] = field(default_factory=dict)
+    output_placements: dict[int, Mesh] = field(default_factory=dict)
 
 
 class OpContext:
@@ -172,6 +177,7 @@ class Partitioner:
         self._local_shapes = parent._local_shapes if parent else {}
         self._padded = parent._padded if parent else {}
         self.replicated_ops = parent.replicated_ops if parent else []
+        self._placements = ({}, {})  # run()'s: a region's boundary is the program's mesh
         self._replicated_kinds = parent._replicated_kinds if parent else {}
         # replicated op name -> (its partitioner, [(operand Ref, Layout) arrived split])
         self._lost_splits = parent._lost_splits if parent else {}
@@ -281,9 +287,13 @@ class Partitioner:
             self._made[local, layout] = result
             self._remembered.add(result.ref.node)
 
-    def run(self, output_layouts: Sequence[Layout]) -> SpmdProgram:
+    def run(self, output_layouts: Sequence[Layout], input_placements: dict[int, Mesh],
+            output_placements: dict[int, Mesh]) -> SpmdProgram:
         """Partition every node; outputs resharded to `output_layouts`; then the export
-        pass and the all-reduce combiner."""
+        pass and the all-reduce combiner. The inputs and outputs `*_placements` name
+        enter / leave placed as their layouts are on that mesh (one collective-permute
+        each to or from the program's placement)."""
+        self._placements = input_placements, output_placements
         outputs = self._partition(output_layouts)
         self._warn_replicated()
         graph = self.graph
@@ -292,7 +302,7 @@ class Partitioner:
         return SpmdProgram(self._combined(exported, in_region=False),
                            [self.values[r].layout for r in graph.inputs],
                            [o.layout for o in outputs], self.replicated_ops,
-                           explicit, self.b.origins)
+                           explicit, self.b.origins, input_placements, output_placements)
 
     def partition_region(self, input_layouts: Sequence[Layout],
                          output_layouts: Sequence[Layout]) -> tuple[Graph, list[Layout]]:
@@ -333,7 +343,11 @@ class Partitioner:
                 i = input_index[index]
                 shape, dtype = node.out_shapes[0], node.out_dtypes[0]
                 layout = targets[0] if input_layouts is None else input_layouts[i]
-                ref = b.input(i, layout.local_shape(b.mesh, shape), dtype, layout)
+                placed = self._placements[0].get(i)
+                ref = b.input(i, layout.local_shape(b.mesh, shape), dtype,
+                              layout if placed is None else None)
+                if placed is not None:
+                    ref = self._placed(ref, layout, placed, b.mesh, node.name, node.name)
                 local = Local(ref, layout, shape, dtype)
                 self.values[graph.inputs[i]] = (local if dtype in UNMOVABLE
                                                 else self.reshard(local, targets[0]))
@@ -371,15 +385,26 @@ class Partitioner:
                     else self.reshard(local, target, "result layout",
                                       tensor=graph.tensor_name(Ref(index, k))))
         outputs = []
-        for ref, layout in zip(graph.outputs, output_layouts):
+        for j, (ref, layout) in enumerate(zip(graph.outputs, output_layouts)):
             self.current_op = ref.node
             local = self.values[ref]
             local = local if layout is None else self.reshard(
                 local, layout, "annotation", graph.nodes[ref.node].name,
                 graph.tensor_name(ref))
             outputs.append(local)
-            b.graph.outputs.append(local.ref)
+            placed = self._placements[1].get(j)
+            b.graph.outputs.append(local.ref if placed is None else self._placed(
+                local.ref, local.layout, b.mesh, placed, graph.nodes[ref.node].name,
+                graph.tensor_name(ref)))
         return outputs
+
+    def _placed(self, ref, layout, src_mesh, dst_mesh, op, tensor):
+        """`ref` in `layout` moved from its placement on `src_mesh` to that on `dst_mesh`
+        (the program's mesh or its devices in the order a user's sharding names)."""
+        self.b.origin = Origin(op, "annotation", tensor, layout, layout)
+        ref = place(self.b, ref, self.b.mesh, layout, src_mesh, dst_mesh)
+        self.b.origin = None
+        return ref
 
     def _warn_replicated(self):
         """One warning per op type that ran replicated with operands that arrived split,
@@ -509,11 +534,16 @@ def partition(graph: Graph, mesh: Mesh, propagation: Propagation,
               output_layouts: Sequence[Layout], windowed_einsum: Optional[int] = None,
               combine_bytes: Optional[Callable[[bool], int]] = None,
               cost_model: Optional[CostModel] = None,
-              annotated: frozenset = frozenset()) -> SpmdProgram:
+              annotated: frozenset = frozenset(),
+              input_placements: Optional[dict[int, Mesh]] = None,
+              output_placements: Optional[dict[int, Mesh]] = None) -> SpmdProgram:
     """The SPMD program of `graph` (see Partitioner; `windowed_einsum`: a byte
     threshold, or None; `combine_bytes`: the backend's all_reduce_combine_bytes, or
     None; `cost_model`: the backend's CostModel, or None for CostModel.for_mesh;
-    `annotated`: the Refs with a user sharding)."""
+    `annotated`: the Refs with a user sharding; `input_placements` /
+    `output_placements`: {index: mesh} of the inputs / outputs placed as on another
+    order of the mesh's devices, Sharding.placement)."""
     return Partitioner(graph, mesh, propagation, windowed_einsum=windowed_einsum,
                        combine_bytes=combine_bytes, cost_model=cost_model,
-                       annotated=annotated).run(output_layouts)
+                       annotated=annotated).run(output_layouts, input_placements or {},
+                                                output_placements or {})

@@ -575,21 +575,22 @@ class _Space:
                                  tuple(sorted(axes, key=str)))
 
 
-def permute_pairs(mesh, src, dst):
+def permute_pairs(mesh, src, dst, src_mesh=None, dst_mesh=None):
     """(source, target) device pairs taking every device's shards of layout `dst` from a
     device holding them in layout `src` (same shard counts per dim); a device keeps its
     own data where it can, the others pair up in mesh order (vectorised: meshes may have
-    thousands of devices). The layouts may name sub-axes."""
+    thousands of devices). The layouts may name sub-axes. `src_mesh` / `dst_mesh`: the
+    mesh (same devices, another order: Sharding.placement) each is read on, else `mesh`."""
     ids = np.asarray(mesh.device_ids).ravel()  # the device at each mesh position
 
-    def shard_key(layout):
+    def shard_key(on, layout):
         key = np.zeros(ids.size, np.int64)
         for axes in layout.dims:
             if axes:
-                key = key * mesh.axes_size(axes) + mesh.shard_indices(axes)[ids]
+                key = key * on.axes_size(axes) + on.shard_indices(axes)[ids]
         return key
 
-    have, want = shard_key(src), shard_key(dst)
+    have, want = shard_key(src_mesh or mesh, src), shard_key(dst_mesh or mesh, dst)
     position = np.arange(ids.size)
     moving = position[have != want]
     source = position.copy()

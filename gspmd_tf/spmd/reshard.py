@@ -148,6 +148,16 @@ def _permute(b, x, step, layout):
     return _collective(b, "gt.Permute", x.ref, b.shape_of(x.ref), pairs=pairs)
 
 
+def place(b, ref, mesh, layout, src_mesh, dst_mesh):
+    """`ref`, a tensor in `layout` placed as on `src_mesh`, placed as on `dst_mesh` (each
+    `mesh` or its devices in another order: Sharding.placement): one collective-permute
+    of the shards that move, none when none does."""
+    pairs = planner.permute_pairs(mesh, layout, layout, src_mesh, dst_mesh)
+    if all(s == t for s, t in pairs):
+        return ref
+    return _collective(b, "gt.Permute", ref, b.shape_of(ref), pairs=pairs)
+
+
 def _reduce_scatter(b, x, step, layout):
     d = step.dim
     size = _shard_size(b, x, d, layout.dims[d])
