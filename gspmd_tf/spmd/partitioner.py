@@ -242,6 +242,15 @@ class Partitioner:
                 f"need them resharded to {layout.to_spec()!r}, which gspmd-tf cannot do "
                 "inside a list; split the tensors written into it the same way everywhere "
                 "(or keep them whole)")
+        if local.dtype == tf.resource:
+            # a handle's layout is its variable's: the shards stay where they are
+            raise ShardingError(
+                f"op {self._needed_by!r} ({self.graph.nodes[self.current_op].op}) would "
+                f"need the variable {tensor or 'of its operand'!r}, which is split as "
+                f"{local.layout.to_spec()!r}, split as {layout.to_spec()!r} (as the "
+                "variables and tensors it updates together with it), and gspmd-tf cannot "
+                "move a variable's shards; give the variables an op updates together (a "
+                "variable and its optimizer slots) the same spec")
         made = self._made.get((local, layout))
         if made is not None and made.ref.node in self._remembered:
             return made
@@ -333,7 +342,8 @@ class Partitioner:
                 i = input_index[index]
                 shape, dtype = node.out_shapes[0], node.out_dtypes[0]
                 layout = targets[0] if input_layouts is None else input_layouts[i]
-                ref = b.input(i, layout.local_shape(b.mesh, shape), dtype, layout)
+                ref = b.input(i, layout.local_shape(b.mesh, shape), dtype, layout,
+                              node.params.get("var_dtype"))
                 local = Local(ref, layout, shape, dtype)
                 self.values[graph.inputs[i]] = (local if dtype in UNMOVABLE
                                                 else self.reshard(local, targets[0]))
