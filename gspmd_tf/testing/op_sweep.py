@@ -1,15 +1,18 @@
-"""An op sweep: every TF op type with a registered gradient, run partitioned on generated
-inputs and compared with single-device TF, each classified (issue 25 item 6).
+"""An op sweep: every TF op type with a registered gradient, and those models emit
+without one, run partitioned on generated inputs and compared with single-device TF,
+each classified (issue 25 item 6).
 
 The ops come from TF's gradient registry (tensorflow.python.framework.ops: the op types
-a differentiated model can hold). The inputs come from the op's OpDef alone, where that
+a differentiated model can hold) and MODEL_OP_TYPES (variable updates, optimizer
+kernels, what Keras' train steps hold). The inputs come from the op's OpDef alone, where that
 is enough: each tensor input of the first dtype its attr allows among float32, int32,
 int64, bool (a list input: two such tensors), shaped by the first of TEMPLATES that
 single-device TF accepts (floats [4, 6] with 6 uneven over 4 devices, integers alike
 or scalars, images [2, 6, 4, 3] with an integer pair, squares, vectors); attrs at their
 defaults, or ATTRS where an attr has none. Ops the OpDef alone gives no valid inputs for
-(ranks, shape and index values, complex inputs, sparse tensors) take theirs from
-op_recipes.RECIPES. Each op runs on a mesh drawn from MESH_SHAPES (2x4 or 4x2 of "data", "model"),
+(ranks, shape and index values, complex inputs, sparse tensors, state: variables,
+tables, TensorArrays, seeded random ops) take theirs from RECIPES (op_recipes and
+stateful_recipes); a variable an op reads or writes is compared after the call too. Each op runs on a mesh drawn from MESH_SHAPES (2x4 or 4x2 of "data", "model"),
 each flat input with a random PartitionSpec (replicated, either dim split, both, one dim
 over both axes; the first input always split), drawn per op from the seed.
 
@@ -21,9 +24,11 @@ Outcomes (OUTCOMES):
   refused         gt raised a ShardingError (its message is the reason)
   wrong           a value differs from single-device TF (accuracy.check_values)
   error           gt raised another exception
-  not generated   no inputs from the OpDef alone (a string, resource or variant input,
-                  an attr without default, a stateful op) or single-device TF refused
-                  the generated inputs
+  not generated   the op cannot run in this process (stateful_recipes.CANNOT_RUN: a
+                  GPU or TPU kernel, a TF1 queue or Session, a file; or not in this TF
+                  build), single-device TF refused it (removed from GraphDef, no CPU
+                  kernel), or, for the few ops without a recipe yet, the OpDef alone
+                  gives no inputs (tests/test_op_sweep.py's WITHOUT_RECIPE)
 benchmarks/op_sweep.py writes the table; tests/test_op_sweep.py runs a fixed slice.
 """
 
@@ -59,10 +64,6 @@ TEMPLATES = (((4, 6), (4, 6), None), ((4, 6), (), 1), ((2, 6, 4, 3), (2,), (3, 5
 # values of attrs that have no default (windows for images of TEMPLATES[2])
 ATTRS = {"strides": [1, 1, 1, 1], "ksize": [1, 2, 2, 1], "padding": "SAME",
          "num_split": 2, "block_size": 2, "num": 2}
-# ops whose values single-device TF itself does not fix on generated inputs
-UNDEFINED = {"Merge": "nondeterministic: forwards whichever input is ready first",
-             "Cholesky": "random matrices are not positive definite: TF's values are "
-                         "undefined"}
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,6 @@ def generated_call(op_type: str, rng: np.random.Generator, template=TEMPLATES[0]
         raise NotGenerated("a stateful op")
     if op_type in RECIPES:
         return _recipe_call(op_def, RECIPES[op_type], rng)
-    if op_type in UNDEFINED:
-        raise NotGenerated(UNDEFINED[op_type])
     inferred = set()
     chosen = {}
     counts, values, sources = [], [], []

@@ -409,6 +409,7 @@ def _control_flow() -> dict:
     r.update({"Switch": Recipe((F(4, 6), C(True, "bool")), finish=second),
               "RefSwitch": Recipe((ref, C(True, "bool")),
                                   finish=lambda outs, _: outs[1] * 1.0),
+              # a dead Switch branch and a live tensor: Merge forwards the live one
               "Merge": Recipe(([dead, F(4, 6)],)),
               "RefMerge": Recipe(([ref, ref],), finish=lambda outs, _: outs[0] * 1.0),
               "Enter": Recipe((F(4, 6),), frame),
