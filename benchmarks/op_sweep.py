@@ -28,7 +28,7 @@ def main(_):
     gt.configure_cpu_devices(8)
     from gspmd_tf.testing import op_sweep
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)  # the table says it all
-    op_types = OPS.value or op_sweep.gradient_op_types()[::EVERY.value]
+    op_types = OPS.value or op_sweep.sweep_op_types()[::EVERY.value]
     outcomes = op_sweep.sweep(op_types, op_sweep.sweep_meshes(), SEED.value,
                               progress=lambda o: print(f"{o.op_type}: {o.kind} {o.reason}",
                                                        flush=True))

@@ -18,6 +18,7 @@ from typing import Optional
 import tensorflow as tf
 from tensorflow.python.eager import context, execute
 from tensorflow.python.eager.polymorphic_function import attributes as function_attributes
+from tensorflow.python.ops import handle_data_util
 
 from gspmd_tf.backends import base, collectives, schedule
 from gspmd_tf.backends.emitter import DeviceEmitter
@@ -167,7 +168,17 @@ class CompiledProgram(base.Compiled):
         lowering = self._lowering()
         self.generation = collectives.generation()
 
+        handles = [(k, node.out_shapes[0], node.params["var_dtype"])
+                   for k, node in enumerate(self.inputs) if "var_dtype" in node.params]
+
         def spmd_program(*flat):
+            # a handle argument says which variable it holds, as a captured one does:
+            # the shape functions of ResourceScatterNd* and the like read it
+            for k, shape, dtype in handles:
+                for handle in flat[k * len(self.local):(k + 1) * len(self.local)]:
+                    handle_data_util.set_handle_data(
+                        handle, handle_data_util.create_handle_data(tf.TensorShape(shape),
+                                                                    dtype))
             return lowering.lower(self.program, flat)
         # TF's errors name the function: __inference_<this name>_N
         spmd_program.__name__ = re.sub(r"\W+", "_", self.what).strip("_")

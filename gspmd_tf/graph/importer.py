@@ -57,6 +57,15 @@ _V1_LOOP = ("belongs to a TF1 while loop (control flow v1: Enter/NextIteration/E
 _REFUSED_OPS = {
     **dict.fromkeys(("Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
                      "RefNextIteration", "LoopCond"), _V1_LOOP),
+    # op sweep: partitioned, a lookup saw an empty table (the v2 ops are right)
+    **dict.fromkeys(("HashTable", "MutableHashTable", "MutableHashTableOfTensors",
+                     "MutableDenseHashTable", "InitializeTable", "InitializeTableFromTextFile",
+                     "LookupTableFind", "LookupTableInsert", "LookupTableSize",
+                     "LookupTableExport", "LookupTableImport"),
+                    "is a TF1 lookup table op (a ref-typed handle), which gspmd-tf does not "
+                    "partition: its lookups can miss what the table was filled with; use "
+                    "the v2 tables (tf.lookup.StaticHashTable, tf.lookup.experimental."
+                    "MutableHashTable)"),
     "TensorSummary": "writes its node's name into its value, and every device's copy of "
                      "an op has a name of its own, so no partitioned value equals it; "
                      "write summaries with tf.summary (v2) outside the gt.function, or "

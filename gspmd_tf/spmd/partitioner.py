@@ -248,6 +248,15 @@ class Partitioner:
                 f"need them resharded to {layout.to_spec()!r}, which gspmd-tf cannot do "
                 "inside a list; split the tensors written into it the same way everywhere "
                 "(or keep them whole)")
+        if local.dtype == tf.resource:
+            # a handle's layout is its variable's: the shards stay where they are
+            raise ShardingError(
+                f"op {self._needed_by!r} ({self.graph.nodes[self.current_op].op}) would "
+                f"need the variable {tensor or 'of its operand'!r}, which is split as "
+                f"{local.layout.to_spec()!r}, split as {layout.to_spec()!r} (as the "
+                "variables and tensors it updates together with it), and gspmd-tf cannot "
+                "move a variable's shards; give the variables an op updates together (a "
+                "variable and its optimizer slots) the same spec")
         made = self._made.get((local, layout))
         if made is not None and made.ref.node in self._remembered:
             return made
@@ -345,7 +354,8 @@ class Partitioner:
                 layout = targets[0] if input_layouts is None else input_layouts[i]
                 placed = self._placements[0].get(i)
                 ref = b.input(i, layout.local_shape(b.mesh, shape), dtype,
-                              layout if placed is None else None)
+                              layout if placed is None else None,
+                              node.params.get("var_dtype"))
                 if placed is not None:
                     ref = self._placed(ref, layout, placed, b.mesh, node.name, node.name)
                 local = Local(ref, layout, shape, dtype)

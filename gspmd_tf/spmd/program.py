@@ -106,10 +106,13 @@ class ProgramBuilder:
                                         dtype=dtype)
         return self._consts[key]
 
-    def input(self, index, shape, dtype, layout=None):
+    def input(self, index, shape, dtype, layout=None, var_dtype=None):
         """This device's shard of program input `index`; `layout`: the input's layout
-        when known (a backend may read from it which devices hold equal shards)."""
+        when known (a backend may read from it which devices hold equal shards);
+        `var_dtype`: the dtype of the variable behind a resource input, when known."""
         params = {"index": index} if layout is None else {"index": index, "layout": layout}
+        if var_dtype is not None:
+            params["var_dtype"] = var_dtype
         ref = self._add("gt.Input", [], {}, [shape], [dtype], params=params)[0]
         self.graph.inputs.append(ref)
         return ref

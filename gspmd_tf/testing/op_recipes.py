@@ -26,8 +26,10 @@ import tensorflow as tf
 class Arg:
     """One input: `kind` "random" (normal floats, or integers in [0, high) when `high`
     is given; complex dtypes get a normal imaginary part), "given" (`value`, split like a
-    random one) or "constant" (`value`, a constant of the program); `make`, when set,
-    builds the op's input from this one inside the program (see Made)."""
+    random one), "constant" (`value`, a constant of the program) or "variable" (a
+    variable holding a random value, split like a random input: the op gets its handle,
+    and the sweep compares its value after the call too); `make`, when set, builds the
+    op's input from this one inside the program (see Made)."""
 
     kind: str
     dtype: str
@@ -38,7 +40,7 @@ class Arg:
 
     def array(self, rng: np.random.Generator) -> np.ndarray:
         """The input's value, drawn from `rng` for a random Arg."""
-        if self.kind != "random":
+        if self.kind in ("given", "constant") or self.value is not None:
             return np.asarray(self.value, dtype=self.dtype)
         if self.high is not None:
             return rng.integers(0, self.high, self.shape).astype(self.dtype)
@@ -50,12 +52,15 @@ class Arg:
 
 @dataclass(frozen=True)
 class Recipe:
-    """An op's inputs in OpDef order (an Arg, or a list of Args for a list input) and
-    the attrs to pass."""
+    """An op's inputs in OpDef order (an Arg, or a list of Args for a list input), the
+    attrs to pass, and `finish(outputs, inputs)`: the op's outputs -> the program's
+    (numbers), given the op's flat inputs followed by the `extra` Args' tensors (inputs
+    of the program only finish reads: the keys looked up in a table the op makes)."""
 
     inputs: tuple
     attrs: dict = field(default_factory=dict)
-    finish: Optional[Callable] = None  # the op's outputs -> the program's (numbers)
+    finish: Optional[Callable] = None
+    extra: tuple = ()
 
 
 def F(*shape, dtype="float32"):
@@ -66,6 +71,13 @@ def F(*shape, dtype="float32"):
 def Int(shape, high, dtype="int32"):
     """A random integer input of `shape`, values in [0, high)."""
     return Arg("random", dtype, tuple(shape), high=high)
+
+
+def V(*shape, dtype="float32", value=None):
+    """A variable of `shape` holding `value`, or random values (floats, or integers in
+    [0, 4))."""
+    return Arg("variable", dtype, tuple(shape), value,
+               high=None if "float" in dtype else 4)
 
 
 def G(value, dtype="int32"):
@@ -275,9 +287,8 @@ def _recipes() -> dict:
     r.update(_strings())
     r.update(_tensor_lists())
     r.update(_csr_matrices())
-    r.update(_hash_tables())
-    r.update(_tensor_arrays())
     r.update(_images_and_sequences())
+    r.update(_given_attrs())
     return r
 
 
@@ -316,6 +327,99 @@ def _strings() -> dict:
     return r
 
 
+def _fixed_width(t):
+    """t's numbers as strings of 12 bytes each."""
+    return tf.strings.as_string(t, precision=3, width=12)
+
+
+def _given_attrs() -> dict:
+    """Ops whose attrs have no default (given here), sets, ragged tensors, bytes and
+    optionals."""
+    splits, values = [C([0, 2, 3, 6], "int64")], F(6)
+    sparse_ints = (SPARSE[0], G([1, 2, 3]), SPARSE[2])
+    r = {"TopK": Recipe((F(4, 6),), {"k": 3}),
+         "Bitcast": Recipe((F(4, 6),), {"type": "int32"}),
+         "Const": Recipe((), {"value": tf.make_tensor_proto(
+             np.arange(24, dtype=np.float32).reshape(4, 6)), "dtype": "float32"}),
+         "BatchNormWithGlobalNormalization": Recipe(
+             (F(2, 4, 6, 3), F(3), G([0.5, 1.5, 2.0], "float32"), F(3), F(3)),
+             {"variance_epsilon": 1e-3, "scale_after_normalization": True}),
+         "CTCBeamSearchDecoder": Recipe((F(5, 2, 4), C([5, 4])),
+                                        {"beam_width": 3, "top_paths": 1}),
+         "CTCLossV2": Recipe((F(5, 2, 4), C([[0, 0], [0, 1], [1, 0]], "int64"),
+                              C([1, 2, 1]), C([5, 4]))),
+         "ConcatOffset": Recipe((C(1), [C([4, 2]), C([4, 3])])),
+         "SparseConcat": Recipe(([SPARSE[0], SPARSE[0]], [F(3), F(3)],
+                                 [SPARSE[2], SPARSE[2]]), {"concat_dim": 1}),
+         "DenseToDenseSetOperation": Recipe((Int((4, 6), 5), Int((4, 6), 5)),
+                                            {"set_operation": "intersection"}),
+         "DenseToSparseSetOperation": Recipe((Int((4, 6), 5), *sparse_ints),
+                                             {"set_operation": "union"}),
+         "SparseToSparseSetOperation": Recipe((*sparse_ints, *sparse_ints),
+                                              {"set_operation": "a-b"}),
+         "SetSize": Recipe(sparse_ints),
+         "RaggedGather": Recipe((splits, values, Int((4,), 3)), {"OUTPUT_RAGGED_RANK": 1}),
+         "RaggedTensorToTensor": Recipe((C([3, 4], "int64"), values, C(0.0, "float32"),
+                                         splits), {"row_partition_types": ["ROW_SPLITS"]}),
+         "RaggedTensorToSparse": Recipe((splits, values)),
+         "RaggedFillEmptyRows": Recipe((C([0, 0, 2, 2, 2, 3], "int64"), values, C(5, "int64"),
+                                        C(0.0, "float32"))),
+         "RaggedTensorToVariant": Recipe((splits, values), {"batched_input": False},
+                                         finish=_from_variant),
+         "RaggedTensorFromVariant": Recipe((Made(values, _to_variant),), _FROM_VARIANT,
+                                           finish=lambda outs, _: shaped(
+                                               [*outs[0], outs[1]], [4], [6])),
+         "DecodeRaw": Recipe((Made(F(4, 6), _fixed_width),), {"out_type": "uint8"},
+                             finish=lambda out, _: shaped([out], [4, 6, 12])[0]),
+         "DecodePaddedRaw": Recipe((Made(F(4, 6), _fixed_width), C(16)),
+                                   {"out_type": "uint16"}),
+         "ParseTensor": Recipe((Made(F(4, 6), tf.io.serialize_tensor),), {"out_type": "float32"},
+                               finish=lambda out, _: shaped([out], [4, 6])[0]),
+         "SdcaFprint": Recipe((Made(F(6), _as_string),)),
+         "EncodeProto": Recipe((C([[1]] * 4), [Int((4, 1), 9, "int64")]), _DIM_PROTO),
+         "DecodeProtoV2": Recipe((Made(Int((4, 1), 9, "int64"), _encoded_dims),),
+                                 dict(_DIM_PROTO, output_types=[tf.int64]),
+                                 finish=lambda outs, _: shaped([outs[0], *outs[1]],
+                                                               [4, 1], [4, 1])),
+         "OptionalFromValue": Recipe(([F(4, 6)],), finish=_optional_value),
+         "OptionalGetValue": Recipe((Made(F(4, 6), lambda t: tf.raw_ops.OptionalFromValue(
+             components=[t])),), {"output_types": [tf.float32], "output_shapes": [[4, 6]]})}
+    return r
+
+
+# the size field of TensorShapeProto.Dim (a message TF's own protos define)
+_DIM_PROTO = {"field_names": ["size"], "message_type": "tensorflow.TensorShapeProto.Dim"}
+
+
+def _encoded_dims(sizes):
+    """Serialized TensorShapeProto.Dim messages of `sizes` ((n, 1) int64)."""
+    return tf.raw_ops.EncodeProto(sizes=tf.ones(sizes.shape, tf.int32), values=[sizes],
+                                  **_DIM_PROTO)
+
+
+def _optional_value(optional, _inputs=()):
+    return tf.raw_ops.OptionalGetValue(optional=optional, output_types=[tf.float32],
+                                       output_shapes=[[4, 6]])
+
+
+_FROM_VARIANT = {"input_ragged_rank": 1, "output_ragged_rank": 1, "Tvalues": tf.float32,
+                 "Tsplits": tf.int64}
+
+
+def _to_variant(values):
+    """A ragged tensor of rows [0:2], [2:3], [3:6] of `values`, as a variant."""
+    return tf.raw_ops.RaggedTensorToVariant(rt_nested_splits=[tf.constant([0, 2, 3, 6],
+                                                                          tf.int64)],
+                                            rt_dense_values=values, batched_input=False)
+
+
+def _from_variant(variant, _inputs=()):
+    """A ragged variant's splits and values (of 6 floats)."""
+    splits, values = tf.raw_ops.RaggedTensorFromVariant(encoded_ragged=variant,
+                                                        **_FROM_VARIANT)
+    return shaped([*splits, values], [4], [6])
+
+
 def _list_of(t):
     """A TensorList of t's rows."""
     return tf.raw_ops.TensorListFromTensor(tensor=t, element_shape=tf.constant([6]))
@@ -324,7 +428,7 @@ def _list_of(t):
 def _stacked(count, shape=(6,)):
     """The function stacking a float32 TensorList of `count` elements of `shape` (the
     count given, as TF's shape inference does not know a list's length)."""
-    def stack(handle):
+    def stack(handle, _inputs=()):
         return tf.raw_ops.TensorListStack(
             input_handle=handle, element_shape=tf.constant(list(shape)),
             element_dtype=tf.float32, num_elements=count)
@@ -351,63 +455,36 @@ def _tensor_lists() -> dict:
          "TensorListElementShape": Recipe((listed,), {"shape_type": "int32"}),
          "TensorListPushBack": Recipe((listed, F(6)), finish=_stacked(5)),
          "TensorListPopBack": Recipe((listed, element), dtype,
-                                     finish=lambda outs: (_stacked(3)(outs[0]), outs[1])),
+                                     finish=lambda outs, _: (_stacked(3)(outs[0]), outs[1])),
          "TensorListResize": Recipe((listed, C(3)), finish=_stacked(3)),
          "TensorListSplit": Recipe((F(4, 6), C([-1, 6]), C([2, 2], "int64")),
-                                   finish=_stacked(2, (2, 6)))}
+                                   finish=_stacked(2, (2, 6))),
+         "EmptyTensorList": Recipe((element, C(4)), dtype, finish=_pushed, extra=(F(6),)),
+         "TensorListReserve": Recipe((element, C(4)), dtype, finish=_stacked(4)),
+         "TensorListConcat": Recipe((listed,), dict(dtype, element_shape=tf.TensorShape(
+             [None])), finish=_concatenated),
+         "TensorListConcatV2": Recipe((listed, C([-1]), C(np.zeros(0), "int64")), dtype,
+                                      finish=_concatenated),
+         "TensorListConcatLists": Recipe((listed, listed), dtype, finish=_stacked(8))}
     return r
 
 
-def _four_key_table(make, fill):
-    """A maker of a table (`make`: HashTableV2 or MutableHashTableV2) holding four int64
-    keys (a Keras IntegerLookup's vocabulary), filled by `fill` (InitializeTableV2 or
-    LookupTableInsertV2) before it is read."""
-    def table(_):
-        handle = make(key_dtype=tf.int64, value_dtype=tf.float32)
-        filled = fill(table_handle=handle, keys=tf.constant([0, 1, 2, 5], tf.int64),
-                      values=tf.constant([0.5, 1.5, 2.5, 5.5]))
-        with tf.control_dependencies([filled]):
-            return tf.identity(handle)
-    return table
+def _pushed(handle, inputs):
+    """A Recipe.finish: the extra input pushed onto the op's list, the list stacked."""
+    pushed = tf.raw_ops.TensorListPushBack(input_handle=handle, tensor=inputs[-1])
+    return _stacked(1)(pushed)
 
 
-def _as_keys(values):
-    """A lookup's values given the keys' shape, as tf.lookup's tables give them (the
-    raw op's shape inference does not know the table's value shape)."""
-    values.set_shape([4, 6])
-    return values
+def _concatenated(outputs, _inputs=()):
+    """A Recipe.finish: a list of four rows of 6 concatenated, and its lengths."""
+    return shaped(outputs, [24], [4])
 
 
-def _hash_tables() -> dict:
-    """Lookups of split keys in tables the program builds (Keras' lookup layers)."""
-    static = Made(C(0), _four_key_table(tf.raw_ops.HashTableV2, tf.raw_ops.InitializeTableV2))
-    mutable = Made(C(0), _four_key_table(tf.raw_ops.MutableHashTableV2,
-                                         tf.raw_ops.LookupTableInsertV2))
-    keys, default = Int((4, 6), 7, "int64"), C(-1.0, "float32")
-    return {"LookupTableFindV2": Recipe((static, keys, default), finish=_as_keys),
-            "LookupTableSizeV2": Recipe((mutable,))}
-
-
-def _tensor_array(t):
-    """The handle of a TensorArrayV3 (tf.TensorArray in graphs of TF1 style) holding
-    t's four rows, scattered before the handle is read."""
-    handle, flow = tf.raw_ops.TensorArrayV3(size=4, dtype=tf.float32,
-                                             element_shape=tf.TensorShape([6]))
-    flow = tf.raw_ops.TensorArrayScatterV3(handle=handle, indices=tf.range(4), value=t,
-                                           flow_in=flow)
-    with tf.control_dependencies([flow]):
-        return tf.identity(handle)
-
-
-def _tensor_arrays() -> dict:
-    """Reads of a TensorArrayV3 of a split tensor's rows. The flow passed is a constant:
-    the reads come after the scatter as TF orders stateful ops (in program order)."""
-    array, flow = Made(F(4, 6), _tensor_array), C(0.0, "float32")
-    dtype = {"dtype": "float32"}
-    return {"TensorArrayReadV3": Recipe((array, C(2), flow), dtype),
-            "TensorArrayGatherV3": Recipe((array, C([3, 0]), flow),
-                                          dict(dtype, element_shape=[6])),
-            "TensorArraySizeV3": Recipe((array, flow))}
+def shaped(tensors, *shapes):
+    """`tensors` given `shapes` (which TF's shape inference leaves unknown)."""
+    for t, shape in zip(tensors, shapes):
+        t.set_shape(shape)
+    return tensors
 
 
 def _csr(t):
@@ -416,7 +493,7 @@ def _csr(t):
         dense_input=t, indices=tf.constant([[0, 1], [2, 3], [3, 0]], tf.int64))
 
 
-def _dense(matrix):
+def _dense(matrix, _inputs=()):
     """A float32 CSR sparse matrix's dense value."""
     return tf.raw_ops.CSRSparseMatrixToDense(sparse_input=matrix, type=tf.float32)
 
@@ -435,7 +512,12 @@ def _csr_matrices() -> dict:
         "SparseMatrixTranspose": Recipe((csr,), f32, finish=_dense),
         "SparseMatrixMatMul": Recipe((csr, F(6, 5))),
         "SparseMatrixSparseMatMul": Recipe((csr, Made(F(6, 4), _csr_of_transposed)), f32,
-                                           finish=_dense)}
+                                           finish=_dense),
+        "SparseMatrixZeros": Recipe((C([4, 6], "int64"),), f32, finish=_dense),
+        "SparseMatrixAdd": Recipe((csr, csr, C(1.0, "float32"), C(2.0, "float32")),
+                                  finish=_dense),
+        "SparseMatrixMul": Recipe((csr, F()), finish=_dense),
+        "SparseMatrixSoftmax": Recipe((csr,), f32, finish=_dense)}
 
 
 def _csr_of_transposed(t):

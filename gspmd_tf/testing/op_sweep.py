@@ -1,15 +1,18 @@
-"""An op sweep: every TF op type with a registered gradient, run partitioned on generated
-inputs and compared with single-device TF, each classified (issue 25 item 6).
+"""An op sweep: every TF op type with a registered gradient, and those models emit
+without one, run partitioned on generated inputs and compared with single-device TF,
+each classified (issue 25 item 6).
 
 The ops come from TF's gradient registry (tensorflow.python.framework.ops: the op types
-a differentiated model can hold). The inputs come from the op's OpDef alone, where that
+a differentiated model can hold) and MODEL_OP_TYPES (variable updates, optimizer
+kernels, what Keras' train steps hold). The inputs come from the op's OpDef alone, where that
 is enough: each tensor input of the first dtype its attr allows among float32, int32,
 int64, bool (a list input: two such tensors), shaped by the first of TEMPLATES that
 single-device TF accepts (floats [4, 6] with 6 uneven over 4 devices, integers alike
 or scalars, images [2, 6, 4, 3] with an integer pair, squares, vectors); attrs at their
 defaults, or ATTRS where an attr has none. Ops the OpDef alone gives no valid inputs for
-(ranks, shape and index values, complex inputs, sparse tensors) take theirs from
-op_recipes.RECIPES. Each op runs on a mesh drawn from MESH_SHAPES (2x4 or 4x2 of "data", "model"),
+(ranks, shape and index values, complex inputs, sparse tensors, state: variables,
+tables, TensorArrays, seeded random ops) take theirs from RECIPES (op_recipes and
+stateful_recipes); a variable an op reads or writes is compared after the call too. Each op runs on a mesh drawn from MESH_SHAPES (2x4 or 4x2 of "data", "model"),
 each flat input with a random PartitionSpec (replicated, either dim split, both, one dim
 over both axes; the first input always split), drawn per op from the seed.
 
@@ -21,9 +24,11 @@ Outcomes (OUTCOMES):
   refused         gt raised a ShardingError (its message is the reason)
   wrong           a value differs from single-device TF (accuracy.check_values)
   error           gt raised another exception
-  not generated   no inputs from the OpDef alone (a string, resource or variant input,
-                  an attr without default, a stateful op) or single-device TF refused
-                  the generated inputs
+  not generated   the op cannot run in this process (stateful_recipes.CANNOT_RUN: a
+                  GPU or TPU kernel, a TF1 queue or Session, a file; or not in this TF
+                  build), single-device TF refused it (removed from GraphDef, no CPU
+                  kernel), or, for the few ops without a recipe yet, the OpDef alone
+                  gives no inputs (tests/test_op_sweep.py's WITHOUT_RECIPE)
 benchmarks/op_sweep.py writes the table; tests/test_op_sweep.py runs a fixed slice.
 """
 
@@ -42,8 +47,11 @@ import gspmd_tf as gt
 from gspmd_tf.graph.ir import Ref
 from gspmd_tf.runtime.annotated import explicit_reshards
 from gspmd_tf.testing.accuracy import TOLERANCE, Mismatch, check_values
-from gspmd_tf.testing.op_recipes import RECIPES, Recipe
+from gspmd_tf.testing import op_recipes, stateful_recipes
+from gspmd_tf.testing.op_recipes import Recipe
+from gspmd_tf.testing.stateful_recipes import CANNOT_RUN
 
+RECIPES = {**op_recipes.RECIPES, **stateful_recipes.RECIPES}
 OUTCOMES = ("partitioned", "replicated", "refused", "wrong", "error", "not generated")
 MESH_SHAPES, AXES = ((2, 4), (4, 2)), ("data", "model")
 SPECS = (gt.P(), gt.P("data"), gt.P(None, "model"), gt.P("model", "data"),
@@ -56,10 +64,6 @@ TEMPLATES = (((4, 6), (4, 6), None), ((4, 6), (), 1), ((2, 6, 4, 3), (2,), (3, 5
 # values of attrs that have no default (windows for images of TEMPLATES[2])
 ATTRS = {"strides": [1, 1, 1, 1], "ksize": [1, 2, 2, 1], "padding": "SAME",
          "num_split": 2, "block_size": 2, "num": 2}
-# ops whose values single-device TF itself does not fix on generated inputs
-UNDEFINED = {"Merge": "nondeterministic: forwards whichever input is ready first",
-             "Cholesky": "random matrices are not positive definite: TF's values are "
-                         "undefined"}
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,30 @@ def gradient_op_types() -> list:
                   if op_def_registry.get(name) is not None)
 
 
+# op types models emit that TF registers no gradient for: Keras 3's train steps (the
+# ops of an Embedding, LayerNormalization, MultiHeadAttention, Dropout, Conv1D,
+# BatchNormalization, LSTM and Dense model's train_step under each of Keras' eleven
+# optimizers, Placeholder aside: an argument) and the kernels of the optimizers of
+# tf.compat.v1.train and tf-keras' legacy optimizers (ResourceApply*)
+MODEL_OP_TYPES = ("Any", "AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp",
+                  "Bitcast", "EmptyTensorList", "IsNan", "NoOp", "ResourceScatterAdd",
+                  "ResourceScatterSub", "StatelessRandomGetKeyCounter", "TensorListReserve",
+                  "Where", "ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterMin",
+                  "ResourceScatterMax", "ResourceScatterUpdate", "ResourceScatterNdUpdate",
+                  "ResourceScatterNdAdd", "ResourceApplyGradientDescent",
+                  "ResourceApplyMomentum", "ResourceApplyKerasMomentum",
+                  "ResourceApplyAdagrad", "ResourceApplyAdagradV2", "ResourceApplyAdam",
+                  "ResourceApplyAdaMax", "ResourceApplyRMSProp",
+                  "ResourceApplyCenteredRMSProp", "ResourceApplyAdadelta",
+                  "ResourceApplyFtrl", "ResourceSparseApplyAdagrad")
+
+
+def sweep_op_types() -> list:
+    """The op types the sweep covers: gradient_op_types() and MODEL_OP_TYPES, sorted."""
+    return sorted(set(gradient_op_types()) | {
+        name for name in MODEL_OP_TYPES if op_def_registry.get(name) is not None})
+
+
 def generated_call(op_type: str, rng: np.random.Generator, template=TEMPLATES[0]) -> tuple:
     """(fn, args): fn(*args) runs `op_type` (tf.raw_ops) on inputs generated by
     `template` (one of TEMPLATES; module docstring). Raises NotGenerated when the OpDef
@@ -88,17 +116,17 @@ def generated_call(op_type: str, rng: np.random.Generator, template=TEMPLATES[0]
     op_def = op_def_registry.get(op_type)
     if op_def is None or not hasattr(tf.raw_ops, op_type):
         raise NotGenerated("not in this TF build's raw ops")
+    if op_type in CANNOT_RUN:
+        raise NotGenerated(CANNOT_RUN[op_type])
     if op_def.is_stateful and op_type not in RECIPES:
-        # a recipe is given only to a stateful op whose values its inputs fix
-        # (TensorArrays, hash tables), never to a random one
+        # a recipe is given only to a stateful op whose values its inputs (and seeds)
+        # fix: variables, TensorArrays, hash tables, seeded random ops
         raise NotGenerated("a stateful op")
     if op_type in RECIPES:
         return _recipe_call(op_def, RECIPES[op_type], rng)
-    if op_type in UNDEFINED:
-        raise NotGenerated(UNDEFINED[op_type])
     inferred = set()
     chosen = {}
-    counts, values, fixed = [], [], []
+    counts, values, sources = [], [], []
     for arg in op_def.input_arg:
         if arg.type_list_attr or arg.is_ref:
             raise NotGenerated(f"input {arg.name} is a list of types or a ref")
@@ -112,7 +140,8 @@ def generated_call(op_type: str, rng: np.random.Generator, template=TEMPLATES[0]
         values += [_value(dtype, rng, template) for _ in range(count)]
         # a template's fixed integers (an axis, a size) are constants of the program,
         # so the shapes they decide are known at trace time
-        fixed += [dtype.is_integer and template[2] is not None] * count
+        sources += ["constant" if dtype.is_integer and template[2] is not None
+                    else "argument"] * count
     missing = [a.name for a in op_def.attr
                if not a.HasField("default_value") and a.name not in chosen
                and a.name not in inferred]
@@ -120,33 +149,57 @@ def generated_call(op_type: str, rng: np.random.Generator, template=TEMPLATES[0]
     if unknown:
         raise NotGenerated(f"attrs without a default: {', '.join(unknown)}")
     attrs = {name: ATTRS[name] for name in missing}
-    return _call(op_type, counts, values, fixed, attrs)
+    return _call(op_type, counts, values, sources, attrs)
 
 
-def _call(op_type, counts, values, fixed, attrs, makes=None, finish=None) -> tuple:
-    """generated_call's (fn, args) for tf.raw_ops.`op_type` of the flat input `values`
-    (those `fixed` constants of the program), grouped by `counts` (per OpDef input: the
-    length of a list input, None for a tensor); `makes` (per value, None or a function
-    building the op's input from it in the program) and `finish` (the op's outputs ->
-    the program's) as a Recipe gives them."""
+class OpCall:
+    """generated_call's fn: `fn(*args)` runs the op. `variables` are the initial values
+    of the variables the op reads or writes; `bind` gives it the variables to use (of
+    those values: tf.Variables for single-device TF, gt.Variables for gt.function)
+    before it is traced."""
+
+    def __init__(self, body: Callable, variables: list):
+        self._body, self.variables, self.bound = body, variables, []
+
+    def bind(self, variables: list) -> None:
+        """Use `variables` (one per initial value) from the next trace on."""
+        self.bound = list(variables)
+
+    def __call__(self, *arguments):
+        return self._body(arguments, self.bound)
+
+
+def _call(op_type, counts, values, sources, attrs, makes=None, finish=None) -> tuple:
+    """generated_call's (fn, args) for tf.raw_ops.`op_type` of the flat input `values`,
+    each an "argument" of the program, a "constant" of it or a "variable" (its handle
+    passed), grouped by `counts` (per OpDef input: the length of a list input, None for
+    a tensor; extra values after them go to `finish` only); `makes` (per value, None or
+    a function building the op's input from it in the program) and `finish` (the op's
+    outputs and inputs -> the program's outputs) as a Recipe gives them."""
     raw = getattr(tf.raw_ops, op_type)
     # raw ops name some inputs otherwise than their OpDef (Sum's reduction_indices is
     # axis): their parameters come in OpDef order
     names = list(inspect.signature(raw).parameters)[:len(counts)]
     makes = makes or [None] * len(values)
 
-    def fn(*arguments):
-        given = iter(arguments)
-        flat = [tf.constant(v) if constant else next(given)
-                for v, constant in zip(values, fixed)]
+    def body(arguments, variables):
+        given, bound = iter(arguments), iter(variables)
+        flat = [tf.constant(v) if source == "constant" else
+                next(bound).handle if source == "variable" else next(given)
+                for v, source in zip(values, sources)]
         flat = [make(t) if make else t for t, make in zip(flat, makes)]
         kwargs, at = dict(attrs), 0
         for name, count in zip(names, counts):
             kwargs[name] = list(flat[at:at + count]) if count else flat[at]
             at += count or 1
         result = raw(**kwargs)
-        return finish(result) if finish else result
-    return fn, [v for v, constant in zip(values, fixed) if not constant]
+        if finish:
+            return finish(result, flat)
+        # an op without outputs (an assignment, an assertion) runs for its effect
+        return [] if isinstance(result, tf.Operation) else result
+    variables = [v for v, source in zip(values, sources) if source == "variable"]
+    return OpCall(body, variables), [v for v, source in zip(values, sources)
+                                     if source == "argument"]
 
 
 def _recipe_call(op_def, recipe: Recipe, rng) -> tuple:
@@ -154,16 +207,18 @@ def _recipe_call(op_def, recipe: Recipe, rng) -> tuple:
     if len(recipe.inputs) != len(op_def.input_arg):
         raise NotGenerated(f"its recipe gives {len(recipe.inputs)} of "
                            f"{len(op_def.input_arg)} inputs")
-    counts, values, fixed, makes = [], [], [], []
-    for given in recipe.inputs:
+    counts, values, sources, makes = [], [], [], []
+    for given in recipe.inputs + recipe.extra:
         group = given if isinstance(given, list) else [given]
         counts.append(len(group) if isinstance(given, list) else None)
         values += [arg.array(rng) for arg in group]
-        fixed += [arg.kind == "constant" for arg in group]
+        sources += [arg.kind if arg.kind in ("constant", "variable") else "argument"
+                    for arg in group]
         makes += [arg.make for arg in group]
-    attrs = {name: tf.as_dtype(v) if name in _TYPE_ATTRS else v
-             for name, v in recipe.attrs.items()}
-    return _call(op_def.name, counts, values, fixed, attrs, makes, recipe.finish)
+    attrs = {name: tf.as_dtype(v) if name in _TYPE_ATTRS and isinstance(v, str)
+             else v for name, v in recipe.attrs.items()}
+    return _call(op_def.name, counts[:len(recipe.inputs)], values, sources, attrs, makes,
+                 recipe.finish)
 
 
 # attrs recipes give as dtype names
@@ -214,32 +269,47 @@ def sweep_op(op_type: str, meshes, seed: int = 0) -> Outcome:
             return Outcome(op_type, "not generated", str(reason))
         try:
             with tf.device("/device:CPU:0"):
+                fn.bind([tf.Variable(v) for v in fn.variables])
                 traced = tf.function(fn, autograph=False)
                 want = [np.asarray(t) for t in tf.nest.flatten(traced(*args))]
                 inferred = [t.shape for t in tf.nest.flatten(
                     traced.get_concrete_function(*args).structured_outputs)]
+                # the variables after the call are outputs too
+                want += [v.numpy() for v in fn.bound]
+                inferred += [v.shape for v in fn.bound]
             break
         except Exception as exc:  # noqa: BLE001 - TF refusing the generated inputs
             refusal = refusal or exc
     else:
         return Outcome(op_type, "not generated", f"single-device TF: {_first_line(refusal)}")
-    # the first input split (so a replicated op had something to split), the rest any
-    specs = tuple(_fitted(SPECS[i], np.ndim(arg)) for i, arg in zip(
-        [rng.integers(1, len(SPECS))] + list(rng.integers(0, len(SPECS), max(len(args) - 1, 0))),
-        args))
+    # the first input split (so a replicated op had something to split), the rest any;
+    # the arguments' specs first, then the variables'
+    inputs = list(args) + list(fn.variables)
+    drawn = tuple(_fitted(SPECS[i], np.ndim(value)) for i, value in zip(
+        [rng.integers(1, len(SPECS))] + list(rng.integers(0, len(SPECS),
+                                                          max(len(inputs) - 1, 0))),
+        inputs))
+    specs = drawn[:len(args)]
+    # outputs whose kernel shape contradicts TF's own shape inference (which gspmd-tf
+    # follows) say nothing about gspmd-tf, and are not read: oneDNN's FusedBatchNormV3
+    # and FusedBatchNormGrad return their unused reserve spaces as scalars where
+    # inference says (0,), or (0,) where inference knows no shape, on one device or
+    # only on some shards (so an empty output, which holds nothing to compare, is not
+    # read either)
+    contradicted = [i for i, (w, shape) in enumerate(zip(want, inferred))
+                    if w.size == 0 or (shape.is_fully_defined() and tuple(shape) != w.shape)]
     try:
+        fn.bind([gt.Variable(v, mesh, spec) for v, spec in zip(fn.variables,
+                                                              drawn[len(args):])])
         f = gt.function(fn, mesh=mesh, in_shardings=specs)
-        got = [t.numpy() for t in tf.nest.flatten(f(*args))]
+        got = [None if i in contradicted else t.numpy()
+               for i, t in enumerate(tf.nest.flatten(f(*args)))]
+        got += [v.numpy() for v in fn.bound]
         lowered = f.lower(*args)
     except gt.ShardingError as exc:
         return Outcome(op_type, "refused", _first_line(exc))
     except Exception as exc:  # noqa: BLE001 - any other failure is the sweep's finding
         return Outcome(op_type, "error", f"{type(exc).__name__}: {_first_line(exc)}")
-    # outputs whose kernel shape contradicts TF's own shape inference (which gspmd-tf
-    # follows) say nothing about gspmd-tf: oneDNN's FusedBatchNormGrad returns its
-    # unused reserve spaces as scalars where inference says (0,)
-    contradicted = [i for i, (w, shape) in enumerate(zip(want, inferred))
-                    if shape.is_fully_defined() and tuple(shape) != w.shape]
     try:
         for i, (g, w) in enumerate(zip(got, want)):
             if i in contradicted:
@@ -250,7 +320,7 @@ def sweep_op(op_type: str, meshes, seed: int = 0) -> Outcome:
             name = str(w.dtype)
             check_values(g, w, f"output {i}", name if name in TOLERANCE else None)
     except Mismatch as exc:
-        return Outcome(op_type, "wrong", f"{exc} (mesh {mesh.shape}, inputs {specs})")
+        return Outcome(op_type, "wrong", f"{exc} (mesh {mesh.shape}, inputs {drawn})")
     outcome = _classified(op_type, lowered)
     if contradicted:
         note = (f"outputs {contradicted} not compared: TF's kernel contradicts its shape "
