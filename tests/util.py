@@ -1,6 +1,7 @@
 """Shared test helpers: compare a partitioned function with the single-device one."""
 
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -144,3 +145,22 @@ def explicitly_padded_input_gradient(rng):
             [2, 5, 5, 2], kernel, dy, strides=[1, 1, 1, 1], padding="EXPLICIT",
             explicit_paddings=[0, 0, 3, 0, 3, 0, 0, 0])
     return input_gradient, [randn(rng, 2, 2, 2, 3), randn(rng, 2, 7, 7, 3)]
+
+
+def run_together(commands, timeout, **popen_kwargs):
+    """subprocess.run of each command (captured text output), all started at once and
+    then waited for: processes that spend most of their time importing TF do it side by
+    side. Returns their CompletedProcess, in order; kills the rest if one times out."""
+    runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, **popen_kwargs) for command in commands]
+    done = []
+    try:
+        for run in runs:
+            out, err = run.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(run.args, run.returncode, out, err))
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
+    return done
