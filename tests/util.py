@@ -147,20 +147,36 @@ def explicitly_padded_input_gradient(rng):
     return input_gradient, [randn(rng, 2, 2, 2, 3), randn(rng, 2, 7, 7, 3)]
 
 
-def run_together(commands, timeout, **popen_kwargs):
-    """subprocess.run of each command (captured text output), all started at once and
-    then waited for: processes that spend most of their time importing TF do it side by
-    side. Returns their CompletedProcess, in order; kills the rest if one times out."""
-    runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, **popen_kwargs) for command in commands]
-    done = []
-    try:
-        for run in runs:
-            out, err = run.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(run.args, run.returncode, out, err))
-    finally:
-        for run in runs:
+class Started:
+    """Subprocesses started at once (captured text output), running beside whatever the
+    caller does next: processes that spend most of their time importing TF do it side by
+    side with each other and with the tests."""
+
+    def __init__(self, commands, **popen_kwargs):
+        self.runs = [subprocess.Popen(command, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, **popen_kwargs)
+                     for command in commands]
+
+    def wait(self, timeout):
+        """Their CompletedProcess, in order; kills the rest if one times out."""
+        done = []
+        try:
+            for run in self.runs:
+                out, err = run.communicate(timeout=timeout)
+                done.append(subprocess.CompletedProcess(run.args, run.returncode, out, err))
+        finally:
+            self.kill()
+        return done
+
+    def kill(self):
+        """End those still running (a module's tests ended without waiting for them)."""
+        for run in self.runs:
             if run.poll() is None:
                 run.kill()
                 run.communicate()
-    return done
+
+
+def run_together(commands, timeout, **popen_kwargs):
+    """subprocess.run of each command, all started at once (Started) and then waited
+    for; their CompletedProcess, in order."""
+    return Started(commands, **popen_kwargs).wait(timeout)
