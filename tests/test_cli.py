@@ -1,7 +1,6 @@
 """`python -m gspmd_tf inspect`: a SavedModel made here, lowered by the CLI in a subprocess."""
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -10,6 +9,7 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.cli import lower_saved_model, parse_shape_flags, parse_spec
+from util import run_together
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,10 +32,21 @@ def saved_model(tmp_path_factory):
     return path
 
 
-def _inspect(*args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.run([sys.executable, "-m", "gspmd_tf", "inspect", *args],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+@pytest.fixture(scope="module")
+def cli_runs(saved_model, tmp_path_factory):
+    """({name: finished `python -m gspmd_tf inspect` run}, html path): a report (with
+    --html), --help and a --shard regex matching nothing, run side by side once and read
+    by the tests."""
+    html = tmp_path_factory.mktemp("cli") / "report.html"
+    runs = {"report": (saved_model, "--mesh=2x4", "--axes=data,model", "--shard=x=data",
+                       "--shard", "dense/kernel=None,model", f"--html={html}"),
+            "help": ("--help",),
+            "unmatched": (saved_model, "--mesh=2x4", "--axes=data,model",
+                          "--shard=kernel=model")}
+    done = run_together([[sys.executable, "-m", "gspmd_tf", "inspect", *args]
+                         for args in runs.values()], timeout=300, cwd=ROOT,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    return dict(zip(runs, done)), html
 
 
 def test_spec_syntax():
@@ -44,10 +55,9 @@ def test_spec_syntax():
     assert parse_spec("") == gt.P()
 
 
-def test_inspect_prints_report_collectives_and_memory(saved_model, tmp_path):
-    html = tmp_path / "report.html"
-    run = _inspect(saved_model, "--mesh=2x4", "--axes=data,model", "--shard=x=data",
-                   "--shard", "dense/kernel=None,model", f"--html={html}")
+def test_inspect_prints_report_collectives_and_memory(cli_runs):
+    runs, html = cli_runs
+    run = runs["report"]
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     kernel = next(l for l in lines if l.strip().startswith("dense/kernel "))
@@ -65,15 +75,15 @@ def test_inspect_prints_report_collectives_and_memory(saved_model, tmp_path):
     assert html.read_text().startswith("<!DOCTYPE html>")
 
 
-def test_inspect_help_lists_flags_and_the_saved_model_it_reads():
-    run = _inspect("--help")  # (absl's --help exits with status 1)
+def test_inspect_help_lists_flags_and_the_saved_model_it_reads(cli_runs):
+    run = cli_runs[0]["help"]  # (absl's --help exits with status 1)
     for flag in ("--mesh", "--axes", "--shard", "--shape", "--html", "--signature"):
         assert f"  {flag}:" in run.stdout, run.stdout
     assert "SAVED_MODEL is the directory tf.saved_model.save" in run.stdout
 
 
-def test_inspect_names_what_is_wrong(saved_model):
-    run = _inspect(saved_model, "--mesh=2x4", "--axes=data,model", "--shard=kernel=model")
+def test_inspect_names_what_is_wrong(cli_runs):
+    run = cli_runs[0]["unmatched"]
     assert run.returncode == 2
     assert "['kernel'] match no input or variable" in run.stderr
     assert "'dense/kernel'" in run.stderr and "'x'" in run.stderr

@@ -3,7 +3,6 @@ disjoint between different programs of one process, fresh after a retirement."""
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +10,7 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.backends import collectives
+from util import run_together
 
 P = gt.P
 
@@ -19,14 +19,13 @@ def test_processes_that_compiled_other_programs_first_agree_on_the_keys():
     probe = os.path.join(os.path.dirname(__file__), "keys_probe.py")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root)
-    runs = [subprocess.Popen([sys.executable, probe, warm_ups], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
-            for warm_ups in ("", "other_mesh,sum,gather", "gather,sum")]
+    runs = run_together([[sys.executable, probe, warm_ups]
+                         for warm_ups in ("", "other_mesh,sum,gather", "gather,sum")],
+                        timeout=300, env=env)
     keys = []
     for run in runs:
-        out, err = run.communicate(timeout=300)
-        assert run.returncode == 0, err[-3000:]
-        keys.append(json.loads(out.strip().splitlines()[-1]))
+        assert run.returncode == 0, run.stderr[-3000:]
+        keys.append(json.loads(run.stdout.strip().splitlines()[-1]))
     assert keys[0] == keys[1] == keys[2]
     # the forward all-reduce and the gradients' collectives, each with its groups
     assert len(keys[0]) >= 2 and all(groups for _, _, groups in keys[0]), keys[0]

@@ -3,14 +3,13 @@ their three spatial dims: halo exchange (collective-permutes) gives single-devic
 values, as for the 2-D ops (test_conv.py)."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from util import check_partitioned, randn
+from util import Started, check_partitioned, randn
 
 P = gt.P
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,16 +161,24 @@ np.testing.assert_array_equal(got(x).numpy(), want)
 """
 
 
-def test_max_pool3d_pads_windows_with_lowest_float_as_tf_eigen_kernel():
+@pytest.fixture(scope="module", autouse=True)
+def lowest_pad_check():
+    """_LOWEST_PAD_CHECK in a fresh process with Eigen's kernels, started with the
+    module's first test so that it runs beside the others; read by the test below."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    started = Started([[sys.executable, "-c", _LOWEST_PAD_CHECK]], env=env)
+    yield started
+    started.kill()
+
+
+def test_max_pool3d_pads_windows_with_lowest_float_as_tf_eigen_kernel(lowest_pad_check):
     """TF's Eigen MaxPool3D pads SAME windows with the lowest finite float, not -inf: a
     window of -inf (or NaN) and padding gives -3.4e38 where the window alone gives -inf
     (fuzzer seed 58 #2085, #3699). The windows a split dim pads equal it. Run with
     TF_ENABLE_ONEDNN_OPTS=0 in a fresh process: the suite's oneDNN kernel gives -3.4e38
     for a VALID window of -inf too, so it cannot tell the padding values apart."""
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-c", _LOWEST_PAD_CHECK], env=env,
-                         capture_output=True, text=True, timeout=300)
+    run, = lowest_pad_check.wait(timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
 
 

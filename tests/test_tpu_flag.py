@@ -4,7 +4,6 @@ the function when run by a strategy that is not a TPU's."""
 
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf import tpu
+from util import run_together
 
 P = gt.P
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -25,12 +25,10 @@ def test_unknown_tpu_name_is_a_clear_error():
         tpu.connect("no-such-tpu-7")
 
 
-def test_step_time_tpu_flag_stops_at_the_resolver():
+def test_step_time_tpu_flag_stops_at_the_resolver(script_runs):
     """--tpu=local goes through TPUClusterResolver, connect and TPU initialization, which
     fails here for want of TPU cores (in a subprocess: connecting changes TF's context)."""
-    run = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "step_time.py"),
-                          "--tpu=local", "--meshes=2,4", "--repeats=1"],
-                         capture_output=True, text=True, timeout=120, cwd=BENCHMARKS)
+    run = script_runs["resolver"]
     assert run.returncode == 1
     assert re.search(r"--tpu=local: TPU 'local' could not be reached \(NotFoundError: "
                      r"TPUs not found", run.stderr), run.stderr[-2000:]
@@ -74,36 +72,55 @@ system = tpu.TPUSystem(tf.distribute.get_strategy(), 8)
 """
 
 
-def _run_on_default_strategy(script, argv, call):
-    """The last table row `call` prints, run in a fresh process with a TPUSystem on TF's
+def _on_default_strategy(script, argv, call):
+    """The command running `call` of benchmarks/`script` with a TPUSystem on TF's
     default strategy (the TPU program's code path, on CPU)."""
-    code = _ON_DEFAULT_STRATEGY.format(script=script, argv=argv, call=call)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=BENCHMARKS,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                             [os.path.dirname(BENCHMARKS), BENCHMARKS])))
+    return [sys.executable, "-c",
+            _ON_DEFAULT_STRATEGY.format(script=script, argv=argv, call=call)]
+
+
+@pytest.fixture(scope="module")
+def script_runs():
+    """{name: finished run} of the benchmark scripts' --tpu paths, each in a fresh
+    process, run side by side once and read by the tests."""
+    commands = {
+        "resolver": [sys.executable, os.path.join(BENCHMARKS, "step_time.py"),
+                     "--tpu=local", "--meshes=2,4", "--repeats=1"],
+        # benchmarks/train_step.py's --tpu body
+        "train_step": _on_default_strategy(
+            "train_step", ["--layers=2", "--batch=4", "--seq=8", "--d_model=16",
+                           "--d_ff=32", "--steps=2", "--warmup=1"],
+            "train_step.run_on_tpu(gt, system, (2, 4))"),
+        # benchmarks/step_time.py's --tpu body
+        "step_time": _on_default_strategy(
+            "step_time", ["--layers=1", "--d_model=16", "--heads=2", "--d_ff=32",
+                          "--vocab=32", "--seq=8", "--batch=4", "--repeats=1",
+                          "--warmup=0"],
+            "from gspmd_tf import demo\n"
+            "cfg = demo.ModelConfig(layers=1, d_model=16, heads=2, d_ff=32, vocab=32, "
+            "seq=8, batch=4)\n"
+            "step_time.run_on_tpu(gt, tf, system, [(2, 4)], cfg, demo.make_loss_fn(cfg), "
+            "[demo.make_batch(cfg)] + demo.init_params(cfg))")}
+    done = run_together(list(commands.values()), timeout=300, cwd=BENCHMARKS,
+                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                            [os.path.dirname(BENCHMARKS), BENCHMARKS])))
+    return dict(zip(commands, done))
+
+
+def _last_row(run):
+    """The last table row a --tpu path printed."""
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout.strip().splitlines()[-1]
 
 
-def test_train_step_tpu_path_matches_single_device():
+def test_train_step_tpu_path_matches_single_device(script_runs):
     """benchmarks/train_step.py's --tpu body (functional SGD step lowered for the TPU
     mesh, run as the TPU program): its loss after the steps is single-device TF's."""
-    row = _run_on_default_strategy(
-        "train_step", ["--layers=2", "--batch=4", "--seq=8", "--d_model=16", "--d_ff=32",
-                       "--steps=2", "--warmup=1"],
-        "train_step.run_on_tpu(gt, system, (2, 4))")
+    row = _last_row(script_runs["train_step"])
     assert float(row.rstrip(" |").rsplit("|", 1)[1]) <= 1e-5, row
 
 
-def test_step_time_tpu_path_matches_single_device():
+def test_step_time_tpu_path_matches_single_device(script_runs):
     """benchmarks/step_time.py's --tpu body: the demo LM's loss equals the host's."""
-    row = _run_on_default_strategy(
-        "step_time", ["--layers=1", "--d_model=16", "--heads=2", "--d_ff=32", "--vocab=32",
-                      "--seq=8", "--batch=4", "--repeats=1", "--warmup=0"],
-        "from gspmd_tf import demo\n"
-        "cfg = demo.ModelConfig(layers=1, d_model=16, heads=2, d_ff=32, vocab=32, seq=8, "
-        "batch=4)\n"
-        "step_time.run_on_tpu(gt, tf, system, [(2, 4)], cfg, demo.make_loss_fn(cfg), "
-        "[demo.make_batch(cfg)] + demo.init_params(cfg))")
+    row = _last_row(script_runs["step_time"])
     assert float(row.rstrip(" |").rsplit("|", 1)[1]) <= 1e-5, row

@@ -1,6 +1,8 @@
 """Training a Transformer LM with sharded weights and optimizer state gives the
 single-device losses and weights (relative 1e-4, as the training issue asks)."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -50,15 +52,27 @@ MESHES = [((2, 4), ("data", "model")), ((8, 1), ("data", "model")),
           ((1, 8), ("data", "model"))]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("mesh_shape", [m[0] for m in MESHES])
-def test_transformer_lm_training_matches_single_device(optimizer, mesh_shape):
+def inputs():
+    """The initial weights and the token batch every test here trains on."""
     rng = np.random.default_rng(0)
     params = init_params(rng)
-    tokens = rng.integers(0, 16, size=(8, 9)).astype(np.int32)
+    return params, rng.integers(0, 16, size=(8, 9)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """optimizer -> single_device_run of inputs() with it, run once per optimizer for
+    the module's tests (which only read it)."""
+    return functools.cache(lambda optimizer: single_device_run(*inputs(), optimizer))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("mesh_shape", [m[0] for m in MESHES])
+def test_transformer_lm_training_matches_single_device(reference, optimizer, mesh_shape):
+    params, tokens = inputs()
     mesh = gt.Mesh.create(mesh_shape, ("data", "model"))
     losses, variables, _, lowered = sharded_run(params, tokens, optimizer, mesh)
-    want_losses, want = single_device_run(params, tokens, optimizer)
+    want_losses, want = reference(optimizer)
     assert rel_err(losses, want_losses) < TOL, (losses, want_losses)
     for n in NAMES:
         assert rel_err(variables[n].numpy(), want[n]) < TOL, n
@@ -71,14 +85,12 @@ def test_transformer_lm_training_matches_single_device(optimizer, mesh_shape):
             params[n].shape[0] % shards, n
 
 
-def test_weight_update_sharding_divides_optimizer_state_by_data_axis():
-    rng = np.random.default_rng(0)
-    params = init_params(rng)
-    tokens = rng.integers(0, 16, size=(8, 9)).astype(np.int32)
+def test_weight_update_sharding_divides_optimizer_state_by_data_axis(reference):
+    params, tokens = inputs()
     mesh = gt.Mesh.create((2, 4), ("data", "model"))
     losses, variables, slots, lowered = sharded_run(params, tokens, "adam", mesh,
                                                     weight_update_sharding=True)
-    want_losses, want = single_device_run(params, tokens, "adam")
+    want_losses, want = reference("adam")
     assert rel_err(losses, want_losses) < TOL
     for n in NAMES:
         assert rel_err(variables[n].numpy(), want[n]) < TOL, n
@@ -97,9 +109,7 @@ def test_weight_update_sharding_divides_optimizer_state_by_data_axis():
 def test_weights_trained_on_one_mesh_evaluate_on_others_and_refuse_updates_there():
     """Evaluation may run on another mesh (the weights are resharded in); a training step
     there is refused and leaves every weight and its replicas as they were."""
-    rng = np.random.default_rng(0)
-    params = init_params(rng)
-    tokens = rng.integers(0, 16, size=(8, 9)).astype(np.int32)
+    params, tokens = inputs()
     mesh = gt.Mesh.create((2, 4), ("data", "model"))
     variables = {n: gt.Variable(params[n], mesh, SPECS[n], name=n) for n in NAMES}
     step = gt.function(make_step(variables, {}, params["heads"], "sgd"), mesh=mesh,

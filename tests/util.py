@@ -1,6 +1,7 @@
 """Shared test helpers: compare a partitioned function with the single-device one."""
 
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -144,3 +145,38 @@ def explicitly_padded_input_gradient(rng):
             [2, 5, 5, 2], kernel, dy, strides=[1, 1, 1, 1], padding="EXPLICIT",
             explicit_paddings=[0, 0, 3, 0, 3, 0, 0, 0])
     return input_gradient, [randn(rng, 2, 2, 2, 3), randn(rng, 2, 7, 7, 3)]
+
+
+class Started:
+    """Subprocesses started at once (captured text output), running beside whatever the
+    caller does next: processes that spend most of their time importing TF do it side by
+    side with each other and with the tests."""
+
+    def __init__(self, commands, **popen_kwargs):
+        self.runs = [subprocess.Popen(command, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, **popen_kwargs)
+                     for command in commands]
+
+    def wait(self, timeout):
+        """Their CompletedProcess, in order; kills the rest if one times out."""
+        done = []
+        try:
+            for run in self.runs:
+                out, err = run.communicate(timeout=timeout)
+                done.append(subprocess.CompletedProcess(run.args, run.returncode, out, err))
+        finally:
+            self.kill()
+        return done
+
+    def kill(self):
+        """End those still running (a module's tests ended without waiting for them)."""
+        for run in self.runs:
+            if run.poll() is None:
+                run.kill()
+                run.communicate()
+
+
+def run_together(commands, timeout, **popen_kwargs):
+    """subprocess.run of each command, all started at once (Started) and then waited
+    for; their CompletedProcess, in order."""
+    return Started(commands, **popen_kwargs).wait(timeout)
