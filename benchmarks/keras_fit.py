@@ -19,7 +19,9 @@ How the mesh run is set up (--path):
 Each run's first fit call (one step: build, trace, lower, first step) and then --steps
 steps (fit over that many batches, after a --warmup fit) are timed; the table gives the
 mesh's time over single-device Keras's for both, in wall seconds and in the process's CPU
-seconds (all threads; steadier than wall time on a shared, loaded machine). The logical
+seconds (all threads; steadier than wall time on a shared, loaded machine). The CPU of a
+step is also given per thread (Linux): on a quiet machine a step whose wall time equals
+its CPU time with one thread doing nearly all of it ran on one core. The logical
 devices share the host's cores, so the ratio is the overhead of running on the mesh, not
 a speed-up.
 
@@ -108,13 +110,35 @@ def _data(steps):
     return x, rng.integers(0, CLASSES.value, n).astype(np.int32)
 
 
+def _thread_cpu():
+    """{thread id: CPU seconds} of this process's threads (Linux /proc; {} elsewhere)."""
+    seconds = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return seconds
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        seconds[tid] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return seconds
+
+
 def _timed_fit(model, steps):
-    """(wall seconds, CPU seconds, last loss) of one fit over `steps` batches."""
+    """(wall seconds, CPU seconds, last loss, CPU seconds of each thread that worked,
+    largest first) of one fit over `steps` batches."""
     x, y = _data(steps)
+    threads = _thread_cpu()
     start, cpu = time.perf_counter(), time.process_time()
     history = model.fit(x, y, batch_size=BATCH.value, epochs=1, shuffle=False, verbose=0)
-    return (time.perf_counter() - start, time.process_time() - cpu,
-            history.history["loss"][-1])
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    after = _thread_cpu()
+    busy = sorted((after[t] - threads.get(t, 0.0) for t in after), reverse=True)
+    return wall, cpu, history.history["loss"][-1], [s for s in busy if s >= 0.01 * cpu]
 
 
 def _run(model, scope):
@@ -122,14 +146,15 @@ def _run(model, scope):
     "weights" after the first step, "loss" of the last step}."""
     with scope:
         initial = model.get_weights()
-        first_wall, first_cpu, first_loss = _timed_fit(model, 1)
+        first_wall, first_cpu, first_loss, _ = _timed_fit(model, 1)
         weights = model.get_weights()
         if WARMUP.value:
             _timed_fit(model, WARMUP.value)
-        wall, cpu, loss = _timed_fit(model, STEPS.value)
+        wall, cpu, loss, threads = _timed_fit(model, STEPS.value)
     return {"first": (first_wall, first_cpu), "first_loss": first_loss,
             "initial": initial, "weights": weights,
-            "step": (wall / STEPS.value, cpu / STEPS.value), "loss": loss}
+            "step": (wall / STEPS.value, cpu / STEPS.value), "loss": loss,
+            "threads": [s / STEPS.value for s in threads]}
 
 
 def _update_error(initial, mesh_weights, single_weights):
@@ -179,6 +204,11 @@ def main(argv):
     for name, run in (("single", single_run), ("mesh", mesh_run)):
         print(f"{name:14}{run['first'][0]:12.3f}{run['first'][1]:9.2f}{run['step'][0]:10.4f}"
               f"{run['step'][1]:9.3f}{run['first_loss']:13.6f}{run['loss']:12.5f}")
+    for name, run in (("single", single_run), ("mesh", mesh_run)):
+        # how many cores a step kept busy: one thread doing most of the CPU means the
+        # step ran serially, whatever the load
+        print(f"{name} step CPU s by thread (>= 1% of it): "
+              + " ".join(f"{s:.3f}" for s in run["threads"]))
     print(f"{'mesh/single':14}" + "".join(
         f"{mesh_run[k][i] / single_run[k][i]:{w}.2f}"
         for k, i, w in (("first", 0, 12), ("first", 1, 9), ("step", 0, 10), ("step", 1, 9))))

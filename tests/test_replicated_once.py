@@ -72,7 +72,9 @@ def test_runs_once_takes_pure_ops_that_compute():
     stateful = g.nodes[_add(g, "RandomUniform", [x], shape=(64, 64)).node]
     handle = g.nodes[_add(g, "ZerosLike", [x], shape=(), dtype=tf.resource).node]
     collective = g.nodes[_add(g, "gt.AllReduce", [x], shape=(64, 64)).node]
-    assert all(replicas.runs_once(n) for n in pure)
+    variable = _add(g, "gt.Input", shape=(), dtype=tf.resource, params={"index": 1})
+    read = g.nodes[_add(g, "ReadVariableOp", [variable], shape=(64, 64)).node]
+    assert all(replicas.runs_once(n) for n in pure + [read])
     assert not any(replicas.runs_once(n)
                    for n in (const, identity, stateful, handle, collective))
 
@@ -89,9 +91,10 @@ def _adam_like_step(x, y, w, m):
 
 @pytest.mark.parametrize("shape,w_spec", [((8,), gt.P()), ((2, 4), gt.P(None, "model"))],
                          ids=["data_parallel", "data_model"])
-def test_update_runs_once_per_replica_group_with_tf_values(shape, w_spec):
-    """The momentum update of the weights (replicated over "data") runs once per group of
-    devices holding it equal, its values those of single-device TF on every device."""
+def test_update_and_reads_run_once_per_replica_group_with_tf_values(shape, w_spec):
+    """The momentum update of the weights (replicated over "data") and the reads of the
+    variables run once per group of devices holding them equal, the values those of
+    single-device TF on every device (each copy of a block still written)."""
     axes = ("data",) if len(shape) == 1 else ("data", "model")
     mesh = Mesh.create(shape, axes)
     rng = np.random.default_rng(0)
@@ -121,11 +124,13 @@ def test_update_runs_once_per_replica_group_with_tf_values(shape, w_spec):
                 for other in copies[1:]:
                     np.testing.assert_array_equal(other, copies[0])
         run = step.lower(x, y).compile()
-        graphs[once] = [op for op in run.function.graph.get_operations()
-                        if op.type == "Sqrt"]
+        graphs[once] = {kind: [op for op in run.function.graph.get_operations()
+                               if op.type == kind] for kind in ("Sqrt", "ReadVariableOp")}
     groups = 1 if len(shape) == 1 else 4  # devices holding different blocks of w
-    assert len(graphs[True]) == groups and len(graphs[False]) == 8
-    assert {op.device for op in graphs[True]} == {mesh.devices[d] for d in range(groups)}
+    for kind in ("Sqrt", "ReadVariableOp"):
+        once, every = graphs[True][kind], graphs[False][kind]
+        assert len(once) * 8 == len(every) * groups and once, kind
+        assert {op.device for op in once} == {mesh.devices[d] for d in range(groups)}
 
 
 def test_outputs_of_ops_run_once_live_on_their_devices(mesh):
