@@ -115,6 +115,15 @@ def test_library_frames_are_not_user_frames():
     assert is_user_frame(__file__)
 
 
+def test_a_users_folder_named_like_a_library_holds_user_frames(tmp_path):
+    # only the libraries' own directories are theirs: /home/me/keras/train.py is the user's
+    for name in ("keras", "tensorflow", "gspmd_tf"):
+        script = tmp_path / name / "train.py"
+        script.parent.mkdir()
+        script.write_text("")
+        assert is_user_frame(str(script)), name
+
+
 def test_gradient_collectives_point_at_the_forward_line():
     def step(x, w):
         with tf.GradientTape() as tape:

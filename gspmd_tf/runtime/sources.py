@@ -4,20 +4,42 @@ installed package's or Python's)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import sysconfig
 
-# path parts of frames that are not the user's code
-_LIBRARY_PARTS = tuple(os.sep + part + os.sep for part in (
-    "tensorflow", "keras", "gspmd_tf", "site-packages", "dist-packages", "absl"))
+# path parts of frames that are not the user's code: installed packages
+_INSTALLED_PARTS = tuple(os.sep + part + os.sep for part in ("site-packages",
+                                                             "dist-packages"))
 _GRADIENT = "gradient_tape/"  # how TF names the gradient ops of a forward op
 _STDLIB = tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib")})
 
 
+def _package_dirs(names):
+    """The directories (with a trailing separator) of the packages `names` that are
+    installed, found without importing them: the libraries' own frames wherever they
+    live (a source checkout too), and only theirs: a user's folder that happens to be
+    named "keras" is the user's code."""
+    dirs = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            dirs.append(os.path.join(os.path.realpath(location), ""))
+    return tuple(dirs)
+
+
+_LIBRARY_DIRS = _package_dirs(("tensorflow", "keras", "tf_keras", "keras_hub", "absl",
+                               "gspmd_tf"))
+
+
+@functools.lru_cache(maxsize=4096)  # a trace's frames come from a few files
 def is_user_frame(filename: str) -> bool:
     """Whether a traceback frame in `filename` is the user's code."""
-    return not (filename.startswith("<") or filename.startswith(_STDLIB)
-                or any(part in filename for part in _LIBRARY_PARTS))
+    if filename.startswith("<") or filename.startswith(_STDLIB) \
+            or any(part in filename for part in _INSTALLED_PARTS):
+        return False
+    return not os.path.realpath(filename).startswith(_LIBRARY_DIRS)
 
 
 class SourceLines:
