@@ -46,6 +46,9 @@ no stage keeps an op-type list of its own):
                      depends on its input values: the importer defers it to graph.fold),
                      VIEW (its result is its first operand's value, at most reshaped: it
                      moves no data, and a backend need not run it where the shapes agree)
+                     PRINTS (writes its inputs where the user reads them, a stream, a log
+                     or a file: a backend runs it once for the devices holding its inputs
+                     equal, so a whole value prints once per call, as on one device)
 What one runtime's kernels need of an op (a layout, a sliced input) is that backend's
 legalization table, keyed by op type (gspmd_tf/backends/tf_kernels.py), not the entry.
 
@@ -88,7 +91,9 @@ READS_VARIABLE = "reads_variable"
 ASSIGNS_VARIABLE = "assigns_variable"
 VALUE_SHAPED = "value_shaped"
 VIEW = "view"
-TRAITS = frozenset({DOT, CONVOLUTION, READS_VARIABLE, ASSIGNS_VARIABLE, VALUE_SHAPED, VIEW})
+PRINTS = "prints"
+TRAITS = frozenset({DOT, CONVOLUTION, READS_VARIABLE, ASSIGNS_VARIABLE, VALUE_SHAPED, VIEW,
+                    PRINTS})
 
 
 @dataclass(frozen=True)

@@ -224,6 +224,38 @@ def test_numpy_function_runs_once_per_call(mesh):
     assert calls == [(8, 4)] * 2
 
 
+@pytest.mark.parametrize("backend", ["local", "xla"])
+def test_tf_print_prints_the_whole_value_once_per_call(mesh, tmp_path, backend):
+    """tf.print of a split tensor writes what one device's tf.print writes, once per
+    call (PRINTS: the devices holding its input equal run it once), not once per device."""
+    out = tmp_path / "printed.txt"
+
+    def printed(x):
+        tf.print("sum", tf.reduce_sum(x), x[:, 0], output_stream=f"file://{out}",
+                 summarize=-1)
+        return x * 2.0
+
+    x = x8x4()
+    f = gt.function(printed, mesh=mesh, in_shardings=(P("data", "model"),), backend=backend)
+    for _ in range(2):
+        assert_close(f(x).numpy(), 2 * x)
+    want = tmp_path / "want.txt"
+
+    @tf.function
+    def one_device(v):
+        tf.print("sum", tf.reduce_sum(v), v[:, 0], output_stream=f"file://{want}",
+                 summarize=-1)
+
+    with tf.device("/device:CPU:0"):
+        one_device(x)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1]
+    # the same words and values (the split sum's last digits may differ)
+    got, expected = lines[0].split(), want.read_text().split()
+    assert got[0] == expected[0] == "sum" and got[2:] == expected[2:]
+    assert_close(np.float32(got[1]), np.float32(expected[1]))
+
+
 def test_runtime_errors_name_the_function(mesh):
     def checked(x):
         return tf.debugging.check_numerics(x * 2.0, "x has a NaN")

@@ -433,6 +433,12 @@ FAMILY_ROWS = [
      "([i, j])->([]) {i=4, j=6} need_replication={i, j}"),
     ("InvertPermutation", raw("InvertPermutation"), [i32(5)],
      "([i])->([j]) {i=5, j=5} need_replication={i, j}"),
+    # tf.print: the whole value (printed once per call: backends/replicas.py)
+    ("PrintV2", lambda s: (tf.raw_ops.PrintV2(input=s), tf.identity(s))[1],
+     [tf.TensorSpec((), tf.string)], "([])->() {}"),
+    ("Print", lambda x: tf.raw_ops.Print(input=x, data=[x]), [f32(4, 6)],
+     "([i, j], [k, l])->([m, n]) {i=4, j=6, k=4, l=6, m=4, n=6}"
+     " need_replication={i, j, k, l, m, n}"),
     # Python functions: inputs whole, run once per call (handlers/py_functions.py)
     *[(op, python_function(call), [f32(4, 6)],
        "([i, j])->([k, l]) {i=4, j=6, k=4, l=6} need_replication={i, j, k, l}")

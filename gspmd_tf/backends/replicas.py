@@ -18,7 +18,7 @@ gt.ShardIndex and the collectives by what they compute on each device.
 from __future__ import annotations
 
 from gspmd_tf.backends import base
-from gspmd_tf.registry import READS_VARIABLE, has_trait, is_stateful
+from gspmd_tf.registry import PRINTS, READS_VARIABLE, has_trait, is_stateful
 
 
 def replica_classes(program, mesh, local):
@@ -48,12 +48,15 @@ def runs_once(node):
     classes already assume of the reads' results). The other devices' copies are still
     written, for eager reads and later programs. A data-parallel step read each of its
     replicated variables on every device: 3,400 of MobileNetV2's 19,762 emitted ops on
-    8 devices, 425 now.
+    8 devices, 425 now. A PRINTS op (tf.print) runs once per class too: what a user
+    prints is printed once per call, not once per device holding it.
     Constants and identities run on every device: they cost nothing there, and a read of
     another device's result adds a _Send/_Recv pair (~5 us each in the LM step's
     profile). Small values run once too: on the LM and ResNet50 train steps thresholds
     of 256 to 65536 elements measured no better than none (benchmarks/RESULTS.md
     §14.7)."""
+    if has_trait(node.op, PRINTS):
+        return True  # printed once for the devices holding its inputs equal
     if node.op.startswith("gt.") or node.regions or not node.out_shapes or \
             node.op in ("Const", "Identity"):
         return False
@@ -102,7 +105,8 @@ def _keys(node, mesh, local, classes):
     # a variable read is a function of its input values (the variable's, through its
     # handle): equal handles of replicated variables give equal values (runs_once: the
     # read runs on one device of the class, ordered with that device's writes)
-    if is_stateful(node.op) and not has_trait(node.op, READS_VARIABLE):
+    if is_stateful(node.op) and not (has_trait(node.op, READS_VARIABLE)
+                                     or has_trait(node.op, PRINTS)):
         return keys
     for d in local:
         keys[d] = tuple(row[d] for row in ins)

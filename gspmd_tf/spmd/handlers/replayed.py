@@ -15,8 +15,8 @@ import tensorflow as tf
 from gspmd_tf.propagation import rules
 from gspmd_tf.propagation.rules import batched
 from gspmd_tf.registry import (ASSIGNS_VARIABLE, FOLD_SHAPE, FOLD_VALUES, INTEGER_DIVISION,
-                               NAN_ORDER, READS_VARIABLE, VALUE_SHAPED, VIEW, ZERO_GRADIENT,
-                               declare, on_floats, on_integers, read_result_bytes)
+                               NAN_ORDER, PRINTS, READS_VARIABLE, VALUE_SHAPED, VIEW,
+                               ZERO_GRADIENT, declare, on_floats, on_integers, read_result_bytes)
 
 UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
 Floor Identity Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike Reciprocal
@@ -94,6 +94,9 @@ declare(["MaxPoolGradGrad", "MaxPool3DGradGrad"], batched.pool_grad_grad,
 # for nothing, and the op is not reported as lacking one
 declare(["StringFormat", "InvertPermutation", "RngReadAndSkip"],
         batched.all_whole, replay=True)
+# tf.print: the whole value, printed once per call (PRINTS: backends/replicas.py), not
+# once per device
+declare(["PrintV2", "Print"], batched.all_whole, replay=True, traits=[PRINTS])
 # updates that overwrite: every device applies all of them (index batch dims whole) to
 # its block of the trailing dims
 declare({"TensorScatterUpdate": (1, rules.REPLICATE)}, rules.scatter_nd, replay=True)
