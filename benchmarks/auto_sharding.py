@@ -297,15 +297,15 @@ def collective_bytes(lowered):
 
 
 def collective_kinds(lowered) -> str:
-    """`lowered`'s collectives by kind: how many and their MiB, e.g. "all-reduce 3 x
-    1.50, collective-permute 8 x 0.25" (collective-permutes are a spatial split's halo
-    exchanges)."""
+    """`lowered`'s collectives by kind: how many and their MiB, e.g. "all-reduce 3:
+    1.50 MiB, collective-permute 8: 0.25 MiB" (collective-permutes are a spatial
+    split's halo exchanges)."""
     import collections
     counts, sizes = collections.Counter(), collections.Counter()
     for c in lowered.collectives():
         counts[c.kind] += 1
         sizes[c.kind] += c.bytes
-    return ", ".join(f"{kind} {counts[kind]} x {sizes[kind] / 2 ** 20:.2f}"
+    return ", ".join(f"{kind} {counts[kind]}: {sizes[kind] / 2 ** 20:.2f} MiB"
                      for kind in sorted(counts))
 
 
