@@ -167,7 +167,8 @@ def keras_rows(gt, mesh, title, build, batch, hand_name, hand_map, hand_batch_sp
     print(title)
     print(f"probe: ops {plan.num_nodes} classes {plan.num_classes} vars {plan.num_variables}"
           f" search {plan.search_seconds:.2f} s (solver {plan.solve_seconds:.2f} s); "
-          f"memory_limit {plan.memory_limit} bytes, probe peak {probe.memory().peak}")
+          f"memory_limit {plan.memory_limit} bytes, probe peak {probe.memory().peak}; "
+          f"HiGHS: {plan.status}")
     for name, p in (("data", data_plan), (hand_name, hand), ("auto", auto)):
         print(f"  {name:9s} peak {p.memory().peak / 2 ** 20:8.2f} MiB  collectives "
               f"{collective_bytes(p) / 2 ** 20:8.2f} MiB  ({collective_kinds(p)})")
