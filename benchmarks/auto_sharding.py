@@ -46,7 +46,8 @@ map, batch_spec P("data")), the hand spatial plan (no layout map, batch_spec
 P("data", "model"): the images split on their height over "model", the convolutions'
 halos exchanged by collective-permutes; the rank-1 labels split on the batch only) and
 auto ({".*": gt.AUTO}, the batch_spec searched, memory_limit between the spatial plan's
-peak and data parallel's). The GPT-2 and ResNet50 rows share keras_rows.
+peak and data parallel's). The GPT-2 and ResNet50 rows share keras_rows; with --check
+they also run one train_on_batch of the auto plan beside Keras on one device (slow).
 
     .venv/bin/python benchmarks/auto_sharding.py --model=resnet50 --image=64 --batch=8
 
@@ -184,22 +185,39 @@ def keras_rows(gt, mesh, title, build, batch, hand_name, hand_map, hand_batch_sp
     print(f"  batch_spec {state.batch_spec} ({'chosen by the search' if state.batch_auto else 'given'})")
     print("\n".join(gt.keras.auto_report(model).splitlines()[:12]))
     if FLAGS.check:
-        print(f"  auto step against one device: largest relative error (norm) of the loss "
-              f"and the weights after one train_on_batch {step_error(build, model, batch):.2e}")
+        loss, trained, statistics, (name, worst) = step_errors(build, model, batch)
+        print(f"  auto step against Keras on one device, one train_on_batch: relative error "
+              f"of the loss {loss:.2e}, of the trainable weights' changes {trained:.2e}, "
+              f"of the other weights' (batch norm statistics) {statistics:.2e}; largest "
+              f"for one weight: {name} {worst:.2e}")
 
 
-def step_error(build, model, batch) -> float:
+def step_errors(build, model, batch) -> tuple:
     """One train_on_batch of the shard_model `model` beside a plain copy of it (the same
-    weights, run by Keras on one device): the largest relative error, norm of the
-    difference over the norm, of the loss and of each weight after the step."""
+    weights, run by Keras on one device): the relative errors (norm of the difference
+    over the norm) of the loss, of the step's change to the trainable weights together
+    and to the other weights together (nan when none), and (path, error) of the weight
+    whose change has the largest one. Per weight the error can be large where the change
+    is only rounding noise: a bias before a batch norm has no gradient but for rounding."""
     import numpy as np
+
+    def error(got, want):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+    def joint(trainable):
+        pairs = [(g.ravel(), w.ravel()) for v, g, w in zip(model.weights, got, want)
+                 if v.trainable == trainable]
+        return error(*map(np.concatenate, zip(*pairs))) if pairs else float("nan")
+    before = model.get_weights()
     ref = build()
-    ref.set_weights(model.get_weights())
-    want = [ref.train_on_batch(*batch)] + ref.get_weights()
-    got = [model.train_on_batch(*batch)] + model.get_weights()
-    return max(np.linalg.norm(np.asarray(g, np.float64) - w) /
-               max(np.linalg.norm(np.asarray(w, np.float64)), 1e-30)
-               for g, w in zip(got, want))
+    ref.set_weights(before)
+    loss = error(model.train_on_batch(*batch), ref.train_on_batch(*batch))
+    got = [w - b for w, b in zip(model.get_weights(), before)]
+    want = [w - b for w, b in zip(ref.get_weights(), before)]
+    worst = max(((v.path, error(g, w)) for v, g, w in zip(model.weights, got, want)),
+                key=lambda pair: pair[1])
+    return loss, joint(True), joint(False), worst
 
 
 def gpt2_rows(gt, mesh):
