@@ -38,6 +38,19 @@ weights replicated), the hand spatial plan (the images also split on their heigh
 "model": halo exchanges) and auto (images as data parallel's, every weight gt.AUTO),
 memory_limit as above (between the spatial plan's peak and data parallel's).
 
+--model=resnet50: keras.applications.ResNet50 (weights=None, --image x --image x 3
+images, --classes classes, --batch of them, e.g. 8 on the 2x4 mesh so that data
+parallelism can use only "data") compiled with --optimizer, jit_compile=False, through
+gt.keras.shard_model (the train step's lowering; nothing runs): data parallel (no layout
+map, batch_spec P("data")), the hand spatial plan (no layout map, batch_spec
+P("data", "model"): the images split on their height over "model", the convolutions'
+halos exchanged by collective-permutes; the rank-1 labels split on the batch only) and
+auto ({".*": gt.AUTO}, the batch_spec searched, memory_limit between the spatial plan's
+peak and data parallel's). The GPT-2 and ResNet50 rows share keras_rows; with --check
+they also run one train_on_batch of the auto plan beside Keras on one device (slow).
+
+    .venv/bin/python benchmarks/auto_sharding.py --model=resnet50 --image=64 --batch=8
+
 Reported per layer count: the ops of the step, the search's classes and variables, its
 seconds (all of it, and the HiGHS solver's share), then per plan the per-device peak
 (lowered.memory().peak) and the bytes of all collective operands per step
@@ -64,12 +77,16 @@ flags.DEFINE_integer("seq", 128, "sequence length S")
 flags.DEFINE_integer("batch", 16, "global batch B")
 flags.DEFINE_string("mesh", "2x4", "mesh shape: data x model, or data x replica x model "
                     "(the hand plans leave \"replica\" unused)")
-flags.DEFINE_enum("model", "transformer", ["transformer", "moe", "gpt2", "resnet"],
+flags.DEFINE_enum("model", "transformer", ["transformer", "moe", "gpt2", "resnet", "resnet50"],
                   "the step to plan")
 flags.DEFINE_integer("image", 56, "--model=resnet: image height and width")
 flags.DEFINE_integer("width", 64, "--model=resnet: channels of the residual blocks")
+flags.DEFINE_integer("classes", 10, "--model=resnet50: classes")
+flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam"], "--model=resnet50: optimizer")
 flags.DEFINE_integer("vocab", 1024, "--model=gpt2: vocabulary size")
 flags.DEFINE_integer("experts", 8, "--model=moe: experts E (the groups G are as many)")
+flags.DEFINE_bool("check", False, "--model=gpt2/resnet50: also run one train step of "
+                  "the auto plan and compare it with Keras on one device")
 flags.DEFINE_float("limit_between", 0.5, "memory_limit: this far from Megatron's peak "
                    "(0) to data parallel's (1)")
 
@@ -129,6 +146,80 @@ def moe_rows(gt, mesh):
           f"; memory_limit {plan.memory_limit} bytes, auto peak {auto.memory().peak}")
 
 
+def keras_rows(gt, mesh, title, build, batch, hand_name, hand_map, hand_batch_spec=None,
+               data_batch_spec=None):
+    """Lower the train step of the Keras model `build()` makes three ways through gt.keras
+    and print them: data parallel (no layout map, `data_batch_spec`), the hand plan
+    (`hand_map`, `hand_batch_spec`) and auto ({".*": gt.AUTO}, the batch_spec searched,
+    memory_limit --limit_between of the way from the hand plan's peak to data
+    parallel's). None for a batch_spec is shard_model's default."""
+    def lowered(layout_map, batch_spec, memory_limit=None):
+        model = build()
+        gt.keras.shard_model(model, mesh, layout_map, batch_spec=batch_spec,
+                             memory_limit=memory_limit)
+        return model, gt.keras.lowered(model, "train", batch)
+
+    _, data_plan = lowered({}, data_batch_spec)
+    _, hand = lowered(hand_map, hand_batch_spec)
+    low, high = hand.memory().peak, data_plan.memory().peak
+    model, auto = lowered({".*": gt.AUTO}, None, int(low + FLAGS.limit_between * (high - low)))
+    probe = model._gt_keras.auto_lowered
+    plan = probe.auto_plan
+    print(title)
+    print(f"probe: ops {plan.num_nodes} classes {plan.num_classes} vars {plan.num_variables}"
+          f" search {plan.search_seconds:.2f} s (solver {plan.solve_seconds:.2f} s); "
+          f"memory_limit {plan.memory_limit} bytes, probe peak {probe.memory().peak}; "
+          f"HiGHS: {plan.status}")
+    for name, p in (("data", data_plan), (hand_name, hand), ("auto", auto)):
+        print(f"  {name:9s} peak {p.memory().peak / 2 ** 20:8.2f} MiB  collectives "
+              f"{collective_bytes(p) / 2 ** 20:8.2f} MiB  ({collective_kinds(p)})")
+    print(f"  auto/{hand_name} collective bytes "
+          f"{collective_bytes(auto) / collective_bytes(hand):.3f}")
+    # The probe's plan fits the real step only where the probe's figures track the step's
+    # (the last search's probe beside the step partitioned with its plan).
+    for name, p in (("probe", probe), ("auto step", auto)):
+        m = p.memory()
+        print(f"  {name:9s} arguments {m.arguments} variables {m.variables} "
+              f"outputs {m.outputs} peak {m.peak} bytes per device")
+    state = model._gt_keras
+    print(f"  batch_spec {state.batch_spec} ({'chosen by the search' if state.batch_auto else 'given'})")
+    print("\n".join(gt.keras.auto_report(model).splitlines()[:12]))
+    if FLAGS.check:
+        loss, trained, statistics, (name, worst) = step_errors(build, model, batch)
+        print(f"  auto step against Keras on one device, one train_on_batch: relative error "
+              f"of the loss {loss:.2e}, of the trainable weights' changes {trained:.2e}, "
+              f"of the other weights' (batch norm statistics) {statistics:.2e}; largest "
+              f"for one weight: {name} {worst:.2e}")
+
+
+def step_errors(build, model, batch) -> tuple:
+    """One train_on_batch of the shard_model `model` beside a plain copy of it (the same
+    weights, run by Keras on one device): the relative errors (norm of the difference
+    over the norm) of the loss, of the step's change to the trainable weights together
+    and to the other weights together (nan when none), and (path, error) of the weight
+    whose change has the largest one. Per weight the error can be large where the change
+    is only rounding noise: a bias before a batch norm has no gradient but for rounding."""
+    import numpy as np
+
+    def error(got, want):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+    def joint(trainable):
+        pairs = [(g.ravel(), w.ravel()) for v, g, w in zip(model.weights, got, want)
+                 if v.trainable == trainable]
+        return error(*map(np.concatenate, zip(*pairs))) if pairs else float("nan")
+    before = model.get_weights()
+    ref = build()
+    ref.set_weights(before)
+    loss = error(model.train_on_batch(*batch), ref.train_on_batch(*batch))
+    got = [w - b for w, b in zip(model.get_weights(), before)]
+    want = [w - b for w, b in zip(ref.get_weights(), before)]
+    worst = max(((v.path, error(g, w)) for v, g, w in zip(model.weights, got, want)),
+                key=lambda pair: pair[1])
+    return loss, joint(True), joint(False), worst
+
+
 def gpt2_rows(gt, mesh):
     """Print the GPT-2 rows: data parallel, Megatron and auto through gt.keras."""
     import keras
@@ -146,7 +237,7 @@ def gpt2_rows(gt, mesh):
                 ".*feedforward_intermediate_dense/kernel": P(None, "model"),
                 ".*feedforward_output_dense/kernel": P("model", None)}
 
-    def lowered(layout_map, memory_limit=None):
+    def build():
         backbone = keras_hub.models.GPT2Backbone(
             vocabulary_size=FLAGS.vocab, num_layers=layers, num_heads=FLAGS.heads,
             hidden_dim=FLAGS.d_model, intermediate_dim=FLAGS.d_ff, dropout=0.0,
@@ -154,34 +245,39 @@ def gpt2_rows(gt, mesh):
         model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
         model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=False,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        gt.keras.shard_model(model, mesh, layout_map, memory_limit=memory_limit)
-        return model, gt.keras.lowered(model, "train", batch)
+        return model
 
-    _, data_plan = lowered({})
-    _, hand = lowered(megatron)
-    low, high = hand.memory().peak, data_plan.memory().peak
-    model, auto = lowered({".*": gt.AUTO}, int(low + FLAGS.limit_between * (high - low)))
-    probe = model._gt_keras.auto_lowered
-    plan = probe.auto_plan
-    print(f"keras_hub GPT-2 train step (Adam) through gt.keras, {layers} layers, "
-          f"M={FLAGS.d_model} N={FLAGS.heads} H={FLAGS.d_ff} S={FLAGS.seq} B={FLAGS.batch} "
-          f"vocab {FLAGS.vocab}, mesh {FLAGS.mesh}")
-    print(f"probe: ops {plan.num_nodes} classes {plan.num_classes} vars {plan.num_variables}"
-          f" search {plan.search_seconds:.2f} s (solver {plan.solve_seconds:.2f} s); "
-          f"memory_limit {plan.memory_limit} bytes, probe peak {probe.memory().peak}")
-    for name, p in (("data", data_plan), ("megatron", hand), ("auto", auto)):
-        print(f"  {name:9s} peak {p.memory().peak / 2 ** 20:8.2f} MiB  collectives "
-              f"{collective_bytes(p) / 2 ** 20:8.2f} MiB")
-    print(f"  auto/megatron collective bytes {collective_bytes(auto) / collective_bytes(hand):.3f}")
-    # The probe's plan fits the real step only where the probe's figures track the step's
-    # (the last search's probe beside the step partitioned with its plan).
-    for name, p in (("probe", probe), ("auto step", auto)):
-        m = p.memory()
-        print(f"  {name:9s} arguments {m.arguments} variables {m.variables} "
-              f"outputs {m.outputs} peak {m.peak} bytes per device")
-    state = model._gt_keras
-    print(f"  batch_spec {state.batch_spec} ({'chosen by the search' if state.batch_auto else 'given'})")
-    print("\n".join(gt.keras.auto_report(model).splitlines()[:12]))
+    keras_rows(gt, mesh, f"keras_hub GPT-2 train step (Adam) through gt.keras, {layers} "
+               f"layers, M={FLAGS.d_model} N={FLAGS.heads} H={FLAGS.d_ff} S={FLAGS.seq} "
+               f"B={FLAGS.batch} vocab {FLAGS.vocab}, mesh {FLAGS.mesh}",
+               build, batch, "megatron", megatron)
+
+
+def resnet50_rows(gt, mesh):
+    """Print the keras.applications.ResNet50 rows: data parallel, the hand spatial plan
+    (images split on their height over "model") and auto through gt.keras."""
+    import keras
+    import numpy as np
+    P = gt.P
+    rng = np.random.default_rng(0)
+    shape = (FLAGS.batch, FLAGS.image, FLAGS.image, 3)
+    batch = (rng.standard_normal(shape).astype(np.float32),
+             rng.integers(0, FLAGS.classes, (FLAGS.batch,)).astype(np.int32))
+
+    def build():
+        model = keras.applications.ResNet50(weights=None, input_shape=shape[1:],
+                                            classes=FLAGS.classes)
+        optimizer = {"sgd": keras.optimizers.SGD(0.01),
+                     "adam": keras.optimizers.Adam(1e-3)}[FLAGS.optimizer]
+        model.compile(optimizer=optimizer, jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy())
+        return model
+
+    keras_rows(gt, mesh, f"keras.applications.ResNet50 train step ({FLAGS.optimizer}) "
+               f"through gt.keras, image {FLAGS.image}, batch {FLAGS.batch}, classes "
+               f"{FLAGS.classes}, mesh {FLAGS.mesh}",
+               build, batch, "spatial", {}, hand_batch_spec=P("data", "model"),
+               data_batch_spec=P("data"))
 
 
 def resnet_rows(gt, mesh):
@@ -215,7 +311,21 @@ def resnet_rows(gt, mesh):
 
 
 def collective_bytes(lowered):
+    """The bytes of all of `lowered`'s collective operands, one device's each."""
     return sum(c.bytes for c in lowered.collectives())
+
+
+def collective_kinds(lowered) -> str:
+    """`lowered`'s collectives by kind: how many and their MiB, e.g. "all-reduce 3:
+    1.50 MiB, collective-permute 8: 0.25 MiB" (collective-permutes are a spatial
+    split's halo exchanges)."""
+    import collections
+    counts, sizes = collections.Counter(), collections.Counter()
+    for c in lowered.collectives():
+        counts[c.kind] += 1
+        sizes[c.kind] += c.bytes
+    return ", ".join(f"{kind} {counts[kind]}: {sizes[kind] / 2 ** 20:.2f} MiB"
+                     for kind in sorted(counts))
 
 
 def main(argv):
@@ -228,9 +338,10 @@ def main(argv):
     from gspmd_tf.testing.transformer_step import Config
     logging.getLogger("gspmd_tf").setLevel(logging.WARNING)
     shape = tuple(int(s) for s in FLAGS.mesh.split("x"))
-    if FLAGS.model == "gpt2":  # gt.keras holds variables on devices: a real mesh
+    if FLAGS.model in ("gpt2", "resnet50"):  # gt.keras holds variables on devices: a real mesh
         gt.configure_cpu_devices(int(np.prod(shape)))
-        return gpt2_rows(gt, gt.Mesh.create(shape, ("data", "model")))
+        rows = gpt2_rows if FLAGS.model == "gpt2" else resnet50_rows
+        return rows(gt, gt.Mesh.create(shape, ("data", "model")))
     names = {2: ("data", "model"), 3: ("data", "replica", "model")}[len(shape)]
     mesh = gt.Mesh.abstract(shape, names)
     if FLAGS.model == "moe":
