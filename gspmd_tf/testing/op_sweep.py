@@ -88,9 +88,11 @@ def gradient_op_types() -> list:
 # op types models emit that TF registers no gradient for: Keras 3's train steps (the
 # ops of an Embedding, LayerNormalization, MultiHeadAttention, Dropout, Conv1D,
 # BatchNormalization, LSTM and Dense model's train_step under each of Keras' eleven
-# optimizers, Placeholder aside: an argument) and the kernels of the optimizers of
-# tf.compat.v1.train and tf-keras' legacy optimizers (ResourceApply*)
-MODEL_OP_TYPES = ("Any", "AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp",
+# optimizers, Placeholder aside: an argument), keras_hub's GPT-2, Gemma, Llama, Qwen and
+# BERT train steps under AdamW (All, from Gemma; everything else of theirs is above or has
+# a gradient) and the kernels of the optimizers of tf.compat.v1.train and tf-keras' legacy
+# optimizers (ResourceApply*)
+MODEL_OP_TYPES = ("All", "Any", "AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp",
                   "Bitcast", "EmptyTensorList", "IsNan", "NoOp", "ResourceScatterAdd",
                   "ResourceScatterSub", "StatelessRandomGetKeyCounter", "TensorListReserve",
                   "Where", "ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterMin",
