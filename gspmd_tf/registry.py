@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
@@ -77,6 +78,8 @@ from tensorflow.python.framework import op_def_registry
 
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.propagation.oprule import OpRule, RuleContext, equation_rule
+
+log = logging.getLogger("gspmd_tf")
 
 if TYPE_CHECKING:  # (importing gspmd_tf.graph runs graph.fold, which reads this module)
     from gspmd_tf.graph.ir import Graph, Node
@@ -277,8 +280,38 @@ def has_rule(op_type: str) -> bool:
 
 
 def rule_for(graph: Graph, node: Node) -> Optional[OpRule]:
-    """The OpRule of `node`, or None when it has no rule (it runs replicated)."""
-    return op_def(node.op).build_rule(graph, node)
+    """The OpRule of `node`, or None when it has no rule (it runs replicated). A rule
+    that does not fit the node's tensors (a dim count other than the tensor's rank, a
+    factor it does not define: a builder meeting values it was not written for, such as
+    a stack of TensorLists, whose IR shape is their element's) is not used: the node runs
+    replicated, with a warning naming it, where the propagation core would read past its
+    arrays."""
+    rule = op_def(node.op).build_rule(graph, node)
+    if rule is None:
+        return None
+    misfit = _misfit(rule, [graph.shape(ref) for ref in node.inputs], node.out_shapes)
+    if misfit:
+        log.warning("gspmd_tf: op %s (%s): its partitioning rule does not fit it (%s); it "
+                    "runs replicated", node.name, node.op, misfit)
+        return None
+    return rule
+
+
+def _misfit(rule: OpRule, in_shapes, out_shapes) -> str:
+    """Why `rule` does not fit tensors of `in_shapes` and `out_shapes` ('' if it does)."""
+    for what, all_dims, shapes in (("operand", rule.operands, in_shapes),
+                                   ("result", rule.results, out_shapes)):
+        if len(all_dims) > len(shapes):
+            return f"{len(all_dims)} {what}s in the rule, {len(shapes)} in the op"
+        for k, dims in enumerate(all_dims):
+            if dims is None:
+                continue
+            if len(dims) != len(shapes[k]):
+                return (f"{what} {k} has {len(shapes[k])} dims, the rule gives it "
+                        f"{len(dims)}")
+            if any(not 0 <= f < len(rule.factor_sizes) for fs in dims for f in fs):
+                return f"{what} {k} names a factor the rule does not define"
+    return ""
 
 
 def ops_with_rules() -> list[str]:

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.saved_model import nested_structure_coder
 
 
 @dataclass(frozen=True)
@@ -381,6 +382,12 @@ def _given_attrs() -> dict:
                                  dict(_DIM_PROTO, output_types=[tf.int64]),
                                  finish=lambda outs, _: shaped([outs[0], *outs[1]],
                                                                [4, 1], [4, 1])),
+         "CompositeTensorVariantFromComponents": Recipe(
+             ([values, splits[0]],), {"metadata": _RAGGED_SPEC}, finish=_ragged_components),
+         "CompositeTensorVariantToComponents": Recipe(
+             (Made(values, _composite_variant),),
+             {"metadata": _RAGGED_SPEC, "Tcomponents": [tf.float32, tf.int64]},
+             finish=lambda outs, _: shaped(list(outs), [6], [4])),
          "OptionalFromValue": Recipe(([F(4, 6)],), finish=_optional_value),
          "OptionalGetValue": Recipe((Made(F(4, 6), lambda t: tf.raw_ops.OptionalFromValue(
              components=[t])),), {"output_types": [tf.float32], "output_shapes": [[4, 6]]})}
@@ -404,6 +411,24 @@ def _optional_value(optional, _inputs=()):
 
 _FROM_VARIANT = {"input_ragged_rank": 1, "output_ragged_rank": 1, "Tvalues": tf.float32,
                  "Tsplits": tf.int64}
+
+
+# a RaggedTensorSpec of 3 rows of float32 (int64 splits), serialized as the metadata attr
+# of the CompositeTensorVariant ops (what tf.function's composite arguments carry)
+_RAGGED_SPEC = nested_structure_coder.encode_structure(tf.RaggedTensorSpec(
+    [3, None], tf.float32, 1, tf.int64)).type_spec_value.SerializeToString()
+
+
+def _composite_variant(values):
+    """A ragged tensor of rows [0:2], [2:3], [3:6] of `values`, as a composite variant."""
+    return tf.raw_ops.CompositeTensorVariantFromComponents(
+        components=[values, tf.constant([0, 2, 3, 6], tf.int64)], metadata=_RAGGED_SPEC)
+
+
+def _ragged_components(variant, _inputs=()):
+    """A composite ragged variant's values and splits (of 6 floats)."""
+    return shaped(tf.raw_ops.CompositeTensorVariantToComponents(
+        encoded=variant, metadata=_RAGGED_SPEC, Tcomponents=[tf.float32, tf.int64]), [6], [4])
 
 
 def _to_variant(values):
@@ -454,6 +479,8 @@ def _tensor_lists() -> dict:
          "TensorListLength": Recipe((listed,)),
          "TensorListElementShape": Recipe((listed,), {"shape_type": "int32"}),
          "TensorListPushBack": Recipe((listed, F(6)), finish=_stacked(5)),
+         "TensorListPushBackBatch": Recipe((Made(F(2, 6), _lists_of_rows), F(2, 6)),
+                                           finish=_each_stacked),
          "TensorListPopBack": Recipe((listed, element), dtype,
                                      finish=lambda outs, _: (_stacked(3)(outs[0]), outs[1])),
          "TensorListResize": Recipe((listed, C(3)), finish=_stacked(3)),
@@ -467,6 +494,16 @@ def _tensor_lists() -> dict:
                                       finish=_concatenated),
          "TensorListConcatLists": Recipe((listed, listed), dtype, finish=_stacked(8))}
     return r
+
+
+def _lists_of_rows(t):
+    """A batch (a vector) of TensorLists, each holding one row of t."""
+    return tf.stack([_list_of(t[i:i + 1]) for i in range(t.shape[0])])
+
+
+def _each_stacked(handles, _inputs=()):
+    """A batch of TensorLists of two elements of (6,) each, stacked: (batch, 2, 6)."""
+    return tf.stack([_stacked(2)(handles[i]) for i in range(handles.shape[0])])
 
 
 def _pushed(handle, inputs):

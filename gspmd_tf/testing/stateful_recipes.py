@@ -16,7 +16,7 @@ from tensorflow.python.ops import script_ops
 
 from gspmd_tf.testing.op_recipes import C, F, G, Int, Made, Recipe, V, shaped
 
-_GPU = "a CUDA kernel only (cuDNN/NCCL): no GPU in this process"
+_GPU = "a CUDA kernel only (cuDNN, NCCL, box proposals): no GPU in this process"
 _REPLICA = "a TPU/XLA replica-context collective: runs only inside a TPU computation"
 _QUEUE = ("a TF1 queue/reader/stack of ref-typed handles fed by a Session "
           "(tf.compat.v1 input pipelines): no TF2 function makes one")
@@ -27,7 +27,7 @@ _TF1_ARRAY = ("a TensorArray op of GraphDef version < 26: TF refuses it (TensorA
 # op types that cannot run here, with the reason (the sweep reports them as not generated)
 CANNOT_RUN = {
     **dict.fromkeys(("CudnnRNN", "CudnnRNNV2", "CudnnRNNV3", "NcclAllReduce",
-                     "NcclBroadcast", "NcclReduce"), _GPU),
+                     "NcclBroadcast", "NcclReduce", "GenerateBoundingBoxProposals"), _GPU),
     **dict.fromkeys(("AllToAll", "CollectivePermute", "CrossReplicaSum",
                      "TPUEmbeddingActivations"), _REPLICA),
     **dict.fromkeys(("FixedLengthRecordReader", "IdentityReader", "LMDBReader",
@@ -237,6 +237,8 @@ def _ref(t):
 def _refs() -> dict:
     """v1 ref ops on a VariableV2 assigned in the program (tf.compat.v1 graphs)."""
     ref = Made(F(4, 6), _ref)
+    dead_ref = Made(F(4, 6), lambda t: tf.raw_ops.RefSwitch(data=_ref(t),
+                                                            pred=tf.constant(False))[1])
     value, rows = F(4, 6), G([2, 0, 3])
     r = {"Assign": Recipe((ref, value)), "AssignAdd": Recipe((ref, value)),
          "AssignSub": Recipe((ref, value)), "RefIdentity": Recipe((ref,))}
@@ -400,6 +402,8 @@ def _control_flow() -> dict:
             "output_shapes": [[4, 6], []]}
     dead = Made(F(4, 6), lambda t: tf.raw_ops.Switch(data=t, pred=tf.constant(False))[1])
     ref = Made(F(4, 6), _ref)
+    dead_ref = Made(F(4, 6), lambda t: tf.raw_ops.RefSwitch(data=_ref(t),
+                                                            pred=tf.constant(False))[1])
     frame = {"frame_name": "sweep"}
     second = lambda outs, _: outs[1]  # noqa: E731 - the taken branch of a Switch
     r = {op: Recipe((Made(F(4, 6), _positive_sum), [F(4, 6)]), cond)
@@ -409,9 +413,10 @@ def _control_flow() -> dict:
     r.update({"Switch": Recipe((F(4, 6), C(True, "bool")), finish=second),
               "RefSwitch": Recipe((ref, C(True, "bool")),
                                   finish=lambda outs, _: outs[1] * 1.0),
-              # a dead Switch branch and a live tensor: Merge forwards the live one
+              # a dead Switch branch and a live tensor: Merge forwards the live one (of
+              # two live ones it forwards whichever arrives first: no value to compare)
               "Merge": Recipe(([dead, F(4, 6)],)),
-              "RefMerge": Recipe(([ref, ref],), finish=lambda outs, _: outs[0] * 1.0),
+              "RefMerge": Recipe(([dead_ref, ref],), finish=lambda outs, _: outs[0] * 1.0),
               "Enter": Recipe((F(4, 6),), frame),
               "RefNextIteration": Recipe((ref,)),
               "LoopCond": Recipe((C(True, "bool"),))})
