@@ -105,7 +105,9 @@ _SOFT_REASONS = ("a stateful op", "is a list of types or a ref", "takes no float
 # op types still without a recipe (this list only shrinks): SDCA's linear-model solver
 # (twenty inputs of feature groups), a batch of TensorLists, composite-tensor variants
 # (their metadata a serialized ExtensionType spec)
-WITHOUT_RECIPE = {"SdcaOptimizer", "SdcaOptimizerV2", "SdcaShrinkL1"}
+# SdcaShrinkL1 (a list of refs it shrinks in place): its recipe built a program TF
+# refuses ("Output 0 of node 'Assign_d0' has a reference type"), not yet understood
+WITHOUT_RECIPE = {"SdcaShrinkL1"}
 
 
 def test_ops_are_not_generated_only_for_a_hard_reason():

@@ -192,8 +192,9 @@ def _call(op_type, counts, values, sources, attrs, makes=None, finish=None) -> t
         flat = [make(t) if make else t for t, make in zip(flat, makes)]
         kwargs, at = dict(attrs), 0
         for name, count in zip(names, counts):
-            kwargs[name] = list(flat[at:at + count]) if count else flat[at]
-            at += count or 1
+            # (a list input may be empty: count 0, not None)
+            kwargs[name] = list(flat[at:at + count]) if count is not None else flat[at]
+            at += 1 if count is None else count
         result = raw(**kwargs)
         if finish:
             return finish(result, flat)
