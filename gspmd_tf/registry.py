@@ -281,9 +281,9 @@ def has_rule(op_type: str) -> bool:
 
 def rule_for(graph: Graph, node: Node) -> Optional[OpRule]:
     """The OpRule of `node`, or None when it has no rule (it runs replicated). A rule
-    that does not fit the node's tensors (a dim count other than the tensor's rank, a
-    factor it does not define: a builder meeting values it was not written for, such as
-    a stack of TensorLists, whose IR shape is their element's) is not used: the node runs
+    that does not fit the node's tensors (a dim count other than the tensor's rank: a
+    builder meeting values it was not written for, such as a stack of TensorLists, whose
+    IR shape is their element's) is not used: the node runs
     replicated, with a warning naming it, where the propagation core would read past its
     arrays."""
     rule = op_def(node.op).build_rule(graph, node)
@@ -298,19 +298,16 @@ def rule_for(graph: Graph, node: Node) -> Optional[OpRule]:
 
 
 def _misfit(rule: OpRule, in_shapes, out_shapes) -> str:
-    """Why `rule` does not fit tensors of `in_shapes` and `out_shapes` ('' if it does)."""
+    """Why `rule` does not fit tensors of `in_shapes` and `out_shapes` ('' if it does):
+    a dim count other than the tensor's rank (checked per build, so kept to ranks)."""
     for what, all_dims, shapes in (("operand", rule.operands, in_shapes),
                                    ("result", rule.results, out_shapes)):
         if len(all_dims) > len(shapes):
             return f"{len(all_dims)} {what}s in the rule, {len(shapes)} in the op"
         for k, dims in enumerate(all_dims):
-            if dims is None:
-                continue
-            if len(dims) != len(shapes[k]):
+            if dims is not None and len(dims) != len(shapes[k]):
                 return (f"{what} {k} has {len(shapes[k])} dims, the rule gives it "
                         f"{len(dims)}")
-            if any(not 0 <= f < len(rule.factor_sizes) for fs in dims for f in fs):
-                return f"{what} {k} names a factor the rule does not define"
     return ""
 
 
