@@ -110,6 +110,8 @@ POOL3D = {"ksize": [1, 2, 2, 2, 1], "strides": [1, 2, 2, 2, 1], "padding": "VALI
 SPARSE = (C([[0, 1], [2, 3], [3, 0]], "int64"), F(3), C([4, 6], "int64"))
 SORTED_IDS = C([0, 0, 1, 1, 2, 3, 3])
 SCATTER = (F(4, 6), Int((3, 1), 4), F(3, 6))
+# the rows of every ragged recipe: [0:2], [2:3], [3:6] of 6 values
+ROW_SPLITS = [0, 2, 3, 6]
 
 
 def _recipes() -> dict:
@@ -336,7 +338,7 @@ def _fixed_width(t):
 def _given_attrs() -> dict:
     """Ops whose attrs have no default (given here), sets, ragged tensors, bytes and
     optionals."""
-    splits, values = [C([0, 2, 3, 6], "int64")], F(6)
+    splits, values = [C(ROW_SPLITS, "int64")], F(6)
     sparse_ints = (SPARSE[0], G([1, 2, 3]), SPARSE[2])
     r = {"TopK": Recipe((F(4, 6),), {"k": 3}),
          "Bitcast": Recipe((F(4, 6),), {"type": "int32"}),
@@ -422,7 +424,7 @@ _RAGGED_SPEC = nested_structure_coder.encode_structure(tf.RaggedTensorSpec(
 def _composite_variant(values):
     """A ragged tensor of rows [0:2], [2:3], [3:6] of `values`, as a composite variant."""
     return tf.raw_ops.CompositeTensorVariantFromComponents(
-        components=[values, tf.constant([0, 2, 3, 6], tf.int64)], metadata=_RAGGED_SPEC)
+        components=[values, tf.constant(ROW_SPLITS, tf.int64)], metadata=_RAGGED_SPEC)
 
 
 def _ragged_components(variant, _inputs=()):
@@ -433,7 +435,7 @@ def _ragged_components(variant, _inputs=()):
 
 def _to_variant(values):
     """A ragged tensor of rows [0:2], [2:3], [3:6] of `values`, as a variant."""
-    return tf.raw_ops.RaggedTensorToVariant(rt_nested_splits=[tf.constant([0, 2, 3, 6],
+    return tf.raw_ops.RaggedTensorToVariant(rt_nested_splits=[tf.constant(ROW_SPLITS,
                                                                           tf.int64)],
                                             rt_dense_values=values, batched_input=False)
 
