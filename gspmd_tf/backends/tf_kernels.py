@@ -107,18 +107,19 @@ def tf_op_emitter(node, devices):
         not None and attrs["data_format"].s in _CHANNELS_LAST
     transposed = _channels_last_attrs(attrs) if channels_last else None
 
-    # graph_ops.OpTemplate of the node's attrs and of its channels-last attrs, made on
-    # first use and shared by every device's copy
+    # graph_ops.OpTemplate of the node's attrs ("plain") and of its channels-last attrs,
+    # made on first use and shared by every device's copy; other attrs get their own
     templates = {}
 
     def create(args, op_attrs, d):
         graph = ops.get_default_graph()
-        stable = op_attrs is attrs or (transposed is not None and op_attrs is transposed[0])
-        template = templates.get(id(op_attrs)) if stable else None
+        kind = "plain" if op_attrs is attrs else "channels_last" if \
+            transposed is not None and op_attrs is transposed[0] else None
+        template = templates.get(kind)
         if template is None:
             template = graph_ops.OpTemplate(graph.op_def_for_type(node.op), op_attrs)
-            if stable:
-                templates[id(op_attrs)] = template
+            if kind is not None:
+                templates[kind] = template
         return graph_ops.create_op(template, args, node.out_dtypes, f"{name}_d{d}",
                                    devices[d])
 

@@ -179,21 +179,23 @@ class Lowered:
         the op's rule keeps the dim whole). Returns the text (print it)."""
         text = explain(self, name)
         tensor = self.graph.tensor_name(self.graph.ref(name))
-        text += "".join(f"\n{note}" for note in self.placement_notes()
-                        if note.startswith(f"{tensor}: "))
+        text += "".join(f"\n{note}" for note in self.placement_notes(tensor))
         if self.auto_plan is not None and self.graph.ref(name) in self.auto_plan.layouts:
             text += ("\nThe auto-sharding search chose this layout for the gt.AUTO entries' "
                      "plan (auto_report() lists the decisions and their costs).")
         return text
 
-    def placement_notes(self) -> list:
+    def placement_notes(self, tensor: str | None = None) -> list:
         """One line per annotation inside the program whose device order no layout of
         the mesh gives: the layout with its tiles per dim it was taken as
         (Sharding.placement) and how many devices hold another tile than it names.
-        Values do not change: where an intermediate's tiles sit is not observable."""
+        Values do not change: where an intermediate's tiles sit is not observable.
+        With `tensor` (a name as the lines print it), only that tensor's line."""
         notes = []
         for graph in _graphs(self.graph):
             for ref, proto in graph.annotations.items():
+                if tensor is not None and graph.tensor_name(ref) != tensor:
+                    continue
                 sharding = Sharding.from_proto(proto)
                 if not sharding.is_tiled:
                     continue
