@@ -222,6 +222,23 @@ def test_picked_element_kept_split_then_needed_whole_is_one_permute_and_one_all_
         low.report()
 
 
+@settings(max_examples=3)
+@given(st.integers(2, 13),                                     # n
+       st.integers(0, 12),                                     # element
+       st.sampled_from([("x",), ("model",), ("data", "model")]))
+def test_random_picks_kept_split(n, element, axes):
+    element %= n
+    m = _LINE if axes == ("x",) else _MESH
+
+    def fn(x):
+        kept = gt.mesh_split(x[element:element + 1], m, P(axes))
+        return kept, kept * 2.0
+    x = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32)
+    low = check_partitioned(fn, (x,), m, (P(axes),), (P(axes), P()))
+    assert "all-gather" not in kinds(low), low.report()
+    assert kinds(low).count("collective-permute") <= 1, low.report()
+
+
 def test_last_stage_of_a_stage_buffer_feeds_a_loss_and_its_gradient(rng):
     stage_mesh = gt.Mesh.create((4, 2), ("stage", "data"))
 

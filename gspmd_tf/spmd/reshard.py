@@ -4,8 +4,10 @@ This is the one module that calls ProgramBuilder.collective. The planner (planne
 decides the steps and prices them; `emit` turns each step into the collective and the local
 pads and slices around it; `exchange_halo` emits the collective-permutes that bring a
 split dim's neighbouring elements to a windowed op (handlers/conv.py); `rotate` the
-cyclic one of a rolled split dim (handlers/roll.py); `reblock` those that move a split
-dim's block boundaries (an unevenly split dim merged or split: handlers/reshape.py).
+cyclic one of a rolled split dim (handlers/roll.py); `send_to_first` the one that takes
+a picked element to its group's first device (handlers/slicing.py); `reblock` those that
+move a split dim's block boundaries (an unevenly split dim merged or split:
+handlers/reshape.py).
 """
 
 from __future__ import annotations

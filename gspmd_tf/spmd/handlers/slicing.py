@@ -18,8 +18,14 @@ stage's element out of a stage-split buffer) picks it (rules/slices.py `picks`):
 element's owner reads it, the other devices give zeros, and the result is a partial sum
 over the dim's axes, so only the element's bytes move (one all-reduce where the result
 is needed whole), never the dim gathered. XLA keeps such a result split on its size-1
-dim (a collective-permute to device 0); gspmd-tf's rules carry no split on a size-1 dim,
-so the partial sum is its form of "only the owner holds it".
+dim, the element on the group's first device (a collective-permute from the owner, then
+an all-reduce where it is needed whole). Rules carry no split of a size-1 dim, so
+gspmd-tf takes XLA's form only where it is no worse: where the result's every consumer
+is an identity whose layout (a user's annotation) splits that dim over the operand
+dim's axes (`picked_targets`): one collective-permute to the first device, none when
+it owns the element; the identity then passes it on as it is (partitioner), and a
+reshard that needs it whole later is one all-reduce of the first shard (planner
+Broadcast), not an all-gather of the others' padding.
 
 MirrorPad is no window (its padding repeats elements near the edges), but each result
 block still reads one contiguous range of x, mirrored where the block meets a global
