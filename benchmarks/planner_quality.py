@@ -20,7 +20,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gspmd_tf as gt  # noqa: E402
-from gspmd_tf.layout import Layout  # noqa: E402
+from gspmd_tf.layout import Layout, permute_pairs  # noqa: E402
 from gspmd_tf.spmd import planner  # noqa: E402
 
 from planner_quality_cases import (DOTS, FREE_RESHAPES, RESHAPES, RESHARDS, SPLITS,  # noqa: E402
@@ -30,7 +30,8 @@ MESH = gt.Mesh.abstract((2, 4), ("data", "model"))
 LINE = gt.Mesh.abstract((4,), ("x",))
 KIND = {planner.AllGather: "all-gather", planner.AllToAll: "all-to-all",
         planner.CollectivePermute: "collective-permute",
-        planner.ReduceScatter: "reduce-scatter", planner.AllReduce: "all-reduce"}
+        planner.ReduceScatter: "reduce-scatter", planner.AllReduce: "all-reduce",
+        planner.Broadcast: "all-reduce"}
 # a collective of (operand bytes, group size) as a planner step, for step_cost
 STEP = {"all-gather": lambda b, k: planner.AllGather(0, (), b, k),
         "all-to-all": lambda b, k: planner.AllToAll((), 0, 1, b, k),
@@ -65,7 +66,7 @@ def device_groups(shape, src, dst):
     for step in reshard_steps(shape, src, dst):
         after = step.apply(layout)
         if isinstance(step, planner.CollectivePermute):
-            out.append(("permute", planner.permute_pairs(MESH, layout, after)))
+            out.append(("permute", permute_pairs(MESH, layout, after)))
         elif type(step) in KIND:
             out.append((",".join(map(str, step.axes)), MESH.groups(step.axes).tolist()))
         layout = after

@@ -30,7 +30,8 @@ CASE = flags.DEFINE_string("case", "all", "case name, or 'all'")
 MESH = gt.Mesh.abstract((2, 4), ("data", "model"))
 KIND = {planner.AllGather: "all-gather", planner.AllToAll: "all-to-all",
         planner.CollectivePermute: "collective-permute",
-        planner.ReduceScatter: "reduce-scatter", planner.AllReduce: "all-reduce"}
+        planner.ReduceScatter: "reduce-scatter", planner.AllReduce: "all-reduce",
+        planner.Broadcast: "all-reduce"}
 
 
 def reshard_case(shape, src, dst):

@@ -23,7 +23,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gspmd_tf as gt  # noqa: E402
-from gspmd_tf.spmd.planner import permute_pairs  # noqa: E402
+from gspmd_tf.layout import permute_pairs  # noqa: E402
 
 MESH = flags.DEFINE_list("mesh", ["2", "4"], "the mesh the examples lower on")
 BIG_MESH = flags.DEFINE_list("big_mesh", ["16", "32"], "the mesh placement is timed on")

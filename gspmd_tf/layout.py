@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.mesh import PartitionSpec, SubAxis
 
@@ -193,3 +195,28 @@ def overlap(a, b):
     if not (isinstance(a, SubAxis) and isinstance(b, SubAxis)):
         return True
     return a.pre < b.pre * b.size and b.pre < a.pre * a.size
+
+
+def permute_pairs(mesh, src, dst, src_mesh=None, dst_mesh=None):
+    """(source, target) device pairs taking every device's shards of layout `dst` from a
+    device holding them in layout `src` (same shard counts per dim); a device keeps its
+    own data where it can, the others pair up in mesh order (vectorised: meshes may have
+    thousands of devices). The layouts may name sub-axes. `src_mesh` / `dst_mesh`: the
+    mesh (same devices, another order: Sharding.placement) each is read on, else `mesh`."""
+    ids = np.asarray(mesh.device_ids).ravel()  # the device at each mesh position
+
+    def shard_key(on, layout):
+        key = np.zeros(ids.size, np.int64)
+        for axes in layout.dims:
+            if axes:
+                key = key * on.axes_size(axes) + on.shard_indices(axes)[ids]
+        return key
+
+    have, want = shard_key(src_mesh or mesh, src), shard_key(dst_mesh or mesh, dst)
+    position = np.arange(ids.size)
+    moving = position[have != want]
+    source = position.copy()
+    # holders and takers of each shard are equally many: pair them in order
+    source[moving[np.argsort(want[moving], kind="stable")]] = \
+        moving[np.argsort(have[moving], kind="stable")]
+    return tuple((int(ids[s]), int(ids[t])) for s, t in zip(source, position))

@@ -118,6 +118,13 @@ XLA_WINDOWS = {
     "strided_slice": [],
     "slice_one_block": [("collective-permute", 128)] * 3,
     "slice_half": [("collective-permute", 256)] * 2,
+    # one element picked, the size-1 result dim split as the operand's: XLA sends it to
+    # the group's first device (none when that device owns it)
+    "pick_last_block": [("collective-permute", 128)],
+    "pick_inside_a_block": [("collective-permute", 128)],
+    "pick_uneven": [("collective-permute", 128)],
+    "pick_first": [],
+    "pick_two_axes": [("collective-permute", 256)],
 }
 
 
@@ -196,6 +203,40 @@ def test_picked_element_moves_only_its_bytes(name, mesh, rng):
     # more bytes than XLA's permute + all-reduce of it
     assert [kind for kind, _ in moved] == ["all-reduce"], low.report()
     assert moved[0][1] <= np.asarray(fn(tf.constant(x))).nbytes, low.report()
+
+
+def test_picked_element_kept_split_then_needed_whole_is_one_permute_and_one_all_reduce(
+        mesh, rng):
+    # the user keeps the element split as XLA does (on the group's first device), then
+    # uses it whole: the reshard of a split size-1 dim is a broadcast of that device's
+    # shard (an all-reduce of it and zeros), never an all-gather of the others' padding
+    def fn(x, flags):
+        kept = gt.mesh_split(x[3:4], mesh, P("model"))
+        flag = gt.mesh_split(flags[3:4], mesh, P("model"))
+        return kept * 2.0, tf.logical_not(flag)
+    flags = rng.standard_normal((4, 32)) > 0
+    low = check_partitioned(fn, (randn(rng, 4, 32), flags), mesh, (P("model"), P("model")))
+    moved = sorted((c.kind, c.bytes) for c in low.collectives())
+    # (bools move as int32)
+    assert moved == [("all-reduce", 128)] * 2 + [("collective-permute", 128)] * 2, \
+        low.report()
+
+
+@settings(max_examples=3)
+@given(st.integers(2, 13),                                     # n
+       st.integers(0, 12),                                     # element
+       st.sampled_from([("x",), ("model",), ("data", "model")]))
+def test_random_picks_kept_split(n, element, axes):
+    element %= n
+    m = _LINE if axes == ("x",) else _MESH
+
+    def fn(x):
+        kept = gt.mesh_split(x[element:element + 1], m, P(axes))
+        return kept, kept * 2.0
+    x = np.random.default_rng(n).standard_normal((n, 3)).astype(np.float32)
+    low = check_partitioned(fn, (x,), m, (P(axes),), (P(axes), P()))
+    assert "all-gather" not in kinds(low), low.report()
+    assert kinds(low).count("collective-permute") <= 1, low.report()
 
 
 def test_last_stage_of_a_stage_buffer_feeds_a_loss_and_its_gradient(rng):

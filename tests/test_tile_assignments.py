@@ -13,7 +13,7 @@ from tensorflow.python.compiler.xla.experimental import xla_sharding
 import gspmd_tf as gt
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import SubAxis
-from gspmd_tf.spmd.planner import permute_pairs
+from gspmd_tf.layout import permute_pairs
 from util import check_partitioned, randn
 
 P = gt.P

@@ -12,7 +12,7 @@ from gspmd_tf.backends.base import COLLECTIVE_KINDS
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
 from gspmd_tf.graph.text import program_text
-from gspmd_tf.layout import Layout
+from gspmd_tf.layout import Layout, permute_pairs
 from gspmd_tf.mesh import PartitionSpec
 from gspmd_tf.propagation.knobs import traced_knobs
 from gspmd_tf.propagation.propagate import Propagation
@@ -25,7 +25,6 @@ from gspmd_tf.runtime.options import LowerOptions
 from gspmd_tf.runtime.sources import SourceLines
 from gspmd_tf.sharding import Sharding
 from gspmd_tf.spmd.partitioner import SpmdProgram
-from gspmd_tf.spmd.planner import permute_pairs
 from gspmd_tf.spmd.program import COLLECTIVES
 
 

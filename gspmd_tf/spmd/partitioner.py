@@ -29,6 +29,7 @@ from gspmd_tf.spmd.combine import combine_all_reduces, threshold_bytes
 from gspmd_tf.graph.dce import compact, live_nodes
 from gspmd_tf.spmd.handlers import replay
 from gspmd_tf.spmd.handlers.basic import any_padded, local_shapes
+from gspmd_tf.spmd.handlers.slicing import IDENTITIES, picked_targets
 from gspmd_tf.spmd.control_flow import partition_control_flow
 from gspmd_tf.spmd.factor_axes import choose_factor_axes
 from gspmd_tf.spmd.export import export
@@ -167,6 +168,7 @@ class Partitioner:
         self.current_op = None  # the index of the graph op at hand (for _reason)
         self.in_region, self.annotated = parent is not None, annotated
         self.values = {}
+        self._consumers = None  # graph.consumers(), made when a picking slice asks
         self._resharded = {}  # (Local, Layout, needing op) -> Local (a gt.Reshard's)
         self._made = {}  # (Local, Layout) -> the first Local made of it (or remembered)
         self._remembered = set()  # program nodes of layouts handlers made themselves
@@ -348,6 +350,9 @@ class Partitioner:
                 log.info("gspmd_tf: partitioned %d of %d ops", index, len(graph.nodes))
             targets = self.propagation.layouts[index]
             self._needed_by, self.current_op = node.name, index
+            rule = self.propagation.rules[index]
+            if rule is not None and getattr(rule.params, "picks", ()):
+                targets = picked_targets(self, index, targets)
             if index in input_index:
                 i = input_index[index]
                 shape, dtype = node.out_shapes[0], node.out_dtypes[0]
@@ -362,7 +367,15 @@ class Partitioner:
                 self.values[graph.inputs[i]] = (local if dtype in UNMOVABLE
                                                 else self.reshard(local, targets[0]))
                 continue
-            rule = self.propagation.rules[index]
+            if node.op in IDENTITIES and self.values[node.inputs[0]].layout == targets[0]:
+                # its operand is in its layout already: kept so even where that splits a
+                # size-1 dim (a picked element the user asked to keep split), which no
+                # rule expresses
+                x = self.values[node.inputs[0]]
+                ref = b.op("Identity", [x.ref], b.shape_of(x.ref), x.dtype, name=node.name,
+                           T=x.dtype)
+                self.values[Ref(index, 0)] = Local(ref, x.layout, x.shape, x.dtype)
+                continue
             if node.op == "Const" and rule is not None and targets[0].is_replicated:
                 # the common constant: whole on every device, as whole_then_sliced
                 # emits it, without a decision to make
@@ -407,6 +420,12 @@ class Partitioner:
                 local.ref, local.layout, b.mesh, placed, graph.nodes[ref.node].name,
                 graph.tensor_name(ref)))
         return outputs
+
+    def consumers(self, index):
+        """(consumer node index, input position) of every input node `index` feeds."""
+        if self._consumers is None:
+            self._consumers = self.graph.consumers()
+        return self._consumers[index]
 
     def _placed(self, ref, layout, src_mesh, dst_mesh, op, tensor):
         """`ref` in `layout` moved from its placement on `src_mesh` to that on `dst_mesh`

@@ -1,10 +1,11 @@
 """The reshard planner: which steps move a tensor from one layout to another, and their cost.
 
 `plan(src, dst, shape, dtype, mesh)` returns a tuple of typed steps (LocalSlice,
-CollectivePermute, AllToAll, AllGather, ReduceScatter, AllReduce) that turn the shards of
-`src` into the shards of `dst`; `cost(steps)` counts the bytes each device sends (ring
-algorithms), `seconds(steps, model)` prices them on a CostModel (gspmd_tf/cost_model.py:
-links per mesh axis, reduce-scatter as the backend emits it); spmd/reshard.py emits them.
+CollectivePermute, AllToAll, AllGather, Broadcast, ReduceScatter, AllReduce) that turn
+the shards of `src` into the shards of `dst`; `cost(steps)` counts the bytes each device
+sends (ring algorithms), `seconds(steps, model)` prices them on a CostModel
+(gspmd_tf/cost_model.py: links per mesh axis, reduce-scatter as the backend emits it);
+spmd/reshard.py emits them.
 The planner is pure (no TF, no builder) and cached, so the partitioner can price
 candidate layouts cheaply.
 
@@ -13,7 +14,8 @@ exact, uneven dims included (see `nests`): slice axes into a dim locally, gather
 minor axes, all-to-all a dim's minor axes onto another dim (one collective over several
 axes when they move together, and over several dims' when they move at once),
 collective-permute to a layout with the same shard counts, reduce-scatter or all-reduce
-pending partial sums. The cheapest sequence wins; among equal costs, fewer collectives,
+pending partial sums, take a split dim of one element whole from its first shard
+(Broadcast). The cheapest sequence wins; among equal costs, fewer collectives,
 then fewer steps. One more search per way of cutting an axis of the reshard in two
 (`_sub_axis_splits`) may find a cheaper plan over parts of an axis (mesh.SubAxis), as
 XLA's (docs/DESIGN_LOG.md, "Sub-axis steps"); where `src` or `dst` names sub-axes, every
@@ -33,8 +35,6 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-
-import numpy as np
 
 from gspmd_tf.cost_model import CostModel, ring_bytes
 from gspmd_tf.layout import (Layout, axis_parts, ceil_div, cut_axes, merged_axes,
@@ -114,6 +114,15 @@ class AllGather(_Step):
         """The layout after this step, the axes it names taken as they are."""
         cd = layout.dims[self.dim]
         return _set_dims(layout, {self.dim: cd[:len(cd) - len(self.axes)]})
+
+
+@dataclass(frozen=True)
+class Broadcast(AllGather):
+    """Gather a dim of one element split over all its `axes` from the first shard (the
+    others hold padding): that shard, zeros on the others, all-reduced (XLA's picked
+    element, kept split on its size-1 dim, moves so)."""
+
+    kind = "all-reduce"
 
 
 @dataclass(frozen=True)
@@ -278,7 +287,8 @@ def plan(src, dst, shape, dtype, mesh, model: CostModel | None = None):
     global tensor of `shape` and `dtype`, priced by `model` (CostModel.for_mesh(mesh)
     by default); a tuple of step records."""
     # strings and handles have no fixed size: priced like 8-byte elements
-    return _plan(src, dst, tuple(shape), dtype.size or 8, model or CostModel.for_mesh(mesh))
+    return _plan(src, dst, tuple(shape), dtype.size or 8, model or CostModel.for_mesh(mesh),
+                 _summable(dtype))
 
 
 def plan_estimate(src, dst, shape, dtype, mesh, model: CostModel | None = None) -> float:
@@ -286,23 +296,28 @@ def plan_estimate(src, dst, shape, dtype, mesh, model: CostModel | None = None) 
     if src == dst:
         return 0.0
     return _plan_estimate(src, dst, tuple(shape), dtype.size or 8,
-                          model or CostModel.for_mesh(mesh))
+                          model or CostModel.for_mesh(mesh), _summable(dtype))
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _plan_estimate(src, dst, shape, itemsize, model):
-    return seconds(_plan(src, dst, shape, itemsize, model), model)
+def _plan_estimate(src, dst, shape, itemsize, model, summable):
+    return seconds(_plan(src, dst, shape, itemsize, model, summable), model)
+
+
+def _summable(dtype):  # what the backends all-reduce (as is or through a wider dtype)
+    return dtype.name in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32",
+                          "int64", "float16", "bfloat16", "float32", "float64")
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _plan(src, dst, shape, itemsize, model):
+def _plan(src, dst, shape, itemsize, model, summable=True):
     assert not dst.partial, dst
     if src == dst:
         return ()
-    return _candidates(src, dst, shape, itemsize, model)[-1][1]
+    return _candidates(src, dst, shape, itemsize, model, summable)[-1][1]
 
 
-def _candidates(src, dst, shape, itemsize, model):
+def _candidates(src, dst, shape, itemsize, model, summable=True):
     """[(key, steps)]: the cheapest plan over the axes the layouts name (whole mesh axes,
     and sub-axes where a layout names some: then every layout of the search holds that
     axis cut into parts at their bounds), then each plan with one of `_sub_axis_splits`
@@ -312,11 +327,12 @@ def _candidates(src, dst, shape, itemsize, model):
     given = sub_axes_of(src) + sub_axes_of(dst)
     src, dst = cut_axes(src, given), cut_axes(dst, given)
     sizes = _cut_sizes(model.axis_sizes, given)
-    found = [_search(src, dst, _Space(shape, itemsize, sizes, dst), model)]
+    found = [_search(src, dst, _Space(shape, itemsize, sizes, dst, summable), model)]
     for parts in _sub_axis_splits(src, dst, sizes):
         cut_dst = cut_axes(dst, parts)
         cheaper = _search(cut_axes(src, parts), cut_dst,
-                          _Space(shape, itemsize, _cut_sizes(sizes, parts), cut_dst), model,
+                          _Space(shape, itemsize, _cut_sizes(sizes, parts), cut_dst,
+                                 summable), model,
                           bound=found[-1][0])
         if cheaper is not None:
             found.append(cheaper)
@@ -389,9 +405,10 @@ def _search(src, dst, space, model, bound=None):
 class _Space:
     """The moves allowed from a layout toward the target, each exact."""
 
-    def __init__(self, shape, itemsize, sizes, target):
+    def __init__(self, shape, itemsize, sizes, target, summable):
         self.shape = shape
         self.itemsize = itemsize
+        self.summable = summable  # the dtype can be all-reduced (Broadcast)
         self.sizes = sizes
         self.target = target
 
@@ -476,6 +493,10 @@ class _Space:
 
     def _gathers(self, layout):
         for d, cd in enumerate(layout.dims):
+            # a sum of zeros and one element is exact for numbers only, and a pending
+            # partial max or min would take the zeros in
+            if cd and self.shape[d] == 1 and self.summable and not layout.partial:
+                yield Broadcast(d, cd, self.nbytes(layout), self.k(cd))
             for j in range(len(cd)):
                 if self._nests(d, cd[:j], cd[j:]):
                     yield AllGather(d, cd[j:], self.nbytes(layout), self.k(cd[j:]))
@@ -574,27 +595,3 @@ class _Space:
         return CollectivePermute(tuple(change), self.nbytes(layout), self.k(axes),
                                  tuple(sorted(axes, key=str)))
 
-
-def permute_pairs(mesh, src, dst, src_mesh=None, dst_mesh=None):
-    """(source, target) device pairs taking every device's shards of layout `dst` from a
-    device holding them in layout `src` (same shard counts per dim); a device keeps its
-    own data where it can, the others pair up in mesh order (vectorised: meshes may have
-    thousands of devices). The layouts may name sub-axes. `src_mesh` / `dst_mesh`: the
-    mesh (same devices, another order: Sharding.placement) each is read on, else `mesh`."""
-    ids = np.asarray(mesh.device_ids).ravel()  # the device at each mesh position
-
-    def shard_key(on, layout):
-        key = np.zeros(ids.size, np.int64)
-        for axes in layout.dims:
-            if axes:
-                key = key * on.axes_size(axes) + on.shard_indices(axes)[ids]
-        return key
-
-    have, want = shard_key(src_mesh or mesh, src), shard_key(dst_mesh or mesh, dst)
-    position = np.arange(ids.size)
-    moving = position[have != want]
-    source = position.copy()
-    # holders and takers of each shard are equally many: pair them in order
-    source[moving[np.argsort(want[moving], kind="stable")]] = \
-        moving[np.argsort(have[moving], kind="stable")]
-    return tuple((int(ids[s]), int(ids[t])) for s, t in zip(source, position))

@@ -4,8 +4,10 @@ This is the one module that calls ProgramBuilder.collective. The planner (planne
 decides the steps and prices them; `emit` turns each step into the collective and the local
 pads and slices around it; `exchange_halo` emits the collective-permutes that bring a
 split dim's neighbouring elements to a windowed op (handlers/conv.py); `rotate` the
-cyclic one of a rolled split dim (handlers/roll.py); `reblock` those that move a split
-dim's block boundaries (an unevenly split dim merged or split: handlers/reshape.py).
+cyclic one of a rolled split dim (handlers/roll.py); `send_to_first` the one that takes
+a picked element to its group's first device (handlers/slicing.py); `reblock` those that
+move a split dim's block boundaries (an unevenly split dim merged or split:
+handlers/reshape.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from gspmd_tf.layout import ceil_div
+from gspmd_tf.layout import ceil_div, permute_pairs
 from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.local_ops import (concat_dim, dynamic_slice_dim, pad_dim, per_shard,
                                      replace_dim, reshape, shard_offset, static_slice_dim)
@@ -82,6 +84,18 @@ def _all_gather(b, x, step, layout):
     return _unpad(b, ref, d, x.shape[d]) if not layout.dims[d] else ref
 
 
+def _broadcast(b, x, step, layout):
+    """The first shard of a one-element dim, zeros on the others (a select: padding may
+    be NaN), summed over the step's axes."""
+    first = b.op("Equal", [b.shard_index(step.axes), b.const(np.int32(0))], (), tf.bool,
+                 T=tf.int32, incompatible_shape_error=True)
+    dtype = x.dtype
+    zero = b.const(np.zeros((), dtype.as_numpy_dtype), dtype)
+    ref = b.op("SelectV2", [first, x.ref, zero], b.shape_of(x.ref), dtype, T=dtype)
+    return _collective(b, "gt.AllReduce", ref, b.shape_of(ref), axes=step.axes,
+                       reduce_op="sum")
+
+
 def _all_to_all(b, x, step, layout):
     if step.also:
         return _joined_all_to_all(b, x, step, layout)
@@ -144,7 +158,7 @@ def _transpose(b, ref, order):
 
 
 def _permute(b, x, step, layout):
-    pairs = planner.permute_pairs(b.mesh, x.layout, layout)
+    pairs = permute_pairs(b.mesh, x.layout, layout)
     return _collective(b, "gt.Permute", x.ref, b.shape_of(x.ref), pairs=pairs)
 
 
@@ -152,7 +166,7 @@ def place(b, ref, mesh, layout, src_mesh, dst_mesh):
     """`ref`, a tensor in `layout` placed as on `src_mesh`, placed as on `dst_mesh` (each
     `mesh` or its devices in another order: Sharding.placement): one collective-permute
     of the shards that move, none when none does."""
-    pairs = planner.permute_pairs(mesh, layout, layout, src_mesh, dst_mesh)
+    pairs = permute_pairs(mesh, layout, layout, src_mesh, dst_mesh)
     if all(s == t for s, t in pairs):
         return ref
     return _collective(b, "gt.Permute", ref, b.shape_of(ref), pairs=pairs)
@@ -175,6 +189,7 @@ def _all_reduce(b, x, step, layout):
 _EMITTERS = {
     planner.LocalSlice: _local_slice,
     planner.AllGather: _all_gather,
+    planner.Broadcast: _broadcast,
     planner.AllToAll: _all_to_all,
     planner.CollectivePermute: _permute,
     planner.ReduceScatter: _reduce_scatter,
@@ -205,6 +220,17 @@ def rotate(b, ref, axes, step):
         return ref
     targets = np.roll(groups, -step, axis=1)
     pairs = tuple((int(s), int(t)) for s, t in zip(groups.ravel(), targets.ravel()))
+    return _collective(b, "gt.Permute", ref, b.shape_of(ref), pairs=pairs)
+
+
+def send_to_first(b, ref, axes, source):
+    """Every group's (over `axes`) shard index `source` of `ref` sent to the group's
+    first device, the others given zeros: one collective-permute, none when `source`
+    is 0 (then `ref` as it is)."""
+    if source == 0:
+        return ref
+    groups = b.mesh.groups(axes)
+    pairs = tuple((int(g[source]), int(g[0])) for g in groups)
     return _collective(b, "gt.Permute", ref, b.shape_of(ref), pairs=pairs)
 
 

@@ -44,6 +44,13 @@ WINDOWS = {
     "strided_slice": ((16, 32), ("model", None), ("slice", [(1, 15, 2), (0, 32, 1)])),
     "slice_one_block": ((16, 32), ("model", None), ("slice", [(4, 8, 1), (0, 32, 1)])),
     "slice_half": ((16, 32), ("model", None), ("slice", [(8, 16, 1), (0, 32, 1)])),
+    # one element picked out of a split dim, the size-1 result dim split as the operand's
+    "pick_last_block": ((4, 32), ("model", None), ("slice", [(3, 4, 1), (0, 32, 1)])),
+    "pick_inside_a_block": ((8, 32), ("model", None), ("slice", [(5, 6, 1), (0, 32, 1)])),
+    "pick_uneven": ((6, 32), ("model", None), ("slice", [(5, 6, 1), (0, 32, 1)])),
+    "pick_first": ((8, 32), ("model", None), ("slice", [(1, 2, 1), (0, 32, 1)])),
+    "pick_two_axes": ((4, 8, 16), ("model", "data", None),
+                      ("slice", [(3, 4, 1), (0, 8, 1), (0, 16, 1)])),
 }
 
 

@@ -18,8 +18,14 @@ stage's element out of a stage-split buffer) picks it (rules/slices.py `picks`):
 element's owner reads it, the other devices give zeros, and the result is a partial sum
 over the dim's axes, so only the element's bytes move (one all-reduce where the result
 is needed whole), never the dim gathered. XLA keeps such a result split on its size-1
-dim (a collective-permute to device 0); gspmd-tf's rules carry no split on a size-1 dim,
-so the partial sum is its form of "only the owner holds it".
+dim, the element on the group's first device (a collective-permute from the owner, then
+an all-reduce where it is needed whole). Rules carry no split of a size-1 dim, so
+gspmd-tf takes XLA's form only where it is no worse: where the result's every consumer
+is an identity whose layout (a user's annotation) splits that dim over the operand
+dim's axes (`picked_targets`): one collective-permute to the first device, none when
+it owns the element; the identity then passes it on as it is (partitioner), and a
+reshard that needs it whole later is one all-reduce of the first shard (planner
+Broadcast), not an all-gather of the others' padding.
 
 MirrorPad is no window (its padding repeats elements near the edges), but each result
 block still reads one contiguous range of x, mirrored where the block meets a global
@@ -33,6 +39,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from gspmd_tf.layout import Layout, ceil_div
 from gspmd_tf.propagation import rules, windowed
 from gspmd_tf.propagation.rules import batched
 from gspmd_tf.propagation.windowed import Geometry
@@ -43,6 +50,8 @@ from gspmd_tf.spmd.handlers.windows import (affine_start, extend_and_slice, mask
                                             operand_window, pad_dims, per_shard,
                                             prepare_input, range_plan, slice_dims)
 from gspmd_tf.spmd.local_ops import dynamic_slice_dim, select
+from gspmd_tf.spmd.program import Local
+from gspmd_tf.spmd.reshard import send_to_first
 
 
 def _windowed_input(ctx, operands, layouts, fill, index=0):
@@ -71,7 +80,6 @@ def slicing(ctx, operands, layouts):
     from a split dim read by its owner (zeros elsewhere: a partial result); on every
     split dim the local op takes its whole local extent (begin 0, size -1 / end =
     extent)."""
-    node = ctx.node
     window, _ = _windowed_input(ctx, operands, layouts, 0)
     refs = masked_refs(ctx, operands)
     if window is not None:
@@ -79,12 +87,51 @@ def slicing(ctx, operands, layouts):
     params = ctx.rule.params
     x_dims = operands[0].layout.dims
     picks = [(d, element) for d, element in params.picks if x_dims[d]]
+    moved = _moved_picks(ctx, picks, x_dims)
     if picks:
-        refs[0] = _picked(ctx, refs[0], operands[0], picks)
+        refs[0] = _picked(ctx, refs[0], operands[0], picks, moved)
     split = [params.kept[j] for j, axes in enumerate(layouts[0].dims) if axes]
     split += [d for d, _ in picks]
     if not split:
         return replay(ctx, operands, layouts, refs=refs)
+    _local_bounds(ctx, refs, split)
+    results = replay(ctx, operands, layouts, refs=refs)
+    if not moved:
+        return results
+    return _sent_to_first(ctx, results[0], operands[0], layouts[0], moved)
+
+
+# ops whose result is their operand (what a user's annotation of a tensor traces to)
+IDENTITIES = frozenset({"Identity", "XlaSharding"})
+
+
+def picked_targets(p, index, targets):
+    """The result layouts slice `index` (a rule with `picks`) is partitioned to, given
+    propagation's `targets`: each picked dim's size-1 result dim split over the axes its
+    operand dim is split over where every consumer of the result is an identity whose
+    layout splits it so (a user's annotation, XLA's layout for the element: the
+    handler then sends it to the group's first device by one collective-permute). Rules
+    carry no split of a size-1 dim; elsewhere the element is a partial sum (one
+    all-reduce where it is needed whole, no worse than XLA's permute then all-reduce)."""
+    graph, layouts = p.graph, p.propagation.layouts
+    node = graph.nodes[index]
+    params = p.propagation.rules[index].params
+    x_dims = p.values[node.inputs[0]].layout.dims
+    users = p.consumers(index)
+    y = targets[0]
+    for d, _ in params.picks:
+        j = params.kept.index(d) if d in params.kept else None
+        if j is None or not x_dims[d] or y.dims[j] or not users:
+            continue
+        if all(graph.nodes[c].op in IDENTITIES and layouts[c][0].dims[j] == x_dims[d]
+               for c, _ in users):
+            y = y.with_dim(j, x_dims[d])
+    return targets if y is targets[0] else type(targets)([y, *targets[1:]])
+
+
+def _local_bounds(ctx, refs, split):
+    """The slice's bounds in `refs` rewritten to take every split dim whole."""
+    node, params = ctx.node, ctx.rule.params
     # A split dim is taken whole (the rule splits only dims the op leaves as they are,
     # and a picked dim has one element left), so a begin computed at run time is 0 there
     # in every program TF runs (a StridedSlice's begin and end are clamped to the local
@@ -110,13 +157,47 @@ def slicing(ctx, operands, layouts):
             refs[2] = ctx.b.const(end)
     if begin is not None:
         refs[1] = ctx.b.const(begin)
-    return replay(ctx, operands, layouts, refs=refs)
 
 
-def _picked(ctx, ref, x, picks):
+def _moved_picks(ctx, picks, x_dims):
+    """{x dim: result dim} of the picks whose size-1 result dim the result's target
+    layout splits over the axes the operand's dim is split over (XLA's form: the element
+    on the group's first shard, padding on the others): those are sent there by one
+    collective-permute, not summed (an all-reduce sends 1.5x a permute's bytes at 4
+    devices). A pick whose result is wanted whole stays a partial sum: one all-reduce,
+    where XLA permutes and then all-reduces."""
+    at = {d: j for j, d in enumerate(ctx.rule.params.kept) if d is not None}
+    target = ctx.targets[0].dims
+    return {d: at[d] for d, _ in picks
+            if d in at and target[at[d]] and target[at[d]] == x_dims[d]}
+
+
+def _sent_to_first(ctx, ref, x, layout, moved):
+    """Result `ref` (each moved pick's element on its owner) as a Local with those picks'
+    result dims split over their operand dims' axes: the owners' elements sent to the
+    groups' first devices (no collective where the owners are those)."""
+    axes, owner, sizes = (), [], []
+    for d in moved:
+        dim_axes = x.layout.dims[d]
+        block = ceil_div(x.shape[d], ctx.mesh.axes_size(dim_axes))
+        element = dict(ctx.rule.params.picks)[d]
+        axes += dim_axes
+        owner.append(element // block)
+        sizes.append(ctx.mesh.axes_size(dim_axes))
+    ref = send_to_first(ctx.b, ref, axes, int(np.ravel_multi_index(owner, sizes)))
+    dims = list(layout.dims)
+    for d, j in moved.items():
+        dims[j] = x.layout.dims[d]
+    partial = tuple(a for a in layout.partial if a not in axes)
+    layout = Layout(tuple(dims), partial, layout.reduce_op)
+    return [Local(ref, layout, ctx.node.out_shapes[0], ctx.node.out_dtypes[0])]
+
+
+def _picked(ctx, ref, x, picks, moved):
     """x's local block `ref` cut to the one element read on each picked split dim
     ((dim, global element) pairs): the owner's element, zeros on the other devices (a
-    select, so a NaN elsewhere in the block never reaches the sum)."""
+    select, so a NaN elsewhere in the block never reaches the sum), except on the
+    `moved` dims, whose owner alone sends it on (_sent_to_first)."""
     b = ctx.b
     block = x.layout.local_shape(ctx.mesh, x.shape)
     owner = None
@@ -127,10 +208,14 @@ def _picked(ctx, ref, x, picks):
         inside = (at >= 0) & (at < block[d])
         ref = dynamic_slice_dim(b, ref, d, _as_ref(b, per_shard(b, axes, np.where(
             inside, at, 0))), 1)
+        if d in moved:
+            continue
         mine = per_shard(b, axes, inside.astype(np.int64))
         mine = b.op("NotEqual", [_as_ref(b, mine), b.const(np.int32(0))], (), tf.bool,
                     T=tf.int32, incompatible_shape_error=True)
         owner = mine if owner is None else b.op("LogicalAnd", [owner, mine], (), tf.bool)
+    if owner is None:
+        return ref
     dtype = b.graph.dtype(ref)
     return select(b, owner, ref, b.const(np.zeros((), dtype.as_numpy_dtype)), dtype)
 
