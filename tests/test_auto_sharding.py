@@ -342,21 +342,35 @@ def test_auto_conv_step_fits_where_data_parallel_does_not_and_sends_no_more_than
     assert collective_bytes(auto) <= 1.10 * collective_bytes(spatial)
 
 
-def test_auto_report_pins_in_shardings_and_activations_that_reproduce_the_plan(conv_plans):
-    # pinning the in_shardings alone gives data parallelism again (the images' spatial
-    # split is an activation's layout); with the listed activations it is the plan
+def assert_pins_reproduce_the_plan(auto):
+    """auto_report()'s pins (in_shardings and activation hints) give the plan's program,
+    and none of them is a constant or a shape tensor (the partitioner derives those)."""
     from gspmd_tf.autoshard.pinning import activation_hints
+    from gspmd_tf.autoshard.search import static_nodes
     from gspmd_tf.runtime.lowering import lower_seeded
-    _, _, auto, _ = conv_plans
     seeds = {ref: auto.propagation.layout(ref) for ref in auto.graph.inputs[:auto.num_args]}
     hints, left = activation_hints(auto.graph, auto.mesh, auto.auto_plan.layouts, seeds, None)
-    assert left == 0 and hints
+    assert left == 0
+    static = static_nodes(auto.graph)
+    assert static and not [auto.graph.tensor_name(r) for r in hints if r.node in static]
     pinned = lower_seeded(auto.graph, {**seeds, **hints}, auto.num_args, auto.options)
     assert (pinned.memory().peak, collective_bytes(pinned)) == \
         (auto.memory().peak, collective_bytes(auto))
     text = auto.auto_report()
     for ref, layout in hints.items():
         assert f"  {auto.graph.tensor_name(ref)}: {layout.to_spec()}" in text
+    return hints
+
+
+def test_auto_report_pins_in_shardings_and_activations_that_reproduce_the_plan(conv_plans):
+    # pinning the in_shardings alone gives data parallelism again (the images' spatial
+    # split is an activation's layout); with the listed activations it is the plan
+    assert assert_pins_reproduce_the_plan(conv_plans[2])
+
+
+def test_auto_report_pins_no_constant_or_shape_tensor_of_the_ffn_step(lowered):
+    # the gradient's Const and Reshape shape operands were listed as pins (TUTORIAL.md)
+    assert_pins_reproduce_the_plan(lowered)
 
 
 @pytest.mark.long
