@@ -381,3 +381,31 @@ def test_auto_conv_step_values_equal_single_device(mesh):
     want = tf.function(make_conv_step(CONV))(*values)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _frustrated_triangle(offset):
+    """Three classes of two strategies in a cycle whose edges cost 1 us where both ends
+    choose alike (an odd cycle: one edge must), each strategy `offset` seconds: the
+    linear relaxation takes every strategy half and prices no edge."""
+    from gspmd_tf.autoshard.problem import EdgeGroup, NodeClass, Problem
+    classes = [NodeClass([k], ["a", "b"], np.full(2, offset)) for k in range(3)]
+    edges = [EdgeGroup(k, 0, (k + 1) % 3, 0, 1, 1e-6 * np.eye(2), np.arange(2), np.arange(2))
+             for k in range(3)]
+    return Problem(classes, edges, [])
+
+
+@pytest.mark.parametrize("offset, settled_by", [(1e-4, "within"), (0.0, "Optimal")])
+def test_a_fractional_relaxation_is_settled_by_its_support_only_within_the_stated_gap(
+        offset, settled_by):
+    # with a large common cost the support's best plan is proven within SUPPORT_GAP of
+    # the optimum by the relaxation's bound; without it the whole MIP decides
+    import itertools
+
+    from gspmd_tf.autoshard.plan import Pricer
+    from gspmd_tf.autoshard.solve import solve
+    problem = _frustrated_triangle(offset)
+    solution = solve(problem, None)
+    assert settled_by in solution.status
+    best = min(Pricer(problem, c).seconds for c in itertools.product(range(2), repeat=3))
+    assert Pricer(problem, solution.choice).seconds == pytest.approx(best)
+    assert best == pytest.approx(3 * offset + 1e-6)
