@@ -10,6 +10,8 @@ OpRule), calls choose() for the AUTO entries, adds the chosen layouts to the see
 propagates again. The search prices every tensor it has candidates for, and its layouts
 for all of them are seeds (as XLA's auto-sharding pass sets every instruction's
 sharding): the partitioned program is then the one the costs and memory rows describe.
+Constants and tensors computed from static shapes alone (static_nodes) are the exception:
+propagation lays them out from their readers, and auto_report() does not list them.
 Propagation fills in the tensors of ops without candidates (no rule, control flow).
 """
 

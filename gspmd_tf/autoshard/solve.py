@@ -10,6 +10,12 @@ A class that follows another (follow.py) has no x of its own: it reads its leade
 An edge group whose producer makes one layout, or whose consumer needs one, or between
 classes of one decision, is linear in x and needs no e. Memory rows bound the per-device
 bytes at their points by the limit. Minimise the node and edge seconds.
+
+How it is solved (all by HiGHS): first without the memory rows, which are added only if
+that plan does not fit (its optimum is then the limited one's); per program the linear
+relaxation, kept when integral; else the best plan among the strategies the relaxation
+uses, kept when the relaxation's bound proves it within SUPPORT_GAP of the optimum (the
+status says how close); else branch and bound on the whole program (RELATIVE_GAP).
 """
 
 from __future__ import annotations
