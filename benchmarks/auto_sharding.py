@@ -47,7 +47,9 @@ P("data", "model"): the images split on their height over "model", the convoluti
 halos exchanged by collective-permutes; the rank-1 labels split on the batch only) and
 auto ({".*": gt.AUTO}, the batch_spec searched, memory_limit between the spatial plan's
 peak and data parallel's). The GPT-2 and ResNet50 rows share keras_rows; with --check
-they also run one train_on_batch of the auto plan beside Keras on one device (slow).
+they also run one train_on_batch of the auto plan beside Keras on one device (slow);
+--floatx=float64 builds the models in float64, where a difference beyond rounding would
+be a wrong plan rather than float32's summation order.
 
     .venv/bin/python benchmarks/auto_sharding.py --model=resnet50 --image=64 --batch=8
 
@@ -87,6 +89,9 @@ flags.DEFINE_integer("vocab", 1024, "--model=gpt2: vocabulary size")
 flags.DEFINE_integer("experts", 8, "--model=moe: experts E (the groups G are as many)")
 flags.DEFINE_bool("check", False, "--model=gpt2/resnet50: also run one train step of "
                   "the auto plan and compare it with Keras on one device")
+flags.DEFINE_enum("floatx", "float32", ["float32", "float64"], "--model=gpt2/resnet50: "
+                  "Keras' float type (float64: --check's differences from one device then "
+                  "show whether they are float32 rounding, which shrinks by ~1e9)")
 flags.DEFINE_float("limit_between", 0.5, "memory_limit: this far from Megatron's peak "
                    "(0) to data parallel's (1)")
 
@@ -226,6 +231,7 @@ def gpt2_rows(gt, mesh):
     import keras_hub
     import numpy as np
     P = gt.P
+    keras.config.set_floatx(FLAGS.floatx)
     layers = int(FLAGS.layers[0])
     rng = np.random.default_rng(0)
     x = {"token_ids": rng.integers(0, FLAGS.vocab, (FLAGS.batch, FLAGS.seq)).astype(np.int32),
@@ -259,9 +265,10 @@ def resnet50_rows(gt, mesh):
     import keras
     import numpy as np
     P = gt.P
+    keras.config.set_floatx(FLAGS.floatx)
     rng = np.random.default_rng(0)
     shape = (FLAGS.batch, FLAGS.image, FLAGS.image, 3)
-    batch = (rng.standard_normal(shape).astype(np.float32),
+    batch = (rng.standard_normal(shape).astype(FLAGS.floatx),
              rng.integers(0, FLAGS.classes, (FLAGS.batch,)).astype(np.int32))
 
     def build():
@@ -275,7 +282,7 @@ def resnet50_rows(gt, mesh):
 
     keras_rows(gt, mesh, f"keras.applications.ResNet50 train step ({FLAGS.optimizer}) "
                f"through gt.keras, image {FLAGS.image}, batch {FLAGS.batch}, classes "
-               f"{FLAGS.classes}, mesh {FLAGS.mesh}",
+               f"{FLAGS.classes}, {FLAGS.floatx}, mesh {FLAGS.mesh}",
                build, batch, "spatial", {}, hand_batch_spec=P("data", "model"),
                data_batch_spec=P("data"))
 

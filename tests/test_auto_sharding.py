@@ -342,21 +342,35 @@ def test_auto_conv_step_fits_where_data_parallel_does_not_and_sends_no_more_than
     assert collective_bytes(auto) <= 1.10 * collective_bytes(spatial)
 
 
-def test_auto_report_pins_in_shardings_and_activations_that_reproduce_the_plan(conv_plans):
-    # pinning the in_shardings alone gives data parallelism again (the images' spatial
-    # split is an activation's layout); with the listed activations it is the plan
+def assert_pins_reproduce_the_plan(auto):
+    """auto_report()'s pins (in_shardings and activation hints) give the plan's program,
+    and none of them is a constant or a shape tensor (the partitioner derives those)."""
     from gspmd_tf.autoshard.pinning import activation_hints
+    from gspmd_tf.autoshard.search import static_nodes
     from gspmd_tf.runtime.lowering import lower_seeded
-    _, _, auto, _ = conv_plans
     seeds = {ref: auto.propagation.layout(ref) for ref in auto.graph.inputs[:auto.num_args]}
     hints, left = activation_hints(auto.graph, auto.mesh, auto.auto_plan.layouts, seeds, None)
-    assert left == 0 and hints
+    assert left == 0
+    static = static_nodes(auto.graph)
+    assert static and not [auto.graph.tensor_name(r) for r in hints if r.node in static]
     pinned = lower_seeded(auto.graph, {**seeds, **hints}, auto.num_args, auto.options)
     assert (pinned.memory().peak, collective_bytes(pinned)) == \
         (auto.memory().peak, collective_bytes(auto))
     text = auto.auto_report()
     for ref, layout in hints.items():
         assert f"  {auto.graph.tensor_name(ref)}: {layout.to_spec()}" in text
+    return hints
+
+
+def test_auto_report_pins_in_shardings_and_activations_that_reproduce_the_plan(conv_plans):
+    # pinning the in_shardings alone gives data parallelism again (the images' spatial
+    # split is an activation's layout); with the listed activations it is the plan
+    assert assert_pins_reproduce_the_plan(conv_plans[2])
+
+
+def test_auto_report_pins_no_constant_or_shape_tensor_of_the_ffn_step(lowered):
+    # the gradient's Const and Reshape shape operands were listed as pins (TUTORIAL.md)
+    assert_pins_reproduce_the_plan(lowered)
 
 
 @pytest.mark.long
@@ -367,3 +381,31 @@ def test_auto_conv_step_values_equal_single_device(mesh):
     want = tf.function(make_conv_step(CONV))(*values)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _frustrated_triangle(offset):
+    """Three classes of two strategies in a cycle whose edges cost 1 us where both ends
+    choose alike (an odd cycle: one edge must), each strategy `offset` seconds: the
+    linear relaxation takes every strategy half and prices no edge."""
+    from gspmd_tf.autoshard.problem import EdgeGroup, NodeClass, Problem
+    classes = [NodeClass([k], ["a", "b"], np.full(2, offset)) for k in range(3)]
+    edges = [EdgeGroup(k, 0, (k + 1) % 3, 0, 1, 1e-6 * np.eye(2), np.arange(2), np.arange(2))
+             for k in range(3)]
+    return Problem(classes, edges, [])
+
+
+@pytest.mark.parametrize("offset, settled_by", [(1e-4, "within"), (0.0, "Optimal")])
+def test_a_fractional_relaxation_is_settled_by_its_support_only_within_the_stated_gap(
+        offset, settled_by):
+    # with a large common cost the support's best plan is proven within SUPPORT_GAP of
+    # the optimum by the relaxation's bound; without it the whole MIP decides
+    import itertools
+
+    from gspmd_tf.autoshard.plan import Pricer
+    from gspmd_tf.autoshard.solve import solve
+    problem = _frustrated_triangle(offset)
+    solution = solve(problem, None)
+    assert settled_by in solution.status
+    best = min(Pricer(problem, c).seconds for c in itertools.product(range(2), repeat=3))
+    assert Pricer(problem, solution.choice).seconds == pytest.approx(best)
+    assert best == pytest.approx(3 * offset + 1e-6)

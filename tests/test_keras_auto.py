@@ -132,3 +132,29 @@ def test_auto_in_a_gt_function_layout_map_is_a_sharding_error_naming_the_variabl
     step = gt.function(f, mesh=mesh, layout_map={"w_auto": gt.AUTO})
     with pytest.raises(gt.ShardingError, match="'w_auto'.*gt.AUTO.*arguments"):
         step(np.ones((4, 8), np.float32))
+
+
+@pytest.mark.long
+def test_resnet50_auto_plan_is_solved_within_the_stated_gap_and_the_same_every_search(mesh):
+    # issue 23: on this 7k-op step HiGHS stopped at its time limit and the plan
+    # depended on the machine's load; now the search settles it (solve.py: the best
+    # plan of the relaxation's strategies, proven within 2.19%). At 32x32 images that
+    # plan is proven within 5.7% only and the whole MIP still stops at its time limit.
+    rng = np.random.default_rng(0)
+    batch = (rng.standard_normal((8, 64, 64, 3)).astype(np.float32),
+             rng.integers(0, 10, (8,)).astype(np.int32))
+
+    def plan():
+        model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
+        model.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy())
+        gt.keras.shard_model(model, mesh, {".*": gt.AUTO})
+        gt.keras.lowered(model, "train", batch)
+        state = model._gt_keras
+        by_id = {id(v): v.path for v in model.variables}
+        return state.auto_lowered.auto_plan.status, state.batch_spec, sorted(
+            (by_id[k], str(spec)) for k, spec in state.auto_specs.items() if k in by_id)
+
+    first = plan()
+    assert "optimal" in first[0].lower() or "within" in first[0], first[0]
+    assert plan() == first

@@ -10,6 +10,8 @@ OpRule), calls choose() for the AUTO entries, adds the chosen layouts to the see
 propagates again. The search prices every tensor it has candidates for, and its layouts
 for all of them are seeds (as XLA's auto-sharding pass sets every instruction's
 sharding): the partitioned program is then the one the costs and memory rows describe.
+Constants and tensors computed from static shapes alone (static_nodes) are the exception:
+propagation lays them out from their readers, and auto_report() does not list them.
 Propagation fills in the tensors of ops without candidates (no rule, control flow).
 """
 
@@ -31,6 +33,10 @@ from gspmd_tf.cost_model import CostModel
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph, Ref
 from gspmd_tf.mesh import Mesh
+from gspmd_tf.registry import is_stateful
+
+# Ops whose results depend only on static shapes and attributes (static_nodes).
+_STATIC_SOURCES = frozenset({"Const", "Shape", "ShapeN", "Size", "Rank"})
 
 
 def choose(graph: Graph, mesh: Mesh, rules: Sequence, seeds: dict,
@@ -80,12 +86,13 @@ def choose(graph: Graph, mesh: Mesh, rules: Sequence, seeds: dict,
             .results[ref.out]
 
     layouts = {}
+    derived = static_nodes(graph)
     for k in class_index.values():
         strategy = problem.classes[k].strategies[solution.choice[k]]
         for m in problem.classes[k].members:
             for out, layout in enumerate(strategy.results):
                 ref = Ref(m, out)
-                if layout is not None and ref not in seeds and \
+                if layout is not None and ref not in seeds and m not in derived and \
                         graph.dtype(ref) not in (tf.resource, tf.variant):
                     layouts[ref] = layout
     inputs = {i: chosen(graph.inputs[i]) for i in auto_inputs}
@@ -99,6 +106,21 @@ def choose(graph: Graph, mesh: Mesh, rules: Sequence, seeds: dict,
                     {j: l for j, l in outputs.items() if l is not None}, decisions,
                     solution, problem, len(graph.nodes), memory_limit,
                     time.perf_counter() - start, step_peak(problem, solution.choice))
+
+
+def static_nodes(graph: Graph) -> set:
+    """The nodes whose values follow from constants and static shapes alone: Const,
+    Shape, ShapeN, Size, Rank, and stateless ops reading only such nodes. Their layouts
+    are left to propagation (from their readers'), not set by the plan: they are not
+    data a user could annotate (a Reshape's shape operand, a gradient's constant), and
+    seeding them would make auto_report() list them as pins."""
+    found = set()
+    for i, node in enumerate(graph.nodes):
+        if node.op in _STATIC_SOURCES or (
+                node.inputs and not node.regions and not is_stateful(node.op)
+                and all(ref.node in found for ref in node.inputs)):
+            found.add(i)
+    return found
 
 
 def _label(i, node, rule, factors, seeds, auto_refs, input_nodes):
