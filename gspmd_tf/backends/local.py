@@ -188,6 +188,7 @@ class CompiledProgram(base.Compiled):
         fn = tf.function(spmd_program, autograph=False, experimental_attributes=attributes)
         with gc_paused():
             concrete = fn.get_concrete_function(*self.specs)
+        self.shares_variable_copies = lowering.variable_writes is not None
         # Calling the traced function directly skips ConcreteFunction's argument binding
         # (about 0.9 ms of Python for 8 shards); the captures are the ordering tokens.
         self.function = concrete.inference_fn
