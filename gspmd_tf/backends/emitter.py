@@ -72,6 +72,7 @@ class DeviceEmitter:
         # holding each class's copy (replicas.copy_owners); None when the program cannot
         # run on shared copies (bind: _variable_writes)
         self.variable_writes = None
+        self._prepared = None  # the program prepare() decided for
         self.copyable = frozenset()  # device ids whose collectives may be copies
         if mesh is None:
             self.devices, self.local = devices, tuple(range(len(devices)))
@@ -137,17 +138,24 @@ class DeviceEmitter:
     def bind(self, program, flat):
         """Prepares to emit `program` with the function arguments `flat` (input-major,
         this process's devices): sets self.args (args[i][d]: input i on device d, None
-        on other workers' devices) and, with replicated_once, self.classes unless
-        given."""
+        on other workers' devices) and what prepare() decides."""
         n, k = self.mesh.size, len(self.local)
         self.args = []
         for i in range(0, len(flat), k):
             self.args.append([None] * n)
             for d, x in zip(self.local, flat[i:i + k]):
                 self.args[-1][d] = x
+        if self._prepared is not program:
+            self.prepare(program)
+
+    def prepare(self, program):
+        """What emitting `program` decides from the program alone, before its function
+        is traced (bind does it if not done): with replicated_once its replica classes
+        unless given, and the variable writes on shared copies (variable_writes)."""
         if self.replicated_once and self.classes is None:
             self.classes = cpu_replica_classes(program, self.mesh)
         self.variable_writes = self._variable_writes(program)
+        self._prepared = program
 
     def _variable_writes(self, program):
         """{node index: sources} for the top-level nodes that write a variable (take a
