@@ -45,8 +45,7 @@ def _values_now(variables):
     pairs = []
     for kvar in variables:
         backing = getattr(kvar, "_value", kvar)
-        targets = ([s for s in backing.shard_variables if s is not None]
-                   if isinstance(backing, Variable) else [backing])
+        targets = backing.copies() if isinstance(backing, Variable) else [backing]
         for target in targets:
             with tf.device(target.device):
                 pairs.append((target, target.read_value()))

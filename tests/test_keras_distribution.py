@@ -148,7 +148,10 @@ def test_list_devices_mesh_and_distribute_tensor_as_on_jax():
     assert placed.shards[5].shape == (4, 1)
 
 
-def test_data_parallel_replicates_variables_and_splits_the_batch():
+def test_data_parallel_replicates_variables_and_splits_the_batch(tmp_path):
+    """Every variable replicated, as one tf.Variable for the process's CPU devices (not
+    one per device): fit equals single-device Keras in loss and weights, and
+    save_weights / load_weights round-trip the one copy."""
     keras.utils.set_random_seed(0)
     ref = _mlp()
     with kd.DataParallel(devices=kd.list_devices()).scope():
@@ -161,5 +164,15 @@ def test_data_parallel_replicates_variables_and_splits_the_batch():
         got = model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     want = ref.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history
     _close(got["loss"], want["loss"], "loss")
+    for v, w in zip(model.weights, ref.weights):
+        _close(v.numpy(), w.numpy(), v.path)
+        assert len(v._value.copies()) == 1, v.path
     assert gt.keras.layout_of(model.variables[0]) == gt.P()
     assert model._gt_keras.batch_spec == gt.P("batch")
+    path = str(tmp_path / "dp.weights.h5")
+    model.save_weights(path)
+    trained = model.get_weights()
+    model.set_weights([np.zeros_like(w) for w in trained])  # changed, then loaded back
+    model.load_weights(path)
+    for got_w, want_w in zip(model.get_weights(), trained):
+        np.testing.assert_array_equal(got_w, want_w)

@@ -89,12 +89,17 @@ def _adam_like_step(x, y, w, m):
     return loss
 
 
+KINDS = ("Sqrt", "ReadVariableOp", "AssignVariableOp", "AssignSubVariableOp")
+
+
 @pytest.mark.parametrize("shape,w_spec", [((8,), gt.P()), ((2, 4), gt.P(None, "model"))],
                          ids=["data_parallel", "data_model"])
-def test_update_and_reads_run_once_per_replica_group_with_tf_values(shape, w_spec):
-    """The momentum update of the weights (replicated over "data") and the reads of the
-    variables run once per group of devices holding them equal, the values those of
-    single-device TF on every device (each copy of a block still written)."""
+def test_update_reads_and_writes_run_once_per_replica_group_with_tf_values(shape, w_spec):
+    """The momentum update of the weights (replicated over "data"), the reads of the
+    variables and their writes run once per group of devices holding them equal (one
+    copy of a block per group), the values those of single-device TF on every device;
+    without replica classes (replicated_once=False) every device runs its own on
+    private copies, with the same values."""
     axes = ("data",) if len(shape) == 1 else ("data", "model")
     mesh = Mesh.create(shape, axes)
     rng = np.random.default_rng(0)
@@ -125,9 +130,10 @@ def test_update_and_reads_run_once_per_replica_group_with_tf_values(shape, w_spe
                     np.testing.assert_array_equal(other, copies[0])
         run = step.lower(x, y).compile()
         graphs[once] = {kind: [op for op in run.function.graph.get_operations()
-                               if op.type == kind] for kind in ("Sqrt", "ReadVariableOp")}
+                               if op.type == kind] for kind in KINDS}
+        assert run.shares_variable_copies == once
     groups = 1 if len(shape) == 1 else 4  # devices holding different blocks of w
-    for kind in ("Sqrt", "ReadVariableOp"):
+    for kind in KINDS:
         once, every = graphs[True][kind], graphs[False][kind]
         assert len(once) * 8 == len(every) * groups and once, kind
         assert {op.device for op in once} == {mesh.devices[d] for d in range(groups)}
@@ -145,3 +151,29 @@ def test_outputs_of_ops_run_once_live_on_their_devices(mesh):
         np.testing.assert_array_equal(t.numpy(), value * value)
         assert tf.DeviceSpec.from_string(t.backing_device).device_index == \
             tf.DeviceSpec.from_string(mesh.devices[d]).device_index
+
+
+def test_a_loop_writing_a_replicated_variable_runs_on_private_copies_with_tf_values(mesh):
+    """A while body that writes a variable would write the shared copy on every device:
+    such a program runs each device on a copy of its own (the owner's is the shared
+    one), with single-device TF's values."""
+    w0 = np.arange(8, dtype=np.float32)
+    x = np.linspace(0.0, 1.0, 8).astype(np.float32)
+    v, plain = gt.Variable(w0, mesh, gt.P()), tf.Variable(w0)
+
+    def accumulate(variable):
+        def run(x):
+            def body(i):
+                variable.assign_add(x * tf.cast(i + 1, tf.float32))
+                return [i + 1]
+            tf.while_loop(lambda i: i < 3, body, [tf.constant(0)])
+            return variable.read_value() * 2.0
+        return run
+
+    step = gt.function(accumulate(v), mesh=mesh, in_shardings=(gt.P(),))
+    want = tf.function(accumulate(plain))
+    for _ in range(2):
+        assert_close(step(x).numpy(), want(x).numpy(), "output")
+    assert not step.lower(x).compile().shares_variable_copies
+    assert len(v.copies()) == 1
+    assert_close(v.numpy(), plain.numpy(), "variable")

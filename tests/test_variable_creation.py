@@ -1,6 +1,5 @@
-"""gt.Variable creation: the devices holding the same shard start from one tensor, yet
-each holds its own variable on its own device, and updating one leaves the others as
-they were."""
+"""gt.Variable creation: the devices holding the same shard start from one tensor; the
+CPU devices of a process holding one block share one variable, on the first of them."""
 
 import numpy as np
 import pytest
@@ -27,7 +26,8 @@ def _device_index(name):
 
 @pytest.mark.parametrize("spec", [P(None, "model"), P("model", "data"), P(), P("data")])
 @pytest.mark.parametrize("callable_init", [False, True])
-def test_every_device_holds_its_shard_on_its_device(mesh, spec, callable_init):
+def test_every_block_is_one_variable_on_the_first_device_holding_it(mesh, spec,
+                                                                    callable_init):
     value = np.arange(7 * 10, dtype=np.float32).reshape(7, 10)  # uneven on 4
     init = ((lambda shape, dtype: tf.zeros(shape, dtype)) if callable_init else value)
     v = gt.Variable(init, mesh, spec, shape=value.shape, name="w")
@@ -37,7 +37,8 @@ def test_every_device_holds_its_shard_on_its_device(mesh, spec, callable_init):
     for box, devices in distinct_boxes(mesh, v.layout, v.shape):
         for device in devices:
             shard = v.shard_variables[device]
-            assert _device_index(shard.device) == _device_index(mesh.devices[device])
+            assert shard is v.shard_variables[devices[0]]
+            assert _device_index(shard.device) == _device_index(mesh.devices[devices[0]])
             assert not shard.trainable
             np.testing.assert_array_equal(shard.numpy(), _expected_shard(value, box,
                                                                          local_shape))
@@ -45,15 +46,17 @@ def test_every_device_holds_its_shard_on_its_device(mesh, spec, callable_init):
     np.testing.assert_array_equal(v.numpy(), value)
 
 
-def test_updating_one_device_leaves_the_others_of_its_shard_alone(mesh):
+def test_the_devices_of_a_block_share_one_copy_that_updates_write_once(mesh):
     value = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)
     v = gt.Variable(value, mesh, P(None, "model"), name="w")  # replicated over "data"
-    (box, devices), *_ = distinct_boxes(mesh, v.layout, v.shape)
-    first, other = devices[:2]
-    v.shard_variables[first].assign_add(tf.ones_like(v.shard_variables[first]))
+    boxes = distinct_boxes(mesh, v.layout, v.shape)
+    assert len(v.copies()) == len(boxes) < mesh.size
+    v.assign_add(np.ones_like(value))
+    np.testing.assert_array_equal(v.numpy(), value + 1)
+    (box, devices), *_ = boxes
     piece = value[tuple(slice(a, b) for a, b in box)]
-    np.testing.assert_array_equal(v.shard_variables[first].numpy(), piece + 1)
-    np.testing.assert_array_equal(v.shard_variables[other].numpy(), piece)
+    for device in devices:
+        np.testing.assert_array_equal(v.shards[device].numpy(), piece + 1)
 
 
 def test_a_train_step_updates_every_replica_of_a_shard(mesh):

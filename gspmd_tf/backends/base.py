@@ -126,6 +126,11 @@ class Compiled(abc.ABC):
     """A program built by a backend: `program` (the SPMD program) runs when called."""
 
     program: Optional[Graph] = None
+    # Whether the program may be given one handle for every device of a class of a
+    # gt.Variable's copy owners (replicas.copy_owners): it then reads and writes each
+    # variable of a class on its owner only. Otherwise every device gets a handle of its
+    # own (the caller makes private copies, runtime/variables.py).
+    shares_variable_copies: bool = False
 
     @abc.abstractmethod
     def __call__(self, inputs: Sequence[Sequence]) -> list:

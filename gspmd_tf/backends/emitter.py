@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import tensorflow as tf
+from tensorflow.python.framework import auto_control_deps_utils as acd_utils
 from tensorflow.python.framework import ops
 
 from gspmd_tf.backends import base, collective_emitters, collectives, ordering, \
@@ -27,8 +28,7 @@ from gspmd_tf.registry import VIEW, has_trait
 def cpu_replica_classes(program, mesh):
     """replicas.replica_classes of `program` over the CPU devices of `mesh` in this
     process: those whose tensors the others read in place."""
-    cpus = tuple(d for d in mesh.addressable_ids if on_cpu(mesh.devices[d]))
-    return replicas.replica_classes(program, mesh, cpus)
+    return replicas.replica_classes(program, mesh, replicas.cpu_devices(mesh))
 
 
 def traced_region_op(node, operands):
@@ -68,6 +68,11 @@ class DeviceEmitter:
         self.orders_state = segments is None
         # replicas.replica_classes of the program lower() emits (a plan computes them)
         self.classes = None if segments is None else segments.classes
+        # {node index: sources} of the nodes writing variables, run on the device
+        # holding each class's copy (replicas.copy_owners); None when the program cannot
+        # run on shared copies (bind: _variable_writes)
+        self.variable_writes = None
+        self._prepared = None  # the program prepare() decided for
         self.copyable = frozenset()  # device ids whose collectives may be copies
         if mesh is None:
             self.devices, self.local = devices, tuple(range(len(devices)))
@@ -133,16 +138,47 @@ class DeviceEmitter:
     def bind(self, program, flat):
         """Prepares to emit `program` with the function arguments `flat` (input-major,
         this process's devices): sets self.args (args[i][d]: input i on device d, None
-        on other workers' devices) and, with replicated_once, self.classes unless
-        given."""
+        on other workers' devices) and what prepare() decides."""
         n, k = self.mesh.size, len(self.local)
         self.args = []
         for i in range(0, len(flat), k):
             self.args.append([None] * n)
             for d, x in zip(self.local, flat[i:i + k]):
                 self.args[-1][d] = x
+        if self._prepared is not program:
+            self.prepare(program)
+
+    def prepare(self, program):
+        """What emitting `program` decides from the program alone, before its function
+        is traced (bind does it if not done): with replicated_once its replica classes
+        unless given, and the variable writes on shared copies (variable_writes)."""
         if self.replicated_once and self.classes is None:
             self.classes = cpu_replica_classes(program, self.mesh)
+        self.variable_writes = self._variable_writes(program)
+        self._prepared = program
+
+    def _variable_writes(self, program):
+        """{node index: sources} for the top-level nodes that write a variable (take a
+        handle and are no read, ordering.py's rule): each runs on the class's owner of
+        its handles (replica classes of the program inputs: replicas.copy_owners), for
+        the devices sharing that copy. None when the program cannot run on shared
+        copies: without replica classes, with a segment plan (its update segments write
+        on every device), when a control-flow body takes a handle (each device's body
+        would write it), or a write's handles belong to different classes."""
+        if self.classes is None or self.segments is not None:
+            return None
+        writes = {}
+        for index, node in enumerate(program.nodes):
+            handles = [ref.node for ref in node.inputs if program.dtype(ref) == tf.resource]
+            if not handles or node.op == "Identity" \
+                    or node.op in acd_utils.RESOURCE_READ_OPS and not node.regions:
+                continue  # a handle passed on, or read (ordered with the owner's writes)
+            if node.regions or node.op.startswith("gt."):
+                return None
+            if any(len({self.classes[i][d] for i in handles}) > 1 for d in self.local):
+                return None
+            writes[index] = self.common_sources(handles)
+        return writes
 
     def held_on(self, tensor, d):
         """`tensor` as device d's output: a copy on d when it is a function argument or
@@ -188,13 +224,20 @@ class DeviceEmitter:
         # One device-function scope for every device's copy: a tf.device scope per copy
         # cost a third of the op's own creation (24 vs 70 us); the function puts each op
         # without a device of its own on the device being emitted.
+        # a node run once for a class waits for what each member's copy waits for: a
+        # write on a shared variable copy comes after every member's reads of it
+        members = {} if isinstance(sources, range) or not control else _members(sources)
         with ops.get_default_graph().device(self._place):
             for d in self.local:
                 if sources[d] != d:  # run once, on that device, for both
                     outs[d], node_ops[d] = outs[sources[d]], node_ops[sources[d]]
                     continue
                 self._emitting = self.devices[d]
-                deps = [op_of[c][d] for c in control]
+                if d in members:
+                    deps = list(dict.fromkeys(op_of[c][e] for c in control
+                                              for e in members[d]))
+                else:
+                    deps = [op_of[c][d] for c in control]
                 if uses_token and self.last_token[d] is not None:
                     deps.append(self.last_token[d])
                 if deps:
@@ -235,7 +278,9 @@ class DeviceEmitter:
     def _sources(self, node, index):
         """sources[d]: the device whose copy of `node` (node `index` of the program)
         device d reads: d, unless the node runs once for a class of devices
-        (replicated_once)."""
+        (replicated_once, or a variable write on shared copies)."""
+        if self.variable_writes is not None and index in self.variable_writes:
+            return self.variable_writes[index]
         if self.classes is None or not replicas.runs_once(node):
             return range(self.mesh.size)
         return self.common_sources([index])
@@ -273,6 +318,16 @@ class DeviceEmitter:
         if node.regions:
             return region_emitter.region_op(self, node)
         return tf_op_emitter(node, self.devices)
+
+
+def _members(sources):
+    """{s: [s and the devices d with sources[d] == s]} for the devices s that run a
+    node for others."""
+    members = {}
+    for d, s in enumerate(sources):
+        if s != d:
+            members.setdefault(s, [s]).append(d)
+    return members
 
 
 def _const_key(node):

@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence, Union
 import tensorflow as tf
 from tensorflow.python.eager import record
 
+from gspmd_tf.backends.replicas import copy_owners
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import Graph
 from gspmd_tf.mesh import Mesh, PartitionSpec
@@ -249,8 +250,9 @@ class Function:
         program = lowered.program
         graph = lowered.graph
         copies = []  # read-only copies of variables of other meshes, alive for the run
+        shared = run.shares_variable_copies
         inputs = [self._shards(value, layout, graph.dtype(ref), copies,
-                               program.input_placements.get(i, self.mesh))
+                               program.input_placements.get(i, self.mesh), shared)
                   for i, (value, layout, ref) in enumerate(zip(
                       list(call.flat) + list(graph.captures), program.input_layouts,
                       graph.inputs))]
@@ -287,20 +289,26 @@ class Function:
             "(open the tape in it and return or apply the gradients, as a training step "
             "does), or call it outside the tape")
 
-    def _shards(self, value, layout, dtype, copies, placed):
+    def _shards(self, value, layout, dtype, copies, placed, shared):
         """Per-device shards of one program input of `dtype` in `layout` placed as on
         mesh `placed` (this mesh, or its devices in the order an in_shardings entry
         names), split on the devices (sharded_tensor.place_value); variables: the
-        handles of their shard variables; a variable of another mesh: of copies of its
-        value resharded onto this mesh, appended to `copies`."""
+        handles of their shard variables (Variable.handles: `shared` is the program's
+        Compiled.shares_variable_copies); a variable of another mesh: of copies of its
+        value resharded onto this mesh (one per class of copy owners if `shared`),
+        appended to `copies`."""
         variable = variable_of_handle(value)
         if variable is not None and variable.mesh == self.mesh:
-            return [None if v is None else v.handle for v in variable.shard_variables]
+            return variable.handles(shared, copies)
         if variable is not None:
             handles = [None] * self.mesh.size
+            owners = copy_owners(self.mesh, layout) if shared else range(self.mesh.size)
             local = set(self.mesh.addressable_ids)
             for devices, piece in variable.sharded().pieces_on(self.mesh, layout):
                 for device in (d for d in devices if d in local):
+                    if owners[device] != device:  # its owner came first
+                        handles[device] = handles[owners[device]]
+                        continue
                     with tf.device(self.mesh.devices[device]):
                         copies.append(tf.Variable(piece, trainable=False))
                     handles[device] = copies[-1].handle

@@ -7,6 +7,13 @@ program gets the handle of that device's shard variable instead, so reads, assig
 optimizer updates act on the shards. (A gt.function on another mesh only reads it, from
 copies resharded onto its mesh; see gt.function.)
 
+The CPU devices of this process that hold the same block share one tf.Variable, on the
+first of them (replicas.copy_owners): a replicated variable is one tf.Variable per
+process, not one per device. The local backend reads and writes it on that device for
+all of them (backends/emitter.py); a program that cannot (Compiled.shares_variable_copies
+false: a control-flow body or a compiled segment touching variables) gets private copies
+for the other devices, made for the run (Variable.handles).
+
 Checkpoints store each distinct shard as a slice of the global variable, so saving and
 restoring move one shard at a time, and any mesh, spec or plain tf.Variable restores them.
 
@@ -31,6 +38,7 @@ from tensorflow.python.training.saving import saveable_object
 
 from gspmd_tf import cluster
 from gspmd_tf.backends import collectives
+from gspmd_tf.backends.replicas import copy_owners
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.layout import Layout
 from gspmd_tf.mesh import Mesh, PartitionSpec
@@ -102,13 +110,20 @@ class Variable(_WholeValueCheckpoint):
         self.layout = self.layout_for(mesh, spec, shape, f"variable {self.name!r}")
         pieces = (self._global_pieces(np.asarray(value)) if value is not None
                   else self._initial_pieces(initial_value))
+        # the CPU devices of this process holding one block share one tf.Variable, on
+        # the first of them (a copy per process, not per device); others hold their own
+        self._owners = copy_owners(mesh, self.layout)
         self.shard_variables = [None] * mesh.size
         for devices, piece in pieces:  # devices: this process's holders of the piece
             # one tensor per distinct shard, which its devices' variables start from
-            # (TF shares the buffer between CPU devices until a variable is updated)
+            # (TF shares the buffer between devices until a variable is updated)
             with tf.device(mesh.devices[devices[0]]):
                 piece = tf.convert_to_tensor(piece, dtype=dtype)
-            for device in devices:
+            for device in devices:  # an owner comes before the devices sharing its copy
+                owner = self._owners[device]
+                if owner != device:
+                    self.shard_variables[device] = self.shard_variables[owner]
+                    continue
                 with tf.device(mesh.devices[device]):
                     self.shard_variables[device] = tf.Variable(piece, trainable=False,
                                                                name=_SHARD_NAME)
@@ -185,8 +200,35 @@ class Variable(_WholeValueCheckpoint):
     @property
     def shards(self):
         """The per-device shard values (padded to equal size along uneven dims; None on
-        other workers' devices)."""
-        return [None if v is None else v.read_value() for v in self.shard_variables]
+        other workers' devices): one read per copy, which the devices sharing it share."""
+        reads = {}
+        for v in self.shard_variables:
+            if v is not None and id(v) not in reads:
+                reads[id(v)] = v.read_value()
+        return [None if v is None else reads[id(v)] for v in self.shard_variables]
+
+    def copies(self):
+        """The distinct tf.Variables holding this process's shards (a copy per class of
+        devices holding one block: see the class docstring)."""
+        return list({id(v): v for v in self.shard_variables if v is not None}.values())
+
+    def handles(self, shared: bool, keep: list) -> list:
+        """Per-device handles for a program on this variable's mesh (None on other
+        workers' devices). `shared` (the program's Compiled.shares_variable_copies): the
+        handles of the copies, repeated for the devices sharing one. Else each device
+        sharing another's copy gets a private copy of its value (appended to `keep`,
+        which must outlive the run), written by that device's program only; the
+        owner's program writes the shared copy, with the same values."""
+        handles = [None if v is None else v.handle for v in self.shard_variables]
+        if shared:
+            return handles
+        for d, (v, owner) in enumerate(zip(self.shard_variables, self._owners)):
+            if v is not None and owner != d:
+                with tf.device(self.mesh.devices[d]):
+                    keep.append(tf.Variable(v.read_value(), trainable=False,
+                                            name=_SHARD_NAME))
+                handles[d] = keep[-1].handle
+        return handles
 
     def sharded(self):
         """The current value as a ShardedTensor."""
@@ -223,8 +265,8 @@ class Variable(_WholeValueCheckpoint):
         """Apply `update` ("assign", "assign_add", "assign_sub") of a global numpy value
         shard by shard."""
         pieces = split_value(value, self.mesh, self.layout)
-        for var, piece in zip(self.shard_variables, pieces):
-            if var is not None:
+        for d, (var, piece) in enumerate(zip(self.shard_variables, pieces)):
+            if var is not None and self._owners[d] == d:  # once per copy
                 getattr(var, update)(piece)
 
     # Eagerly (between steps: metrics, get/set weights, checkpoints) a read is the global
@@ -349,6 +391,8 @@ class _ShardSaveable(saveable_object.SaveableObject):
                 "into a variable of the saved shape")
         updates = []
         for device in self._devices:
+            if variable._owners[device] != device:  # pylint: disable=protected-access
+                continue  # shares the copy its owner writes
             shard = variable.shard_variables[device]
             pad = padding(self._box, shard.shape)
             with tf.device(shard.device):
