@@ -156,24 +156,46 @@ def test_outputs_of_ops_run_once_live_on_their_devices(mesh):
 def test_a_loop_writing_a_replicated_variable_runs_on_private_copies_with_tf_values(mesh):
     """A while body that writes a variable would write the shared copy on every device:
     such a program runs each device on a copy of its own (the owner's is the shared
-    one), with single-device TF's values."""
+    one), kept between its runs and refreshed after a sharing program or an eager
+    assign wrote the shared copy, with single-device TF's values."""
     w0 = np.arange(8, dtype=np.float32)
     x = np.linspace(0.0, 1.0, 8).astype(np.float32)
     v, plain = gt.Variable(w0, mesh, gt.P()), tf.Variable(w0)
 
     def accumulate(variable):
         def run(x):
-            def body(i):
+            def body(i, total):  # each device reads its own copy in the body
                 variable.assign_add(x * tf.cast(i + 1, tf.float32))
-                return [i + 1]
-            tf.while_loop(lambda i: i < 3, body, [tf.constant(0)])
-            return variable.read_value() * 2.0
+                return [i + 1, total + variable.read_value()]
+            _, total = tf.while_loop(lambda i, t: i < 3, body, [tf.constant(0), x * 0.0])
+            return variable.read_value() * 2.0, total
         return run
 
-    step = gt.function(accumulate(v), mesh=mesh, in_shardings=(gt.P(),))
+    def scale(variable):
+        def run():
+            variable.assign(variable * 0.5)
+            return variable.read_value()
+        return run
+
+    step = gt.function(accumulate(v), mesh=mesh, in_shardings=(gt.P(),),
+                       out_shardings=(gt.P(), gt.P(("data", "model"))))
     want = tf.function(accumulate(plain))
-    for _ in range(2):
-        assert_close(step(x).numpy(), want(x).numpy(), "output")
+    halve, halve_plain = gt.function(scale(v), mesh=mesh), tf.function(scale(plain))
     assert not step.lower(x).compile().shares_variable_copies
+    assert halve.lower().compile().shares_variable_copies
+    def check():
+        for got, expected in zip(step(x), want(x)):
+            assert_close(got.numpy(), expected.numpy(), "output")
+
+    for _ in range(2):
+        check()
+    private = list(v._private)  # pylint: disable=protected-access
+    # the shared copy written elsewhere (a sharing program, an eager assign): the private
+    # copies, kept between runs, take its value before the next run on them
+    for update, update_plain in ((halve, halve_plain),
+                                 (lambda: v.assign(w0 + 1.0), lambda: plain.assign(w0 + 1.0))):
+        update(), update_plain()
+        check()
+    assert [a is b for a, b in zip(private, v._private)] == [True] * len(private)  # pylint: disable=protected-access
     assert len(v.copies()) == 1
     assert_close(v.numpy(), plain.numpy(), "variable")

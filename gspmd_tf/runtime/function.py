@@ -256,7 +256,15 @@ class Function:
                   for i, (value, layout, ref) in enumerate(zip(
                       list(call.flat) + list(graph.captures), program.input_layouts,
                       graph.inputs))]
-        outs = run(inputs)
+        try:
+            outs = run(inputs)
+        except BaseException:
+            if not shared:
+                for value in list(call.flat) + list(graph.captures):
+                    variable = variable_of_handle(value)
+                    if variable is not None and variable.mesh == self.mesh:
+                        variable.private_copies_differ()
+            raise
         del copies
         # an output whose out_shardings entry orders the devices otherwise is on a mesh
         # of that order (Sharding.placement)
@@ -299,7 +307,7 @@ class Function:
         appended to `copies`."""
         variable = variable_of_handle(value)
         if variable is not None and variable.mesh == self.mesh:
-            return variable.handles(shared, copies)
+            return variable.handles(shared)
         if variable is not None:
             handles = [None] * self.mesh.size
             owners = copy_owners(self.mesh, layout) if shared else range(self.mesh.size)

@@ -11,8 +11,8 @@ The CPU devices of this process that hold the same block share one tf.Variable, 
 first of them (replicas.copy_owners): a replicated variable is one tf.Variable per
 process, not one per device. The local backend reads and writes it on that device for
 all of them (backends/emitter.py); a program that cannot (Compiled.shares_variable_copies
-false: a control-flow body or a compiled segment touching variables) gets private copies
-for the other devices, made for the run (Variable.handles).
+false: a control-flow body or a compiled segment touching variables) runs on private copies
+for the other devices, kept between such runs (Variable.handles).
 
 Checkpoints store each distinct shard as a slice of the global variable, so saving and
 restoring move one shard at a time, and any mesh, spec or plain tf.Variable restores them.
@@ -113,6 +113,8 @@ class Variable(_WholeValueCheckpoint):
         # the CPU devices of this process holding one block share one tf.Variable, on
         # the first of them (a copy per process, not per device); others hold their own
         self._owners = copy_owners(mesh, self.layout)
+        self._private = None  # private copies of the devices sharing another's copy
+        self._private_current = False  # they hold the shared copies' values
         self.shard_variables = [None] * mesh.size
         for devices, piece in pieces:  # devices: this process's holders of the piece
             # one tensor per distinct shard, which its devices' variables start from
@@ -209,26 +211,43 @@ class Variable(_WholeValueCheckpoint):
 
     def copies(self):
         """The distinct tf.Variables holding this process's shards (a copy per class of
-        devices holding one block: see the class docstring)."""
+        devices holding one block: see the class docstring), for a caller that may
+        write them."""
+        self._private_current = False
         return list({id(v): v for v in self.shard_variables if v is not None}.values())
 
-    def handles(self, shared: bool, keep: list) -> list:
+    def handles(self, shared: bool) -> list:
         """Per-device handles for a program on this variable's mesh (None on other
         workers' devices). `shared` (the program's Compiled.shares_variable_copies): the
         handles of the copies, repeated for the devices sharing one. Else each device
-        sharing another's copy gets a private copy of its value (appended to `keep`,
-        which must outlive the run), written by that device's program only; the
-        owner's program writes the shared copy, with the same values."""
+        sharing another's copy gets a private copy of its value, written by that
+        device's program only; the owner's program writes the shared copy, with the
+        same values. Private copies are kept between such runs and refreshed from the
+        shared ones after anything else may have written those (a sharing program,
+        an eager update, a restore, copies())."""
         handles = [None if v is None else v.handle for v in self.shard_variables]
         if shared:
+            self._private_current = False
             return handles
-        for d, (v, owner) in enumerate(zip(self.shard_variables, self._owners)):
-            if v is not None and owner != d:
-                with tf.device(self.mesh.devices[d]):
-                    keep.append(tf.Variable(v.read_value(), trainable=False,
-                                            name=_SHARD_NAME))
-                handles[d] = keep[-1].handle
-        return handles
+        if self._private is None:
+            self._private = [None] * self.mesh.size
+            for d, (v, owner) in enumerate(zip(self.shard_variables, self._owners)):
+                if v is not None and owner != d:
+                    with tf.device(self.mesh.devices[d]):
+                        self._private[d] = tf.Variable(v.read_value(), trainable=False,
+                                                       name=_SHARD_NAME)
+        elif not self._private_current:
+            for d, private in enumerate(self._private):
+                if private is not None:
+                    private.assign(self.shard_variables[d].read_value(), read_value=False)
+        self._private_current = True
+        return [h if private is None else private.handle
+                for h, private in zip(handles, self._private)]
+
+    def private_copies_differ(self):
+        """A program on private copies failed midway: they may hold other values than
+        the shared copies now; the next such program refreshes them."""
+        self._private_current = False
 
     def sharded(self):
         """The current value as a ShardedTensor."""
@@ -265,6 +284,7 @@ class Variable(_WholeValueCheckpoint):
         """Apply `update` ("assign", "assign_add", "assign_sub") of a global numpy value
         shard by shard."""
         pieces = split_value(value, self.mesh, self.layout)
+        self._private_current = False
         for d, (var, piece) in enumerate(zip(self.shard_variables, pieces)):
             if var is not None and self._owners[d] == d:  # once per copy
                 getattr(var, update)(piece)
@@ -390,6 +410,7 @@ class _ShardSaveable(saveable_object.SaveableObject):
                 f"{tuple(value.shape)} but the variable has {tuple(variable.shape)}: restore "
                 "into a variable of the saved shape")
         updates = []
+        variable._private_current = False  # pylint: disable=protected-access
         for device in self._devices:
             if variable._owners[device] != device:  # pylint: disable=protected-access
                 continue  # shares the copy its owner writes
