@@ -250,7 +250,7 @@ def _refs() -> dict:
     r = {op: Recipe(recipe.inputs, recipe.attrs, lambda out, _: out * 1.0)
          for op, recipe in r.items()}
     # SDCA's L1 shrink of a list of weights in place (no outputs): the weights after it
-    r["SdcaShrinkL1"] = Recipe(([ref, Made(F(6), _ref)],), {"l1": 0.5, "l2": 2.0},
+    r["SdcaShrinkL1"] = Recipe(([ref, ref],), {"l1": 0.5, "l2": 2.0},
                                _read_after)
     return r
 
