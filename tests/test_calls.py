@@ -225,35 +225,43 @@ def test_numpy_function_runs_once_per_call(mesh):
 
 
 @pytest.mark.parametrize("backend", ["local", "xla"])
-def test_tf_print_prints_the_whole_value_once_per_call(mesh, tmp_path, backend):
-    """tf.print of a split tensor writes what one device's tf.print writes, once per
-    call (PRINTS: the devices holding its input equal run it once), not once per device."""
-    out = tmp_path / "printed.txt"
+def test_tf_print_prints_once_per_call_iteration_and_taken_branch(mesh, tmp_path, capfd,
+                                                                  backend):
+    """tf.print of a split tensor writes what single-device TF writes: the whole value,
+    once per call at top level (PRINTS: the devices holding its input equal run it
+    once), once per iteration in a tf.while_loop body and once in a tf.cond's taken
+    branch (v1 Print there), not once per device or per device's body."""
+    def printed(x, stream):
+        tf.print("sum", tf.reduce_sum(x), x[:, 0], output_stream=stream, summarize=-1)
 
-    def printed(x):
-        tf.print("sum", tf.reduce_sum(x), x[:, 0], output_stream=f"file://{out}",
-                 summarize=-1)
-        return x * 2.0
+        def body(i, v):
+            tf.print("step", i, tf.reduce_sum(v), output_stream=stream)
+            return i + 1, v * 2.0
+
+        _, y = tf.while_loop(lambda i, v: i < 3, body, (tf.constant(0), x))
+        return tf.cond(tf.reduce_sum(y) > 0.0,
+                       lambda: tf.identity(tf.compat.v1.Print(y, [y[0, 0]], "taken ")),
+                       lambda: y - 1.0)
 
     x = x8x4()
-    f = gt.function(printed, mesh=mesh, in_shardings=(P("data", "model"),), backend=backend)
+    got, want = tmp_path / "got.txt", tmp_path / "want.txt"
+    f = gt.function(lambda v: printed(v, f"file://{got}"), mesh=mesh,
+                    in_shardings=(P("data", "model"),), backend=backend)
     for _ in range(2):
-        assert_close(f(x).numpy(), 2 * x)
-    want = tmp_path / "want.txt"
-
-    @tf.function
-    def one_device(v):
-        tf.print("sum", tf.reduce_sum(v), v[:, 0], output_stream=f"file://{want}",
-                 summarize=-1)
-
+        assert_close(f(x).numpy(), 8 * x)
+    assert capfd.readouterr().err.count("taken [0]") == 2  # v1 Print writes to stderr
     with tf.device("/device:CPU:0"):
-        one_device(x)
-    lines = out.read_text().splitlines()
-    assert len(lines) == 2 and lines[0] == lines[1]
-    # the same words and values (the split sum's last digits may differ)
-    got, expected = lines[0].split(), want.read_text().split()
-    assert got[0] == expected[0] == "sum" and got[2:] == expected[2:]
-    assert_close(np.float32(got[1]), np.float32(expected[1]))
+        tf.function(lambda v: printed(v, f"file://{want}"))(x)
+    lines, expected = got.read_text().splitlines(), want.read_text().splitlines()
+    assert [line.split()[0] for line in expected] == ["sum", "step", "step", "step"]
+    assert len(lines) == 2 * len(expected)
+    for line, other in zip(lines, expected + expected):
+        # the same words and values (a split sum's last digits may differ)
+        for word, other_word in zip(line.split(), other.split(), strict=True):
+            if word.replace(".", "").isdigit():
+                assert_close(np.float32(word), np.float32(other_word))
+            else:
+                assert word == other_word
 
 
 def test_runtime_errors_name_the_function(mesh):

@@ -1,6 +1,8 @@
 """Op families with a rule that ran replicated before: special functions, the v1 Concat,
 slice updates, InTopKV2, L2Loss, FFTs, Qr and Cholesky, image resizes and adjustments,
-pooling's second derivative, string ops, and ops that need every input whole. Values
+pooling's second derivative, string ops, and ops that need every input whole; complex
+parts, matrix inverses and solves, reversals, space/depth moves, cross products and
+scatters by max. Values
 equal single-device TF on the 2x4 mesh with uneven splits (3, 5, 6 over 4 devices), and
 no op runs replicated for lack of a rule."""
 
@@ -9,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from util import randn, run_and_compare
+from util import assert_like_tf_variable, randn, run_and_compare
 
 P = gt.P
 RNG = np.random.default_rng(25)
@@ -120,6 +122,23 @@ CASES = [
         tf.strings.as_string(x)))), (ints(6, 5),), SPLIT_BOTH),
     ("DiagPart", lambda x: tf.linalg.tensor_diag_part(x * 2.0), (randn(RNG, 5, 5),),
      SPLIT_BOTH),
+    # a complex number's parts, angle and conjugate, elementwise
+    ("Angle", lambda x, y: tf.math.angle(complex_of(x, y)) + tf.math.imag(tf.math.conj(
+        complex_of(y, x))) * tf.math.real(complex_of(x, y)), (randn(RNG, 6, 5),) * 2,
+     SPLIT_BOTH * 2),
+    # inverses and solves of a batch split unevenly: its padding made the identity first
+    # (a singular padded matrix made TF's kernels fail)
+    ("MatrixInverse", lambda a, b: (tf.linalg.inv(a), tf.linalg.solve(a, b)),
+     (spd(3, 2), randn(RNG, 3, 2, 4, 2)), (P("model", "data"),) * 2),
+    # reversed dims whole, the others split; blocks moved between space and depth of
+    # each image of the batch; 3-vectors crossed; overwriting scatters by max
+    ("ReverseV2", lambda x: tf.reverse(x, [1]), (randn(RNG, 6, 4, 5),),
+     (P("model", None, "data"),)),
+    ("SpaceToDepth", lambda x: tf.nn.depth_to_space(tf.nn.space_to_depth(x, 2) * 2.0, 2),
+     (randn(RNG, 3, 4, 6, 2),), (P("model"),)),
+    ("Cross", tf.linalg.cross, (randn(RNG, 6, 5, 3),) * 2, (P("model", "data"),) * 2),
+    ("TensorScatterMax", lambda x, u: tf.tensor_scatter_nd_max(x, [[1], [3], [1]], u),
+     (randn(RNG, 5, 6), randn(RNG, 3, 6)), (P(None, "model"),) * 2),
     ("InvertPermutation", lambda x: tf.math.invert_permutation(tf.argsort(x)),
      (randn(RNG, 6),), (P("model"),)),
 ]
@@ -219,3 +238,25 @@ def test_random_state_is_read_and_skipped_alike_on_every_device(mesh):
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(state.numpy(), plain.numpy())
     assert not f.lower().program.replicated_ops
+
+
+def test_a_variable_split_along_its_trailing_dim_is_scattered_into_in_place(mesh, caplog):
+    """ResourceScatterAdd / Max / NdUpdate (tf.Variable.scatter_*) of a gt.Variable
+    split along its columns, rows indexed twice: each device applies every update to
+    its columns, values TF's, nothing replicated."""
+    initial, rows, updates = randn(RNG, 5, 6), [1, 3, 1], randn(RNG, 3, 6)
+
+    def make(v):
+        def f(u):
+            v.scatter_add(tf.IndexedSlices(u, rows))
+            v.scatter_max(tf.IndexedSlices(u * 2.0, rows))
+            v.scatter_nd_update([[4], [0]], u[:2])
+            return (v.read_value(),)
+        return f
+    v = gt.Variable(initial, mesh, P(None, "model"), name="v")
+    caplog.set_level("WARNING", logger="gspmd_tf")
+    step = gt.function(make(v), mesh=mesh, in_shardings=(P(None, "model"),))
+    assert_like_tf_variable(make, v, initial, [t.numpy() for t in step(updates)], [updates])
+    assert {"ResourceScatterAdd", "ResourceScatterMax", "ResourceScatterNdUpdate"} <= {
+        n.op for n in step.lower(updates).graph.nodes}
+    assert "no partitioning rule" not in caplog.text

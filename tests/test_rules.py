@@ -48,6 +48,7 @@ def raw(op_type, **attrs):
 
 SAME_2D = "([i, j])->([i, j]) {i=4, j=6}"
 UNARY_ATTRS = {"Cast": {"DstT": tf.int32}, "CheckNumerics": {"message": "m"},
+               "CheckNumericsV2": {"message": "m"},
                "EnsureShape": {"shape": [4, 6]}}
 UNARY_ROWS = [(op, raw(op, **UNARY_ATTRS.get(op, {})),
                [boolean(4, 6) if op == "LogicalNot" else f32(4, 6)], SAME_2D)
@@ -114,6 +115,17 @@ def read(shape, batch_dims=0):
     variable = tf.Variable(tf.zeros(shape))
     return lambda i: tf.raw_ops.ResourceGather(resource=variable.handle, indices=i,
                                                dtype=tf.float32, batch_dims=batch_dims)
+
+
+def resource_scatter(op_type, indices):
+    """updates -> ResourceScatter*(Nd*) of a fresh 5x6 variable's rows at `indices`."""
+    variable = tf.Variable(tf.zeros((5, 6)))
+    handle = "ref" if "Nd" in op_type else "resource"
+
+    def fn(updates):
+        getattr(tf.raw_ops, op_type)(**{handle: variable.handle}, indices=indices,
+                                     updates=updates)
+    return fn
 
 
 def conv(op_type, x, w, y, **attrs):
@@ -306,6 +318,7 @@ def text(*shape):
 # ones, the ternary Betainc (equal shapes or scalars), integer and complex ones
 SPECIAL_UNARY = {"BesselI0e": f32, "BesselI1e": f32, "Ndtri": f32, "Erfinv": f32,
                  "Invert": i32, "PopulationCount": i32, "ComplexAbs": c64,
+                 **dict.fromkeys(("Angle", "Conj", "Real", "Imag"), c64),
                  **dict.fromkeys("""BesselI0 BesselI1 BesselJ0 BesselJ1 BesselK0 BesselK0e
                  BesselK1 BesselK1e BesselY0 BesselY1 Expint FresnelCos FresnelSin Spence
                  DebugGradientIdentity FakeQuantWithMinMaxArgs""".split(), f32)}
@@ -319,7 +332,12 @@ SPECIAL_ROWS = [(op, raw(op), [SPECIAL_UNARY[op](4, 6)], SAME_2D)
                 if op == "Betainc" else
                 (op, raw(op), [(i32 if op == "Mod" else f32)(4, 1, 6),
                                (i32 if op == "Mod" else f32)(5, 6)], BROADCAST)
-                for op in SPECIAL]
+                for op in SPECIAL if not op.startswith("FakeQuantWithMinMaxVars")] + [
+    # fake quantization by bounds given as inputs: scalars, or per channel (the last dim)
+    ("FakeQuantWithMinMaxVars", raw("FakeQuantWithMinMaxVars"), [f32(4, 6), f32(), f32()],
+     "([i, j], [], [])->([i, j]) {i=4, j=6}"),
+    ("FakeQuantWithMinMaxVarsPerChannel", raw("FakeQuantWithMinMaxVarsPerChannel"),
+     [f32(4, 6), f32(6), f32(6)], "([i, j], [j], [j])->([i, j]) {i=4, j=6}")]
 def python_function(call):
     """x -> call(double, [x]) (tf.py_function or tf.numpy_function), shaped like x."""
     def fn(x):
@@ -428,6 +446,63 @@ FAMILY_ROWS = [
      " need_replication={k, l, m, n, o, p, q, r, s, t, u, v}"),
     # the diagonal: rows pass, columns whole (the handler cuts them to the row block)
     ("DiagPart", raw("DiagPart"), [f32(4, 4)], "([i, j])->([i]) {i=4, j=4} need_replication={j}"),
+    # a conjugate transpose as a transpose; reversed dims whole
+    ("ConjugateTranspose", lambda x: tf.raw_ops.ConjugateTranspose(x=x, perm=[1, 0]),
+     [c64(4, 6)], "([i, j], _)->([j, i]) {i=4, j=6}"),
+    ("ReverseV2", lambda x: tf.reverse(x, [1]), [f32(4, 6, 3)],
+     "([i, j, l], _)->([i, k, l]) {i=4, j=6, k=6, l=3} need_replication={j, k}"),
+    ("Reverse", lambda x: tf.raw_ops.Reverse(tensor=x, dims=[False, True, False]),
+     [f32(4, 6, 3)],
+     "([i, j, l], _)->([i, k, l]) {i=4, j=6, k=6, l=3} need_replication={j, k}"),
+    # each pixel's channels whole (LRN: its window), 3-vectors whole
+    *[(op, fn, [f32(2, 4, 3)],
+       "([i, j, k])->([i, j, l]) {i=2, j=4, k=3, l=3} need_replication={k, l}")
+      for op, fn in (("HSVToRGB", tf.image.hsv_to_rgb), ("RGBToHSV", tf.image.rgb_to_hsv))],
+    ("LRN", lambda x: tf.nn.local_response_normalization(x, 2), [f32(2, 4, 5, 6)],
+     "([i, j, k, l])->([i, j, k, m]) {i=2, j=4, k=5, l=6, m=6} need_replication={l, m}"),
+    ("Cross", tf.linalg.cross, [f32(2, 4, 3)] * 2,
+     "([i, j, k], [i, j, l])->([i, j, m]) {i=2, j=4, k=3, l=3, m=3}"
+     " need_replication={k, l, m}"),
+    # the batch passes, each image or volume whole
+    ("SpaceToDepth", lambda x: tf.nn.space_to_depth(x, 2), [f32(2, 4, 6, 3)],
+     "([i, j, k, l])->([i, m, n, o]) {i=2, j=4, k=6, l=3, m=2, n=3, o=12}"
+     " need_replication={j, k, l, m, n, o}"),
+    ("DepthToSpace", lambda x: tf.nn.depth_to_space(x, 2), [f32(2, 4, 6, 8)],
+     "([i, j, k, l])->([i, m, n, o]) {i=2, j=4, k=6, l=8, m=8, n=12, o=2}"
+     " need_replication={j, k, l, m, n, o}"),
+    ("ExtractImagePatches", lambda x: tf.image.extract_patches(
+        x, [1, 2, 2, 1], [1, 1, 1, 1], [1, 1, 1, 1], "VALID"), [f32(2, 4, 6, 3)],
+     "([i, j, k, l])->([i, m, n, o]) {i=2, j=4, k=6, l=3, m=3, n=5, o=12}"
+     " need_replication={j, k, l, m, n, o}"),
+    ("ExtractVolumePatches", lambda x: tf.raw_ops.ExtractVolumePatches(
+        input=x, ksizes=[1, 2, 2, 2, 1], strides=[1] * 5, padding="VALID"),
+     [f32(2, 3, 4, 4, 3)],
+     "([i, j, k, l, m])->([i, n, o, p, q]) {i=2, j=3, k=4, l=4, m=3, n=2, o=3, p=3, q=24}"
+     " need_replication={j, k, l, m, n, o, p, q}"),
+    # overwriting scatters by max / min: index batch dims whole, trailing dims pass
+    *[(op, lambda x, u, op=op: getattr(tf.raw_ops, op)(tensor=x, indices=[[1], [3]],
+                                                       updates=u),
+       [f32(5, 6), f32(2, 6)],
+       "([j, k], [i, 1], [i, k])->([j, k]) {i=2, j=5, k=6} need_replication={i, j}")
+      for op in ("TensorScatterMax", "TensorScatterMin")],
+    # a variable's rows updated in place: rows and index batch whole, trailing dims pass
+    *[(op, resource_scatter(op, [1, 3, 1]), [f32(3, 6)],
+       "([j, k], [i], [i, k])->() {i=3, j=5, k=6} need_replication={i, j}")
+      for op in ("ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterMul",
+                 "ResourceScatterDiv", "ResourceScatterMin", "ResourceScatterMax",
+                 "ResourceScatterUpdate")],
+    *[(op, resource_scatter(op, [[1], [3], [1]]), [f32(3, 6)],
+       "([j, k], [i, 1], [i, k])->() {i=3, j=5, k=6} need_replication={i, j}")
+      for op in ("ResourceScatterNdAdd", "ResourceScatterNdUpdate")],
+    # inverses, square roots and solves: matrices whole, batch dims pass
+    *[(op, fn, [f32(3, 4, 4)],
+       "([i, j, k])->([i, l, m]) {i=3, j=4, k=4, l=4, m=4} need_replication={j, k, l, m}")
+      for op, fn in (("MatrixInverse", tf.linalg.inv), ("MatrixSquareRoot", tf.linalg.sqrtm))],
+    *[(op, fn, [f32(3, 4, 4), f32(3, 4, 2)],
+       "([i, j, k], [i, l, m])->([i, n, o]) {i=3, j=4, k=4, l=4, m=2, n=4, o=2}"
+       " need_replication={j, k, l, m, n, o}")
+      for op, fn in (("MatrixSolve", tf.linalg.solve),
+                     ("MatrixTriangularSolve", tf.linalg.triangular_solve))],
     # every input whole
     ("StringFormat", lambda x: tf.strings.format("{}", x), [f32(4, 6)],
      "([i, j])->([]) {i=4, j=6} need_replication={i, j}"),

@@ -189,9 +189,10 @@ class DeviceEmitter:
         with tf.device(self.devices[d]):
             return identity(tensor)
 
-    def emit_node(self, program, index, values, op_of):
+    def emit_node(self, program, index, values, op_of, after=()):
         """Emits node `index` of `program` on every device of this process, filling
-        values[index] and op_of[index] (None entries for other workers' devices)."""
+        values[index] and op_of[index] (None entries for other workers' devices); each
+        device's copy waits for that device's copies of the nodes `after` too."""
         node = program.nodes[index]
         if self._passes_through(program, index):
             # the node's value is its input's on every device: no op (Identities and
@@ -213,7 +214,7 @@ class DeviceEmitter:
         n = self.mesh.size
         outs, node_ops = [None] * n, [None] * n
         sources = self._sources(node, index)
-        control = node.control_inputs
+        control = node.control_inputs + list(after)
         # with self.ordering: the ordering edges, the token chain and the control outputs
         # (without it, tf.function's automatic control dependencies add them)
         uses_token = self.ordering is not None and getattr(emit, "uses_token", False)

@@ -13,9 +13,10 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_util_v2
 
 from gspmd_tf.backends import base, collective_emitters, collectives
-from gspmd_tf.backends.tf_kernels import safe_name, set_shapes
+from gspmd_tf.backends.tf_kernels import identity, safe_name, set_shapes
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import REGION_OPS, walk
+from gspmd_tf.registry import PRINTS, has_trait
 
 
 def region_op(emitter, node):
@@ -122,8 +123,12 @@ def _lower_region(emitter, region, args, d):
                 f"LocalBackend cannot run {node.op} of {node.out_dtypes[0].name} inside "
                 f"a control-flow body (node {node.name}): TF's collectives do not take "
                 "that dtype; keep the split that needs it out of the body")
-        emit = (collective_emitters.permute_in_region(emitter, node)
-                if node.op == base.PERMUTE else emitter.emitter_of(node, in_region=True))
+        if node.op == base.PERMUTE:
+            emit = collective_emitters.permute_in_region(emitter, node)
+        elif has_trait(node.op, PRINTS) and d != emitter.local[0]:
+            emit = _not_printed(node)
+        else:
+            emit = emitter.emitter_of(node, in_region=True)
         with tf.control_dependencies([op_of[c] for c in node.control_inputs]):
             # one device: inputs[k] maps it to its tensor, as emitters index them
             result = emit(d, [{d: values[ref.node][ref.out]} for ref in node.inputs])
@@ -132,6 +137,18 @@ def _lower_region(emitter, region, args, d):
         values.append(outs)
         op_of.append(result if isinstance(result, ops.Operation) else result.op)
     return [values[ref.node][ref.out] for ref in region.outputs]
+
+
+def _not_printed(node):
+    """emit(d, inputs) of a PRINTS op (tf.print) in a body on a device other than this
+    process's first: its rule takes its inputs whole, equal on every device, so the
+    first device's body prints them once per iteration or taken branch, as one device
+    does (each device's body printed them once more). Here it is a NoOp (PrintV2) or
+    its first input (v1 Print's result), which the device's other nodes wait on as
+    before."""
+    if node.out_dtypes:
+        return lambda d, ins: identity(ins[0][d])
+    return lambda d, ins: tf.no_op()
 
 
 # The stateful op of a stateless control-flow op whose bodies now hold collectives.

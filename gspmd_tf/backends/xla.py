@@ -36,7 +36,7 @@ from typing import Optional
 import tensorflow as tf
 from tensorflow.python.framework import ops
 
-from gspmd_tf.backends import base, segments
+from gspmd_tf.backends import base, ordering, segments
 from gspmd_tf.backends.emitter import cpu_replica_classes
 from gspmd_tf.backends.local import CompiledProgram, EmissionSettings
 from gspmd_tf.backends.tf_kernels import set_shapes, tf_op_emitter
@@ -178,11 +178,23 @@ class SegmentPlan:
         segment's calls, the other nodes op by op; returns the outputs, output-major."""
         values, op_of = {}, {}
         functions = iter(self.functions)
+        chained = None  # the last op-by-op node on ACD's chain of stateful ops
         for step in self.steps:
             if isinstance(step, segments.Segment):
                 self._emit_segment(emitter, program, step, next(functions), values, op_of)
-            else:
-                emitter.emit_node(program, step, values, op_of)
+                continue
+            # ACD chains the stateful ops without resource inputs, but a control-flow
+            # op whose bodies hold collectives takes its device's ordering token (a
+            # resource) and left that chain: a loop printing in its body printed
+            # before a tf.print the program runs ahead of it. The program order of
+            # those nodes (kept by segments.cut) is made explicit.
+            node = program.nodes[step]
+            on_chain = ordering.stateful(node.op) and not any(
+                program.dtype(ref) == tf.resource for ref in node.inputs)
+            emitter.emit_node(program, step, values, op_of,
+                              after=(chained,) if on_chain and chained is not None else ())
+            if on_chain:
+                chained = step
         # outputs live on their device: segments ran on runs_on, copies read in place
         return [emitter.held_on(values[ref.node][ref.out][d], d)
                 for ref in program.outputs for d in emitter.local]

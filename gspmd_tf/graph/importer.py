@@ -66,6 +66,15 @@ _REFUSED_OPS = {
                     "partition: its lookups can miss what the table was filled with; use "
                     "the v2 tables (tf.lookup.StaticHashTable, tf.lookup.experimental."
                     "MutableHashTable)"),
+    # op sweep: wrong weights. It shrinks v1 ref variables in place and returns nothing,
+    # so only the traced graph's control edges order reads of them after it, and the SPMD
+    # program orders state by resource variables (backends/ordering.py), not by those
+    "SdcaShrinkL1": "shrinks v1 ref variables in place and returns nothing, so reads of "
+                    "the weights after it are ordered only by control edges, which "
+                    "gspmd-tf does not keep (it orders state through resource "
+                    "variables): they could see the weights unshrunk; hold the weights in "
+                    "tf.Variables and shrink them with tensor ops, w.assign(tf.sign(w) * "
+                    "tf.maximum(tf.abs(w) - l1 / l2, 0.0))",
     "TensorSummary": "writes its node's name into its value, and every device's copy of "
                      "an op has a name of its own, so no partitioned value equals it; "
                      "write summaries with tf.summary (v2) outside the gt.function, or "

@@ -116,8 +116,7 @@ ROW_SPLITS = [0, 2, 3, 6]
 
 def _recipes() -> dict:
     r = {}
-    for op in ("BiasAdd", "BiasAddV1"):
-        r[op] = Recipe((F(4, 6), F(6)))
+    r.update(dict.fromkeys(("BiasAdd", "BiasAddV1"), Recipe((F(4, 6), F(6)))))
     r["BroadcastTo"] = Recipe((F(1, 6), C([4, 6])))
     r["Fill"] = Recipe((C([4, 6]), F()))
     r["Reshape"] = Recipe((F(4, 6), C([2, 12])))
@@ -129,8 +128,8 @@ def _recipes() -> dict:
     r["PadV2"] = Recipe((F(4, 6), C([[1, 0], [2, 1]]), F()))
     r["MirrorPad"] = Recipe((F(4, 6), C([[1, 1], [2, 0]])), {"mode": "REFLECT"})
     r["MirrorPadGrad"] = Recipe((F(6, 9), C([[1, 1], [2, 1]])), {"mode": "REFLECT"})
-    r["Reverse"] = Recipe((F(4, 6), C([False, True], "bool")))
-    r["ReverseV2"] = Recipe((F(4, 6), C([1])))
+    r["Reverse"] = Recipe((F(4, 6, 3), C([False, False, True], "bool")))  # the last dim
+    r["ReverseV2"] = Recipe((F(4, 6, 3), C([-1])))
     r["ReverseSequence"] = Recipe((F(4, 6), G([1, 3, 6, 2], "int64")),
                                   {"seq_dim": 1, "batch_dim": 0})
     r["SplitV"] = Recipe((F(4, 6), C([2, 4]), C(1)), {"num_split": 2})
@@ -196,10 +195,8 @@ def _recipes() -> dict:
     r["BatchToSpaceND"] = Recipe((F(8, 2, 3, 3), C([2, 2]), C([[0, 0], [0, 0]])))
     r["SpaceToBatch"] = Recipe((F(2, 4, 6, 3), C([[0, 0], [0, 0]])), {"block_size": 2})
     r["BatchToSpace"] = Recipe((F(8, 2, 3, 3), C([[0, 0], [0, 0]])), {"block_size": 2})
-    r["ExtractImagePatches"] = Recipe((F(*IMAGE),), {"ksizes": [1, 2, 2, 1],
-                                                      "strides": [1, 1, 1, 1],
-                                                      "rates": [1, 1, 1, 1],
-                                                      "padding": "VALID"})
+    r["ExtractImagePatches"] = Recipe((F(*IMAGE),), {"ksizes": [1, 2, 2, 1], "padding": "VALID",
+                                                      "strides": [1] * 4, "rates": [1] * 4})
     r["ExtractVolumePatches"] = Recipe((F(*VOLUME),), {"ksizes": [1, 2, 2, 2, 1],
                                                         "strides": [1] * 5,
                                                         "padding": "VALID"})
@@ -240,13 +237,16 @@ def _recipes() -> dict:
          G(np.full(6, 2.0), "float32")))
     # linear algebra
     r["MatrixSetDiag"] = Recipe((F(4, 6), F(4)))
-    for op in ("MatrixSetDiagV2", "MatrixSetDiagV3"):
-        r[op] = Recipe((F(4, 6), F(4), C(0)))
+    r.update(dict.fromkeys(("MatrixSetDiagV2", "MatrixSetDiagV3"), Recipe((F(4, 6), F(4), C(0)))))
     for op in ("MatrixDiagPartV2", "MatrixDiagPartV3"):
         r[op] = Recipe((F(3, 4, 6), C(0), C(0.0, "float32")))
     for op in ("MatrixDiagV2", "MatrixDiagV3"):
         r[op] = Recipe((F(4, 6), C(0), C(-1), C(-1), C(0.0, "float32")))
     r["Cholesky"] = Recipe((G(_positive_definite(3, 4), "float32"),))
+    batch = G(_positive_definite(8, 3).reshape(4, 2, 3, 3), "float32")  # 2 batch dims split
+    r.update(MatrixInverse=Recipe((batch,)), MatrixSquareRoot=Recipe((batch,)),
+             MatrixSolve=Recipe((batch, F(4, 2, 3, 2))), Qr=Recipe((F(4, 2, 3, 5),)),
+             MatrixTriangularSolve=Recipe((batch, F(4, 2, 3, 2))))
     r["MatrixSolveLs"] = Recipe((F(4, 6, 3), F(4, 6, 2), C(0.1, "float64")))
     r["TridiagonalSolve"] = Recipe((F(4, 3, 6), F(4, 6, 2)))
     r["Eig"] = Recipe((F(3, 4, 4),), {"Tout": C64})
@@ -254,10 +254,8 @@ def _recipes() -> dict:
     # complex values and transforms
     for op in ("Real", "Imag", "Angle", "Conj", "ComplexAbs", "FFT", "IFFT"):
         r[op] = Recipe((F(4, 6, dtype=C64),))
-    for op in ("FFT2D", "IFFT2D"):
-        r[op] = Recipe((F(2, 4, 6, dtype=C64),))
-    for op in ("FFT3D", "IFFT3D"):
-        r[op] = Recipe((F(2, 3, 4, 6, dtype=C64),))
+    r.update(dict.fromkeys(("FFT2D", "IFFT2D"), Recipe((F(2, 4, 6, dtype=C64),))))
+    r.update(dict.fromkeys(("FFT3D", "IFFT3D"), Recipe((F(2, 3, 4, 6, dtype=C64),))))
     r["RFFT"] = Recipe((F(4, 6), C([6])))
     r["RFFT2D"] = Recipe((F(2, 4, 6), C([4, 6])))
     r["IRFFT"] = Recipe((F(4, 4, dtype=C64), C([6])))
@@ -266,6 +264,8 @@ def _recipes() -> dict:
     limits = (C(-1.0, "float32"), C(1.0, "float32"))
     r["FakeQuantWithMinMaxVars"] = Recipe((F(4, 6), *limits))
     r["FakeQuantWithMinMaxVarsGradient"] = Recipe((F(4, 6), F(4, 6), *limits))
+    r["FakeQuantWithMinMaxVarsPerChannel"] = Recipe((F(4, 6), C(-np.ones(6), "float32"),
+                                                     C(np.linspace(0.5, 1, 6), "float32")))
     r["QuantizeAndDequantizeV2"] = Recipe((F(4, 6), *limits))
     r["QuantizeAndDequantizeV3"] = Recipe((F(4, 6), *limits, C(8)))
     r["QuantizeAndDequantizeV4"] = Recipe((F(4, 6), *limits))

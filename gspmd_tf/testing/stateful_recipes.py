@@ -247,8 +247,18 @@ def _refs() -> dict:
         r["Scatter" + op] = Recipe((ref, rows, F(3, 6)))
     for op in ("Add", "Sub", "Update"):
         r["ScatterNd" + op] = Recipe((ref, G([[2], [0], [3]]), F(3, 6)))
-    return {op: Recipe(recipe.inputs, recipe.attrs, lambda out, _: out * 1.0)
-            for op, recipe in r.items()}
+    r = {op: Recipe(recipe.inputs, recipe.attrs, lambda out, _: out * 1.0)
+         for op, recipe in r.items()}
+    # SDCA's L1 shrink of a list of weights in place (no outputs): the weights after it
+    r["SdcaShrinkL1"] = Recipe(([ref, ref],), {"l1": 0.5, "l2": 2.0},
+                               _read_after)
+    return r
+
+
+def _read_after(op, refs):
+    """A Recipe.finish of an op updating refs in place: their values after it."""
+    with tf.control_dependencies([op]):
+        return [ref * 1.0 for ref in refs]
 
 
 KEYS, VALUES = [0, 1, 2, 5], [0.5, 1.5, 2.5, 5.5]

@@ -31,7 +31,8 @@ from gspmd_tf.propagation.rules.slices import (SliceParams, changed_dims, concat
                                                same_rank_slicing, strided_slice,
                                                strided_slice_grad, tile)
 from gspmd_tf.propagation.rules.indexing import (GatherParams, RollParams, gather, gather_nd,
-                                                 one_hot, roll, scatter_nd)
+                                                 one_hot, resource_scatter, roll,
+                                                 scatter_nd)
 from gspmd_tf.propagation.rules.structure import (BatchNormParams, TensorListParams,
                                                   fused_batch_norm, pack, split,
                                                   tensor_list, unpack)
@@ -43,6 +44,7 @@ __all__ = ["BatchNormParams", "GatherParams", "OpRule", "PASS", "REDUCE", "REPLI
            "einsum", "einsum_rule", "elementwise", "equation_rule", "fused_batch_norm", "gather",
            "gather_nd", "last_dim_normalizer", "last_dims_whole", "matmul",
            "merge_dims", "one_hot", "pack", "pad_or_slice", "per_dim", "reduction", "reshape",
-           "reshape_factors", "roll", "same_rank_slicing", "scatter_nd", "select_v1", "source",
+           "reshape_factors", "resource_scatter", "roll", "same_rank_slicing", "scatter_nd",
+           "select_v1", "source",
            "split", "squeeze_or_expand", "strided_slice", "strided_slice_grad", "tensor_list",
            "tile", "transpose", "unpack", "unsorted_segment", "variable_update"]

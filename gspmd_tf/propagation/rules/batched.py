@@ -1,5 +1,5 @@
 """Rule builders of op families that mix some dims and leave the others independent:
-ops on a batch of matrices or signals (Cholesky, Qr, FFT...), image ops, pooling's
+ops on a batch of matrices or signals (Cholesky, Qr, FFT...), image ops, reversals, pooling's
 second derivative, the v1 Concat, InTopKV2, TensorStridedSliceUpdate, L2Loss, and ops
 that need every input whole (StringFormat, InvertPermutation...).
 
@@ -50,10 +50,10 @@ def last_dims(count: int) -> Callable[[int], range]:
     return lambda rank: range(max(rank - count, 0), rank)
 
 
-def matrices(ctx: RuleContext) -> Optional[OpRule]:
-    """Cholesky, Qr...: each matrix (the last two dims) whole, batch dims pass (Qr's q
-    and r share them)."""
-    return core_dims_whole(ctx, last_dims(2))
+def matrices(ctx: RuleContext, data_inputs: Sequence[int] = (0,)) -> Optional[OpRule]:
+    """Cholesky, Qr, MatrixInverse, MatrixSolve...: each matrix (the last two dims) of the
+    `data_inputs` and results whole, batch dims pass (Qr's q and r share them)."""
+    return core_dims_whole(ctx, last_dims(2), data_inputs)
 
 
 def transform(ctx: RuleContext, count: int) -> Optional[OpRule]:
@@ -75,10 +75,31 @@ def images_spatial_whole(ctx: RuleContext, data_inputs: Sequence[int] = (0,)
     return core_dims_whole(ctx, _height_and_width, data_inputs)
 
 
-def channels_whole(ctx: RuleContext) -> Optional[OpRule]:
-    """AdjustSaturation, AdjustHue on [..., 3]: each pixel's channels whole (an HSV
-    round trip), every other dim passes."""
-    return core_dims_whole(ctx, last_dims(1))
+def channels_whole(ctx: RuleContext, data_inputs: Sequence[int] = (0,)
+                   ) -> Optional[OpRule]:
+    """AdjustSaturation, AdjustHue, HSVToRGB, RGBToHSV on [..., 3]: each pixel's
+    channels whole (an HSV round trip), every other dim passes; LRN (its window runs
+    over the channels) and Cross (of 3-vectors, both `data_inputs`) alike."""
+    return core_dims_whole(ctx, last_dims(1), data_inputs)
+
+
+def batch_only(ctx: RuleContext) -> Optional[OpRule]:
+    """SpaceToDepth, DepthToSpace, Extract{Image,Volume}Patches: the batch dim (the
+    first) passes, every other dim whole (each image's blocks or windows move)."""
+    return core_dims_whole(ctx, lambda rank: range(1, rank))
+
+
+def reverse(ctx: RuleContext) -> Optional[OpRule]:
+    """ReverseV2 (constant axes) and Reverse (v1: a constant bool per dim): the
+    reversed dims whole, the others pass."""
+    given = ctx.const(1)
+    if given is None:
+        return None
+    rank = len(ctx.out_shapes[0])
+    given = np.atleast_1d(given)
+    axes = ({d for d, flag in enumerate(given) if flag} if given.dtype == bool
+            else {int(d) % rank for d in given})
+    return per_dim(ctx, axes)
 
 
 def pool_grad_grad(ctx: RuleContext) -> Optional[OpRule]:

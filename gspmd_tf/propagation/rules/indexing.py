@@ -107,6 +107,23 @@ def scatter_nd(ctx: RuleContext, indices_input, batch_kind) -> Optional[OpRule]:
     return rule
 
 
+def resource_scatter(ctx: RuleContext, nd: bool) -> Optional[OpRule]:
+    """ResourceScatter* (variable, indices [B...], updates [B..., S[1:]]) and, with `nd`,
+    ResourceScatterNd* (indices [B..., K], updates [B..., S[K:]]) on a variable of shape
+    S, updated in place (no result): the indexed dims and the index batch dims whole, the
+    trailing dims pass (each device applies every update to its block of them, in TF's
+    order). None for updates of another rank (a scalar broadcast)."""
+    variable, indices, updates = ctx.in_shapes[:3]
+    rule = OpRule()
+    index_dims, variable_dims, batch, trailing = _nd_indexed(
+        rule, tuple(indices) if nd else tuple(indices) + (1,), variable, REPLICATE)
+    if len(updates) != len(batch) + len(trailing):
+        return None
+    rule.operands = [variable_dims, index_dims if nd else index_dims[:-1], batch + trailing]
+    rule.results = []
+    return rule
+
+
 @dataclass(frozen=True)
 class RollParams:
     """OpRule.params of Roll: per rolled dim, its net shift in [1, n) as (dim, shift)

@@ -21,7 +21,7 @@ from gspmd_tf.registry import (ASSIGNS_VARIABLE, FOLD_SHAPE, FOLD_VALUES, INTEGE
 UNARY = """Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc Exp Expm1
 Floor Identity Inv IsFinite IsInf IsNan Lgamma Log Log1p LogicalNot Neg OnesLike Reciprocal
 Relu Relu6 Rint Round Rsqrt Selu Sigmoid Sign Sin Sinh Softplus Softsign Sqrt Square Tan
-Tanh ZerosLike Cast StopGradient PreventGradient Snapshot CheckNumerics
+Tanh ZerosLike Cast StopGradient PreventGradient Snapshot CheckNumerics CheckNumericsV2
 LeakyRelu""".split()
 
 BINARY = """Add AddV2 Sub Mul Div DivNoNan RealDiv FloorDiv FloorMod TruncateDiv TruncateMod
@@ -31,15 +31,18 @@ LeftShift RightShift
 ReluGrad Relu6Grad TanhGrad SigmoidGrad SoftplusGrad RsqrtGrad SqrtGrad EluGrad
 SeluGrad LeakyReluGrad ReciprocalGrad""".split()
 
-# special functions, bit and complex ops, an elementwise comparison within a tolerance,
-# fake quantization by constant bounds (and its gradient), string ops of each element
+# special functions, bit and complex ops (a complex number's parts, angle, conjugate),
+# an elementwise comparison within a tolerance, fake quantization by constant bounds
+# (and its gradient) or by bounds given as inputs (scalars, or per channel: the last
+# dim, broadcast from the right as any operand), string ops of each element
 # (ShardedFilename: of scalars or elementwise). Dawsn is left without a rule: the tests
 # of gt.register_op register it as a user would an op gspmd-tf does not know.
 SPECIAL = """BesselI0e BesselI1e Ndtri Erfinv Invert PopulationCount ComplexAbs Igamma
 Igammac IgammaGradA Polygamma Zeta NextAfter Mod Complex Betainc BesselI0 BesselI1 BesselJ0
 BesselJ1 BesselK0 BesselK0e BesselK1 BesselK1e BesselY0 BesselY1 Expint FresnelCos
 FresnelSin Spence InvGrad ApproximateEqual DebugGradientIdentity FakeQuantWithMinMaxArgs
-FakeQuantWithMinMaxArgsGradient""".split()
+FakeQuantWithMinMaxArgsGradient Angle Conj Real Imag FakeQuantWithMinMaxVars
+FakeQuantWithMinMaxVarsPerChannel""".split()
 STRINGS = """AsString StringLength StringToHashBucketFast StringToHashBucket
 StringToHashBucketStrong StringToNumber EncodeBase64 DecodeBase64 RegexReplace
 StaticRegexReplace StringJoin StringLower StringUpper StringStrip
@@ -67,7 +70,9 @@ declare({"Max": "max", "Min": "min", "All": "min",
 declare("L2Loss", batched.sum_of_everything, replay=True)  # sum(x ** 2) / 2
 
 # data movement whose moved dims stay whole: the local op moves the local block
-declare("Transpose", rules.transpose, replay=True)
+declare(["Transpose", "ConjugateTranspose"], rules.transpose, replay=True)
+# reversed dims whole (a device's block reversed in place is another device's block)
+declare(["ReverseV2", "Reverse"], batched.reverse, replay=True)
 declare("ExpandDims", rules.squeeze_or_expand, replay=True)  # inserts a size-1 dim by index
 declare("ConcatV2", rules.concat, replay=True)
 declare("Concat", batched.concat_v1, replay=True)
@@ -87,7 +92,13 @@ declare("InTopKV2", batched.in_top_k, replay=True, safe_padding={1: 0})  # targe
 declare({op + suffix: int(suffix[:1] or 1) for op in ("FFT", "IFFT", "RFFT", "IRFFT")
          for suffix in ("", "2D", "3D")}, batched.transform, replay=True)
 declare(["ResizeBicubic", "AdjustContrastv2"], batched.images_spatial_whole, replay=True)
-declare(["AdjustSaturation", "AdjustHue"], batched.channels_whole, replay=True)
+declare(["AdjustSaturation", "AdjustHue", "HSVToRGB", "RGBToHSV", "LRN"],
+        batched.channels_whole, replay=True)  # LRN: a window over each pixel's channels
+declare({"Cross": ((0, 1),)}, batched.channels_whole, replay=True)  # 3-vectors whole
+# each image (or volume) of the batch whole: blocks moved between space and depth,
+# patches of windows
+declare(["SpaceToDepth", "DepthToSpace", "ExtractImagePatches", "ExtractVolumePatches"],
+        batched.batch_only, replay=True)
 declare(["MaxPoolGradGrad", "MaxPool3DGradGrad"], batched.pool_grad_grad,
         replay=True)
 # ops that need every input whole: a rule keeps their inputs' producers from being split
@@ -99,8 +110,16 @@ declare(["StringFormat", "InvertPermutation", "RngReadAndSkip"],
 declare(["PrintV2", "Print"], batched.all_whole, replay=True, traits=[PRINTS])
 # updates that overwrite: every device applies all of them (index batch dims whole) to
 # its block of the trailing dims
-declare({"TensorScatterUpdate": (1, rules.REPLICATE)}, rules.scatter_nd, replay=True)
+declare({op: (1, rules.REPLICATE) for op in ("TensorScatterUpdate", "TensorScatterMax",
+                                              "TensorScatterMin")},
+        rules.scatter_nd, replay=True)  # (max and min: in any order)
 
+# a variable's rows updated in place (by add, max, overwrite...): every device applies
+# all updates to its block of the trailing dims (the indexed dims stay whole)
+declare({**{"ResourceScatter" + op: False for op in ("Add", "Sub", "Mul", "Div", "Min",
+                                                    "Max", "Update")},
+         "ResourceScatterNdAdd": True, "ResourceScatterNdUpdate": True},
+        rules.resource_scatter, replay=True)
 # variables: reads, assignments and fused optimizer updates are elementwise on the shard
 declare(VARIABLE_OPS + ["DisableCopyOnRead"], rules.variable_update, replay=True)
 declare(["ReadVariableOp", "VariableShape"], traits=[READS_VARIABLE])
@@ -113,7 +132,7 @@ declare(["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"],
 declare(["Div", "FloorDiv", "FloorMod", "TruncateDiv", "TruncateMod", "Mod"],
         safe_padding={1: 1})
 declare("Pow", safe_padding={1: 0})
-declare("CheckNumerics", safe_padding={0: 0})
+declare(["CheckNumerics", "CheckNumericsV2"], safe_padding={0: 0})
 declare("StringToNumber", safe_padding={0: "0"})  # padding strings need not be numbers
 
 # where XLA's kernels define other values than TF's (a backend compiling with XLA runs
