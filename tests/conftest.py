@@ -61,3 +61,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the background jobs (util.Background) of the modules whose tests run."""
+    if session.config.option.collectonly or not session.items:
+        return
+    import util
+    modules = (getattr(item, "module", None) for item in session.items)
+    util.start_background({module.__name__ for module in modules if module is not None})
+
+
+def pytest_sessionfinish(session):
+    """End the background jobs' processes still running."""
+    import util
+    util.stop_background()
