@@ -205,7 +205,11 @@ class Background:
     which mostly import TF and run a program, take the machine's other core while this
     process runs the tests before them. `result()` returns fn's value or raises its
     exception; a job the thread has not reached runs at once in the caller, so a test
-    waits only for its own job."""
+    waits only for its own job, and every job ends before its module's tests do. Jobs
+    give their processes session_environ(); the fuzz driver's workers take os.environ,
+    so a monkeypatched variable of a test before test_fuzz can reach them (today: the
+    all-reduce combine threshold, the collective timeout (which workers set), the
+    backend choice unset)."""
 
     _declared = []
 
