@@ -61,3 +61,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the background jobs (util.Background) of the modules whose tests run;
+    GSPMD_TF_TEST_BACKGROUND=0 leaves each to run when a test first reads it (the
+    suite's timing without the overlap, for comparison)."""
+    if (session.config.option.collectonly or not session.items
+            or os.environ.get("GSPMD_TF_TEST_BACKGROUND", "1") == "0"):
+        return
+    import util
+    modules = (getattr(item, "module", None) for item in session.items)
+    util.start_background({module.__name__ for module in modules if module is not None})
+
+
+def pytest_sessionfinish(session):
+    """End the background jobs' processes still running."""
+    import util
+    util.stop_background()

@@ -5,7 +5,6 @@ import os
 
 os.environ.setdefault("GSPMD_TF_COLLECTIVE_TIMEOUT", "10")  # a hung collective fails fast
 
-import subprocess
 import sys
 import time
 import types
@@ -23,6 +22,7 @@ from gspmd_tf.backends import LocalBackend, collectives  # noqa: E402
 from gspmd_tf.errors import ShardingError  # noqa: E402
 from gspmd_tf.graph.ir import Graph, Node, Ref  # noqa: E402
 from gspmd_tf.mesh import Mesh  # noqa: E402
+from util import Background, run_together, session_environ  # noqa: E402
 
 
 class Program:
@@ -370,14 +370,20 @@ def test_watchdog_cancels_late_calls_and_aborts_only_as_a_last_resort(monkeypatc
     assert len(aborted) == 1 and "restart" in aborted[0][1], aborted
 
 
+@Background
+def timeout_probe_run():
+    """tests/timeout_probe.py's finished run."""
+    probe = os.path.join(os.path.dirname(__file__), "timeout_probe.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done, = run_together([[sys.executable, probe]], timeout=300,
+                         env=dict(session_environ(), PYTHONPATH=root))
+    return done
+
+
 def test_a_hung_call_times_out_and_the_process_stays_usable():
     # One device's collective never gets its peers; in its own process, so that a
     # regression cannot abort this process's collectives or hang the suite.
-    probe = os.path.join(os.path.dirname(__file__), "timeout_probe.py")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root)
-    done = subprocess.run([sys.executable, probe], capture_output=True, text=True, env=env,
-                          timeout=300)
+    done = timeout_probe_run.result()
     assert done.returncode == 0 and "usable after the timeout" in done.stdout, (
         done.stdout[-2000:] + done.stderr[-4000:])
 

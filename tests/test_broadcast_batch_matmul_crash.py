@@ -15,11 +15,11 @@ the broadcast written out (tf.broadcast_to), which does not reach the faulty ker
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 
 from gspmd_tf.testing.generator import generate
+from util import Background, run_together, session_environ
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,20 +74,27 @@ PROBE = textwrap.dedent("""
 """)
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 4e-2}  # the fuzzer's (gspmd_tf/testing/accuracy.py)
+CASES_BY_DTYPE = [list(case) + [dtype] for case in CASES for dtype in TOLERANCE]
+
+
+@Background
+def probe_run():
+    """The PROBE subprocess's finished run (started when collection ends)."""
+    env = dict(session_environ(), TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done, = run_together([[sys.executable, "-c", PROBE, json.dumps(CASES_BY_DTYPE),
+                           str(CALLS)]], timeout=600, env=env, cwd=REPO)
+    return done
 
 
 def test_broadcast_batch_matmul_runs_repeatedly_without_a_fault():
     """Every case, float32 and bfloat16, called CALLS times in one subprocess: the process
     exits normally and every call equals single-device TF."""
-    cases = [list(case) + [dtype] for case in CASES for dtype in TOLERANCE]
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases), str(CALLS)],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    done = probe_run.result()
     assert done.returncode == 0, (f"the subprocess died (return code {done.returncode}):\n"
                                   + done.stderr[-3000:])
     errors = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(errors) == len(cases)
+    assert len(errors) == len(CASES_BY_DTYPE)
     for name, error in errors.items():
         assert error <= TOLERANCE[name.rsplit("_", 1)[1]], (name, error)
 

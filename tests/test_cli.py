@@ -1,6 +1,8 @@
-"""`python -m gspmd_tf inspect`: a SavedModel made here, lowered by the CLI in a subprocess."""
+"""`python -m gspmd_tf inspect`: a SavedModel saved by a subprocess, lowered by the CLI in
+subprocesses (in the background of the session: util.Background) and in this process."""
 
 import os
+import pathlib
 import sys
 
 import numpy as np
@@ -9,9 +11,10 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.cli import lower_saved_model, parse_shape_flags, parse_spec
-from util import run_together
+from util import Background, job_directory, run_together, session_environ
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 
 
 class _Dense(tf.Module):
@@ -24,29 +27,48 @@ class _Dense(tf.Module):
         return {"y": tf.reduce_sum(tf.nn.relu(x @ self.kernel), axis=1)}
 
 
-@pytest.fixture(scope="module")
-def saved_model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("saved") / "dense")
+def save_dense(path):
+    """A _Dense module saved at `path` with its serving signature."""
     module = _Dense()
     tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
-    return path
+
+
+@Background
+def cli_job():
+    """({name: finished `python -m gspmd_tf inspect` run}, html path, SavedModel path): a
+    report (with --html), --help and a --shard regex matching nothing, run side by side
+    once and read by the tests, after a subprocess saved the SavedModel (save_dense; this
+    thread runs no TF)."""
+    directory = job_directory("cli")
+    saved_model = os.path.join(directory, "dense")
+    html = pathlib.Path(directory) / "report.html"
+    env = dict(session_environ(), TF_CPP_MIN_LOG_LEVEL="2")
+    inspect = [sys.executable, "-m", "gspmd_tf", "inspect"]
+    save, helped = run_together(
+        [[sys.executable, "-c", f"import test_cli; test_cli.save_dense({saved_model!r})"],
+         inspect + ["--help"]], timeout=300, cwd=ROOT,
+        env=dict(env, PYTHONPATH=os.pathsep.join([ROOT, TESTS])))
+    assert save.returncode == 0, save.stderr[-3000:]
+    runs = {"report": (saved_model, "--mesh=2x4", "--axes=data,model", "--shard=x=data",
+                       "--shard", "dense/kernel=None,model", f"--html={html}"),
+            "unmatched": (saved_model, "--mesh=2x4", "--axes=data,model",
+                          "--shard=kernel=model")}
+    done = run_together([inspect + list(args) for args in runs.values()], timeout=300,
+                        cwd=ROOT, env=env)
+    return dict(zip(runs, done), help=helped), html, saved_model
 
 
 @pytest.fixture(scope="module")
-def cli_runs(saved_model, tmp_path_factory):
-    """({name: finished `python -m gspmd_tf inspect` run}, html path): a report (with
-    --html), --help and a --shard regex matching nothing, run side by side once and read
-    by the tests."""
-    html = tmp_path_factory.mktemp("cli") / "report.html"
-    runs = {"report": (saved_model, "--mesh=2x4", "--axes=data,model", "--shard=x=data",
-                       "--shard", "dense/kernel=None,model", f"--html={html}"),
-            "help": ("--help",),
-            "unmatched": (saved_model, "--mesh=2x4", "--axes=data,model",
-                          "--shard=kernel=model")}
-    done = run_together([[sys.executable, "-m", "gspmd_tf", "inspect", *args]
-                         for args in runs.values()], timeout=300, cwd=ROOT,
-                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-    return dict(zip(runs, done)), html
+def cli_runs():
+    """cli_job's ({name: finished run}, html path)."""
+    runs, html, _ = cli_job.result()
+    return runs, html
+
+
+@pytest.fixture(scope="module")
+def saved_model():
+    """The path of the SavedModel cli_job's subprocess saved."""
+    return cli_job.result()[2]
 
 
 def test_spec_syntax():

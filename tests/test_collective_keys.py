@@ -10,20 +10,25 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.backends import collectives
-from util import run_together
+from util import Background, run_together, session_environ
 
 P = gt.P
 
 
-def test_processes_that_compiled_other_programs_first_agree_on_the_keys():
+@Background
+def probe_runs():
+    """tests/keys_probe.py after three sets of warm-up programs, side by side."""
     probe = os.path.join(os.path.dirname(__file__), "keys_probe.py")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root)
-    runs = run_together([[sys.executable, probe, warm_ups]
+    env = dict(session_environ(), PYTHONPATH=root)
+    return run_together([[sys.executable, probe, warm_ups]
                          for warm_ups in ("", "other_mesh,sum,gather", "gather,sum")],
                         timeout=300, env=env)
+
+
+def test_processes_that_compiled_other_programs_first_agree_on_the_keys():
     keys = []
-    for run in runs:
+    for run in probe_runs.result():
         assert run.returncode == 0, run.stderr[-3000:]
         keys.append(json.loads(run.stdout.strip().splitlines()[-1]))
     assert keys[0] == keys[1] == keys[2]

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
-from util import Started, check_partitioned, randn
+from util import Background, check_partitioned, randn, run_together, session_environ
 
 P = gt.P
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,24 +161,21 @@ np.testing.assert_array_equal(got(x).numpy(), want)
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
+@Background
 def lowest_pad_check():
-    """_LOWEST_PAD_CHECK in a fresh process with Eigen's kernels, started with the
-    module's first test so that it runs beside the others; read by the test below."""
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2",
+    """_LOWEST_PAD_CHECK's finished run in a fresh process with Eigen's kernels."""
+    env = dict(session_environ(), TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    started = Started([[sys.executable, "-c", _LOWEST_PAD_CHECK]], env=env)
-    yield started
-    started.kill()
+    return run_together([[sys.executable, "-c", _LOWEST_PAD_CHECK]], timeout=300, env=env)
 
 
-def test_max_pool3d_pads_windows_with_lowest_float_as_tf_eigen_kernel(lowest_pad_check):
+def test_max_pool3d_pads_windows_with_lowest_float_as_tf_eigen_kernel():
     """TF's Eigen MaxPool3D pads SAME windows with the lowest finite float, not -inf: a
     window of -inf (or NaN) and padding gives -3.4e38 where the window alone gives -inf
     (fuzzer seed 58 #2085, #3699). The windows a split dim pads equal it. Run with
     TF_ENABLE_ONEDNN_OPTS=0 in a fresh process: the suite's oneDNN kernel gives -3.4e38
     for a VALID window of -inf too, so it cannot tell the padding values apart."""
-    run, = lowest_pad_check.wait(timeout=300)
+    run, = lowest_pad_check.result()
     assert run.returncode == 0, run.stderr[-3000:]
 
 

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf.backends import tf_kernels
-from util import Started, check_partitioned, randn
+from util import Background, check_partitioned, randn, run_together, session_environ
 
 P = gt.P
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,22 +197,20 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@Background
 def repeated_calls():
-    """#814's program called 30 times in a subprocess, started with the module's first
-    test so that it runs beside the others; read by the test below."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", GSPMD_TF_COLLECTIVE_TIMEOUT="20",
+    """The finished run of #814's program called 30 times in a subprocess."""
+    env = dict(session_environ(), TF_CPP_MIN_LOG_LEVEL="2",
+               GSPMD_TF_COLLECTIVE_TIMEOUT="20",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    started = Started([[sys.executable, "-c", PROGRAM.replace("CALLS", "30")]], env=env,
-                      cwd=REPO)
-    yield started
-    started.kill()
+    return run_together([[sys.executable, "-c", PROGRAM.replace("CALLS", "30")]],
+                        timeout=300, env=env, cwd=REPO)
 
 
-def test_strided_filter_gradient_program_runs_repeatedly_without_a_fault(repeated_calls):
+def test_strided_filter_gradient_program_runs_repeatedly_without_a_fault():
     """#814's program through gspmd-tf, called 30 times in a subprocess (a crash kills
     only the subprocess; before the workaround its first call died, 9 runs of 9): the
     run exits 0. One process, not several, to keep the test fast."""
-    done, = repeated_calls.wait(timeout=300)
+    done, = repeated_calls.result()
     assert done.returncode == 0 and "OK" in done.stdout, (
         f"return code {done.returncode}\n" + done.stderr[-3000:])

@@ -15,6 +15,7 @@ from gspmd_tf.testing.generator import generate
 from gspmd_tf.testing.program_text import describe
 from gspmd_tf.testing.shrink import signature
 from gspmd_tf.testing.workers import run_programs
+from util import Background
 
 SEED = 0
 PROGRAMS = 40
@@ -22,8 +23,8 @@ PROGRAMS = 40
 FIXED = [(31, 9463), (37, 9544), (37, 3936), (38, 9023), (36, 4500), (27, 9392)]
 
 
-@pytest.fixture(scope="module")
-def results():
+@Background
+def batch_results():
     """{(seed, index): result} of the random slice (seed SEED, programs 0..PROGRAMS-1)
     and of FIXED, run in one worker as the fuzzer runs a batch: one TF import for all,
     not one per test."""
@@ -33,6 +34,12 @@ def results():
                        collective_timeout=30)
     assert len(ran) == len(programs)
     return {key: dict(result, program=programs[key]) for key, result in ran.items()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    """batch_results' results, read by the tests."""
+    return batch_results.result()
 
 
 def test_random_programs_match_single_device(results):
@@ -48,6 +55,39 @@ def test_programs_are_deterministic_per_seed():
     assert generate(3, 17) != generate(4, 17)
 
 
+@Background
+def kernel_choice_runs():
+    """Seed 27 #9392 (from batch_results) in a worker and a worker with Eigen's kernels:
+    {step: status} of the worker alone, Eigen's reference values, the worker against
+    them and against them off by one. None if the batch did not pass it for Eigen's
+    kernels."""
+    from gspmd_tf.testing.differential import decode_values, encode_values
+    from gspmd_tf.testing.workers import EIGEN_KERNELS, Worker
+    import tensorflow as tf  # dtype names only (decode_values): no TF op in this thread
+
+    result = batch_results.result()[27, 9392]
+    if result["status"] != "pass" or "Eigen kernels" not in result["detail"]:
+        return None
+    program = result["program"]
+    worker = Worker(120, 30)
+    eigen = Worker(120, 30, env=EIGEN_KERNELS)
+    try:
+        statuses = {"alone": worker.run(program)["status"]}
+        values = eigen.run(program, part="reference_values")
+        statuses["eigen_values"] = values["status"]
+        if values["status"] != "pass":
+            return statuses
+        statuses["against_eigen"] = worker.run(program, reference=values["detail"])["status"]
+        outputs, variables = decode_values(values["detail"], tf)
+        outputs[0][1] = outputs[0][1] + 1  # the max-pool output, off by one everywhere
+        wrong = encode_values((outputs, variables))
+        statuses["against_wrong"] = worker.run(program, reference=wrong)["status"]
+        return statuses
+    finally:
+        worker.stop()
+        eigen.stop()
+
+
 def test_mismatch_of_tf_kernel_choice_is_checked_against_eigen_kernels(results):
     """Seed 27 #9392: a matmul whose terms overflow float32 one by one (the fill value of
     an empty segment max times 1.03) but not summed with fused multiply-adds: TF's oneDNN
@@ -55,9 +95,6 @@ def test_mismatch_of_tf_kernel_choice_is_checked_against_eigen_kernels(results):
     worker alone calls it a mismatch; the driver passes it because gspmd-tf's values equal
     single-device TF's with TF_ENABLE_ONEDNN_OPTS=0, and a reference off by one value is
     still a mismatch."""
-    from gspmd_tf.testing.differential import decode_values, encode_values
-    from gspmd_tf.testing.workers import EIGEN_KERNELS, Worker
-
     # the driver's verdict (the module's batch): a plain pass is the worker's own, the
     # CPU's default kernel agreeing with Eigen's (AMD EPYC: its oneDNN kernel also sums
     # to -Inf)
@@ -66,22 +103,9 @@ def test_mismatch_of_tf_kernel_choice_is_checked_against_eigen_kernels(results):
         pytest.skip("TF's default and Eigen CPU kernels agree on this program on this "
                     "CPU: no kernel disagreement for the driver to settle")
     assert result["status"] == "pass" and "Eigen kernels" in result["detail"], result
-    program = result["program"]
-    worker = Worker(120, 30)
-    eigen = Worker(120, 30, env=EIGEN_KERNELS)
-    try:
-        assert worker.run(program)["status"] == "mismatch"
-        values = eigen.run(program, part="reference_values")
-        assert values["status"] == "pass"
-        assert worker.run(program, reference=values["detail"])["status"] == "pass"
-        import tensorflow as tf
-        outputs, variables = decode_values(values["detail"], tf)
-        outputs[0][1] = outputs[0][1] + 1  # the max-pool output, off by one everywhere
-        wrong = encode_values((outputs, variables))
-        assert worker.run(program, reference=wrong)["status"] == "mismatch"
-    finally:
-        worker.stop()
-        eigen.stop()
+    assert kernel_choice_runs.result() == {"alone": "mismatch", "eigen_values": "pass",
+                                           "against_eigen": "pass",
+                                           "against_wrong": "mismatch"}
 
 
 @pytest.mark.long

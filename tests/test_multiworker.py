@@ -6,7 +6,6 @@ within the collective timeout."""
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -16,6 +15,7 @@ import tensorflow as tf
 import gspmd_tf as gt
 from gspmd_tf import cluster
 from multiworker_values import check_plain_restore
+from util import Background, Started, job_directory, session_environ
 
 PROBE = os.path.join(os.path.dirname(__file__), "multiworker_probe.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,40 +30,45 @@ def launch(workers, local_devices, scenarios, collective_timeout=60, **env):
     counts = local_devices if isinstance(local_devices, (list, tuple)) else \
         [local_devices] * workers
     addresses = cluster.loopback_addresses(workers)
-    runs = []
+    commands, envs = [], []
     for task in range(workers):
         config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": task}}
-        runs.append(subprocess.Popen(
-            [sys.executable, PROBE, str(counts[task])] + scenarios,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=dict(os.environ, PYTHONPATH=ROOT, TF_CONFIG=json.dumps(config),
-                     GSPMD_TF_COLLECTIVE_TIMEOUT=str(collective_timeout), **env)))
+        commands.append([sys.executable, PROBE, str(counts[task])] + scenarios)
+        envs.append(dict(session_environ(), PYTHONPATH=ROOT, TF_CONFIG=json.dumps(config),
+                         GSPMD_TF_COLLECTIVE_TIMEOUT=str(collective_timeout), **env))
     results, failures = {}, []
-    try:
-        for task, run in enumerate(runs):
-            out, err = run.communicate(timeout=LAUNCH_TIMEOUT)
-            lines = out.strip().splitlines()
-            if run.returncode == 0 and lines:
-                results[task] = json.loads(lines[-1])
-            elif run.returncode:
-                failures.append(f"worker {task} exited {run.returncode}:\n{err[-3000:]}")
-    finally:
-        for run in runs:
-            if run.poll() is None:
-                run.kill()
-                run.communicate()
+    for task, run in enumerate(Started(commands, envs).wait(LAUNCH_TIMEOUT)):
+        lines = run.stdout.strip().splitlines()
+        if run.returncode == 0 and lines:
+            results[task] = json.loads(lines[-1])
+        elif run.returncode:
+            failures.append(f"worker {task} exited {run.returncode}:\n{run.stderr[-3000:]}")
     assert not failures, "\n".join(failures)
     return results
 
 
-@pytest.fixture(scope="module")
-def saved_2x4(tmp_path_factory):
+@Background
+def saved_2x4():
     """2 workers x 4 devices: programs, training, Keras fit and a checkpoint saved to a
     prefix."""
-    prefix = str(tmp_path_factory.mktemp("multiworker") / "ckpt")
+    prefix = os.path.join(job_directory("multiworker"), "ckpt")
     results = launch(2, 4, ["programs", "training", "keras_fit", "save"],
                      MULTIWORKER_CHECKPOINT=prefix)
     return results, prefix
+
+
+@Background
+def restored_4x2():
+    """4 workers x 2 devices: programs, and saved_2x4's checkpoint restored."""
+    _, prefix = saved_2x4.result()
+    return launch(4, 2, ["programs", "restore"], MULTIWORKER_CHECKPOINT=prefix)
+
+
+@Background
+def dead_peer():
+    """2 workers x 4 devices whose worker 0 dies before a collective (timeout 5 s)."""
+    # worker 0 is the collective leader, which resolves every group: the harder loss
+    return launch(2, 4, ["dead_peer"], collective_timeout=5, MULTIWORKER_DEAD_TASK="0")
 
 
 def check_programs(results, workers, local_devices):
@@ -78,8 +83,8 @@ def check_programs(results, workers, local_devices):
             assert programs[name] <= 1e-5, (task, name, programs[name])
 
 
-def test_programs_and_training_on_2_workers_x_4_devices(saved_2x4):
-    results, _ = saved_2x4
+def test_programs_and_training_on_2_workers_x_4_devices():
+    results, _ = saved_2x4.result()
     check_programs(results, 2, 4)
     for task, facts in results.items():
         training = facts["training"]
@@ -92,8 +97,8 @@ def test_programs_and_training_on_2_workers_x_4_devices(saved_2x4):
         assert "gt.save_checkpoint(checkpoint, prefix) on every worker" in save["plain_write"]
 
 
-def test_keras_shard_model_fit_on_2_workers_matches_single_device(saved_2x4):
-    results, _ = saved_2x4
+def test_keras_shard_model_fit_on_2_workers_matches_single_device():
+    results, _ = saved_2x4.result()
     for facts in results.values():
         fit = facts["keras_fit"]
         assert fit.pop("sharded") is True
@@ -101,9 +106,8 @@ def test_keras_shard_model_fit_on_2_workers_matches_single_device(saved_2x4):
         assert max(fit.values()) <= 1e-5, fit
 
 
-def test_checkpoint_of_2x4_restores_on_4_workers_x_2_devices_with_other_specs(saved_2x4):
-    _, prefix = saved_2x4
-    results = launch(4, 2, ["programs", "restore"], MULTIWORKER_CHECKPOINT=prefix)
+def test_checkpoint_of_2x4_restores_on_4_workers_x_2_devices_with_other_specs():
+    results = restored_4x2.result()
     check_programs(results, 4, 2)
     for facts in results.values():
         restored = facts["restore"]
@@ -111,16 +115,15 @@ def test_checkpoint_of_2x4_restores_on_4_workers_x_2_devices_with_other_specs(sa
         assert max(restored[n] for n in ("split", "rows", "replicated")) <= 1e-5
 
 
-def test_checkpoint_of_2x4_is_one_tf_checkpoint_plain_variables_restore(saved_2x4):
-    _, prefix = saved_2x4
+def test_checkpoint_of_2x4_is_one_tf_checkpoint_plain_variables_restore():
+    _, prefix = saved_2x4.result()
     check_plain_restore(prefix)
     # one bundle, merged from the workers' parts, which are gone
     assert os.path.exists(prefix + ".index") and not os.path.exists(prefix + "_parts")
 
 
 def test_dead_worker_fails_the_others_within_the_collective_timeout():
-    # worker 0 is the collective leader, which resolves every group: the harder loss
-    results = launch(2, 4, ["dead_peer"], collective_timeout=5, MULTIWORKER_DEAD_TASK="0")
+    results = dead_peer.result()
     assert list(results) == [1]  # worker 0 left without a word
     facts = results[1]["dead_peer"]
     # the watchdog's timeout, or TF's runtime finding the peer gone first (under load)

@@ -8,7 +8,6 @@ errors, not hangs."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,17 +15,25 @@ import pytest
 from gspmd_tf import cluster
 from multiworker_values import check_plain_restore
 from test_multiworker import LAUNCH_TIMEOUT, ROOT, launch
+from util import Background, job_directory, run_together, session_environ
 
 COUNTS = [4, 2]  # local devices of worker 0 and worker 1
 TASK_OF_DEVICE = [0, 0, 0, 0, 1, 1]  # by global device id: worker 0's first
 
 
-@pytest.fixture(scope="module")
-def counts_run(tmp_path_factory):
+@Background
+def counts_launch():
     """One launch of every scenario (each launch costs 15-30 s); (results, prefix)."""
-    prefix = str(tmp_path_factory.mktemp("multiworker_counts") / "ckpt")
+    prefix = os.path.join(job_directory("multiworker_counts"), "ckpt")
     results = launch(2, COUNTS, ["devices", "programs", "training", "save", "restore"],
                      MULTIWORKER_MESH="2,3", MULTIWORKER_CHECKPOINT=prefix)
+    return results, prefix
+
+
+@pytest.fixture(scope="module")
+def counts_run():
+    """counts_launch's (results, prefix), both workers' results there."""
+    results, prefix = counts_launch.result()
     assert sorted(results) == [0, 1]
     return results, prefix
 
@@ -77,7 +84,9 @@ def test_checkpoint_saved_on_2x3_restores_on_3x2_and_into_plain_variables(counts
     check_plain_restore(prefix)
 
 
-def test_worker_that_never_starts_fails_initialize_cluster_within_the_timeout():
+@Background
+def lone_worker():
+    """(The finished run of worker 0 of 2 alone, the addresses it was given)."""
     # worker 0 alone: the coordination service leader, which waits for every worker
     addresses = cluster.loopback_addresses(2)
     code = ("import json, time, gspmd_tf as gt, tensorflow as tf\n"
@@ -87,10 +96,14 @@ def test_worker_that_never_starts_fails_initialize_cluster_within_the_timeout():
             f"    gt.initialize_cluster({addresses!r}, 0)\n"
             "except tf.errors.DeadlineExceededError as e:\n"
             "    print(json.dumps([e.message, time.monotonic() - start]))\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=LAUNCH_TIMEOUT,
-                         env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3",
-                                  GSPMD_TF_COLLECTIVE_TIMEOUT="3"))
+    run, = run_together([[sys.executable, "-c", code]], timeout=LAUNCH_TIMEOUT,
+                        env=dict(session_environ(), PYTHONPATH=ROOT,
+                                 TF_CPP_MIN_LOG_LEVEL="3", GSPMD_TF_COLLECTIVE_TIMEOUT="3"))
+    return run, addresses
+
+
+def test_worker_that_never_starts_fails_initialize_cluster_within_the_timeout():
+    run, addresses = lone_worker.result()
     assert run.returncode == 0, run.stderr[-3000:]
     message, seconds = json.loads(run.stdout.strip().splitlines()[-1])
     assert f"the 2 workers {addresses} did not all start within 3 s" in message

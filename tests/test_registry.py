@@ -2,7 +2,6 @@
 for ops without one (gt.register_op), and the parallel gather (GatherV2 with batch_dims)
 partitions without communication."""
 
-import subprocess
 import sys
 
 import numpy as np
@@ -14,7 +13,7 @@ from gspmd_tf import registry
 from gspmd_tf.layout import Layout
 from gspmd_tf.propagation import rules
 from gspmd_tf.spmd.handlers import replay
-from util import check_partitioned, randn
+from util import Background, check_partitioned, randn, run_together, session_environ
 
 P = gt.P
 
@@ -25,15 +24,22 @@ def own_table(monkeypatch):
     monkeypatch.setattr(registry, "_TABLE", dict(registry._TABLE))
 
 
-def test_the_table_is_complete_whatever_module_is_imported_first():
-    """The built-in declarations are loaded by the package, not by a lookup: importing
-    only the registry (or only propagation) gives the whole table."""
+@Background
+def registry_alone():
+    """The finished run of a process that imports only gspmd_tf.registry."""
     probe = ("from gspmd_tf.registry import op_def, ops_with_rules\n"
              "assert op_def('MatMul').emit is not None, 'MatMul has no emitter'\n"
              "assert op_def('Shape').fold is not None, 'Shape has no fold flag'\n"
              "print(len(ops_with_rules()))\n")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          timeout=300)
+    done, = run_together([[sys.executable, "-c", probe]], timeout=300,
+                         env=session_environ())
+    return done
+
+
+def test_the_table_is_complete_whatever_module_is_imported_first():
+    """The built-in declarations are loaded by the package, not by a lookup: importing
+    only the registry (or only propagation) gives the whole table."""
+    done = registry_alone.result()
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) == len(registry.ops_with_rules())
 

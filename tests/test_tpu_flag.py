@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import gspmd_tf as gt
 from gspmd_tf import tpu
-from util import run_together
+from util import Background, run_together, session_environ
 
 P = gt.P
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -25,10 +25,10 @@ def test_unknown_tpu_name_is_a_clear_error():
         tpu.connect("no-such-tpu-7")
 
 
-def test_step_time_tpu_flag_stops_at_the_resolver(script_runs):
+def test_step_time_tpu_flag_stops_at_the_resolver():
     """--tpu=local goes through TPUClusterResolver, connect and TPU initialization, which
     fails here for want of TPU cores (in a subprocess: connecting changes TF's context)."""
-    run = script_runs["resolver"]
+    run = script_runs.result()["resolver"]
     assert run.returncode == 1
     assert re.search(r"--tpu=local: TPU 'local' could not be reached \(NotFoundError: "
                      r"TPUs not found", run.stderr), run.stderr[-2000:]
@@ -79,7 +79,7 @@ def _on_default_strategy(script, argv, call):
             _ON_DEFAULT_STRATEGY.format(script=script, argv=argv, call=call)]
 
 
-@pytest.fixture(scope="module")
+@Background
 def script_runs():
     """{name: finished run} of the benchmark scripts' --tpu paths, each in a fresh
     process, run side by side once and read by the tests."""
@@ -102,7 +102,7 @@ def script_runs():
             "step_time.run_on_tpu(gt, tf, system, [(2, 4)], cfg, demo.make_loss_fn(cfg), "
             "[demo.make_batch(cfg)] + demo.init_params(cfg))")}
     done = run_together(list(commands.values()), timeout=300, cwd=BENCHMARKS,
-                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                        env=dict(session_environ(), PYTHONPATH=os.pathsep.join(
                             [os.path.dirname(BENCHMARKS), BENCHMARKS])))
     return dict(zip(commands, done))
 
@@ -113,14 +113,14 @@ def _last_row(run):
     return run.stdout.strip().splitlines()[-1]
 
 
-def test_train_step_tpu_path_matches_single_device(script_runs):
+def test_train_step_tpu_path_matches_single_device():
     """benchmarks/train_step.py's --tpu body (functional SGD step lowered for the TPU
     mesh, run as the TPU program): its loss after the steps is single-device TF's."""
-    row = _last_row(script_runs["train_step"])
+    row = _last_row(script_runs.result()["train_step"])
     assert float(row.rstrip(" |").rsplit("|", 1)[1]) <= 1e-5, row
 
 
-def test_step_time_tpu_path_matches_single_device(script_runs):
+def test_step_time_tpu_path_matches_single_device():
     """benchmarks/step_time.py's --tpu body: the demo LM's loss equals the host's."""
-    row = _last_row(script_runs["step_time"])
+    row = _last_row(script_runs.result()["step_time"])
     assert float(row.rstrip(" |").rsplit("|", 1)[1]) <= 1e-5, row

@@ -1,7 +1,10 @@
 """Shared test helpers: compare a partitioned function with the single-device one."""
 
 import os
+import shutil
 import subprocess
+import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -152,10 +155,14 @@ class Started:
     caller does next: processes that spend most of their time importing TF do it side by
     side with each other and with the tests."""
 
-    def __init__(self, commands, **popen_kwargs):
+    def __init__(self, commands, envs=None, **popen_kwargs):
+        """`envs`: an environment per command, where they differ."""
+        envs = envs or [popen_kwargs.pop("env", None)] * len(commands)
         self.runs = [subprocess.Popen(command, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, **popen_kwargs)
-                     for command in commands]
+                                      stderr=subprocess.PIPE, text=True, env=env,
+                                      **popen_kwargs)
+                     for command, env in zip(commands, envs)]
+        _LIVE.add(self)
 
     def wait(self, timeout):
         """Their CompletedProcess, in order; kills the rest if one times out."""
@@ -174,9 +181,109 @@ class Started:
             if run.poll() is None:
                 run.kill()
                 run.communicate()
+        _LIVE.discard(self)
 
 
 def run_together(commands, timeout, **popen_kwargs):
     """subprocess.run of each command, all started at once (Started) and then waited
     for; their CompletedProcess, in order."""
     return Started(commands, **popen_kwargs).wait(timeout)
+
+
+# Started processes not yet waited for or killed: the session ends them (stop_background)
+_LIVE = set()
+
+
+class Background:
+    """Subprocess work a test module declares at import, `NAME = Background(fn)`: `fn()`
+    runs processes (Started, run_together, fuzz workers), reads their output, and returns
+    what the module's tests read. It runs no TensorFlow in this process: it may run in a
+    thread beside the tests.
+
+    When collection ends, conftest starts the jobs of the modules whose tests are selected,
+    in collection order, one at a time in a thread (start_background): their processes,
+    which mostly import TF and run a program, take the machine's other core while this
+    process runs the tests before them. `result()` returns fn's value or raises its
+    exception; a job the thread has not reached runs at once in the caller, so a test
+    waits only for its own job, and every job ends before its module's tests do. Jobs
+    give their processes session_environ(); the fuzz driver's workers take os.environ,
+    so a monkeypatched variable of a test before test_fuzz can reach them (today: the
+    all-reduce combine threshold, the collective timeout (which workers set), the
+    backend choice unset)."""
+
+    _declared = []
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.module = fn.__module__
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._done = threading.Event()
+        self._value = self._error = None
+        Background._declared.append(self)
+
+    def _claim_and_run(self):
+        """Runs fn unless another thread has claimed it."""
+        with self._lock:
+            if self._claimed:
+                return
+            self._claimed = True
+        try:
+            self._value = self.fn()
+        except BaseException as error:  # re-raised in every test that reads the job
+            self._error = error
+        finally:
+            self._done.set()
+
+    def result(self):
+        """fn's value (its exception raised); runs fn here if no thread has started it."""
+        self._claim_and_run()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+_stopping = threading.Event()
+_environ = {}
+_directories = []
+
+
+def job_directory(prefix):
+    """A new directory for a background job's files (pytest's tmp_path is a test's), removed
+    when the session ends."""
+    path = tempfile.mkdtemp(prefix=f"gspmd_tf_{prefix}_")
+    _directories.append(path)
+    return path
+
+
+def session_environ():
+    """os.environ as it was when the background jobs started (what their processes get:
+    a test that sets a variable meanwhile must not reach them), os.environ before."""
+    return dict(_environ or os.environ)
+
+
+def start_background(modules):
+    """Runs the declared jobs of `modules` (module names), one at a time, in a daemon
+    thread."""
+    _environ.update(os.environ)
+    jobs = [job for job in Background._declared if job.module in modules]
+
+    def serve():
+        for job in jobs:
+            if _stopping.is_set():
+                return
+            job._claim_and_run()
+    threading.Thread(target=serve, name="background test jobs", daemon=True).start()
+
+
+def stop_background():
+    """Starts no more jobs and kills the processes of those running (the session
+    ended, perhaps at a failure with -x)."""
+    _stopping.set()
+    for started in list(_LIVE):
+        for run in started.runs:
+            if run.poll() is None:
+                run.kill()
+    for path in _directories:
+        shutil.rmtree(path, ignore_errors=True)
