@@ -10,6 +10,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from gspmd_tf import cluster
+from gspmd_tf.collective_dtypes import carries
 from gspmd_tf.backends import base, collectives
 from gspmd_tf.backends.tf_kernels import add_n, identity
 from gspmd_tf.errors import ShardingError
@@ -37,7 +38,7 @@ def permute(emitter, node):
     task = [cluster.task_of(name) for name in emitter.devices]
     crossing = sorted({tuple(sorted((s, t))) for t, s in source_of.items()
                        if task[s] != task[t]})
-    if crossing and not collectives.carries(node.out_dtypes[0]):
+    if crossing and not carries(node.out_dtypes[0]):
         raise ShardingError(
             f"node {node.name} (gt.Permute) would send {node.out_dtypes[0].name} values "
             "between worker processes, which TF's collectives cannot carry; keep the "
@@ -76,7 +77,7 @@ def collective(emitter, node, in_region=False):
     if groups.shape[1] == 1:
         return lambda d, ins: ins[0][d]
     row_of = {int(dev): [int(x) for x in row] for row in groups for dev in row}
-    if not collectives.carries(node.out_dtypes[0]) or (
+    if not carries(node.out_dtypes[0]) or (
             not in_region and emitter.copyable.issuperset(row_of)):
         return copy_collective(emitter, node, row_of)
     instance_key = emitter.keys.instance_key(node.name)

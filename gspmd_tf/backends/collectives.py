@@ -23,24 +23,12 @@ from tensorflow.python.ops import gen_collective_ops, resource_variable_ops
 
 from gspmd_tf import cluster
 from gspmd_tf.backends import base
+from gspmd_tf.collective_dtypes import CARRIERS
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import walk
 from gspmd_tf.timeouts import default_timeout
 
 MERGE_OPS = {"sum": "Add", "max": "Max", "min": "Min", "prod": "Mul"}
-
-# TF's collective kernels take float16/32/64 and int32/64 only; other dtypes travel as
-# one of those that holds every value exactly (a bool "sum" comes back as OR).
-_CARRIERS = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32,
-             tf.uint16: tf.int32, tf.uint32: tf.int64, tf.bfloat16: tf.float32}
-
-_NATIVE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
-
-
-def carries(dtype):
-    """True when TF's collective ops take `dtype`, as is or through a carrier dtype."""
-    return dtype in _NATIVE or dtype in _CARRIERS
-
 
 # Keys are int32 in [_KEY_BASE, _KEY_LIMIT), far from tf.distribute's (which count up
 # from small numbers), so both can run collectives in one process without sharing a key.
@@ -335,7 +323,7 @@ def pair_receive(shape, dtype, source, target, instance_key):
     received on `target`."""
     received = gen_collective_ops.collective_bcast_recv_v2(
         group_size=2, group_key=group_key([source, target]), instance_key=instance_key,
-        shape=list(shape), T=_CARRIERS.get(dtype, dtype))
+        shape=list(shape), T=CARRIERS.get(dtype, dtype))
     received.set_shape(shape)
     return restore(received, dtype)
 
@@ -351,7 +339,7 @@ def chunk(x, dim, k, index):
 
 def carry(x):
     """x in a dtype TF's collectives accept."""
-    return tf.cast(x, _CARRIERS[x.dtype]) if x.dtype in _CARRIERS else x
+    return tf.cast(x, CARRIERS[x.dtype]) if x.dtype in CARRIERS else x
 
 
 def restore(x, dtype):

@@ -14,6 +14,7 @@ from tensorflow.python.ops import control_flow_util_v2
 
 from gspmd_tf.backends import base, collective_emitters, collectives
 from gspmd_tf.backends.tf_kernels import identity, safe_name, set_shapes
+from gspmd_tf.collective_dtypes import carries
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.graph.ir import REGION_OPS, walk
 from gspmd_tf.registry import PRINTS, has_trait
@@ -116,7 +117,7 @@ def _lower_region(emitter, region, args, d):
             op_of.append(bound[index].op)
             continue
         if node.op in collectives.KEYED + (base.PERMUTE,) and \
-                not collectives.carries(node.out_dtypes[0]):
+                not carries(node.out_dtypes[0]):
             # made of copies that read other devices' tensors, which a body running
             # on one device cannot reach
             raise ShardingError(

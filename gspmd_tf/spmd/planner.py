@@ -36,6 +36,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
+from gspmd_tf.collective_dtypes import carries
 from gspmd_tf.cost_model import CostModel, ring_bytes
 from gspmd_tf.layout import (Layout, axis_parts, ceil_div, cut_axes, merged_axes,
                              merged_layout, sub_axes_of)
@@ -288,7 +289,7 @@ def plan(src, dst, shape, dtype, mesh, model: CostModel | None = None):
     by default); a tuple of step records."""
     # strings and handles have no fixed size: priced like 8-byte elements
     return _plan(src, dst, tuple(shape), dtype.size or 8, model or CostModel.for_mesh(mesh),
-                 _summable(dtype))
+                 carries(dtype))
 
 
 def plan_estimate(src, dst, shape, dtype, mesh, model: CostModel | None = None) -> float:
@@ -296,17 +297,12 @@ def plan_estimate(src, dst, shape, dtype, mesh, model: CostModel | None = None) 
     if src == dst:
         return 0.0
     return _plan_estimate(src, dst, tuple(shape), dtype.size or 8,
-                          model or CostModel.for_mesh(mesh), _summable(dtype))
+                          model or CostModel.for_mesh(mesh), carries(dtype))
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _plan_estimate(src, dst, shape, itemsize, model, summable):
     return seconds(_plan(src, dst, shape, itemsize, model, summable), model)
-
-
-def _summable(dtype):  # what the backends all-reduce (as is or through a wider dtype)
-    return dtype.name in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32",
-                          "int64", "float16", "bfloat16", "float32", "float64")
 
 
 @functools.lru_cache(maxsize=1 << 16)

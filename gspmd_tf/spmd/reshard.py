@@ -18,7 +18,8 @@ import tensorflow as tf
 from gspmd_tf.layout import ceil_div, permute_pairs
 from gspmd_tf.spmd import planner
 from gspmd_tf.spmd.local_ops import (concat_dim, dynamic_slice_dim, pad_dim, per_shard,
-                                     replace_dim, reshape, shard_offset, static_slice_dim)
+                                     replace_dim, reshape, select, shard_offset,
+                                     static_slice_dim)
 from gspmd_tf.spmd.program import Local
 
 _COLLECTIVE_DTYPE = {tf.bool: tf.int32}
@@ -89,9 +90,8 @@ def _broadcast(b, x, step, layout):
     be NaN), summed over the step's axes."""
     first = b.op("Equal", [b.shard_index(step.axes), b.const(np.int32(0))], (), tf.bool,
                  T=tf.int32, incompatible_shape_error=True)
-    dtype = x.dtype
-    zero = b.const(np.zeros((), dtype.as_numpy_dtype), dtype)
-    ref = b.op("SelectV2", [first, x.ref, zero], b.shape_of(x.ref), dtype, T=dtype)
+    ref = select(b, first, x.ref, b.const(np.zeros((), x.dtype.as_numpy_dtype), x.dtype),
+                 x.dtype)
     return _collective(b, "gt.AllReduce", ref, b.shape_of(ref), axes=step.axes,
                        reduce_op="sum")
 

@@ -36,7 +36,7 @@ from gspmd_tf.spmd.program import Local
 from gspmd_tf.spmd.reshard import rotate
 
 # dtypes whose partial sums the loop may add in their own precision: the plain path's
-# collectives sum half-precision values in float32 (collectives._CARRIERS)
+# collectives sum half-precision values in float32 (collective_dtypes.CARRIERS)
 _SUMMED_AS_IS = (tf.float32, tf.float64)
 
 
