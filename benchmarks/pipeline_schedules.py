@@ -16,9 +16,12 @@ steps, each step rematerialised in the backward), and the per-device peak of
 gt.pipeline_value_and_grad's program as Lowered.memory() estimates it (lowered on an
 abstract mesh of S devices: nothing runs, so any S fits), also as a ratio to GPipe's
 on the same model, and the operand bytes per device of its collectives
-(Lowered.collectives(), a loop body's once). The peak includes the weights, their
-gradients, the microbatches and targets (replicated): with a small b they, not the
-activations, dominate.
+(Lowered.collectives(), a loop body's once). The peak includes the program's arguments
+and outputs (the weights, the microbatches and targets, replicated, and the gradients:
+"args+outs", the same for every schedule), and the loop bodies' temporaries, e.g. one
+step's weight gradients (TF's gradient makes each as a new tensor before adding it to
+its accumulator): with a small b these, not the activations a schedule keeps, dominate.
+"rest /gpipe" is the peak less its arguments and outputs, as a ratio to GPipe's.
 
 --time_steps=N also runs every step on S logical CPU devices (they share the host's
 cores: the shape of the schedule's cost, not a speed-up) and prints the median time of
@@ -102,13 +105,15 @@ def program(gt, tf, schedule, stages, microbatches, virtual, batch, mesh):
 
 
 def lowered_figures(gt, tf, schedule, stages, microbatches, virtual, batch):
-    """(per-device peak, collective operand bytes per device, loop bodies once) of the
-    step's program, lowered on an abstract stage mesh."""
+    """(per-device peak, its arguments and outputs, collective operand bytes per device,
+    loop bodies once) of the step's program, lowered on an abstract stage mesh."""
     mesh = gt.Mesh.abstract((stages,), ("stage",))
     step, specs, shardings = program(gt, tf, schedule, stages, microbatches, virtual,
                                      batch, mesh)
     lowered = gt.lower(step, mesh, shardings, args=specs)
-    return lowered.memory().peak, sum(c.bytes for c in lowered.collectives())
+    memory = lowered.memory()
+    return (memory.peak, memory.arguments + memory.outputs,
+            sum(c.bytes for c in lowered.collectives()))
 
 
 def step_times(gt, tf, schedules, stages, microbatches, virtual, batch):
@@ -143,7 +148,8 @@ def main(argv):
     timed = TIME_STEPS.value > 0
     print(f"{'schedule':12s} {'S':>3s} {'M':>4s} {'V':>3s} {'b':>4s} {'bubble':>8s} "
           f"{'formula':>8s} {'kept per device':>24s} {'peak B/device':>14s} "
-          f"{'/gpipe':>7s} {'coll. B/device':>14s}"
+          f"{'/gpipe':>7s} {'args+outs B':>12s} {'rest /gpipe':>11s} "
+          f"{'coll. B/device':>14s}"
           + (f" {'step s':>8s} {'/gpipe':>7s}" if timed else ""))
     for batch in map(int, MICROBATCH_SIZE.value):
         for stages in map(int, STAGES.value):
@@ -156,8 +162,8 @@ def main(argv):
                              if timed else [None] * len(runs))
                     figures = [lowered_figures(gt, tf, schedule, stages, microbatches,
                                                virtual, batch) for schedule in runs]
-                    peaks = [peak for peak, _ in figures]
-                    for schedule, (peak, moved), seconds in zip(runs, figures, times):
+                    gpipe_peak, gpipe_held, _ = figures[0]
+                    for schedule, (peak, held, moved), seconds in zip(runs, figures, times):
                         table = gt.pipeline_schedule(
                             schedule, stages, microbatches,
                             virtual if schedule == "interleaved" else 1)
@@ -165,7 +171,9 @@ def main(argv):
                         print(f"{schedule:12s} {stages:3d} {microbatches:4d} {virtual:3d} "
                               f"{batch:4d} {float(table.bubble):8.4f} {float(want):8.4f} "
                               f"{kept(schedule, stages, microbatches, virtual):>24s} "
-                              f"{peak:14d} {peak / peaks[0]:7.3f} {moved:14d}"
+                              f"{peak:14d} {peak / gpipe_peak:7.3f} {held:12d} "
+                              f"{(peak - held) / (gpipe_peak - gpipe_held):11.3f} "
+                              f"{moved:14d}"
                               + (f" {seconds:8.4f} {seconds / times[0]:7.3f}" if timed
                                  else ""), flush=True)
 

@@ -62,3 +62,19 @@ def test_loop_results_are_its_last_iteration_values_not_counted_twice():
     carried = (ROWS // 4) * COLS * 8 * 4
     assert 2 * carried <= memory.peak - memory.arguments - memory.outputs < 3 * carried, \
         memory
+
+
+def test_a_loop_state_the_program_returns_is_counted_once_with_the_outputs():
+    # A gradient accumulator's shape: a first value handed to a loop that returns the
+    # sum as the program's output. That value is the output buffer's first state
+    # (counted with the outputs throughout), not a further buffer while the loop runs.
+    def f(x):
+        return tf.while_loop(lambda i, total: i < 3,
+                             lambda i, total: (i + 1, total + x * 2.0),
+                             (0, x * 0.0))[1]
+    x = np.ones((ROWS, COLS), np.float32)
+    memory = gt.lower(f, _MESH, (P("data"),), args=(x,)).memory()
+    block = (ROWS // 4) * COLS * 4
+    assert memory.outputs == block, memory
+    # while the loop runs: x * 2 and the new total (and scalars), not the first value
+    assert 2 * block <= memory.peak - memory.arguments - memory.outputs < 3 * block, memory

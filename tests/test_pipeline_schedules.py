@@ -1,7 +1,8 @@
 """gt.pipeline_value_and_grad (GPipe, 1F1B, interleaved) equals the unpipelined model's
 mean loss and stage-param gradients (single-device TF, relative 1e-5), partitioned over
 a stage axis (with data and model axes too); 1F1B's per-device peak memory is at most
-half of GPipe's at M=16, S=4, and its stage s holds at most S - s microbatches;
+half of GPipe's at M=16, S=4, does not grow with M (GPipe's grows by each step's
+activations), and its stage s holds at most S - s microbatches;
 interleaved keeps stage buffers per step, not layers; gt.pipeline_schedule's table has
 the formulas' bubbles, and the HTML report shows it."""
 
@@ -108,6 +109,23 @@ def test_1f1b_peak_memory_at_most_half_of_gpipe_at_16_microbatches_4_stages():
                                 (P("stage"),) * 3 + (P(),) * 2, args=args).memory().peak
              for schedule in ("gpipe", "1f1b")}
     assert peaks["1f1b"] * 2 <= peaks["gpipe"], peaks
+
+
+def test_1f1b_keeps_the_same_activations_whatever_the_microbatch_count_gpipe_one_per_step():
+    # peak minus what both schedules hold (weights, microbatches, targets, gradients)
+    mesh, rng, hidden = gt.Mesh.create((4,), ("stage",)), np.random.default_rng(4), 64
+    weights = (randn(rng, 4, D, hidden), randn(rng, 4, hidden), randn(rng, 4, hidden, D))
+
+    def above_arguments_and_outputs(schedule, microbatches):
+        args = weights + (randn(rng, microbatches, BATCH, D),) * 2
+        memory = gt.lower(pipelined(schedule, mesh), mesh, (P("stage"),) * 3 + (P(),) * 2,
+                          args=args).memory()
+        return memory.peak - memory.arguments - memory.outputs
+    assert above_arguments_and_outputs("1f1b", 16) == above_arguments_and_outputs("1f1b", 8)
+    # GPipe's loop keeps each step's activations: 8 more steps, at least 8 more hidden
+    # activations [1, BATCH, hidden] per device
+    grown = above_arguments_and_outputs("gpipe", 16) - above_arguments_and_outputs("gpipe", 8)
+    assert grown >= 8 * BATCH * hidden * 4, grown
 
 
 def test_interleaved_keeps_a_step_input_per_step_not_its_layers():

@@ -6,7 +6,9 @@ consumer in program order (TF's executor may run independent ops in another orde
 reuses or aliases some buffers), with arguments, variable shards and outputs live
 throughout. What a loop keeps alive counts: its body's intermediates while it runs, and
 the TensorLists it fills (TF's gradient accumulators: one element per iteration, so a
-loop's forward activations for its backward pass) at their full capacity.
+loop's forward activations for its backward pass) at their full capacity. A loop state
+the program returns is the output's buffer from its first value on (e.g. the zeros a
+gradient accumulator starts from), not a further buffer.
 """
 
 from __future__ import annotations
@@ -149,13 +151,14 @@ def _intermediates_peak(graph, pinned):
     for i, node in enumerate(graph.nodes):
         if _is_view(graph, node):
             buffer[i] = buffer[node.inputs[0].node]
-    skip = {r.node for r in graph.inputs}
-    if pinned:
-        skip |= {buffer[r.node] for r in graph.outputs} | {r.node for r in graph.outputs}
     last_use = {}
     for i, node in enumerate(graph.nodes):
         for ref in node.inputs:
             last_use[buffer[ref.node]] = i
+    skip = {r.node for r in graph.inputs}
+    if pinned:
+        skip |= {buffer[r.node] for r in graph.outputs} | {r.node for r in graph.outputs}
+        skip |= _output_loop_inits(graph, buffer, last_use)
     frees = {}
     for i in range(len(graph.nodes)):  # a value nothing reads is freed where it is made
         frees.setdefault(max(last_use.get(i, i), i), []).append(i)
@@ -173,6 +176,26 @@ def _intermediates_peak(graph, pinned):
         for producer in frees.get(i, ()):
             live -= sizes[producer]
     return max(timeline, default=0), timeline
+
+
+def _output_loop_inits(graph, buffer, last_use):
+    """The nodes whose value is the first state of a loop variable the loop returns as a
+    graph output (through views), read by nothing after the loop starts: the loop hands
+    that state on, iteration by iteration, into the output's buffer, which the caller
+    counts throughout (e.g. a gradient accumulator's zeros); counting the initial value
+    too would hold the accumulator twice while the loop runs."""
+    inits = set()
+    for ref in graph.outputs:
+        while _is_view(graph, graph.nodes[ref.node]):
+            ref = graph.nodes[ref.node].inputs[0]
+        loop = graph.nodes[ref.node]
+        if loop.op not in _WHILE_OPS:
+            continue
+        init = buffer[loop.inputs[ref.out].node]
+        if (len(graph.nodes[init].out_shapes) == 1 and last_use.get(init) == ref.node
+                and sum(buffer[r.node] == init for r in loop.inputs) == 1):
+            inits.add(init)
+    return inits
 
 
 def _is_view(graph, node):
