@@ -78,3 +78,17 @@ def test_a_loop_state_the_program_returns_is_counted_once_with_the_outputs():
     assert memory.outputs == block, memory
     # while the loop runs: x * 2 and the new total (and scalars), not the first value
     assert 2 * block <= memory.peak - memory.arguments - memory.outputs < 3 * block, memory
+
+
+def test_a_value_a_loop_passes_through_lives_while_the_loop_result_is_read():
+    # TF hands a loop's unchanged value on as its result (the same buffer): read after
+    # the loop, it is alive beside what the program makes there.
+    def f(x):
+        made = tf.tile(x, [1, 8])  # per device [4, 256] float32: 4,096 bytes
+        _, passed = tf.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v), (0, made))
+        wide = tf.reduce_sum(tf.tile(x, [1, 16]), axis=1)  # 8,192 bytes made after it
+        return wide + tf.reduce_sum(passed, axis=1)
+    x = np.ones((ROWS, COLS), np.float32)
+    memory = gt.lower(f, _MESH, (P("data"),), args=(x,)).memory()
+    made = (ROWS // 4) * COLS * 8 * 4
+    assert memory.peak - memory.arguments - memory.outputs >= made + 2 * made, memory

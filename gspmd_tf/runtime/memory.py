@@ -155,6 +155,15 @@ def _intermediates_peak(graph, pinned):
     for i, node in enumerate(graph.nodes):
         for ref in node.inputs:
             last_use[buffer[ref.node]] = i
+    # a loop result passed through unchanged is its operand's buffer: the operand lives
+    # as long as the loop's results are read (last loops first: chains of loops)
+    for i in reversed(range(len(graph.nodes))):
+        node = graph.nodes[i]
+        if node.op in _WHILE_OPS and i in last_use:
+            for k, ref in enumerate(node.inputs):
+                if _passed_through(node.regions[1], k):
+                    operand = buffer[ref.node]
+                    last_use[operand] = max(last_use.get(operand, operand), last_use[i])
     skip = {r.node for r in graph.inputs}
     if pinned:
         skip |= {buffer[r.node] for r in graph.outputs} | {r.node for r in graph.outputs}
