@@ -23,6 +23,11 @@ step's weight gradients (TF's gradient makes each as a new tensor before adding 
 its accumulator): with a small b these, not the activations a schedule keeps, dominate.
 "rest /gpipe" is the peak less its arguments and outputs, as a ratio to GPipe's.
 
+--measure_memory also runs every step on S logical CPU devices with TF's CPU allocator
+keeping statistics and prints the peak bytes it measured above what it held before the
+call (the S devices together: they share the host's allocator; TF's buffer reuse and
+forwarding included), the median of 3 calls: a check of the estimate's ratios.
+
 --time_steps=N also runs every step on S logical CPU devices (they share the host's
 cores: the shape of the schedule's cost, not a speed-up) and prints the median time of
 N calls and its ratio to GPipe's, the schedules' calls alternating round by round.
@@ -57,6 +62,11 @@ D_FF = flags.DEFINE_integer("d_ff", 256, "hidden width")
 TIME_STEPS = flags.DEFINE_integer(
     "time_steps", 0, "when > 0, also run each step on S logical CPU devices this many "
     "times (after one warm-up call) and print the median seconds")
+MEASURE_MEMORY = flags.DEFINE_bool(
+    "measure_memory", False, "also run each step on S logical CPU devices with TF's CPU "
+    "allocator keeping statistics (TF_CPU_ALLOCATOR_USE_BFC) and print the measured "
+    "peak bytes of the S devices together (they share the host's allocator), the median "
+    "of 3 calls after a warm-up, and its ratio to GPipe's")
 
 
 def formula(schedule, stages, microbatches, virtual):
@@ -116,9 +126,9 @@ def lowered_figures(gt, tf, schedule, stages, microbatches, virtual, batch):
             sum(c.bytes for c in lowered.collectives()))
 
 
-def step_times(gt, tf, schedules, stages, microbatches, virtual, batch):
-    """Median seconds of one call of each schedule's step on S logical CPU devices, the
-    schedules' calls alternating round by round (so all see the same machine load)."""
+def warmed_up_steps(gt, tf, schedules, stages, microbatches, virtual, batch):
+    """[(gt.function, numpy args)] of each schedule's step on S logical CPU devices,
+    each called once (traced, partitioned, warmed up)."""
     mesh = gt.Mesh.create((stages,), ("stage",))
     rng = np.random.default_rng(0)
     calls = []
@@ -127,9 +137,15 @@ def step_times(gt, tf, schedules, stages, microbatches, virtual, batch):
                                          batch, mesh)
         args = [rng.standard_normal(spec.shape, dtype=np.float32) * 0.1 for spec in specs]
         function = gt.function(step, mesh=mesh, in_shardings=shardings)
-        function(*args)  # trace, partition, warm up
+        tf.nest.map_structure(lambda t: t.numpy(), function(*args))
         calls.append((function, args))
-    times = [[] for _ in schedules]
+    return calls
+
+
+def step_times(tf, calls):
+    """Median seconds of one call of each step, the calls alternating round by round
+    (so all see the same machine load)."""
+    times = [[] for _ in calls]
     for _ in range(TIME_STEPS.value):
         for (function, args), measured in zip(calls, times):
             start = time.perf_counter()
@@ -138,19 +154,38 @@ def step_times(gt, tf, schedules, stages, microbatches, virtual, batch):
     return [statistics.median(measured) for measured in times]
 
 
+def measured_peaks(tf, calls):
+    """Median over 3 calls of each step's peak bytes above what the host's CPU allocator
+    held before the call (its arguments' conversion and placement included)."""
+    peaks = [[] for _ in calls]
+    for _ in range(3):
+        for (function, args), measured in zip(calls, peaks):
+            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            tf.nest.map_structure(lambda t: t.numpy(), function(*args))
+            measured.append(tf.config.experimental.get_memory_info("CPU:0")["peak"]
+                            - before)
+    return [int(statistics.median(measured)) for measured in peaks]
+
+
 def main(argv):
     del argv
+    run = TIME_STEPS.value > 0 or MEASURE_MEMORY.value
+    if MEASURE_MEMORY.value:  # read when TensorFlow starts
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     import gspmd_tf as gt
-    if TIME_STEPS.value:
+    if run:
         gt.configure_cpu_devices(max(map(int, STAGES.value)))
     import tensorflow as tf
     logging.getLogger("gspmd_tf").setLevel(logging.ERROR)
     timed = TIME_STEPS.value > 0
+    measured = MEASURE_MEMORY.value
     print(f"{'schedule':12s} {'S':>3s} {'M':>4s} {'V':>3s} {'b':>4s} {'bubble':>8s} "
           f"{'formula':>8s} {'kept per device':>24s} {'peak B/device':>14s} "
           f"{'/gpipe':>7s} {'args+outs B':>12s} {'rest /gpipe':>11s} "
           f"{'coll. B/device':>14s}"
-          + (f" {'step s':>8s} {'/gpipe':>7s}" if timed else ""))
+          + (f" {'step s':>8s} {'/gpipe':>7s}" if timed else "")
+          + (f" {'measured B, S dev':>17s} {'/gpipe':>7s}" if measured else ""))
     for batch in map(int, MICROBATCH_SIZE.value):
         for stages in map(int, STAGES.value):
             for microbatches in map(int, MICROBATCHES.value):
@@ -158,12 +193,15 @@ def main(argv):
                     runs = ["gpipe", "1f1b"] + (
                         ["interleaved"] if virtual > 1 and microbatches % stages == 0
                         else [])
-                    times = (step_times(gt, tf, runs, stages, microbatches, virtual, batch)
-                             if timed else [None] * len(runs))
+                    calls = (warmed_up_steps(gt, tf, runs, stages, microbatches, virtual,
+                                             batch) if run else None)
+                    times = step_times(tf, calls) if timed else [None] * len(runs)
+                    real = measured_peaks(tf, calls) if measured else [None] * len(runs)
                     figures = [lowered_figures(gt, tf, schedule, stages, microbatches,
                                                virtual, batch) for schedule in runs]
                     gpipe_peak, gpipe_held, _ = figures[0]
-                    for schedule, (peak, held, moved), seconds in zip(runs, figures, times):
+                    for schedule, (peak, held, moved), seconds, used in zip(
+                            runs, figures, times, real):
                         table = gt.pipeline_schedule(
                             schedule, stages, microbatches,
                             virtual if schedule == "interleaved" else 1)
@@ -175,7 +213,9 @@ def main(argv):
                               f"{(peak - held) / (gpipe_peak - gpipe_held):11.3f} "
                               f"{moved:14d}"
                               + (f" {seconds:8.4f} {seconds / times[0]:7.3f}" if timed
-                                 else ""), flush=True)
+                                 else "")
+                              + (f" {used:17d} {used / real[0]:7.3f}" if measured else ""),
+                              flush=True)
 
 
 if __name__ == "__main__":
