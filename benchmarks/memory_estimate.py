@@ -9,11 +9,13 @@ times, the allocator's peak is reset, the program runs, and the peak above what 
 allocator held before the call (the placed arguments, variables, TF's own state) is read.
 The estimate of the same quantity is the devices times (peak - arguments - variables) of
 Lowered.memory(): the bytes each device makes while the program runs, as if every
-device's peak fell at the same moment. measured / estimate below 1 is the estimate's
-margin (the estimate counts outputs live throughout, as XLA's accounting does, where TF
-makes them late; TF's graph optimizer merges and fuses ops of the per-device programs
-before they run; TF forwards buffers; the devices' peaks need not coincide); above 1 it
-misses something.
+device's peak fell at the same moment. Two runs: the local backend as it is by default
+on CPU devices, which computes a value several devices hold equal once for all of them
+(they share the host's memory: LocalBackend's replicated_once), and with every device
+computing its own (replicated_once=False), as separate devices do, which is what the
+estimate models. measured / estimate below 1 is the estimate's margin (it counts
+outputs live throughout, as XLA's accounting does, where TF makes them late; TF forwards
+buffers; the devices' peaks need not coincide); above 1 it misses something.
 
 Programs: a Transformer train step with Adam (gspmd_tf.testing.transformer_step, the
 hand Megatron plan, 2x4), GPipe and 1F1B pipeline steps (S=4,
@@ -75,9 +77,12 @@ def ring(gt, tf):
     return attend, mesh, (gt.P(None, "seq"),) * 3, [q, k, v]
 
 
-def measure(gt, tf, fn, mesh, shardings, args):
-    """(estimated bytes the devices make, measured [bytes per call])."""
-    function = gt.function(fn, mesh=mesh, in_shardings=shardings)
+def measure(gt, tf, fn, mesh, shardings, args, replicated_once=True):
+    """(estimated bytes the devices make, measured [bytes per call]) on the local backend
+    (`replicated_once` as LocalBackend's)."""
+    from gspmd_tf.backends.local import LocalBackend
+    function = gt.function(fn, mesh=mesh, in_shardings=shardings, backend=lambda m: (
+        LocalBackend(m, replicated_once=replicated_once)))
     lowered = function.lower(*args)
     placed = [gt.ShardedTensor.from_value(value, mesh, s.to_layout(mesh, np.ndim(value)))
               for value, s in zip(args, lowered.input_shardings)]
@@ -106,13 +111,14 @@ def main(argv):
         "1f1b S=4 M=16": lambda: pipelined(gt, tf, "1f1b"),
         "ring attention, causal (8)": lambda: ring(gt, tf),
     }
-    print(f"{'program':32s} {'estimate B':>12s} {'measured B':>12s} {'measured/est':>12s}"
-          f"  (calls)")
+    print(f"{'program':32s} {'estimate B':>12s} {'measured B':>12s} {'/estimate':>9s} "
+          f"{'each device B':>13s} {'/estimate':>9s}")
     for name, make in programs.items():
-        estimate, measured = measure(gt, tf, *make())
-        middle = statistics.median(measured)
-        print(f"{name:32s} {estimate:12d} {int(middle):12d} {middle / estimate:12.3f}  "
-              f"{measured}", flush=True)
+        estimate, shared = measure(gt, tf, *make())
+        _, own = measure(gt, tf, *make(), replicated_once=False)
+        shared, own = statistics.median(shared), statistics.median(own)
+        print(f"{name:32s} {estimate:12d} {int(shared):12d} {shared / estimate:9.3f} "
+              f"{int(own):13d} {own / estimate:9.3f}", flush=True)
 
 
 if __name__ == "__main__":
