@@ -133,22 +133,37 @@ def _slot_references(optimizer, trainable):
     return refs
 
 
+def _optimizer_chain(optimizer):
+    """`optimizer` and the optimizers it wraps (a LossScaleOptimizer's inner_optimizer,
+    as keras.mixed_precision's "mixed_float16" policy makes), outermost first."""
+    chain = []
+    while optimizer is not None and all(optimizer is not seen for seen in chain):
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return chain
+
+
 def _build_optimizer(optimizer, trainable):
     """Build the optimizer for `trainable`, recording which model variable each
-    optimizer variable was made from."""
+    optimizer variable (of it or of an optimizer it wraps) was made from."""
     refs = {}
-    original = optimizer.add_variable_from_reference
+    chain = _optimizer_chain(optimizer)
 
-    def recording(reference_variable, *args, **kwargs):
-        made = original(reference_variable, *args, **kwargs)
-        refs[id(made)] = reference_variable
-        return made
+    def recording(original):
+        def record(reference_variable, *args, **kwargs):
+            made = original(reference_variable, *args, **kwargs)
+            refs[id(made)] = reference_variable
+            return made
+        return record
 
-    object.__setattr__(optimizer, "add_variable_from_reference", recording)
+    for wrapped in chain:
+        object.__setattr__(wrapped, "add_variable_from_reference",
+                           recording(wrapped.add_variable_from_reference))
     try:
         optimizer.build(trainable)
     finally:
-        object.__delattr__(optimizer, "add_variable_from_reference")
+        for wrapped in chain:
+            object.__delattr__(wrapped, "add_variable_from_reference")
     object.__setattr__(optimizer, "_gt_slot_refs", refs)
 
 
@@ -227,11 +242,12 @@ class _MeshModel:
         self._report_undivided(undivided)
         for v, spec, what in plan:
             _shard_variable(v, mesh, spec, what)
-        if optimizer is not None and optimizer.built:
-            # Keras (TF backend) keys the optimizer's variable indices by the backing
-            # tf.Variable, which was just replaced.
-            optimizer._trainable_variables_indices = {
-                optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)}
+        for built in _optimizer_chain(optimizer):
+            if built.built:
+                # Keras (TF backend) keys an optimizer's variable indices by the backing
+                # tf.Variable, which was just replaced.
+                built._trainable_variables_indices = {
+                    built._var_key(v): i for i, v in enumerate(built._trainable_variables)}
 
         unmatched = [key for key, _ in self.rules.items if key not in matched]
         if model_vars and unmatched and not self.warned:
