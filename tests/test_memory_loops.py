@@ -92,3 +92,13 @@ def test_a_value_a_loop_passes_through_lives_while_the_loop_result_is_read():
     memory = gt.lower(f, _MESH, (P("data"),), args=(x,)).memory()
     made = (ROWS // 4) * COLS * 8 * 4
     assert memory.peak - memory.arguments - memory.outputs >= made + 2 * made, memory
+
+
+def test_a_value_a_loop_passes_through_to_the_output_is_counted_once():
+    def f(x):
+        made = tf.tile(x, [1, 8])  # per device [4, 256] float32: 4,096 bytes
+        return tf.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v), (0, made))[1]
+    x = np.ones((ROWS, COLS), np.float32)
+    memory = gt.lower(f, _MESH, (P("data"),), args=(x,)).memory()
+    made = (ROWS // 4) * COLS * 8 * 4
+    assert memory.outputs == made and memory.peak - memory.arguments < 2 * made, memory

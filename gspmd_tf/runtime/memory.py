@@ -155,6 +155,10 @@ def _intermediates_peak(graph, pinned):
     for i, node in enumerate(graph.nodes):
         for ref in node.inputs:
             last_use[buffer[ref.node]] = i
+    skip = {r.node for r in graph.inputs}
+    if pinned:
+        skip |= {buffer[r.node] for r in graph.outputs} | {r.node for r in graph.outputs}
+        skip |= _output_loop_inits(graph, buffer, last_use)
     # a loop result passed through unchanged is its operand's buffer: the operand lives
     # as long as the loop's results are read (last loops first: chains of loops)
     for i in reversed(range(len(graph.nodes))):
@@ -164,10 +168,6 @@ def _intermediates_peak(graph, pinned):
                 if _passed_through(node.regions[1], k):
                     operand = buffer[ref.node]
                     last_use[operand] = max(last_use.get(operand, operand), last_use[i])
-    skip = {r.node for r in graph.inputs}
-    if pinned:
-        skip |= {buffer[r.node] for r in graph.outputs} | {r.node for r in graph.outputs}
-        skip |= _output_loop_inits(graph, buffer, last_use)
     frees = {}
     for i in range(len(graph.nodes)):  # a value nothing reads is freed where it is made
         frees.setdefault(max(last_use.get(i, i), i), []).append(i)
