@@ -110,7 +110,13 @@ def reproducer_text(index, seed, original, result, small):
     head = (f"# {result['status']}: {result['detail']}\n"
             f"# program {index} of --seed={seed} ({describe(original)}); shrunk to "
             f"{describe(small)}\n")
-    return head + snippet(small)
+    return head + _commented_stderr(result) + snippet(small)
+
+
+def _commented_stderr(result):
+    """A crashed worker's stderr tail as comment lines ("" for other results)."""
+    lines = result.get("stderr", "").strip().splitlines()
+    return "".join(f"# stderr| {line}\n" for line in lines)
 
 
 def main(argv):
@@ -135,6 +141,7 @@ def main(argv):
         done[0] += 1
         if result["status"] != "pass" and VERBOSE.value:
             print(f"  #{index} {result['status']}: {result['detail']}", flush=True)
+            print(_commented_stderr(result), end="", flush=True)
         if done[0] % 100 == 0:
             elapsed = time.monotonic() - start
             print(f"  {done[0]}/{len(programs)} done, {done[0] / elapsed:.2f} programs/s",

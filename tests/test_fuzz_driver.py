@@ -1,7 +1,11 @@
 """The fuzzer's driver (gspmd_tf/testing/workers.py, shrink.py): a worker runs either side of
 a program alone, crashes and errors are attributed to the program and blamed on
-single-device TF only when its reference alone fails, and the shrinker's variants of
-control-flow programs are still programs."""
+single-device TF only when its reference alone fails, a crash reports the end of the dead
+worker's stderr, and the shrinker's variants of control-flow programs are still
+programs."""
+
+import os
+import signal
 
 import pytest
 
@@ -89,6 +93,27 @@ def one_sided_runs():
                 for part in ("reference", "partitioned")}
     finally:
         worker.stop()
+
+
+@Background
+def aborted_worker_run():
+    """A worker's result of a run after the worker died of SIGABRT."""
+    worker = workers.Worker(120, 30)
+    try:
+        worker.start()
+        os.kill(worker.proc.pid, signal.SIGABRT)
+        worker.proc.wait()
+        return worker.run(generate(24, 3785))
+    finally:
+        worker.stop()
+
+
+def test_a_dead_worker_s_crash_carries_the_end_of_its_stderr():
+    # what a native crash leaves to diagnose it: the signal, and the Python stack of
+    # every thread, which the worker's faulthandler writes to its stderr
+    result = aborted_worker_run.result()
+    assert result["status"] == "crash" and "signal SIGABRT" in result["detail"], result
+    assert "Fatal Python error: Aborted" in result["stderr"], result
 
 
 def test_worker_runs_either_side_of_a_program_alone():

@@ -19,6 +19,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -27,6 +28,7 @@ import gspmd_tf
 # The directory gspmd_tf is imported from: the workers import it from there too.
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(gspmd_tf.__file__)))
 WORKER_MODULE = "gspmd_tf.testing.differential"
+STDERR_TAIL = 2000  # characters of a dead worker's stderr kept with its crash
 
 
 class Worker:
@@ -37,17 +39,22 @@ class Worker:
         self.collective_timeout = collective_timeout
         self.env = env or {}
         self.proc = None
+        self.stderr = None  # the running worker's stderr, a temporary file
         self.buffer = b""
 
     def start(self):
-        """Start the worker subprocess and wait until it has imported TF."""
+        """Start the worker subprocess and wait until it has imported TF. Its stderr
+        goes to a temporary file (with Python's faulthandler on, so a fatal signal
+        writes every thread's Python stack there): a crash reports its end."""
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                    GSPMD_TF_COLLECTIVE_TIMEOUT=str(self.collective_timeout),
                    PYTHONPATH=PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    **self.env)
-        self.proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE],
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m",
+                                      WORKER_MODULE],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=env, cwd=PACKAGE_ROOT,
+                                     stderr=self.stderr, env=env, cwd=PACKAGE_ROOT,
                                      start_new_session=True)
         self.buffer = b""
         ready = self._read_line(max(300.0, self.timeout))
@@ -101,11 +108,26 @@ class Worker:
             self.proc = None
             what = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             return {"status": "crash", "detail": f"worker died: {what}",
-                    "seconds": time.monotonic() - start}
+                    "stderr": self._stderr_tail(), "seconds": time.monotonic() - start}
         return answer
+
+    def _stderr_tail(self):
+        """The last STDERR_TAIL characters the worker wrote to stderr, without
+        faulthandler's list of loaded extension modules (and the file closed)."""
+        stderr, self.stderr = self.stderr, None
+        if stderr is None:
+            return ""
+        with stderr:
+            stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - 8 * STDERR_TAIL))
+            lines = stderr.read().decode(errors="replace").splitlines(keepends=True)
+        return "".join(line for line in lines
+                       if not line.startswith("Extension modules:"))[-STDERR_TAIL:]
 
     def stop(self):
         """End the worker (its whole process group)."""
+        if self.stderr is not None:
+            self.stderr.close()
+            self.stderr = None
         if self.proc is None:
             return
         try:
