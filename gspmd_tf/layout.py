@@ -143,8 +143,10 @@ def axis_parts(sub_axes):
 
 def cut_axes(layout, sub_axes):
     """`layout` with every axis (whole, or a SubAxis) that the bounds of `sub_axes` cut
-    replaced by its parts, major first (in a dim, or pending)."""
-    parts = axis_parts(sub_axes)
+    replaced by its parts, major first (in a dim, or pending). The layout's own sub-axes
+    cut too, so no part reaches past the sub-axis it replaces (x:(1)2 stays itself when
+    x:(4)2 cuts an axis of 8, not the part x:(1)4: fuzz seed 89 #131)."""
+    parts = axis_parts(list(sub_axes) + sub_axes_of(layout))
 
     def pieces(a):
         if isinstance(a, SubAxis):

@@ -20,7 +20,8 @@ from util import Background
 SEED = 0
 PROGRAMS = 40
 # (seed, index) of programs of earlier runs that once failed: they must pass now
-FIXED = [(31, 9463), (37, 9544), (37, 3936), (38, 9023), (36, 4500), (27, 9392)]
+FIXED = [(31, 9463), (37, 9544), (37, 3936), (38, 9023), (36, 4500), (27, 9392),
+         (89, 131)]
 
 
 @Background
@@ -182,3 +183,10 @@ def test_gather_of_concat_gradient_and_looped_cross_entropy_programs_pass(result
     no one differentiates (graph/sparse_rows.py drops it); seed 36 #4500: float32
     rounding of a cross-entropy passed through a while loop, a slice and a roll."""
     assert results[seed, index]["status"] == "pass", results[seed, index]
+
+
+def test_reshard_over_parts_of_an_axis_held_in_three_dims_passes(results):
+    """Seed 89 #131 (under --backend=xla; the local backend too): a reshard whose local
+    slice over pipe:(4)2 met an operand holding pipe:(1)2 and pipe:(2)2 asserted in
+    reshard.emit (layout.cut_axes cut the axis at 4 alone, tests/test_planner_subaxes.py)."""
+    assert results[89, 131]["status"] == "pass", results[89, 131]

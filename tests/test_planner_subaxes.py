@@ -253,3 +253,40 @@ def test_partitioned_function_runs_sub_axis_collectives_with_keys_from_the_progr
     keys = [gt.function(swap, mesh=mesh, in_shardings=(gt.P("data", "model"),))
             .lower(x).compile().collective_keys() for _ in range(2)]
     assert keys[0] == keys[1] and len(keys[0][0][3]) == 4  # four groups of two
+
+
+# ------------------------------------------------------------------------ steps over parts
+
+def test_a_step_over_part_of_an_axis_keeps_the_layouts_other_parts_whole():
+    """Fuzz seed 89 #131 (shrunk: a reshape of an uneven split, added to an operand split
+    over the minor part of an axis of 8): a local slice over x:(4)2 applied to a layout
+    holding x:(1)2 and x:(2)2 took x:(1)2 for x:(1)4 (the axis was cut at 4 alone), so
+    the layout said the dim had 4 shards where the emitted slice made 2."""
+    mesh = mesh_of((1, 8))
+    major, middle, minor = (SubAxis("x", pre, 2, 8) for pre in (1, 2, 4))
+    src = L((), (), (), (major,))
+    dst = L((), (middle,), (minor,), (major,))
+    steps = plan(src, dst, (4, 2, 2, 4), tf.float32, mesh)
+    layout = src
+    for step in steps:
+        layout = step.apply(layout)
+    assert layout == dst
+    value = np.random.default_rng(5).integers(-100, 100, (4, 2, 2, 4)).astype(np.float32)
+    check_steps_exact(mesh, src, dst, steps, value, np.random.default_rng(6))
+
+
+def test_reshape_of_a_split_added_to_an_operand_split_over_an_axis_part(rng):
+    """The program of fuzz seed 89 #131, values against single-device TF."""
+    mesh = mesh_of((1, 8))
+    x = rng.standard_normal((2, 8, 7, 1)).astype(np.float32)
+    keep = rng.integers(0, 2, (2, 8, 4, 1)).astype(bool)
+    other = rng.standard_normal((2, 8, 4, 1)).astype(np.float32)
+    y = rng.standard_normal((1, 2, 1, 4)).astype(np.float32)
+
+    def f(x, keep, other, y):
+        pooled = tf.nn.avg_pool2d(x, ksize=[1, 1], strides=[1, 2], padding="VALID")
+        summed = tf.reshape(tf.where(keep, pooled, other), [4, 2, -1, 4]) + y
+        return summed, tf.reshape(other, [8, 8])[-6::3, :]
+
+    check_partitioned(f, (x, keep, other, y), mesh,
+                      (gt.P(None, "x"), gt.P(), gt.P(), gt.P(None, None, None, "x")))
