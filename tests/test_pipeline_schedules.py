@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
+from gspmd_tf.testing import pipeline_model
 from test_pipeline import BATCH, D, mlp_params, mlp_stage
 from util import assert_close, randn, single_device
 
@@ -27,17 +28,8 @@ def squared_error(y, target):
 
 def unpipelined(w1, b1, w2, x, targets):
     """Mean loss and gradients of the layers in model order, no pipeline."""
-    params = dict(w1=w1, b1=b1, w2=w2)
-    with tf.GradientTape() as tape:
-        tape.watch(params)
-        losses = []
-        for m in range(x.shape[0]):
-            y = x[m]
-            for layer in range(w1.shape[0]):
-                y = mlp_stage(tf.nest.map_structure(lambda p: p[layer], params), y)
-            losses.append(squared_error(y, targets[m]))
-        loss = tf.reduce_mean(tf.stack(losses))
-    grads = tape.gradient(loss, params)
+    loss, grads = pipeline_model.unpipelined_value_and_grad(
+        mlp_stage, squared_error, dict(w1=w1, b1=b1, w2=w2), x, targets)
     return loss, grads["w1"], grads["b1"], grads["w2"]
 
 

@@ -1,0 +1,182 @@
+"""Randomized differential tests of gt.pipeline and gt.pipeline_value_and_grad.
+
+Each example draws a mesh of the 8 CPU devices with a stage axis (and maybe data and
+model axes), a schedule (the forward alone, GPipe, 1F1B or interleaved), S stages per
+stage-axis device, M microbatches (M < S and M no multiple of S included where the
+schedule takes them), V virtual stages, a small stage function and loss, random
+shardings of the stage params, the microbatches and the targets, and a microbatch spec
+(uneven dims included). The partitioned loss and gradients (the forward's outputs) must
+equal the unpipelined model on single-device TF; sizes a schedule refuses must be a
+gt.ShardingError. More examples: GSPMD_TF_EXAMPLES=200, or HYPOTHESIS_PROFILE=fuzz.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import event, given, settings, strategies as st
+
+import gspmd_tf as gt
+from gspmd_tf.testing import pipeline_model
+from test_pipeline import mlp_stage
+from test_pipeline_schedules import squared_error
+from util import assert_close, randn, single_device, specs
+
+P = gt.P
+# (shape, names): the stage axis first, last, or between data and model
+MESHES = [((8,), ("stage",)), ((4, 2), ("stage", "data")), ((2, 4), ("stage", "model")),
+          ((2, 2, 2), ("stage", "data", "model")), ((2, 4), ("data", "stage")),
+          ((2, 2, 2), ("data", "model", "stage"))]
+APIS = ("forward", "gpipe", "1f1b", "interleaved")
+# examples of the tests that run on the 8 devices (~1.5 s each): a third of the profile's
+RUNS = max(1, settings().max_examples // 3)
+
+
+def _without_bias(p, x):
+    return x + tf.nn.relu(x @ p["w1"]) @ p["w2"]
+
+
+def _tanh(p, x):
+    return tf.tanh(x @ p["w"] + p["b"])
+
+
+def _tanh_without_bias(p, x):
+    return tf.tanh(x @ p["w"])
+
+
+# stage function, and its params' shapes after the stage dim ("d": the width of x)
+STAGE_FNS = {
+    "residual_mlp": (mlp_stage, {"w1": ("d", "f"), "b1": ("f",), "w2": ("f", "d")}),
+    "residual_mlp_without_bias": (_without_bias, {"w1": ("d", "f"), "w2": ("f", "d")}),
+    "tanh": (_tanh, {"w": ("d", "d"), "b": ("d",)}),
+    "tanh_without_bias": (_tanh_without_bias, {"w": ("d", "d")}),
+}
+LOSSES = {
+    "squared_error": squared_error,
+    "cross_entropy": lambda y, t: tf.reduce_mean(
+        tf.nn.softmax_cross_entropy_with_logits(tf.nn.softmax(t), y)),
+    "tanh_product": lambda y, t: tf.reduce_sum(tf.tanh(y) * t),
+}
+
+
+def refused(api, stages, devices, microbatches, virtual):
+    """Whether the pipeline refuses these sizes (as its docstrings say): S must divide
+    over the stage axis, and the circular schedule (V > 1, or "interleaved") sends
+    microbatches round in groups of S."""
+    circular = virtual > 1 or api == "interleaved"
+    return stages % devices != 0 or (circular and microbatches % stages != 0)
+
+
+@st.composite
+def pipelines(draw, valid):
+    """A random pipelined model: a dict of the drawn choices (`valid`: only sizes the
+    schedule takes, else any)."""
+    shape, names = draw(st.sampled_from(MESHES))
+    devices = shape[names.index("stage")]
+    api = draw(st.sampled_from(APIS))
+    virtual = draw(st.integers(1, 3)) if api in ("forward", "interleaved") else 1
+    if valid:
+        stages = devices * draw(st.integers(1, max(1, 4 // devices)))
+        microbatches = (stages * draw(st.integers(1, 2))
+                        if virtual > 1 or api == "interleaved" else draw(st.integers(1, 6)))
+    else:
+        stages, microbatches = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    stage_fn = draw(st.sampled_from(sorted(STAGE_FNS)))
+    others = tuple(n for n in names if n != "stage")
+    sizes = {"d": draw(st.integers(1, 6)), "f": draw(st.integers(1, 5)),
+             "b": draw(st.integers(1, 5))}
+    param_specs = {
+        name: P(draw(st.sampled_from(["stage", "stage", None])),
+                *draw(specs(others, len(dims))))
+        for name, dims in STAGE_FNS[stage_fn][1].items()}
+    return dict(
+        shape=shape, names=names, api=api, stages=stages, microbatches=microbatches,
+        virtual=virtual, stage_fn=stage_fn, loss=draw(st.sampled_from(sorted(LOSSES))),
+        sizes=sizes, param_specs=param_specs,
+        x_spec=draw(specs(names, 3)), target_spec=draw(specs(names, 3)),
+        microbatch_spec=P(*draw(specs(others, 2))) if draw(st.booleans()) else None,
+        seed=draw(st.integers(0, 2 ** 16)))
+
+
+def _model(case):
+    """(stage_fn, loss_fn, params in model order, microbatches, targets)."""
+    rng = np.random.default_rng(case["seed"])
+    stage_fn, dims = STAGE_FNS[case["stage_fn"]]
+    layers = case["stages"] * case["virtual"]
+    sizes = case["sizes"]
+    params = {name: randn(rng, layers, *(sizes[d] for d in shape)) * 0.5
+              for name, shape in dims.items()}
+    data = [randn(rng, case["microbatches"], sizes["b"], sizes["d"]) for _ in range(2)]
+    return stage_fn, LOSSES[case["loss"]], params, *data
+
+
+def _pipelined(case, stage_fn, loss_fn, mesh, names):
+    """f(*param leaves, x, targets) -> the pipeline's outputs (forward) or (loss, *grads),
+    params in the pipeline's order (gt.pipeline_layer_order)."""
+    def run(*args):
+        params = dict(zip(names, args[:len(names)]))
+        x, targets = args[len(names):]
+        options = dict(mesh=mesh, microbatch_spec=case["microbatch_spec"],
+                       virtual_stages=case["virtual"])
+        if case["api"] == "forward":
+            return gt.pipeline(stage_fn, params, x, **options)
+        loss, grads = gt.pipeline_value_and_grad(stage_fn, loss_fn, params, x, targets,
+                                                 schedule=case["api"], **options)
+        return (loss,) + tuple(grads[n] for n in names)
+    return run
+
+
+def _arguments(case):
+    """(mesh, pipelined fn, in_shardings, args in the pipeline's order, wanted values)."""
+    stage_fn, loss_fn, params, x, targets = _model(case)
+    names = sorted(params)
+    order = gt.pipeline_layer_order(case["stages"], case["virtual"])
+    mesh = gt.Mesh.create(case["shape"], case["names"])
+    fn = _pipelined(case, stage_fn, loss_fn, mesh, names)
+    shardings = tuple(case["param_specs"][n] for n in names) + (case["x_spec"],
+                                                                case["target_spec"])
+    args = tuple(params[n][order] for n in names) + (x, targets)
+    return mesh, fn, shardings, args, (stage_fn, loss_fn, params, names, order, x, targets)
+
+
+def _unpipelined(reference, api):
+    """The single-device values the pipeline must give, params in its order."""
+    stage_fn, loss_fn, params, names, order, x, targets = reference
+    if api == "forward":
+        return single_device(lambda p, x: pipeline_model.sequential(p, x, stage_fn),
+                             (params, x))
+    # [loss, the gradients by name (tf.nest's sorted order)]
+    flat = single_device(
+        lambda p, x, t: pipeline_model.unpipelined_value_and_grad(stage_fn, loss_fn, p, x, t),
+        (params, x, targets))
+    return [flat[0]] + [g[order] for g in flat[1:]]
+
+
+@settings(max_examples=RUNS)
+@given(pipelines(valid=True))
+def test_pipeline_equals_unpipelined_model(case):
+    mesh, fn, shardings, args, reference = _arguments(case)
+    event(f"{case['api']} S={case['stages']} M={case['microbatches']} V={case['virtual']}")
+    got = gt.function(fn, mesh=mesh, in_shardings=shardings)(*args)
+    want = _unpipelined(reference, case["api"])
+    got = tf.nest.flatten(got)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g.numpy(), w, f"{case['api']} output {i}")
+
+
+@given(pipelines(valid=False))
+def test_pipeline_lowers_or_refuses_the_sizes(case):
+    mesh, fn, shardings, args, _ = _arguments(case)
+    devices = case["shape"][case["names"].index("stage")]
+    specs_ = [tf.TensorSpec(a.shape, tf.float32) for a in args]
+    refuse = refused(case["api"], case["stages"], devices, case["microbatches"],
+                     case["virtual"])
+    event("refused" if refuse else "lowered")
+    if refuse:
+        with pytest.raises(gt.ShardingError):
+            gt.lower(fn, mesh, shardings, args=specs_)
+    else:
+        lowered = gt.lower(fn, mesh, shardings, args=specs_)
+        # stages on other devices: the shift between them is a collective-permute
+        kinds = {c.kind for c in lowered.collectives()}
+        assert "collective-permute" in kinds, lowered.report()
