@@ -6,7 +6,8 @@ buffers' G split over the data axis or not, each expert's hidden dim over the mo
 axis or not), the shardings of the inputs (the layer's own or random ones), experts E,
 top-k, the capacity factor (tokens dropped or not), groups G, tokens per group S, the
 model and hidden widths (uneven splits included), and the forward or a training step
-(loss with the load-balancing loss, gradients of the gating and expert weights). The
+(loss with the load-balancing loss, gradients of the gating and expert weights; the
+gating annotated as Lingvo does or only as the paper does). The
 values must equal the same layer on single-device TF. More examples:
 GSPMD_TF_EXAMPLES=200, or HYPOTHESIS_PROFILE=fuzz.
 """
@@ -39,13 +40,13 @@ def layers(draw):
         expert_buffers=P("expert", draw(st.sampled_from([None, data]))),
         hidden=draw(st.sampled_from([None, "model"])) if "model" in names else None)
     experts = draw(st.integers(1, 10))
-    sizes = dict(g=draw(st.integers(1, 12)), s=draw(st.integers(1, 12)),
+    sizes = dict(g=draw(st.integers(1, 16)), s=draw(st.integers(1, 16)),
                  m=draw(st.integers(1, 6)), h=draw(st.integers(1, 8)), e=experts)
     own = draw(st.booleans())
     return dict(shape=shape, names=names, specs=layer_specs, sizes=sizes,
                 k=draw(st.integers(1, min(3, experts))),
                 capacity_factor=draw(st.sampled_from([0.5, 0.75, 1.0, 1.25, 2.0])),
-                train=draw(st.booleans()),
+                train=draw(st.booleans()), annotate_gating=draw(st.booleans()),
                 in_specs=(in_shardings(layer_specs) if own else
                           tuple(draw(specs(names, rank)) for rank in (3, 2, 3, 3))),
                 seed=draw(st.integers(0, 2 ** 16)))
@@ -58,6 +59,9 @@ def test_moe_layer_equals_single_device(case):
     mesh = gt.Mesh.create(case["shape"], case["names"])
     args = params(np.random.default_rng(case["seed"]), sizes["g"], sizes["s"], sizes["m"],
                   sizes["h"], sizes["e"])
-    make = train_fn if case["train"] else forward_fn
-    check_partitioned(make(mesh, case["specs"], k, cf), args, mesh, case["in_specs"],
-                      reference=make(None, None, k, cf))
+    if case["train"]:  # the gating annotated as Lingvo does, or only as the paper does
+        fn = train_fn(mesh, case["specs"], k, cf, case["annotate_gating"])
+        reference = train_fn(None, None, k, cf)
+    else:
+        fn, reference = forward_fn(mesh, case["specs"], k, cf), forward_fn(None, None, k, cf)
+    check_partitioned(fn, args, mesh, case["in_specs"], reference=reference)

@@ -4,8 +4,8 @@ Each example draws a mesh of the 8 CPU devices with a stage axis (and maybe data
 model axes), a schedule (the forward alone, GPipe, 1F1B or interleaved), S stages per
 stage-axis device, M microbatches (M < S and M no multiple of S included where the
 schedule takes them), V virtual stages, a small stage function and loss, random
-shardings of the stage params, the microbatches and the targets, and a microbatch spec
-(uneven dims included). The partitioned loss and gradients (the forward's outputs) must
+shardings of the stage params (arguments, or gt.Variables), the microbatches and the
+targets, and a microbatch spec (uneven dims included). The partitioned loss and gradients (the forward's outputs) must
 equal the unpipelined model on single-device TF; sizes a schedule refuses must be a
 gt.ShardingError. More examples: GSPMD_TF_EXAMPLES=200, or HYPOTHESIS_PROFILE=fuzz.
 """
@@ -25,10 +25,11 @@ P = gt.P
 # (shape, names): the stage axis first, last, or between data and model
 MESHES = [((8,), ("stage",)), ((4, 2), ("stage", "data")), ((2, 4), ("stage", "model")),
           ((2, 2, 2), ("stage", "data", "model")), ((2, 4), ("data", "stage")),
-          ((2, 2, 2), ("data", "model", "stage"))]
+          ((2, 2, 2), ("data", "stage", "model")), ((2, 2, 2), ("data", "model", "stage"))]
 APIS = ("forward", "gpipe", "1f1b", "interleaved")
-# examples of the tests that run on the 8 devices (~1.5 s each): a third of the profile's
-RUNS = max(1, settings().max_examples // 3)
+# examples per schedule of the test running on the 8 devices (~1.5 s each): an eighth of
+# the profile's
+RUNS = max(2, settings().max_examples // 8)
 
 
 def _without_bias(p, x):
@@ -43,8 +44,22 @@ def _tanh_without_bias(p, x):
     return tf.tanh(x @ p["w"])
 
 
+def _batch_centred(p, x):
+    """A layer whose rows depend on the whole microbatch (a mean over its batch dim)."""
+    y = x @ p["w"]
+    return y - tf.reduce_mean(y, axis=0, keepdims=True)
+
+
+def _normed(p, x):
+    """A residual layer over the normalized rows (mean and variance over the width)."""
+    mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+    return x + tf.tanh((x - mean) * tf.math.rsqrt(variance + 0.1) @ p["w"]) * p["b"]
+
+
 # stage function, and its params' shapes after the stage dim ("d": the width of x)
 STAGE_FNS = {
+    "batch_centred": (_batch_centred, {"w": ("d", "d")}),
+    "normed": (_normed, {"w": ("d", "d"), "b": ("d",)}),
     "residual_mlp": (mlp_stage, {"w1": ("d", "f"), "b1": ("f",), "w2": ("f", "d")}),
     "residual_mlp_without_bias": (_without_bias, {"w1": ("d", "f"), "w2": ("f", "d")}),
     "tanh": (_tanh, {"w": ("d", "d"), "b": ("d",)}),
@@ -55,6 +70,7 @@ LOSSES = {
     "cross_entropy": lambda y, t: tf.reduce_mean(
         tf.nn.softmax_cross_entropy_with_logits(tf.nn.softmax(t), y)),
     "tanh_product": lambda y, t: tf.reduce_sum(tf.tanh(y) * t),
+    "log_sum_exp": lambda y, t: tf.reduce_mean(tf.reduce_logsumexp(y * t, axis=-1)),
 }
 
 
@@ -67,23 +83,28 @@ def refused(api, stages, devices, microbatches, virtual):
 
 
 @st.composite
-def pipelines(draw, valid):
+def pipelines(draw, valid, api=None):
     """A random pipelined model: a dict of the drawn choices (`valid`: only sizes the
-    schedule takes, else any)."""
+    schedule takes, else any; `api`: one of APIS, else drawn)."""
     shape, names = draw(st.sampled_from(MESHES))
     devices = shape[names.index("stage")]
-    api = draw(st.sampled_from(APIS))
-    virtual = draw(st.integers(1, 3)) if api in ("forward", "interleaved") else 1
-    if valid:
-        stages = devices * draw(st.integers(1, max(1, 4 // devices)))
-        microbatches = (stages * draw(st.integers(1, 2))
-                        if virtual > 1 or api == "interleaved" else draw(st.integers(1, 6)))
-    else:
-        stages, microbatches = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    api = api or draw(st.sampled_from(APIS))
+    # at most 8 layers (S V) and 8 microbatches: a few seconds per example
+    stages = devices * draw(st.integers(1, 8 // devices))
+    virtual = (draw(st.integers(1, max(1, 8 // stages)))
+               if api in ("forward", "interleaved") else 1)
+    circular = virtual > 1 or api == "interleaved"
+    microbatches = (stages * draw(st.integers(1, max(1, 8 // stages))) if circular
+                    else draw(st.integers(1, 6)))
+    if not valid:  # perhaps S or M off by one
+        stages += draw(st.sampled_from([0, 1]))
+        microbatches += draw(st.sampled_from([0, 1]))
     stage_fn = draw(st.sampled_from(sorted(STAGE_FNS)))
     others = tuple(n for n in names if n != "stage")
     sizes = {"d": draw(st.integers(1, 6)), "f": draw(st.integers(1, 5)),
              "b": draw(st.integers(1, 5))}
+    # a microbatch [b, d] or [b, t, d]
+    rows = (draw(st.integers(1, 3)),) if draw(st.booleans()) else ()
     param_specs = {
         name: P(draw(st.sampled_from(["stage", "stage", None])),
                 *draw(specs(others, len(dims))))
@@ -91,9 +112,11 @@ def pipelines(draw, valid):
     return dict(
         shape=shape, names=names, api=api, stages=stages, microbatches=microbatches,
         virtual=virtual, stage_fn=stage_fn, loss=draw(st.sampled_from(sorted(LOSSES))),
-        sizes=sizes, param_specs=param_specs,
-        x_spec=draw(specs(names, 3)), target_spec=draw(specs(names, 3)),
-        microbatch_spec=P(*draw(specs(others, 2))) if draw(st.booleans()) else None,
+        sizes=sizes, rows=rows, param_specs=param_specs,
+        x_spec=draw(specs(names, 3 + len(rows))),
+        target_spec=draw(specs(names, 3 + len(rows))),
+        microbatch_spec=(P(*draw(specs(others, 2 + len(rows)))) if draw(st.booleans())
+                         else None),
         seed=draw(st.integers(0, 2 ** 16)))
 
 
@@ -105,7 +128,8 @@ def _model(case):
     sizes = case["sizes"]
     params = {name: randn(rng, layers, *(sizes[d] for d in shape)) * 0.5
               for name, shape in dims.items()}
-    data = [randn(rng, case["microbatches"], sizes["b"], sizes["d"]) for _ in range(2)]
+    data = [randn(rng, case["microbatches"], sizes["b"], *case["rows"], sizes["d"])
+            for _ in range(2)]
     return stage_fn, LOSSES[case["loss"]], params, *data
 
 
@@ -151,17 +175,28 @@ def _unpipelined(reference, api):
     return [flat[0]] + [g[order] for g in flat[1:]]
 
 
+@pytest.mark.parametrize("api", APIS)
 @settings(max_examples=RUNS)
-@given(pipelines(valid=True))
-def test_pipeline_equals_unpipelined_model(case):
+@given(data=st.data())
+def test_pipeline_equals_unpipelined_model(api, data):
+    case = data.draw(pipelines(valid=True, api=api))
+    as_variables = data.draw(st.booleans(), "stage params held as gt.Variables")
     mesh, fn, shardings, args, reference = _arguments(case)
-    event(f"{case['api']} S={case['stages']} M={case['microbatches']} V={case['virtual']}")
-    got = gt.function(fn, mesh=mesh, in_shardings=shardings)(*args)
-    want = _unpipelined(reference, case["api"])
+    event(f"{api} S={case['stages']} M={case['microbatches']} V={case['virtual']}")
+    names = reference[3]
+    if as_variables:  # each device stores its own split of them; fn reads them
+        variables = [gt.Variable(a, mesh, spec, name=n)
+                     for a, spec, n in zip(args, shardings, names)]
+        f = gt.function(lambda x, t: fn(*variables, x, t), mesh=mesh,
+                        in_shardings=shardings[len(names):])
+        got = f(*args[len(names):])
+    else:
+        got = gt.function(fn, mesh=mesh, in_shardings=shardings)(*args)
+    want = _unpipelined(reference, api)
     got = tf.nest.flatten(got)
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert_close(g.numpy(), w, f"{case['api']} output {i}")
+        assert_close(g.numpy(), w, f"{api} output {i}")
 
 
 @given(pipelines(valid=False))
