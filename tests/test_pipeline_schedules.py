@@ -185,3 +185,32 @@ def test_bad_schedules_name_what_to_change():
         pipelined("1f1b", virtual=2)(*args)
     with pytest.raises(gt.ShardingError, match="one row per microbatch"):
         pipelined("gpipe")(*args[:4], args[4][:2])
+
+
+def rms_normed_stage(p, x):
+    """A stage undefined at zero: an RMS norm without epsilon, then a linear layer."""
+    return x * tf.math.rsqrt(tf.reduce_mean(x * x, -1, keepdims=True)) @ p["w"]
+
+
+@pytest.mark.parametrize("schedule,virtual,microbatches", [
+    ("gpipe", 1, 3), ("1f1b", 1, 3), ("interleaved", 2, 4)])
+def test_stage_undefined_at_zero_gives_the_unpipelined_loss_and_gradients(
+        schedule, virtual, microbatches):
+    # idle steps (warm-up, drain, 1F1B's idle backwards) ran the stages on zeros, whose
+    # NaN reached the loss and every gradient; they run on real microbatches now
+    rng = np.random.default_rng(8)
+    w = randn(rng, 2 * virtual, D, D)
+    x, targets = randn(rng, microbatches, BATCH, D), randn(rng, microbatches, BATCH, D)
+    order = gt.pipeline_layer_order(2, virtual)
+
+    def run(w, x, targets):
+        loss, grads = gt.pipeline_value_and_grad(
+            rms_normed_stage, squared_error, dict(w=w), x, targets, mesh=_PAIR,
+            schedule=schedule, virtual_stages=virtual)
+        return loss, grads["w"]
+    got = gt.function(run, mesh=_PAIR, in_shardings=(P("stage"), P(), P()))(
+        w[order], x, targets)
+    loss, grads = single_device(
+        lambda w, x, t: pipeline_model.unpipelined_value_and_grad(
+            rms_normed_stage, squared_error, dict(w=w), x, t), (w, x, targets))
+    _assert_equal([t.numpy() for t in got], [loss, grads[order]])

@@ -18,7 +18,7 @@ from hypothesis import event, given, settings, strategies as st
 import gspmd_tf as gt
 from gspmd_tf.testing import pipeline_model
 from test_pipeline import mlp_stage
-from test_pipeline_schedules import squared_error
+from test_pipeline_schedules import rms_normed_stage, squared_error
 from util import assert_close, randn, single_device, specs
 
 P = gt.P
@@ -60,6 +60,7 @@ def _normed(p, x):
 STAGE_FNS = {
     "batch_centred": (_batch_centred, {"w": ("d", "d")}),
     "normed": (_normed, {"w": ("d", "d"), "b": ("d",)}),
+    "rms_normed_without_epsilon": (rms_normed_stage, {"w": ("d", "d")}),
     "residual_mlp": (mlp_stage, {"w1": ("d", "f"), "b1": ("f",), "w2": ("f", "d")}),
     "residual_mlp_without_bias": (_without_bias, {"w1": ("d", "f"), "w2": ("f", "d")}),
     "tanh": (_tanh, {"w": ("d", "d"), "b": ("d",)}),
