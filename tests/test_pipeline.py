@@ -169,6 +169,9 @@ def test_bad_input_names_what_to_change():
         gt.pipeline(mlp_stage, dict(w1=w1, b1=b1[:3], w2=w2), x)
     with pytest.raises(gt.ShardingError, match="3 stages do not divide"):
         gt.pipeline(mlp_stage, dict(w1=w1[:3], b1=b1[:3], w2=w2[:3]), x, mesh=_LINE)
+    with pytest.raises(gt.ShardingError, match="over the stage axis 'stage'"):
+        gt.pipeline(mlp_stage, dict(w1=w1, b1=b1, w2=w2), x, mesh=_CUBE,
+                    microbatch_spec=P("data", "stage"))
     with pytest.raises(gt.ShardingError, match="must keep its input's shape"):
         gt.pipeline(lambda p, x: x @ p["w1"], dict(w1=w1), x)
 

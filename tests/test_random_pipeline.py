@@ -75,12 +75,18 @@ LOSSES = {
 }
 
 
-def refused(api, stages, devices, microbatches, virtual):
-    """Whether the pipeline refuses these sizes (as its docstrings say): S must divide
-    over the stage axis, and the circular schedule (V > 1, or "interleaved") sends
-    microbatches round in groups of S."""
-    circular = virtual > 1 or api == "interleaved"
-    return stages % devices != 0 or (circular and microbatches % stages != 0)
+def refused(case):
+    """Whether the pipeline refuses the case (as its docstrings say): S must divide over
+    the stage axis, the circular schedule (V > 1, or "interleaved") sends microbatches
+    round in groups of S, and the microbatch spec names a microbatch's dims over axes
+    other than the stage axis."""
+    devices = case["shape"][case["names"].index("stage")]
+    circular = case["virtual"] > 1 or case["api"] == "interleaved"
+    spec = case["microbatch_spec"] or P()
+    return (case["stages"] % devices != 0
+            or (circular and case["microbatches"] % case["stages"] != 0)
+            or len(spec) > 2 + len(case["rows"])
+            or any("stage" in spec.axes_of(dim) for dim in range(len(spec))))
 
 
 @st.composite
@@ -116,8 +122,10 @@ def pipelines(draw, valid, api=None):
         sizes=sizes, rows=rows, param_specs=param_specs,
         x_spec=draw(specs(names, 3 + len(rows))),
         target_spec=draw(specs(names, 3 + len(rows))),
-        microbatch_spec=(P(*draw(specs(others, 2 + len(rows)))) if draw(st.booleans())
-                         else None),
+        microbatch_spec=(P(*draw(specs(others if valid else names,
+                                       2 + len(rows) + (0 if valid else draw(
+                                           st.sampled_from([0, 0, 1]))))))
+                         if draw(st.booleans()) else None),
         seed=draw(st.integers(0, 2 ** 16)))
 
 
@@ -201,12 +209,10 @@ def test_pipeline_equals_unpipelined_model(api, data):
 
 
 @given(pipelines(valid=False))
-def test_pipeline_lowers_or_refuses_the_sizes(case):
+def test_pipeline_lowers_or_refuses_the_sizes_and_specs(case):
     mesh, fn, shardings, args, _ = _arguments(case)
-    devices = case["shape"][case["names"].index("stage")]
     specs_ = [tf.TensorSpec(a.shape, tf.float32) for a in args]
-    refuse = refused(case["api"], case["stages"], devices, case["microbatches"],
-                     case["virtual"])
+    refuse = refused(case)
     event("refused" if refuse else "lowered")
     if refuse:
         with pytest.raises(gt.ShardingError):

@@ -243,6 +243,10 @@ def annotator(mesh, stage_axis, microbatch_spec, stages, rank):
             f"mesh axis {stage_axis!r}; give a multiple of {devices} stages (an uneven "
             "split would gather the stage buffer every iteration)")
     spec = P(stage_axis, *(microbatch_spec or ()))
+    if any(stage_axis in spec.axes_of(dim) for dim in range(1, len(spec))):
+        raise ShardingError(f"pipeline: microbatch_spec {microbatch_spec} splits a "
+                            f"microbatch over the stage axis {stage_axis!r}, which splits "
+                            "the stages; split it over other axes")
     if len(spec) > rank:
         raise ShardingError(f"pipeline: microbatch_spec {microbatch_spec} has more "
                             f"entries than a microbatch has dims ({rank - 1})")
