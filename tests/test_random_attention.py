@@ -4,7 +4,8 @@ Each example draws a mesh of the 8 CPU devices, the axis the sequence is split o
 maybe axes for the batch (and, for the ring, the heads), batch, sequence, heads and
 head_dim (uneven batch and heads splits included; a sequence the API cannot split must
 be a gt.ShardingError, as heads Ulysses cannot), causal or not, the ring's layout, and
-random shardings of q, k, v and the output's weights. Values and the gradients of q, k,
+random shardings of q, k, v and the output's weights, and the size of q and k (weights
+near one-hot or near uniform). Values and the gradients of q, k,
 v must equal plain softmax attention on single-device TF. More examples:
 GSPMD_TF_EXAMPLES=200, or HYPOTHESIS_PROFILE=fuzz.
 """
@@ -59,6 +60,7 @@ def attentions(draw, valid, variant=None):
                 batch_axis=batch_axis, heads_axis=heads_axis, causal=causal, layout=layout,
                 dims=(draw(st.integers(1, 3)), seq, heads, draw(st.integers(1, 5))),
                 specs=tuple(draw(specs(names, 4)) for _ in range(4)),
+                scale=draw(st.sampled_from([1.0, 0.1, 8.0])),
                 seed=draw(st.integers(0, 2 ** 16)))
 
 
@@ -71,7 +73,7 @@ def _attend(case, mesh):
     return lambda q, k, v: gt.ulysses_attention(q, k, v, **options)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=["ring", "zigzag_ring", "ulysses"])
 @settings(max_examples=RUNS)
 @given(data=st.data())
 def test_attention_equals_softmax_attention(variant, data):
@@ -79,7 +81,9 @@ def test_attention_equals_softmax_attention(variant, data):
     event(f"{case['kind']} {case['layout']} causal={case['causal']} n={case['devices']}")
     mesh = gt.Mesh.create(case["shape"], case["names"])
     rng = np.random.default_rng(case["seed"])
-    args = [randn(rng, *case["dims"]) for _ in range(4)]
+    # logits of 64 times the usual size (near one-hot weights) or 1/100 (near uniform)
+    args = [randn(rng, *case["dims"]) * (case["scale"] if i < 2 else 1.0)
+            for i in range(4)]
     seq = case["dims"][1]
     # the causal zigzag layout holds the sequence in zigzag order, the result too
     order = (zigzag_order(seq, case["devices"])
