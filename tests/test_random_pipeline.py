@@ -3,9 +3,10 @@
 Each example draws a mesh of the 8 CPU devices with a stage axis (and maybe data and
 model axes), a schedule (the forward alone, GPipe, 1F1B or interleaved), S stages per
 stage-axis device, M microbatches (M < S and M no multiple of S included where the
-schedule takes them), V virtual stages, a small stage function and loss, random
-shardings of the stage params (arguments, or gt.Variables), the microbatches and the
-targets, and a microbatch spec (uneven dims included). The partitioned loss and gradients (the forward's outputs) must
+schedule takes them), V virtual stages, a small stage function and loss (float targets
+like the outputs, or int class labels), random shardings of the stage params
+(arguments, or gt.Variables), the microbatches and the targets, and a microbatch spec
+(uneven dims included). The partitioned loss and gradients (the forward's outputs) must
 equal the unpipelined model on single-device TF; sizes a schedule refuses must be a
 gt.ShardingError. More examples: GSPMD_TF_EXAMPLES=200, or HYPOTHESIS_PROFILE=fuzz.
 """
@@ -56,8 +57,14 @@ def _normed(p, x):
     return x + tf.tanh((x - mean) * tf.math.rsqrt(variance + 0.1) @ p["w"]) * p["b"]
 
 
+def _gated(p, x):
+    """A residual tanh layer scaled by a per-stage scalar (a param [S])."""
+    return x + p["gate"] * tf.tanh(x @ p["w"])
+
+
 # stage function, and its params' shapes after the stage dim ("d": the width of x)
 STAGE_FNS = {
+    "gated": (_gated, {"gate": (), "w": ("d", "d")}),
     "batch_centred": (_batch_centred, {"w": ("d", "d")}),
     "normed": (_normed, {"w": ("d", "d"), "b": ("d",)}),
     "rms_normed_without_epsilon": (rms_normed_stage, {"w": ("d", "d")}),
@@ -72,6 +79,9 @@ LOSSES = {
         tf.nn.softmax_cross_entropy_with_logits(tf.nn.softmax(t), y)),
     "tanh_product": lambda y, t: tf.reduce_sum(tf.tanh(y) * t),
     "log_sum_exp": lambda y, t: tf.reduce_mean(tf.reduce_logsumexp(y * t, axis=-1)),
+    # targets are int32 class labels [b, ...] of the width's classes
+    "sparse_cross_entropy": lambda y, t: tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(t, y)),
 }
 
 
@@ -107,6 +117,7 @@ def pipelines(draw, valid, api=None):
         stages += draw(st.sampled_from([0, 1]))
         microbatches += draw(st.sampled_from([0, 1]))
     stage_fn = draw(st.sampled_from(sorted(STAGE_FNS)))
+    loss = draw(st.sampled_from(sorted(LOSSES)))
     others = tuple(n for n in names if n != "stage")
     sizes = {"d": draw(st.integers(1, 6)), "f": draw(st.integers(1, 5)),
              "b": draw(st.integers(1, 5))}
@@ -118,10 +129,10 @@ def pipelines(draw, valid, api=None):
         for name, dims in STAGE_FNS[stage_fn][1].items()}
     return dict(
         shape=shape, names=names, api=api, stages=stages, microbatches=microbatches,
-        virtual=virtual, stage_fn=stage_fn, loss=draw(st.sampled_from(sorted(LOSSES))),
+        virtual=virtual, stage_fn=stage_fn, loss=loss,
         sizes=sizes, rows=rows, param_specs=param_specs,
         x_spec=draw(specs(names, 3 + len(rows))),
-        target_spec=draw(specs(names, 3 + len(rows))),
+        target_spec=draw(specs(names, 3 + len(rows) - (loss == "sparse_cross_entropy"))),
         microbatch_spec=(P(*draw(specs(others if valid else names,
                                        2 + len(rows) + (0 if valid else draw(
                                            st.sampled_from([0, 0, 1]))))))
@@ -137,9 +148,10 @@ def _model(case):
     sizes = case["sizes"]
     params = {name: randn(rng, layers, *(sizes[d] for d in shape)) * 0.5
               for name, shape in dims.items()}
-    data = [randn(rng, case["microbatches"], sizes["b"], *case["rows"], sizes["d"])
-            for _ in range(2)]
-    return stage_fn, LOSSES[case["loss"]], params, *data
+    shape = (case["microbatches"], sizes["b"], *case["rows"])
+    targets = (rng.integers(0, sizes["d"], shape).astype(np.int32)
+               if case["loss"] == "sparse_cross_entropy" else randn(rng, *shape, sizes["d"]))
+    return stage_fn, LOSSES[case["loss"]], params, randn(rng, *shape, sizes["d"]), targets
 
 
 def _pipelined(case, stage_fn, loss_fn, mesh, names):
@@ -211,7 +223,7 @@ def test_pipeline_equals_unpipelined_model(api, data):
 @given(pipelines(valid=False))
 def test_pipeline_lowers_or_refuses_the_sizes_and_specs(case):
     mesh, fn, shardings, args, _ = _arguments(case)
-    specs_ = [tf.TensorSpec(a.shape, tf.float32) for a in args]
+    specs_ = [tf.TensorSpec(a.shape, a.dtype) for a in args]
     refuse = refused(case)
     event("refused" if refuse else "lowered")
     if refuse:
