@@ -22,6 +22,7 @@ from util import assert_close, randn, single_device, specs
 
 MESHES = [(8,), (2, 4), (4, 2), (2, 2, 2)]
 VARIANTS = [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", None)]
+IDS = ["ring", "zigzag_ring", "ulysses"]
 NAMES = ("a", "b", "c")
 # examples per variant of the test running on the 8 devices (~1.5 s each): an eighth of
 # the profile's
@@ -73,10 +74,23 @@ def _attend(case, mesh):
     return lambda q, k, v: gt.ulysses_attention(q, k, v, **options)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=["ring", "zigzag_ring", "ulysses"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 @settings(max_examples=RUNS)
 @given(data=st.data())
 def test_attention_equals_softmax_attention(variant, data):
+    check_against_softmax_attention(variant, data)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+@settings(max_examples=8 * RUNS)
+@given(data=st.data())
+def test_attention_equals_softmax_attention_more_examples(variant, data):
+    check_against_softmax_attention(variant, data)
+
+
+def check_against_softmax_attention(variant, data):
+    """A random call of `variant` (drawn from `data`) equals softmax attention."""
     case = data.draw(attentions(valid=True, variant=variant))
     event(f"{case['kind']} {case['layout']} causal={case['causal']} n={case['devices']}")
     mesh = gt.Mesh.create(case["shape"], case["names"])

@@ -13,7 +13,8 @@ GSPMD_TF_EXAMPLES=200, or HYPOTHESIS_PROFILE=fuzz.
 """
 
 import numpy as np
-from hypothesis import event, given, strategies as st
+import pytest
+from hypothesis import event, given, settings, strategies as st
 
 import gspmd_tf as gt
 from gspmd_tf import moe
@@ -54,6 +55,18 @@ def layers(draw):
 
 @given(layers())
 def test_moe_layer_equals_single_device(case):
+    check_against_single_device(case)
+
+
+@pytest.mark.long
+@settings(max_examples=8 * settings().max_examples)
+@given(layers())
+def test_moe_layer_equals_single_device_more_examples(case):
+    check_against_single_device(case)
+
+
+def check_against_single_device(case):
+    """The random layer `case` partitioned equals it on single-device TF."""
     sizes, k, cf = case["sizes"], case["k"], case["capacity_factor"]
     event(f"k={k} E={sizes['e']} {'train' if case['train'] else 'forward'}")
     mesh = gt.Mesh.create(case["shape"], case["names"])

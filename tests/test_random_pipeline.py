@@ -200,6 +200,19 @@ def _unpipelined(reference, api):
 @settings(max_examples=RUNS)
 @given(data=st.data())
 def test_pipeline_equals_unpipelined_model(api, data):
+    check_against_unpipelined(api, data)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("api", APIS)
+@settings(max_examples=8 * RUNS)
+@given(data=st.data())
+def test_pipeline_equals_unpipelined_model_more_examples(api, data):
+    check_against_unpipelined(api, data)
+
+
+def check_against_unpipelined(api, data):
+    """A random pipeline of `api` (drawn from `data`) equals the unpipelined model."""
     case = data.draw(pipelines(valid=True, api=api))
     as_variables = data.draw(st.booleans(), "stage params held as gt.Variables")
     mesh, fn, shardings, args, reference = _arguments(case)
