@@ -66,6 +66,7 @@ def attentions(draw, valid, variant=None):
 
 
 def _attend(case, mesh):
+    """attend(q, k, v): the case's attention on `mesh`."""
     options = dict(mesh=mesh, axis=case["axis"], causal=case["causal"],
                    batch_axis=case["batch_axis"])
     if case["kind"] == "ring":

@@ -34,14 +34,17 @@ RUNS = max(2, settings().max_examples // 8)
 
 
 def _without_bias(p, x):
+    """mlp_stage without its bias."""
     return x + tf.nn.relu(x @ p["w1"]) @ p["w2"]
 
 
 def _tanh(p, x):
+    """A tanh layer (not residual)."""
     return tf.tanh(x @ p["w"] + p["b"])
 
 
 def _tanh_without_bias(p, x):
+    """A tanh layer without bias."""
     return tf.tanh(x @ p["w"])
 
 
