@@ -6,7 +6,8 @@ stage-axis device, M microbatches (M < S and M no multiple of S included where t
 schedule takes them), V virtual stages, a small stage function and loss (float targets
 like the outputs, or int class labels), random shardings of the stage params
 (arguments, or gt.Variables), the microbatches and the targets, and a microbatch spec
-(uneven dims included). The partitioned loss and gradients (the forward's outputs) must
+(uneven dims included), the mesh given to the pipeline (its buffers annotated) or not.
+The partitioned loss and gradients (the forward's outputs) must
 equal the unpipelined model on single-device TF; sizes a schedule refuses must be a
 gt.ShardingError. More examples: GSPMD_TF_EXAMPLES=200, or HYPOTHESIS_PROFILE=fuzz.
 """
@@ -140,6 +141,7 @@ def pipelines(draw, valid, api=None):
                                        2 + len(rows) + (0 if valid else draw(
                                            st.sampled_from([0, 0, 1]))))))
                          if draw(st.booleans()) else None),
+        annotated=draw(st.booleans()) if valid else True,
         seed=draw(st.integers(0, 2 ** 16)))
 
 
@@ -163,7 +165,9 @@ def _pipelined(case, stage_fn, loss_fn, mesh, names):
     def run(*args):
         params = dict(zip(names, args[:len(names)]))
         x, targets = args[len(names):]
-        options = dict(mesh=mesh, microbatch_spec=case["microbatch_spec"],
+        # without the mesh the pipeline annotates nothing: propagation lays it out
+        options = dict(mesh=mesh if case["annotated"] else None,
+                       microbatch_spec=case["microbatch_spec"],
                        virtual_stages=case["virtual"])
         if case["api"] == "forward":
             return gt.pipeline(stage_fn, params, x, **options)
