@@ -149,6 +149,19 @@ def test_stacked_stage_function_without_vectorizing():
     assert "all-gather" not in [c.kind for c in f.lower(*args).collectives()]
 
 
+def test_stage_undefined_at_zero_gives_the_sequential_outputs():
+    # the warm-up and the drain ran the stages on zeros (NaN here), and the last stage's
+    # outputs were picked by a one-hot product, so that NaN reached every output
+    from test_pipeline_schedules import rms_normed_stage
+    rng = np.random.default_rng(8)
+    w, x = randn(rng, STAGES, D, D), randn(rng, MICROBATCHES, BATCH, D)
+    f = gt.function(lambda w, x: gt.pipeline(rms_normed_stage, dict(w=w), x, mesh=_LINE),
+                    mesh=_LINE, in_shardings=(P("stage"), P()))
+    want = single_device(lambda w, x: pipeline_model.sequential(dict(w=w), x,
+                                                                rms_normed_stage), (w, x))
+    assert_close(f(w, x).numpy(), want[0], "outputs")
+
+
 def test_bad_input_names_what_to_change():
     rng = np.random.default_rng(5)
     w1, b1, w2, x = _args(rng)
@@ -156,6 +169,9 @@ def test_bad_input_names_what_to_change():
         gt.pipeline(mlp_stage, dict(w1=w1, b1=b1[:3], w2=w2), x)
     with pytest.raises(gt.ShardingError, match="3 stages do not divide"):
         gt.pipeline(mlp_stage, dict(w1=w1[:3], b1=b1[:3], w2=w2[:3]), x, mesh=_LINE)
+    with pytest.raises(gt.ShardingError, match="over the stage axis 'stage'"):
+        gt.pipeline(mlp_stage, dict(w1=w1, b1=b1, w2=w2), x, mesh=_CUBE,
+                    microbatch_spec=P("data", "stage"))
     with pytest.raises(gt.ShardingError, match="must keep its input's shape"):
         gt.pipeline(lambda p, x: x @ p["w1"], dict(w1=w1), x)
 

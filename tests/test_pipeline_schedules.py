@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import gspmd_tf as gt
+from gspmd_tf.testing import pipeline_model
 from test_pipeline import BATCH, D, mlp_params, mlp_stage
 from util import Background, assert_close, randn, run_together, session_environ, single_device
 
@@ -29,17 +30,8 @@ def squared_error(y, target):
 
 def unpipelined(w1, b1, w2, x, targets):
     """Mean loss and gradients of the layers in model order, no pipeline."""
-    params = dict(w1=w1, b1=b1, w2=w2)
-    with tf.GradientTape() as tape:
-        tape.watch(params)
-        losses = []
-        for m in range(x.shape[0]):
-            y = x[m]
-            for layer in range(w1.shape[0]):
-                y = mlp_stage(tf.nest.map_structure(lambda p: p[layer], params), y)
-            losses.append(squared_error(y, targets[m]))
-        loss = tf.reduce_mean(tf.stack(losses))
-    grads = tape.gradient(loss, params)
+    loss, grads = pipeline_model.unpipelined_value_and_grad(
+        mlp_stage, squared_error, dict(w1=w1, b1=b1, w2=w2), x, targets)
     return loss, grads["w1"], grads["b1"], grads["w2"]
 
 
@@ -216,3 +208,33 @@ def test_bad_schedules_name_what_to_change():
         pipelined("1f1b", virtual=2)(*args)
     with pytest.raises(gt.ShardingError, match="one row per microbatch"):
         pipelined("gpipe")(*args[:4], args[4][:2])
+
+
+def rms_normed_stage(p, x):
+    """A stage undefined at zero: an RMS norm without epsilon, then a linear layer."""
+    return x * tf.math.rsqrt(tf.reduce_mean(x * x, -1, keepdims=True)) @ p["w"]
+
+
+@pytest.mark.parametrize("schedule,virtual,microbatches", [
+    ("gpipe", 1, 3), ("1f1b", 1, 3), ("interleaved", 2, 4)])
+def test_stage_undefined_at_zero_gives_the_unpipelined_loss_and_gradients(
+        schedule, virtual, microbatches):
+    # idle steps (warm-up, drain, 1F1B's idle backwards) ran the stages on zeros, whose
+    # NaN reached the loss and every gradient; they run on real microbatches now
+    rng = np.random.default_rng(8)
+    w = randn(rng, 2 * virtual, D, D)
+    x, targets = randn(rng, microbatches, BATCH, D), randn(rng, microbatches, BATCH, D)
+    order = gt.pipeline_layer_order(2, virtual)
+
+    def run(w, x, targets):
+        loss, grads = gt.pipeline_value_and_grad(
+            rms_normed_stage, squared_error, dict(w=w), x, targets, mesh=_PAIR,
+            schedule=schedule, virtual_stages=virtual)
+        return loss, grads["w"]
+    got = gt.function(run, mesh=_PAIR, in_shardings=(P("stage"), P(), P()))(
+        w[order], x, targets)
+    loss, grads = single_device(
+        lambda w, x, t: pipeline_model.unpipelined_value_and_grad(
+            rms_normed_stage, squared_error, dict(w=w), x, t), (w, x, targets))
+    _assert_equal([t.numpy() for t in got], [loss, grads[order]])
+

@@ -11,29 +11,11 @@ import tensorflow as tf
 from hypothesis import given, strategies as st
 
 import gspmd_tf as gt
-from util import check_partitioned
+from util import check_partitioned, specs
 
 MESHES = [((8,), ("x",)), ((2, 4), ("data", "model")), ((4, 2), ("data", "model")),
           ((2, 2, 2), ("a", "b", "c"))]
 DIMS = [1, 2, 3, 4, 5, 6, 8, 12]
-
-
-@st.composite
-def specs(draw, mesh_axes, rank):
-    """A random PartitionSpec: each dim unsplit, one axis, or two axes; axes used once."""
-    free = list(mesh_axes)
-    entries = []
-    for _ in range(rank):
-        choice = draw(st.integers(0, 3))
-        if choice == 0 or not free:
-            entries.append(None)
-            continue
-        k = 2 if choice == 3 and len(free) >= 2 else 1
-        picked = tuple(draw(st.permutations(free))[:k])
-        for a in picked:
-            free.remove(a)
-        entries.append(picked[0] if k == 1 else picked)
-    return gt.P(*entries)
 
 
 UNARY = {"relu": tf.nn.relu, "tanh": tf.tanh, "gauss": lambda t: tf.exp(-t * t),

@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import strategies as st
 
 import gspmd_tf as gt
 from gspmd_tf.runtime.sharded_tensor import distinct_boxes
@@ -83,6 +84,24 @@ def assert_like_tf_variable(make, variable, initial, got, args):
     for i, (g, w) in enumerate(zip(got, want)):
         assert_close(g, w, f"output {i}")
     assert_close(variable.numpy(), plain.numpy(), "variable")
+
+
+@st.composite
+def specs(draw, mesh_axes, rank):
+    """A random PartitionSpec: each dim unsplit, one axis, or two axes; axes used once."""
+    free = list(mesh_axes)
+    entries = []
+    for _ in range(rank):
+        choice = draw(st.integers(0, 3))
+        if choice == 0 or not free:
+            entries.append(None)
+            continue
+        k = 2 if choice == 3 and len(free) >= 2 else 1
+        picked = tuple(draw(st.permutations(free))[:k])
+        for a in picked:
+            free.remove(a)
+        entries.append(picked[0] if k == 1 else picked)
+    return gt.P(*entries)
 
 
 def randn(rng, *shape):

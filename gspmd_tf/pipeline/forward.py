@@ -114,7 +114,7 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="sta
 
     _, _, states = tf.while_loop(
         lambda t, *_: t < iterations, body,
-        (tf.constant(0), annotate(tf.zeros(shape, microbatches.dtype)),
+        (tf.constant(0), annotate(idle_input(microbatches, stages)),
          tf.TensorArray(microbatches.dtype, size=iterations, element_shape=shape)),
         maximum_iterations=iterations)
     # the last stage holds microbatch m's output after step circular_exit_step(m)
@@ -129,11 +129,21 @@ def pipeline(stage_fn, stage_params, microbatches, *, mesh=None, stage_axis="sta
 
 
 def padded_feed(microbatches, steps):
-    """The microbatches, then zeros up to `steps` rows (what stage 0 takes when no
-    microbatch is left: row t is fed at step t, or at work item t)."""
-    drain = tf.zeros([steps - microbatches.shape[0]] + microbatches.shape[1:].as_list(),
-                     microbatches.dtype)
+    """The microbatches, then the last one again up to `steps` rows (what stage 0 takes
+    when no microbatch is left: row t is fed at step t, or at work item t). Idle work
+    runs on real inputs, never zeros (idle_input)."""
+    last = microbatches[-1:]
+    drain = tf.broadcast_to(last, [steps - microbatches.shape[0]] + last.shape[1:].as_list())
     return tf.concat([microbatches, drain], 0)
+
+
+def idle_input(microbatches, stages):
+    """[S, b, ...], microbatch 0 at every stage: what the stages hold before their first
+    microbatch arrives. The schedule drops what a stage computes on it, but a stage
+    function undefined at zero (a norm without epsilon, a division by a norm) would make
+    NaN there, and NaN reaches the gradients anyway (TF's gradient of an idle step is
+    its zero cotangent times the infinite derivative): so a real input, not zeros."""
+    return tf.broadcast_to(microbatches[:1], [stages] + microbatches.shape[1:].as_list())
 
 
 def _circular_layers(run_stages, params, stages, virtual, num_microbatches, mesh,
@@ -198,12 +208,13 @@ def _iteration(run_stages, state, feed, first_stage, annotate):
 
 
 def last_stage(stacked, stages):
-    """[M, b, ...] from [M, S, b, ...]: stage S-1's slice, as a masked sum over the stage
-    dim, so a stage-split buffer costs one all-reduce (once, after the loop) rather than
-    an all-gather of the whole buffer."""
-    last = tf.reshape(tf.one_hot(stages - 1, stages, dtype=stacked.dtype),
+    """[M, b, ...] from [M, S, b, ...]: stage S-1's slice, as a select and a sum over the
+    stage dim, so a stage-split buffer costs one all-reduce (once, after the loop) rather
+    than an all-gather of the whole buffer (a select, not a one-hot product: another
+    stage's inf or NaN stays out)."""
+    last = tf.reshape(tf.range(stages) == stages - 1,
                       [1, stages] + [1] * (stacked.shape.rank - 2))
-    return tf.reduce_sum(stacked * last, axis=1)
+    return tf.reduce_sum(tf.where(last, stacked, tf.zeros_like(stacked)), axis=1)
 
 
 def num_stages(params):
@@ -232,6 +243,10 @@ def annotator(mesh, stage_axis, microbatch_spec, stages, rank):
             f"mesh axis {stage_axis!r}; give a multiple of {devices} stages (an uneven "
             "split would gather the stage buffer every iteration)")
     spec = P(stage_axis, *(microbatch_spec or ()))
+    if any(stage_axis in spec.axes_of(dim) for dim in range(1, len(spec))):
+        raise ShardingError(f"pipeline: microbatch_spec {microbatch_spec} splits a "
+                            f"microbatch over the stage axis {stage_axis!r}, which splits "
+                            "the stages; split it over other axes")
     if len(spec) > rank:
         raise ShardingError(f"pipeline: microbatch_spec {microbatch_spec} has more "
                             f"entries than a microbatch has dims ({rank - 1})")

@@ -33,7 +33,7 @@ import tensorflow as tf
 from gspmd_tf.annotations import mesh_split
 from gspmd_tf.mesh import P
 from gspmd_tf.pipeline import schedule as timing
-from gspmd_tf.pipeline.forward import pick_along_stages
+from gspmd_tf.pipeline.forward import idle_input, pick_along_stages
 
 
 def one_f_one_b(run_stages, run_losses, params, microbatches, targets, annotate, *,
@@ -95,10 +95,11 @@ def one_f_one_b(run_stages, run_losses, params, microbatches, targets, annotate,
         return (tick + 1, outputs, annotate(input_gradient), stash,
                 losses + stage_losses * weight, grads)
 
-    zeros = annotate(tf.zeros(buffer_shape, microbatches.dtype))
-    initial = (tf.constant(0), zeros, zeros,
-               stash_annotate(tf.zeros([stages, slots] + buffer_shape[1:],
-                                       microbatches.dtype)),
+    # before a stage's first microbatch arrives it runs on microbatch 0 (idle_input)
+    idle = annotate(idle_input(microbatches, stages))
+    initial = (tf.constant(0), idle, annotate(tf.zeros(buffer_shape, microbatches.dtype)),
+               stash_annotate(tf.broadcast_to(idle[:, tf.newaxis],
+                                              [stages, slots] + buffer_shape[1:])),
                tf.zeros([stages], microbatches.dtype),
                tf.nest.map_structure(tf.zeros_like, params))
     *_, losses, grads = tf.while_loop(lambda tick, *_: tick < ticks, body, initial,

@@ -74,6 +74,19 @@ def sequential(stage_params, microbatches, stage_fn=None):
     return tf.stack(outputs)
 
 
+def unpipelined_value_and_grad(stage_fn, loss_fn, stage_params, microbatches, targets):
+    """What gt.pipeline_value_and_grad computes, without a pipeline: the mean over the
+    microbatches of loss_fn(`sequential` output m, targets[m]) and its gradients of
+    `stage_params` (a nest like it; the layers in model order)."""
+    leaves = tf.nest.flatten(stage_params)
+    with tf.GradientTape() as tape:
+        tape.watch(leaves)
+        outputs = sequential(stage_params, microbatches, stage_fn)
+        loss = tf.reduce_mean(tf.stack([loss_fn(outputs[m], targets[m])
+                                        for m in range(outputs.shape[0])]))
+    return loss, tf.nest.pack_sequence_as(stage_params, tape.gradient(loss, leaves))
+
+
 def loss_fn(w, tokens, run_stages):
     """Next-token cross-entropy of tokens [M, b, t + 1]; `run_stages(stage_params,
     microbatches)` runs the blocks (gt.pipeline or `sequential`)."""
