@@ -126,7 +126,14 @@ def pipelines(draw, valid, api=None):
     stage_fn = draw(st.sampled_from(sorted(STAGE_FNS)))
     loss = draw(st.sampled_from(sorted(LOSSES)))
     others = tuple(n for n in names if n != "stage")
-    sizes = {"d": draw(st.integers(1, 6)), "f": draw(st.integers(1, 5)),
+    # the width d is the classes of the cross-entropies: at least 2 there. With one
+    # class the loss is identically 0 and its gradients exactly 0, so the one ulp by
+    # which TF's Eigen Softmax in a functional loop body differs from the oneDNN one of
+    # single-device TF's lowered loop (1 - 6e-8 for a one-element row; the strict xfail
+    # tests/test_control_flow.py::test_while_body_runs_the_kernels_single_device_tf_runs)
+    # is an unbounded relative error
+    classes = loss in ("cross_entropy", "sparse_cross_entropy")
+    sizes = {"d": draw(st.integers(2 if classes else 1, 6)), "f": draw(st.integers(1, 5)),
              "b": draw(st.integers(1, 5))}
     # a microbatch [b, d] or [b, t, d]
     rows = (draw(st.integers(1, 3)),) if draw(st.booleans()) else ()
