@@ -35,6 +35,7 @@ import tensorflow as tf
 from gspmd_tf.autoshard.spec import AUTO, is_auto
 from gspmd_tf.errors import ShardingError
 from gspmd_tf.keras_auto import auto_report, decide
+from gspmd_tf.keras_optimizer import build_optimizer, optimizer_chain, slot_references
 from gspmd_tf.keras_weights import load_weights as _load_weights
 from gspmd_tf.layout import Layout
 from gspmd_tf.layout_map import LayoutRules
@@ -118,55 +119,6 @@ def layout_of(variable):
     return value.spec if isinstance(value, Variable) else None
 
 
-def _slot_references(optimizer, trainable):
-    """id(optimizer variable) -> the model variable it was created from."""
-    refs = dict(getattr(optimizer, "_gt_slot_refs", {}))
-    prefixes = [(v.path.replace("/", "_") + "_", v) for v in trainable]
-    prefixes.sort(key=lambda p: -len(p[0]))
-    for var in optimizer.variables:
-        if id(var) in refs:
-            continue
-        for prefix, ref in prefixes:  # Keras names slots "{ref path with _}_{slot name}"
-            if var.name.startswith(prefix) and tuple(var.shape) == tuple(ref.shape):
-                refs[id(var)] = ref
-                break
-    return refs
-
-
-def _optimizer_chain(optimizer):
-    """`optimizer` and the optimizers it wraps (a LossScaleOptimizer's inner_optimizer,
-    as keras.mixed_precision's "mixed_float16" policy makes), outermost first."""
-    chain = []
-    while optimizer is not None and all(optimizer is not seen for seen in chain):
-        chain.append(optimizer)
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    return chain
-
-
-def _build_optimizer(optimizer, trainable):
-    """Build the optimizer for `trainable`, recording which model variable each
-    optimizer variable (of it or of an optimizer it wraps) was made from."""
-    refs = {}
-    chain = _optimizer_chain(optimizer)
-
-    def recording(original):
-        def record(reference_variable, *args, **kwargs):
-            made = original(reference_variable, *args, **kwargs)
-            refs[id(made)] = reference_variable
-            return made
-        return record
-
-    for wrapped in chain:
-        object.__setattr__(wrapped, "add_variable_from_reference",
-                           recording(wrapped.add_variable_from_reference))
-    try:
-        optimizer.build(trainable)
-    finally:
-        for wrapped in chain:
-            object.__delattr__(wrapped, "add_variable_from_reference")
-    object.__setattr__(optimizer, "_gt_slot_refs", refs)
-
-
 # --------------------------------------------------------------------------- the state
 
 class _MeshModel:
@@ -197,7 +149,7 @@ class _MeshModel:
         optimizer = getattr(model, "optimizer", None)
         trainable = list(model.trainable_variables)
         if optimizer is not None and not optimizer.built and model.built and trainable:
-            _build_optimizer(optimizer, trainable)
+            build_optimizer(optimizer, trainable)
 
         plan = []  # (keras variable, spec, description)
         model_vars = list(model.variables)
@@ -218,7 +170,7 @@ class _MeshModel:
                          + (f" (layout_map key {key!r})" if key is not None else "")))
 
         if optimizer is not None and optimizer.built:
-            refs = _slot_references(optimizer, trainable)
+            refs = slot_references(optimizer, trainable)
             for v in optimizer.variables:
                 ref = refs.get(id(v))
                 spec = PartitionSpec()
@@ -242,7 +194,7 @@ class _MeshModel:
         self._report_undivided(undivided)
         for v, spec, what in plan:
             _shard_variable(v, mesh, spec, what)
-        for built in _optimizer_chain(optimizer):
+        for built in optimizer_chain(optimizer):
             if built.built:
                 # Keras (TF backend) keys an optimizer's variable indices by the backing
                 # tf.Variable, which was just replaced.
@@ -287,7 +239,7 @@ class _MeshModel:
                        or (model.optimizer is not None and not model.optimizer.built))
             if unbuilt:
                 if model.optimizer is not None and not model.optimizer.built and model.built:
-                    _build_optimizer(model.optimizer, list(model.trainable_variables))
+                    build_optimizer(model.optimizer, list(model.trainable_variables))
                 if not _build_from_symbolic_outputs(model, data):
                     model._symbolic_build(data_batch=data)
         self._decide_auto(kind, data)
@@ -340,7 +292,7 @@ class _MeshModel:
         slots = {}
         if train:
             trainable = list(model.trainable_variables)
-            refs = _slot_references(optimizer, trainable)
+            refs = slot_references(optimizer, trainable)
             for var in optimizer.variables:
                 ref = refs.get(id(var))
                 if ref is not None and tuple(ref.shape) == tuple(var.shape):

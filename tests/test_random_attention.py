@@ -18,7 +18,7 @@ from hypothesis import event, given, settings, strategies as st
 import gspmd_tf as gt
 from gspmd_tf.attention import dot_product_attention, zigzag_order
 from test_attention import with_gradients
-from util import assert_close, randn, single_device, specs
+from util import assert_close, examples, randn, single_device, specs
 
 MESHES = [(8,), (2, 4), (4, 2), (2, 2, 2)]
 VARIANTS = [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", None)]
@@ -26,7 +26,6 @@ IDS = ["ring", "zigzag_ring", "ulysses"]
 NAMES = ("a", "b", "c")
 # examples per variant of the test running on the 8 devices (~1.5 s each): an eighth of
 # the profile's
-RUNS = max(2, settings().max_examples // 8)
 
 
 def refused(kind, layout, causal, seq, heads, devices):
@@ -79,18 +78,11 @@ def _attend(case, mesh):
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
-@settings(max_examples=RUNS)
+@settings(max_examples=examples(8))
 @given(data=st.data())
 def test_attention_equals_softmax_attention(variant, data):
     check_against_softmax_attention(variant, data)
 
-
-@pytest.mark.long
-@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
-@settings(max_examples=8 * RUNS)
-@given(data=st.data())
-def test_attention_equals_softmax_attention_more_examples(variant, data):
-    check_against_softmax_attention(variant, data)
 
 
 def check_against_softmax_attention(variant, data):

@@ -13,13 +13,12 @@ GSPMD_TF_EXAMPLES=200, or HYPOTHESIS_PROFILE=fuzz.
 """
 
 import numpy as np
-import pytest
 from hypothesis import event, given, settings, strategies as st
 
 import gspmd_tf as gt
 from gspmd_tf import moe
 from test_moe import forward_fn, in_shardings, params, train_fn
-from util import check_partitioned, specs
+from util import check_partitioned, examples, specs
 
 P = gt.P
 # (shape, names): always an expert axis
@@ -53,15 +52,9 @@ def layers(draw):
                 seed=draw(st.integers(0, 2 ** 16)))
 
 
+@settings(max_examples=examples())
 @given(layers())
 def test_moe_layer_equals_single_device(case):
-    check_against_single_device(case)
-
-
-@pytest.mark.long
-@settings(max_examples=8 * settings().max_examples)
-@given(layers())
-def test_moe_layer_equals_single_device_more_examples(case):
     check_against_single_device(case)
 
 

@@ -21,7 +21,7 @@ import gspmd_tf as gt
 from gspmd_tf.testing import pipeline_model
 from test_pipeline import mlp_stage
 from test_pipeline_schedules import rms_normed_stage, squared_error
-from util import assert_close, randn, single_device, specs
+from util import assert_close, examples, randn, single_device, specs
 
 P = gt.P
 # (shape, names): the stage axis first, last, or between data and model
@@ -31,7 +31,6 @@ MESHES = [((8,), ("stage",)), ((4, 2), ("stage", "data")), ((2, 4), ("stage", "m
 APIS = ("forward", "gpipe", "1f1b", "interleaved")
 # examples per schedule of the test running on the 8 devices (~1.5 s each): an eighth of
 # the profile's
-RUNS = max(2, settings().max_examples // 8)
 
 
 def _without_bias(p, x):
@@ -214,18 +213,11 @@ def _unpipelined(reference, api):
 
 
 @pytest.mark.parametrize("api", APIS)
-@settings(max_examples=RUNS)
+@settings(max_examples=examples(8))
 @given(data=st.data())
 def test_pipeline_equals_unpipelined_model(api, data):
     check_against_unpipelined(api, data)
 
-
-@pytest.mark.long
-@pytest.mark.parametrize("api", APIS)
-@settings(max_examples=8 * RUNS)
-@given(data=st.data())
-def test_pipeline_equals_unpipelined_model_more_examples(api, data):
-    check_against_unpipelined(api, data)
 
 
 def check_against_unpipelined(api, data):

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 
 import gspmd_tf as gt
 from gspmd_tf.runtime.sharded_tensor import distinct_boxes
@@ -40,6 +40,13 @@ def single_device(fn, args):
     with tf.device("/device:CPU:0"):
         out = tf.function(fn, autograph=False)(*args)
     return [np.asarray(t.numpy()) for t in tf.nest.flatten(out)]
+
+
+def examples(share=1):
+    """max_examples for a randomized test: 1/share of the hypothesis profile's (at least
+    2), 8x as many under GSPMD_TF_LONG=1 (`make test-long`)."""
+    runs = max(2, settings().max_examples // share)
+    return runs * (8 if os.environ.get("GSPMD_TF_LONG") == "1" else 1)
 
 
 def assert_close(got, want, what=""):
