@@ -81,11 +81,6 @@ def _attend(case, mesh):
 @settings(max_examples=examples(8))
 @given(data=st.data())
 def test_attention_equals_softmax_attention(variant, data):
-    check_against_softmax_attention(variant, data)
-
-
-
-def check_against_softmax_attention(variant, data):
     """A random call of `variant` (drawn from `data`) equals softmax attention."""
     case = data.draw(attentions(valid=True, variant=variant))
     event(f"{case['kind']} {case['layout']} causal={case['causal']} n={case['devices']}")

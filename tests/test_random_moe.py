@@ -55,10 +55,6 @@ def layers(draw):
 @settings(max_examples=examples())
 @given(layers())
 def test_moe_layer_equals_single_device(case):
-    check_against_single_device(case)
-
-
-def check_against_single_device(case):
     """The random layer `case` partitioned equals it on single-device TF."""
     sizes, k, cf = case["sizes"], case["k"], case["capacity_factor"]
     event(f"k={k} E={sizes['e']} {'train' if case['train'] else 'forward'}")

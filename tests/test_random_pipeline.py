@@ -216,11 +216,6 @@ def _unpipelined(reference, api):
 @settings(max_examples=examples(8))
 @given(data=st.data())
 def test_pipeline_equals_unpipelined_model(api, data):
-    check_against_unpipelined(api, data)
-
-
-
-def check_against_unpipelined(api, data):
     """A random pipeline of `api` (drawn from `data`) equals the unpipelined model."""
     case = data.draw(pipelines(valid=True, api=api))
     as_variables = data.draw(st.booleans(), "stage params held as gt.Variables")
