@@ -96,6 +96,21 @@ def test_nonfinite_values_match_single_device(op, split, n):
     check_partitioned(OPS[op], (x,), mesh, (spec,), reference=REFERENCES.get(op))
 
 
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("op", ["sparse_xent", "xent_smooth", "xent_one_hot", "log_softmax"])
+def test_cross_entropy_of_logits_near_the_float_maximum(op, split):
+    # the empty segments of an unsorted_segment_min are float32's maximum: a row of them
+    # has loss log(classes), which max + log(sum) - logit rounds to 0 (seed 96 #4229)
+    shape, axes, spec = SPLITS[split]
+    mesh = gt.Mesh.create(shape, axes)
+    big = np.finfo(np.float32).max
+    x = np.random.default_rng(4).standard_normal((15, 16)).astype(np.float32)
+    # rows of equal huge logits (their losses are log(16), as the normal rows' are of
+    # the order of 1: a wrong one is no rounding of a huge norm)
+    x[0], x[3], x[6] = big, -big, big / 4
+    check_partitioned(OPS[op], (x,), mesh, (spec,))
+
+
 def test_softmax_of_a_split_row_with_nan_or_inf_is_nan_across_it_as_eigens_kernel():
     """Over a split row, softmax is NaN across every row holding NaN or +Inf (and every
     all -Inf row), exactly where TF's Eigen kernels (float64, float16) put NaN; finite

@@ -92,9 +92,11 @@ def cross_entropy(ctx, operands, layouts):
         target = cast(b, hit, tf.bool, dtype)
     else:
         target = mask_padding(b, labels, [1], 0.0)
-    # loss = sum_c target * (log_sum_exp - logit) = sum_c target * (max + log_sum - logit)
-    lse = binary(b, "AddV2", rows.max, rows.log_sum, dtype)
-    per_class = binary(b, "Sub", lse, safe_logits, dtype)
+    # loss = sum_c target * (log_sum_exp - logit) = sum_c target * (log_sum - (logit - max)),
+    # in TF's order: max + log_sum would round log_sum away next to a huge max (logits
+    # of 3.4e38 gave a loss of 0, not log(classes))
+    shifted = binary(b, "Sub", safe_logits, rows.max, dtype)
+    per_class = binary(b, "Sub", rows.log_sum, shifted, dtype)
     if ctx.node.op == "SparseSoftmaxCrossEntropyWithLogits":
         # like TF, take the label's term only: 0 * inf from a -inf logit must not be NaN
         per_class = select(b, hit, per_class, b.const(0, dtype), dtype)
